@@ -1,0 +1,43 @@
+# Two commands do all the set-up: `make run` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+ARGS ?=
+
+.PHONY: run test test-fast bench venv test-deps clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.test-installed: $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+## Start one broker with the embedded defaults on 127.0.0.1:9092 (data under ./data).
+run: $(VENV)/.installed
+	$(BIN)/s3kafka serve $(ARGS)
+
+## Install everything the tests need (Python clients, kcat, Java clients, ...) and run the whole suite.
+test-deps: $(VENV)/.test-installed
+	bash tests/setup_deps.sh
+
+test: test-deps
+	$(BIN)/python -m pytest -q -ra $(ARGS)
+
+## Quick loop for developers: skip the slow suites.
+test-fast: test-deps
+	$(BIN)/python -m pytest -q -ra -m "not slow" $(ARGS)
+
+bench: $(VENV)/.test-installed
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python -m bench.run_all
+
+clean:
+	rm -rf $(VENV) data build *.egg-info tests/.cache

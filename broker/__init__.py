@@ -1,0 +1,1 @@
+"""The asyncio Kafka-protocol server: connections, handlers, partitions, groups, metadata, CLI."""

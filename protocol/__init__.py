@@ -1,0 +1,1 @@
+"""Pure Kafka wire protocol: no I/O, no asyncio."""
