@@ -1,0 +1,345 @@
+"""Shared test harness: real broker processes, a moto S3 server, the Java client classpaths.
+
+Every fixture starts real processes on free 127.0.0.1 ports and kills them at teardown, so a
+test never depends on another test's leftovers. When a test fails, the tail of every broker log
+that was alive during it is attached to the failure report (section "broker log tail").
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CACHE = REPO / "tests" / ".cache"
+JAVA_CACHE = CACHE / "java"
+JAVA_VERSIONS = ("3.9", "4.3")
+START_TIMEOUT_S = float(os.environ.get("S3KAFKA_TEST_START_TIMEOUT", "60"))
+
+# Brokers currently running in this pytest process (for log tails on failure).
+_LIVE: set["BrokerProcess"] = set()
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1 (the OS picks it; tiny reuse race is acceptable)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def api_versions_roundtrip(host: str, port: int, timeout: float = 2.0) -> bool:
+    """Send ApiVersions v0 and check a well-formed, error-free answer with our correlation id.
+
+    A port that accepts is not enough: the broker must also decode and answer requests.
+    """
+    correlation_id = 0x5EED
+    client_id = b"s3kafka-tests"
+    body = struct.pack(">hhih", 18, 0, correlation_id, len(client_id)) + client_id
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            s.sendall(struct.pack(">i", len(body)) + body)
+            head = _recv_exact(s, 4)
+            (size,) = struct.unpack(">i", head)
+            if size < 6 or size > 1 << 20:
+                return False
+            resp = _recv_exact(s, size)
+    except OSError:
+        return False
+    corr, error_code = struct.unpack_from(">ih", resp, 0)
+    return corr == correlation_id and error_code == 0
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("closed by peer")
+        buf += chunk
+    return bytes(buf)
+
+
+def _has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+class BrokerProcess:
+    """One `python -m broker serve` subprocess; restartable with the same port and data dir."""
+
+    def __init__(self, args: list[str], port: int, data_dir: pathlib.Path,
+                 log_path: pathlib.Path, env: dict[str, str] | None = None,
+                 host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.port = port
+        self.bootstrap = f"{host}:{port}"
+        self.data_dir = data_dir
+        self.args = args
+        self.log_path = log_path
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        """(Re)start with the same args and port; return once ApiVersions is answered."""
+        assert not self.running, "broker already running"
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("PYTHONPATH", str(REPO))
+        if self.env:
+            env.update(self.env)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n===== start {time.strftime('%H:%M:%S')}: {' '.join(self.args)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.args, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        _LIVE.add(self)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"broker exited with {self.proc.returncode} during start-up\n{self.log_tail()}")
+            if api_versions_roundtrip(self.host, self.port, timeout=1.0):
+                return
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"broker did not answer ApiVersions within {START_TIMEOUT_S}s\n"
+                           f"{self.log_tail()}")
+
+    def stop(self, timeout: float = 30) -> None:
+        """Graceful stop (SIGTERM); asserts the process exits cleanly with code 0."""
+        assert self.proc is not None and self.proc.poll() is None, "broker not running"
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"broker did not exit {timeout}s after SIGTERM\n{self.log_tail()}")
+        _LIVE.discard(self)
+        assert code == 0, f"broker exited with {code} after SIGTERM\n{self.log_tail()}"
+
+    def kill(self) -> None:
+        """Crash stop (SIGKILL), as a power loss would look to the broker."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        _LIVE.discard(self)
+
+    def restart(self, hard: bool = False) -> None:
+        """Stop (SIGTERM, or SIGKILL when hard) and start again on the same port and data."""
+        if hard:
+            self.kill()
+        else:
+            self.stop()
+        self.start()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    # -- logs ----------------------------------------------------------------------------
+    def log_text(self) -> str:
+        """Everything the broker printed so far (stdout and stderr, all starts)."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def __repr__(self) -> str:
+        return f"BrokerProcess({self.bootstrap}, data_dir={self.data_dir}, pid={self.pid})"
+
+
+BrokerFactory = Callable[..., BrokerProcess]
+
+
+@dataclass
+class _BrokerPool:
+    """Creates brokers under one base directory and kills them all on close."""
+    base: pathlib.Path
+    procs: list[BrokerProcess]
+
+    def __call__(self, extra_args: Sequence[str] = (), env: dict[str, str] | None = None
+                 ) -> BrokerProcess:
+        extra = list(extra_args)
+        n = len(self.procs)
+        suffix = "" if n == 0 else f"-{n}"
+        listen = _flag_value(extra, "--listen")
+        if listen is None:
+            port = free_port()
+            listen_args = ["--listen", f"127.0.0.1:{port}"]
+        else:
+            port = int(listen.rsplit(":", 1)[1])
+            listen_args = []
+        data = _flag_value(extra, "--data-dir")
+        if data is None:
+            data_dir = self.base / f"data{suffix}"
+            data_args = ["--data-dir", str(data_dir)]
+        else:
+            data_dir = pathlib.Path(data)
+            data_args = []
+        node_args = [] if _has_flag(extra, "--node-id") else ["--node-id", "0"]
+        args = [sys.executable, "-m", "broker", "serve", *listen_args, *data_args,
+                *node_args, *extra]
+        bp = BrokerProcess(args, port, data_dir, self.base / f"broker{suffix}.log", env=env)
+        self.procs.append(bp)
+        bp.start()
+        return bp
+
+    def close(self) -> None:
+        for bp in self.procs:
+            bp.kill()
+
+
+@pytest.fixture
+def broker_factory(tmp_path: pathlib.Path) -> Iterator[BrokerFactory]:
+    """broker_factory(extra_args=(), env=None) -> started BrokerProcess; all killed at teardown."""
+    pool = _BrokerPool(tmp_path, [])
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture
+def broker(broker_factory: BrokerFactory) -> BrokerProcess:
+    """One started broker with default settings, private to the test."""
+    return broker_factory()
+
+
+@pytest.fixture(scope="module")
+def module_broker_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerFactory]:
+    """Like broker_factory, shared by a whole test module (for tests that do not restart it)."""
+    pool = _BrokerPool(tmp_path_factory.mktemp("mbroker"), [])
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture(scope="module")
+def module_broker(module_broker_factory: BrokerFactory) -> BrokerProcess:
+    """One broker shared by the tests of a module; tests must use their own topic names."""
+    return module_broker_factory()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # noqa: ARG001
+    """Attach the log tail of every running broker to a failing test's report."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _LIVE:
+        for bp in sorted(_LIVE, key=lambda b: b.port):
+            report.sections.append((f"broker log tail {bp.bootstrap}", bp.log_tail()))
+
+
+# -- S3 (moto server) -------------------------------------------------------------------------
+class MotoServer:
+    """moto's S3 server in a subprocess on a fixed free port; stop()/start() keep the port.
+
+    moto keeps its state in memory: a stop() loses every bucket and object (tests of S3 outages
+    should create the bucket again after start()).
+    """
+
+    def __init__(self, log_path: pathlib.Path) -> None:
+        self.host = "127.0.0.1"
+        self.port = free_port()
+        self.url = f"http://{self.host}:{self.port}"
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None, "moto already running"
+        env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                   AWS_DEFAULT_REGION="us-east-1")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],
+                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto server exited: {self.log_path.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/", timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("moto server did not come up")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """A moto S3 server (.url, .stop(), .start()); bucket creation is up to the test."""
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# -- Java kafka-clients -----------------------------------------------------------------------
+def _classpath_for(version: str) -> str | None:
+    jars = sorted((JAVA_CACHE / f"kafka-{version}").glob("*.jar"))
+    if not any(j.name.startswith("kafka-clients-") for j in jars):
+        return None
+    return os.pathsep.join(str(j) for j in jars)
+
+
+@pytest.fixture(scope="session")
+def java_classpath() -> dict[str, str]:
+    """{"3.9": "a.jar:b.jar:...", "4.3": ...}: the kafka-clients jars set up by setup_deps.sh.
+
+    Runs tests/setup_deps.sh once if the jars are missing (it is idempotent); skips when the
+    machine cannot provide them (no Java, no PyPI access).
+    """
+    cps = {v: _classpath_for(v) for v in JAVA_VERSIONS}
+    if not all(cps.values()):
+        subprocess.run(["bash", str(REPO / "tests" / "setup_deps.sh")], cwd=REPO,
+                       stdin=subprocess.DEVNULL, check=False, timeout=1200)
+        cps = {v: _classpath_for(v) for v in JAVA_VERSIONS}
+    missing = [v for v, cp in cps.items() if not cp]
+    if missing:
+        pytest.skip(f"Java kafka-clients {missing} not available (run tests/setup_deps.sh)")
+    return {v: cp for v, cp in cps.items() if cp}
