@@ -1,0 +1,109 @@
+"""Which Kafka APIs and versions we advertise, and the kafka-python classes that encode them.
+
+kafka-python 3.0.12's ``kafka.protocol`` compiles codecs from the Kafka JSON message specs; this
+module is the only place that maps API keys to those classes, so the broker never imports
+``kafka.*`` itself.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kafka.protocol.admin import (
+    AlterConfigsRequest, AlterConfigsResponse, CreatePartitionsRequest, CreatePartitionsResponse,
+    CreateTopicsRequest, CreateTopicsResponse, DeleteGroupsRequest, DeleteGroupsResponse,
+    DeleteRecordsRequest, DeleteRecordsResponse, DeleteTopicsRequest, DeleteTopicsResponse,
+    DescribeClusterRequest, DescribeClusterResponse, DescribeConfigsRequest,
+    DescribeConfigsResponse, DescribeGroupsRequest, DescribeGroupsResponse,
+    DescribeProducersRequest, DescribeProducersResponse, DescribeTopicPartitionsRequest,
+    DescribeTopicPartitionsResponse, IncrementalAlterConfigsRequest,
+    IncrementalAlterConfigsResponse, ListGroupsRequest, ListGroupsResponse,
+)
+from kafka.protocol.consumer import (
+    FetchRequest, FetchResponse, HeartbeatRequest, HeartbeatResponse, JoinGroupRequest,
+    JoinGroupResponse, LeaveGroupRequest, LeaveGroupResponse, ListOffsetsRequest,
+    ListOffsetsResponse, OffsetCommitRequest, OffsetCommitResponse, OffsetDeleteRequest,
+    OffsetDeleteResponse, OffsetFetchRequest, OffsetFetchResponse, OffsetForLeaderEpochRequest,
+    OffsetForLeaderEpochResponse, SyncGroupRequest, SyncGroupResponse,
+)
+from kafka.protocol.metadata import (
+    ApiVersionsRequest, ApiVersionsResponse, FindCoordinatorRequest, FindCoordinatorResponse,
+    MetadataRequest, MetadataResponse,
+)
+from kafka.protocol.producer import (
+    InitProducerIdRequest, InitProducerIdResponse, ProduceRequest, ProduceResponse,
+)
+
+# api_key -> (min, max) advertised in ApiVersions.  Why these bounds:
+# - Produce from v0 (librdkafka disables compression otherwise, KAFKA-18659); v13 uses topic ids.
+# - Fetch from v4 (KIP-896 minimum for 4.x clients) to v16: v17+ is KIP-853/share-group era.
+# - OffsetCommit <= 9, OffsetFetch <= 9: v10 is the KIP-848 topic-id form.
+# - FindCoordinator <= 4 (batched keys); v5/v6 are transactions-v2 / share groups.
+# - OffsetForLeaderEpoch 2-4: Java clients validate positions only with v3+.
+# - ApiVersions 0-4: kafka-python 3.x sends v4 first, aiokafka v0.
+_SUPPORTED: dict[int, tuple[int, int, type, type]] = {
+    0: (0, 13, ProduceRequest, ProduceResponse),
+    1: (4, 16, FetchRequest, FetchResponse),
+    2: (1, 8, ListOffsetsRequest, ListOffsetsResponse),
+    3: (0, 12, MetadataRequest, MetadataResponse),
+    8: (2, 9, OffsetCommitRequest, OffsetCommitResponse),
+    9: (1, 9, OffsetFetchRequest, OffsetFetchResponse),
+    10: (0, 4, FindCoordinatorRequest, FindCoordinatorResponse),
+    11: (0, 9, JoinGroupRequest, JoinGroupResponse),
+    12: (0, 4, HeartbeatRequest, HeartbeatResponse),
+    13: (0, 5, LeaveGroupRequest, LeaveGroupResponse),
+    14: (0, 5, SyncGroupRequest, SyncGroupResponse),
+    15: (0, 5, DescribeGroupsRequest, DescribeGroupsResponse),
+    16: (0, 5, ListGroupsRequest, ListGroupsResponse),
+    18: (0, 4, ApiVersionsRequest, ApiVersionsResponse),
+    19: (2, 7, CreateTopicsRequest, CreateTopicsResponse),
+    20: (1, 6, DeleteTopicsRequest, DeleteTopicsResponse),
+    21: (0, 2, DeleteRecordsRequest, DeleteRecordsResponse),
+    22: (0, 5, InitProducerIdRequest, InitProducerIdResponse),
+    23: (2, 4, OffsetForLeaderEpochRequest, OffsetForLeaderEpochResponse),
+    32: (1, 4, DescribeConfigsRequest, DescribeConfigsResponse),
+    33: (0, 2, AlterConfigsRequest, AlterConfigsResponse),
+    37: (0, 3, CreatePartitionsRequest, CreatePartitionsResponse),
+    42: (0, 2, DeleteGroupsRequest, DeleteGroupsResponse),
+    44: (0, 1, IncrementalAlterConfigsRequest, IncrementalAlterConfigsResponse),
+    47: (0, 0, OffsetDeleteRequest, OffsetDeleteResponse),
+    60: (0, 1, DescribeClusterRequest, DescribeClusterResponse),
+    61: (0, 0, DescribeProducersRequest, DescribeProducersResponse),
+    75: (0, 0, DescribeTopicPartitionsRequest, DescribeTopicPartitionsResponse),
+}
+
+SUPPORTED_APIS: dict[int, tuple[int, int]] = {k: (v[0], v[1]) for k, v in _SUPPORTED.items()}
+
+API_VERSIONS_KEY = 18
+PRODUCE_KEY = 0
+FETCH_KEY = 1
+
+
+def api_name(api_key: int) -> str:
+    """Kafka's name of an API (e.g. ``Produce``), or ``Unknown(<key>)`` for logs."""
+    entry = _SUPPORTED.get(api_key)
+    if entry is not None:
+        return str(entry[2].name)[: -len("Request")]
+    try:
+        from kafka.protocol.api_key import ApiKey
+
+        return ApiKey(api_key).name
+    except ValueError:
+        return f"Unknown({api_key})"
+
+
+def request_class(api_key: int) -> Any:
+    """kafka-python request class (unversioned) for a supported API key; KeyError otherwise."""
+    return _SUPPORTED[api_key][2]
+
+
+def response_class(api_key: int) -> Any:
+    """kafka-python response class (unversioned) for a supported API key; KeyError otherwise.
+
+    Build a response with ``response_class(k)(version=header.api_version, field=...)``.
+    """
+    return _SUPPORTED[api_key][3]
+
+
+def is_flexible(api_key: int, api_version: int) -> bool:
+    """True when this (api, version) uses compact encodings and tagged fields (KIP-482)."""
+    return bool(_SUPPORTED[api_key][2].flexible_version_q(api_version))

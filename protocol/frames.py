@@ -1,0 +1,206 @@
+"""Request/response framing: request headers v1/v2, response headers v0/v1, ApiVersions fallback.
+
+A frame here is the bytes after the 4-byte length prefix. Every decode failure becomes one of
+the typed errors in :mod:`protocol.errors`, so a bad client can never crash the broker.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from .apis import _SUPPORTED, API_VERSIONS_KEY, PRODUCE_KEY, SUPPORTED_APIS
+from .errors import ErrorCode, MalformedRequestError, UnknownApiError, UnsupportedVersionError
+
+_HDR = struct.Struct(">hhi")
+_I16 = struct.Struct(">h")
+_I32 = struct.Struct(">i")
+
+
+@dataclass(slots=True)
+class RequestHeader:
+    """The decoded request header; ``flexible`` tells whether header v2 (tagged fields) was used."""
+
+    api_key: int
+    api_version: int
+    correlation_id: int
+    client_id: str | None = None
+    flexible: bool = False
+    tagged_fields: dict[int, bytes] = field(default_factory=dict)
+
+
+def read_uvarint(buf: memoryview | bytes, pos: int) -> tuple[int, int]:
+    """Decode an unsigned varint (KIP-482) at ``pos``; returns (value, new pos)."""
+    value = 0
+    shift = 0
+    while True:
+        if pos >= len(buf):
+            raise MalformedRequestError("truncated varint")
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+        if shift > 28:
+            raise MalformedRequestError("varint too long")
+
+
+def read_tagged_fields(buf: memoryview | bytes, pos: int) -> tuple[dict[int, bytes], int]:
+    """Skip/collect a tagged-field section; returns ({tag: raw bytes}, new pos)."""
+    count, pos = read_uvarint(buf, pos)
+    tags: dict[int, bytes] = {}
+    for _ in range(count):
+        tag, pos = read_uvarint(buf, pos)
+        size, pos = read_uvarint(buf, pos)
+        if pos + size > len(buf):
+            raise MalformedRequestError("truncated tagged field")
+        tags[tag] = bytes(buf[pos:pos + size])
+        pos += size
+    return tags, pos
+
+
+def parse_header(frame: memoryview | bytes) -> tuple[RequestHeader, int]:
+    """Decode the request header and return it with the offset where the body starts.
+
+    Header version follows the API's flexible versions (v2 with tagged fields, else v1).
+    For unknown APIs or versions the v1 form is read, which is enough to answer
+    with the correlation id (clients send v2 headers only to flexible versions we know, or
+    to ApiVersions, whose fallback answer is v0 anyway).
+    """
+    if len(frame) < 8:
+        raise MalformedRequestError(f"frame of {len(frame)} bytes is shorter than a header")
+    api_key, api_version, correlation_id = _HDR.unpack_from(frame, 0)
+    header = RequestHeader(api_key, api_version, correlation_id)
+    # Header v0 (no client id) exists only for ControlledShutdown v0, which we do not serve,
+    # so every request we accept carries a (nullable) client id.
+    if len(frame) < 10:
+        raise MalformedRequestError("truncated request header", header)
+    (n,) = _I16.unpack_from(frame, 8)
+    pos = 10
+    if n >= 0:
+        if pos + n > len(frame):
+            raise MalformedRequestError("truncated client id", header)
+        try:
+            header.client_id = bytes(frame[pos:pos + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise MalformedRequestError("client id is not utf-8", header) from None
+        pos += n
+    entry = _SUPPORTED.get(api_key)
+    if entry is None:
+        raise UnknownApiError(header)
+    req_cls = entry[2]
+    if api_key == API_VERSIONS_KEY and api_version > entry[1]:
+        # Newer ApiVersions versions are flexible; the fallback answer needs only the header.
+        header.flexible = True
+    elif 0 <= api_version <= req_cls.max_version:
+        header.flexible = bool(req_cls.flexible_version_q(api_version))
+    if header.flexible:
+        try:
+            header.tagged_fields, pos = read_tagged_fields(frame, pos)
+        except MalformedRequestError as exc:
+            raise MalformedRequestError(str(exc), header) from None
+    return header, pos
+
+
+def parse_request(frame: memoryview | bytes) -> tuple[RequestHeader, Any]:
+    """Decode header and body of one request frame (bytes after the length prefix).
+
+    Returns (header, kafka-python request object with ``.version`` set).  Produce requests are
+    decoded by a specialised parser whose ``records`` are memoryviews into ``frame`` (no copy):
+    keep ``frame`` alive and unchanged while using them.
+    """
+    if not isinstance(frame, memoryview):
+        frame = memoryview(frame)
+    header, pos = parse_header(frame)
+    lo, hi = SUPPORTED_APIS[header.api_key]
+    if not lo <= header.api_version <= hi:
+        raise UnsupportedVersionError(header)
+    if header.api_key == PRODUCE_KEY:
+        from .produce_fast import parse_produce_body
+
+        return header, parse_produce_body(frame, pos, header)
+    body = decode_body(header.api_key, header.api_version, frame, pos, header)
+    return header, body
+
+
+def decode_body(api_key: int, version: int, buf: memoryview, pos: int,
+                header: RequestHeader | None = None, response: bool = False) -> Any:
+    """Decode a request (or response) body with kafka-python's compiled codec; typed errors."""
+    entry = _SUPPORTED[api_key]
+    cls = entry[3] if response else entry[2]
+    flexible = bool(cls.flexible_version_q(version))
+    try:
+        fn = cls._struct.compiled_decode_from(version, compact=flexible, tagged=flexible,
+                                              data_class=cls)
+        obj, end = fn(buf, pos)
+    except MalformedRequestError:
+        raise
+    except Exception as exc:  # any codec failure (struct.error, ValueError, ...) is bad input
+        raise MalformedRequestError(f"cannot decode {cls.__name__} v{version}: {exc!r}",
+                                    header) from None
+    if end > len(buf):
+        raise MalformedRequestError(f"truncated {cls.__name__} v{version}", header)
+    obj._version = version
+    if hasattr(cls, "_min_version"):  # the compiled decoder skips ApiMessage.__init__
+        obj._header = None
+        obj._min_version = None
+        obj._max_version = None
+    return obj
+
+
+def response_header_flexible(header: RequestHeader) -> bool:
+    """Response header v1 (tagged fields) for flexible versions, except ApiVersions (always v0)."""
+    if header.api_key == API_VERSIONS_KEY:
+        return False
+    entry = _SUPPORTED.get(header.api_key)
+    return entry is not None and bool(entry[3].flexible_version_q(header.api_version))
+
+
+def encode_response(header: RequestHeader, response_obj: Any) -> bytes:
+    """Full response frame: length prefix, response header of the right version, body."""
+    body = response_obj.encode(version=header.api_version)
+    flexible = response_header_flexible(header)
+    prefix = struct.pack(">ii", len(body) + 4 + flexible, header.correlation_id)
+    if flexible:
+        return prefix + b"\x00" + body
+    return prefix + body
+
+
+def encode_response_parts(header: RequestHeader, body_parts: list[bytes | memoryview]) -> list[
+        bytes | memoryview]:
+    """Frame pre-encoded body buffers (e.g. a zero-copy Fetch body) for ``writelines``."""
+    size = sum(len(p) for p in body_parts)
+    flexible = response_header_flexible(header)
+    prefix = struct.pack(">ii", size + 4 + flexible, header.correlation_id)
+    return [prefix + b"\x00" if flexible else prefix, *body_parts]
+
+
+def api_versions_body_v0(error_code: int) -> bytes:
+    """ApiVersions v0 body: error code plus all our (key, min, max) ranges."""
+    parts = [struct.pack(">hi", error_code, len(SUPPORTED_APIS))]
+    for key, (lo, hi) in sorted(SUPPORTED_APIS.items()):
+        parts.append(struct.pack(">hhh", key, lo, hi))
+    return b"".join(parts)
+
+
+def api_versions_fallback(header: RequestHeader) -> bytes:
+    """Answer to an ApiVersions request of a version we do not support (KIP-511).
+
+    The body is v0-encoded with UNSUPPORTED_VERSION and our ranges, and the header is v0, so a
+    client of any version can read it and retry with a version we advertise.
+    """
+    body = api_versions_body_v0(ErrorCode.UNSUPPORTED_VERSION)
+    return struct.pack(">ii", len(body) + 4, header.correlation_id) + body
+
+
+def build_api_versions_response(header: RequestHeader, throttle_time_ms: int = 0) -> Any:
+    """A filled ApiVersionsResponse object of the request's version (a convenience for handlers)."""
+    cls = _SUPPORTED[API_VERSIONS_KEY][3]
+    version = header.api_version
+    keys = [cls.ApiVersion(api_key=k, min_version=lo, max_version=hi, version=version)
+            for k, (lo, hi) in sorted(SUPPORTED_APIS.items())]
+    kwargs: dict[str, Any] = {"error_code": 0, "api_keys": keys}
+    if version >= 1:
+        kwargs["throttle_time_ms"] = throttle_time_ms
+    return cls(version=version, **kwargs)
