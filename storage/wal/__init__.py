@@ -1,0 +1,12 @@
+"""Delta WAL: the durable write buffer in front of the object store (see docs/wal.md)."""
+from .config import WALConfig
+from .errors import (CapacityMismatchError, FencedError, OverCapacityError, RecordTooLargeError,
+                     WALClosedError, WALError)
+from .format import RECORD_HEADER_SIZE
+from .wal import AppendResult, DeltaWAL
+
+__all__ = [
+    "WALConfig", "DeltaWAL", "AppendResult", "OverCapacityError", "WALError",
+    "CapacityMismatchError", "FencedError", "RecordTooLargeError", "WALClosedError",
+    "RECORD_HEADER_SIZE",
+]

@@ -1,0 +1,42 @@
+"""WAL configuration: one dataclass so the engine and the CLI share defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SYNC_MODES = ("dsync", "fdatasync", "none")
+
+
+@dataclass
+class WALConfig:
+    """Options of the Delta WAL (see docs/wal.md for what each one costs)."""
+
+    path: str
+    capacity: int = 2 << 30                 # bytes of the device used, incl. two 4 KiB header slots
+    block_soft_limit: int = 256 << 10       # a block is sealed once it holds this many bytes
+    flush_interval_s: float = 1 / 3000      # minimum gap between sealed blocks (IOPS budget)
+    io_threads: int = 4                     # blocks written concurrently
+    bandwidth_limit: int | None = None      # bytes/s written to the device, None = unlimited
+    window_initial: int = 1 << 20           # in-flight span recorded in the header at start
+    window_max: int = 512 << 20             # cap of the in-flight span; appends wait beyond it
+    node_id: int = 0
+    node_epoch: int = 0
+    sync_mode: str = "dsync"                # "dsync" (O_DSYNC), "fdatasync" (per block), "none"
+    max_record_size: int = 128 << 20        # largest body accepted by append()
+    append_timeout_s: float = 30.0          # how long a blocking append() waits for window room
+
+    def validate(self) -> None:
+        """Reject settings that would make the on-disk format or recovery unsound."""
+        if self.capacity % 4096 or self.capacity < 4 * 4096:
+            raise ValueError("wal capacity must be a multiple of 4096 and at least 16 KiB")
+        if self.sync_mode not in SYNC_MODES:
+            raise ValueError(f"sync_mode must be one of {SYNC_MODES}")
+        if self.io_threads < 1:
+            raise ValueError("io_threads must be >= 1")
+        if self.block_soft_limit < 4096:
+            raise ValueError("block_soft_limit must be >= 4096")
+        if self.window_initial < 0 or self.window_max < self.window_initial:
+            raise ValueError("need 0 <= window_initial <= window_max")
+        if self.flush_interval_s < 0:
+            raise ValueError("flush_interval_s must be >= 0")
+        if self.bandwidth_limit is not None and self.bandwidth_limit <= 0:
+            raise ValueError("bandwidth_limit must be positive or None")

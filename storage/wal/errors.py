@@ -1,0 +1,25 @@
+"""WAL exceptions; the engine maps them to back-pressure or storage errors."""
+
+
+class WALError(Exception):
+    """Any failure of the WAL (device, format, state)."""
+
+
+class OverCapacityError(WALError):
+    """The ring is full of untrimmed data: the caller must upload and trim, then retry."""
+
+
+class CapacityMismatchError(WALError):
+    """Configured capacity differs from the header on the device, or the device is too small."""
+
+
+class FencedError(WALError):
+    """The header was written by a newer epoch of this node: another owner took the WAL over."""
+
+
+class WALClosedError(WALError):
+    """append/trim after close(), or the IO path failed and the WAL stopped accepting writes."""
+
+
+class RecordTooLargeError(WALError, ValueError):
+    """A record body exceeds max_record_size or cannot fit in the ring at all."""

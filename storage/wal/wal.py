@@ -1,0 +1,485 @@
+"""DeltaWAL: append records, write them in aligned blocks from IO threads, recover after a crash.
+
+Threads: appenders (usually the asyncio loop) copy a record into the current block under one
+lock and return at once; a dispatcher thread seals blocks (by size, or by time within the IOPS
+budget) and hands them to the IO pool while the sliding window allows; IO threads pwrite and
+complete futures in order per stream. Nothing here blocks the event loop except a header write
+on trim (one 4 KiB write).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+from .block import Block, BufferPool
+from .config import WALConfig
+from .device import Device, aligned_buffer
+from .errors import (CapacityMismatchError, FencedError, OverCapacityError,
+                     RecordTooLargeError, WALClosedError, WALError)
+from .format import (ALIGN, HEADER_AREA, HEADER_SLOT_SIZE, RECORD_HEADER_SIZE,
+                     SHUTDOWN_CLEAN, SHUTDOWN_UNCLEAN, WALHeader, align_up, body_crc,
+                     newest_header, pack_record_header)
+from .recovery import scan
+
+log = logging.getLogger(__name__)
+
+WINDOW_SCALE_UNIT = 4 << 20
+_IO_RETRIES = 5
+_IO_RETRY_DELAY_S = 0.1
+
+
+@dataclass
+class AppendResult:
+    """offset: logical offset of the record; next_offset: first offset after it."""
+
+    offset: int
+    next_offset: int
+    future: cf.Future
+
+
+class DeltaWAL:
+    """The durable write buffer in front of the object store (see docs/wal.md)."""
+
+    def __init__(self, config: WALConfig) -> None:
+        config.validate()
+        self.config = config
+        self.capacity = config.capacity
+        self.ring_size = config.capacity - HEADER_AREA
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._header_lock = threading.Lock()
+        self._device: Device | None = None
+        self._header: WALHeader | None = None
+        self._opened = False
+        self._closing = False
+        self._closed = False
+        self._failed: BaseException | None = None
+        self._trim = 0
+        self._end = 0                       # next logical offset to assign
+        self._cursor = 0                    # aligned start for the next block
+        self._current: Block | None = None
+        self._pending: collections.deque[Block] = collections.deque()
+        self._writing: list[Block] = []
+        self._inflight = 0                  # bytes appended but not yet durable
+        self._window_len = 0
+        self._queues: dict[int, collections.deque] = {}
+        self._window_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._pool = BufferPool(keep_per_size=config.io_threads * 2 + 2)
+        self._next_seal_at = 0.0
+        self._bw_next = 0.0
+        self._bw_lock = threading.Lock()
+        self._dispatcher: threading.Thread | None = None
+        self._executor: cf.ThreadPoolExecutor | None = None
+        self.direct_io = True
+
+    # -- properties ------------------------------------------------------------------------
+    @property
+    def trim_offset(self) -> int:
+        """Records below this logical offset are discarded."""
+        return self._trim
+
+    @property
+    def end_offset(self) -> int:
+        """Logical offset the next record would get (ignoring block/lap alignment)."""
+        return self._end
+
+    @property
+    def window_length(self) -> int:
+        """Current sliding window length recorded in the header."""
+        return self._window_len
+
+    # -- open / recover --------------------------------------------------------------------
+    def open(self) -> Iterator[tuple[int, bytes]]:
+        """Open (or format) the device and return the recovered (offset, body) records."""
+        if self._opened:
+            raise WALError("DeltaWAL.open() called twice")
+        cfg = self.config
+        dev = Device(cfg.path, cfg.capacity, cfg.sync_mode)
+        self._device = dev
+        self.direct_io = dev.direct
+        try:
+            slots = aligned_buffer(HEADER_AREA)
+            dev.read_into(slots, 0)
+            hdr = newest_header(slots[:HEADER_SLOT_SIZE], slots[HEADER_SLOT_SIZE:HEADER_AREA])
+            blank = not any(slots[:HEADER_AREA])
+            slots.close()
+            if hdr is None:
+                if not dev.created and not blank:
+                    log.warning("no valid WAL header on %s: formatting a new WAL", cfg.path)
+                hdr = WALHeader(capacity=cfg.capacity, trim_offset=0,
+                                window_max_length=cfg.window_initial)
+            if hdr.capacity != cfg.capacity:
+                raise CapacityMismatchError(
+                    f"WAL on {cfg.path} was formatted with capacity {hdr.capacity}, "
+                    f"configured {cfg.capacity}")
+            if hdr.node_epoch > cfg.node_epoch:
+                raise FencedError(
+                    f"WAL on {cfg.path} belongs to node {hdr.node_id} epoch {hdr.node_epoch} "
+                    f"> our epoch {cfg.node_epoch}")
+            result = scan(dev, self.ring_size, hdr.trim_offset, hdr.window_max_length,
+                          cfg.max_record_size)
+            if hdr.shutdown_type != SHUTDOWN_CLEAN:
+                log.info("WAL %s recovered %d records after unclean shutdown", cfg.path,
+                         len(result.records))
+            self._header = hdr
+            self._trim = hdr.trim_offset
+            self._cursor = max(result.end_offset, align_up(hdr.trim_offset))
+            self._end = self._cursor
+            # never shrink: holes left by the previous run may be that far apart
+            self._window_len = max(cfg.window_initial, hdr.window_max_length)
+            hdr.window_max_length = self._window_len
+            hdr.shutdown_type = SHUTDOWN_UNCLEAN
+            hdr.node_id = cfg.node_id
+            hdr.node_epoch = cfg.node_epoch
+            with self._header_lock:
+                self._write_header()
+        except BaseException:
+            dev.close()
+            raise
+        self._executor = cf.ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="wal-io")
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="wal-dispatch",
+                                            daemon=True)
+        self._opened = True
+        self._dispatcher.start()
+        return iter(result.records)
+
+    def _write_header(self) -> None:
+        """Write the next header copy into the other slot; caller holds _header_lock."""
+        hdr = self._header
+        assert hdr is not None and self._device is not None
+        hdr.write_counter += 1
+        buf = aligned_buffer(HEADER_SLOT_SIZE)
+        try:
+            buf[:] = hdr.encode()
+            self._device.write(buf, WALHeader.slot_position(hdr.write_counter))
+        finally:
+            buf.close()
+
+    # -- append ----------------------------------------------------------------------------
+    def append(self, body: bytes | memoryview, stream_id: int = 0) -> AppendResult:
+        """Buffer one record; the future completes (with the offset) once it and every earlier
+        record of stream_id are durable. Blocks only while the sliding window is full."""
+        fut: cf.Future = cf.Future()
+        size = RECORD_HEADER_SIZE + len(body)
+        deadline = None
+        with self._cond:
+            while not self._window_room(size):
+                if deadline is None:
+                    deadline = time.monotonic() + self.config.append_timeout_s
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WALError("append timed out waiting for the sliding window")
+                self._cond.wait(left)
+            offset = self._reserve(body, stream_id, fut)
+        return AppendResult(offset, offset + size, fut)
+
+    async def append_async(self, body: bytes | memoryview, stream_id: int = 0) -> int:
+        """append() for the event loop: waits for window room and durability without blocking."""
+        loop = asyncio.get_running_loop()
+        size = RECORD_HEADER_SIZE + len(body)
+        while True:
+            with self._lock:
+                if self._window_room(size):
+                    fut = loop.create_future()
+                    self._reserve(body, stream_id, (loop, fut))
+                    break
+                room = loop.create_future()
+                self._window_waiters.append((loop, room))
+            await room
+        return await fut
+
+    def _window_room(self, size: int) -> bool:
+        return self._inflight == 0 or self._inflight + size <= self.config.window_max
+
+    def _reserve(self, body, stream_id: int, waiter) -> int:
+        """Place the record in the current block; caller holds the lock."""
+        if self._failed is not None:
+            raise WALClosedError(f"WAL stopped after an IO error: {self._failed}")
+        if not self._opened or self._closing:
+            raise WALClosedError("WAL is not open")
+        n = len(body)
+        size = RECORD_HEADER_SIZE + n
+        if n > self.config.max_record_size or align_up(size) > self.ring_size:
+            raise RecordTooLargeError(f"record of {n} bytes exceeds the WAL limits")
+        ring = self.ring_size
+        blk = self._current
+        if blk is not None and blk.used and blk.used + size > blk.capacity:
+            self._seal_locked()
+            blk = None
+        if blk is None:
+            blk = self._new_block(size)
+        pos = blk.start + blk.used
+        if pos % ring + size > ring:                      # does not fit before the ring's end
+            next_lap = (pos // ring + 1) * ring
+            if blk.used:
+                self._seal_locked()
+                blk = self._new_block(size, start=next_lap)
+            else:
+                blk.start = next_lap
+            pos = blk.start
+        if pos + size - self._trim > ring:
+            if not blk.used and blk is self._current:
+                pass                                         # empty block, nothing to undo
+            raise OverCapacityError(
+                f"WAL ring full: {pos + size - self._trim} bytes untrimmed > {ring}; "
+                "upload and trim first")
+        buf = blk.buf
+        at = blk.used
+        pack_record_header(buf, at, n, pos, body_crc(body))
+        buf[at + RECORD_HEADER_SIZE:at + size] = body
+        first = blk.used == 0
+        blk.used += size
+        blk.streams.add(stream_id)
+        self._inflight += size
+        self._end = pos + size
+        self._cursor = blk.end
+        q = self._queues.get(stream_id)
+        if q is None:
+            q = self._queues[stream_id] = collections.deque()
+        q.append((blk, pos, waiter))
+        if blk.used >= self.config.block_soft_limit:
+            self._seal_locked()
+            self._cond.notify_all()
+        elif first:
+            self._cond.notify_all()
+        return pos
+
+    def _new_block(self, size: int, start: int | None = None) -> Block:
+        scan_from = self._cursor
+        begin = self._cursor if start is None else start
+        buf = self._pool.get(align_up(size), align_up(self.config.block_soft_limit))
+        blk = Block(begin, scan_from, buf)
+        self._current = blk
+        return blk
+
+    def _seal_locked(self) -> None:
+        blk = self._current
+        if blk is None or not blk.used:
+            return
+        blk.seal()
+        self._current = None
+        self._cursor = blk.end
+        self._pending.append(blk)
+
+    # -- dispatch & IO ---------------------------------------------------------------------
+    def _dispatch_loop(self) -> None:
+        interval = self.config.flush_interval_s
+        io_threads = self.config.io_threads
+        while True:
+            submit: list[Block] = []
+            with self._cond:
+                while True:
+                    if self._failed is not None:
+                        return
+                    now = time.monotonic()
+                    cur = self._current
+                    if (cur is not None and cur.used and not self._pending
+                            and (now >= self._next_seal_at or self._closing)):
+                        self._seal_locked()
+                        self._next_seal_at = now + interval
+                    while self._pending and len(self._writing) + len(submit) < io_threads:
+                        blk = self._pending[0]
+                        if not self._window_allows(blk):
+                            break
+                        self._pending.popleft()
+                        self._writing.append(blk)
+                        submit.append(blk)
+                    if submit:
+                        break
+                    if self._closing and not self._pending and not self._writing and (
+                            self._current is None or not self._current.used):
+                        return
+                    timeout = None
+                    cur = self._current
+                    if cur is not None and cur.used and not self._pending:
+                        timeout = max(self._next_seal_at - now, 0.0)
+                        if timeout == 0.0:
+                            continue
+                    self._cond.wait(timeout)
+            for blk in submit:
+                assert self._executor is not None
+                self._executor.submit(self._write_block, blk)
+
+    def _window_allows(self, blk: Block) -> bool:
+        """Every block lies within window_len of the oldest unfinished write (or of the gap
+        before it), so recovery can cross holes by scanning window_len past an invalid one.
+        Grows the window (header flushed before the write) up to window_max."""
+        start = min([b.scan_from for b in self._writing] + [blk.scan_from])
+        need = blk.end - start
+        if need <= self._window_len:
+            return True
+        if self._writing and need > self.config.window_max:
+            return False
+        new_len = min(max(need, self._window_len + WINDOW_SCALE_UNIT),
+                      max(self.config.window_max, need))
+        with self._header_lock:
+            assert self._header is not None
+            self._header.window_max_length = new_len
+            self._write_header()
+        self._window_len = new_len
+        return True
+
+    def _throttle(self, n: int) -> None:
+        limit = self.config.bandwidth_limit
+        if not limit:
+            return
+        with self._bw_lock:
+            now = time.monotonic()
+            start = max(now, self._bw_next)
+            self._bw_next = start + n / limit
+        if start > now:
+            time.sleep(start - now)
+
+    def _write_block(self, blk: Block) -> None:
+        assert self._device is not None
+        n = align_up(blk.used)
+        phys = HEADER_AREA + blk.start % self.ring_size
+        err: BaseException | None = None
+        for attempt in range(_IO_RETRIES):
+            try:
+                self._throttle(n)
+                with memoryview(blk.buf) as mv:
+                    self._device.write(mv[:n], phys)
+                err = None
+                break
+            except OSError as e:
+                err = e
+                log.warning("WAL write at %d failed (attempt %d): %s", phys, attempt + 1, e)
+                time.sleep(_IO_RETRY_DELAY_S)
+        if err is not None:
+            self._fail(err)
+            return
+        self._complete(blk)
+
+    def _complete(self, blk: Block) -> None:
+        done: list = []
+        with self._cond:
+            blk.done = True
+            self._writing.remove(blk)
+            self._inflight -= blk.used
+            for sid in blk.streams:
+                q = self._queues.get(sid)
+                while q and q[0][0].done:
+                    done.append(q.popleft())
+                if q is not None and not q:
+                    del self._queues[sid]
+            self._pool.put(blk.buf)
+            blk.buf = None  # type: ignore[assignment]
+            waiters = self._window_waiters
+            self._window_waiters = []
+            self._cond.notify_all()
+        self._resolve(done, None)
+        for loop, fut in waiters:
+            self._call_soon(loop, _set_many, [(fut, None, None)])
+
+    def _fail(self, err: BaseException) -> None:
+        log.error("WAL IO failed permanently, refusing further appends: %s", err)
+        with self._cond:
+            self._failed = err
+            done = [e for q in self._queues.values() for e in q]
+            self._queues.clear()
+            waiters = self._window_waiters
+            self._window_waiters = []
+            self._cond.notify_all()
+        self._resolve(done, WALError(f"WAL write failed: {err}"))
+        for loop, fut in waiters:
+            self._call_soon(loop, _set_many, [(fut, None, None)])
+
+    def _resolve(self, entries: list, exc: BaseException | None) -> None:
+        """Complete waiters outside the lock; one loop wake-up per event loop per batch."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for _blk, offset, waiter in entries:
+            if isinstance(waiter, tuple):
+                by_loop.setdefault(waiter[0], []).append((waiter[1], offset, exc))
+            elif not waiter.done():
+                try:
+                    if exc is None:
+                        waiter.set_result(offset)
+                    else:
+                        waiter.set_exception(exc)
+                except cf.InvalidStateError:
+                    pass
+        for loop, items in by_loop.items():
+            self._call_soon(loop, _set_many, items)
+
+    @staticmethod
+    def _call_soon(loop: asyncio.AbstractEventLoop, fn, arg) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:
+            pass                      # loop closed: nobody is waiting any more
+
+    # -- trim / close ----------------------------------------------------------------------
+    def trim(self, offset: int) -> None:
+        """Discard records below offset; the header is durable before the space is reused."""
+        with self._lock:
+            if not self._opened or self._closed:
+                raise WALClosedError("WAL is not open")
+            if offset <= self._trim:
+                return
+            if offset > self._end:
+                raise ValueError(f"trim offset {offset} beyond end offset {self._end}")
+        with self._header_lock:
+            assert self._header is not None
+            if offset > self._header.trim_offset:
+                self._header.trim_offset = offset
+                self._write_header()
+        with self._lock:
+            self._trim = max(self._trim, offset)
+
+    def flush(self) -> None:
+        """Seal the current block now (tests, shutdown); does not wait."""
+        with self._cond:
+            self._seal_locked()
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Wait for in-flight writes, then write a clean-shutdown header."""
+        with self._cond:
+            if self._closed:
+                return
+            if not self._opened:
+                self._closed = True
+                return
+            self._closing = True
+            self._seal_locked()
+            self._cond.notify_all()
+        if self._dispatcher is not None:
+            self._dispatcher.join()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        with self._cond:
+            self._closed = True
+        try:
+            if self._failed is None:
+                with self._header_lock:
+                    assert self._header is not None
+                    self._header.shutdown_type = SHUTDOWN_CLEAN
+                    self._write_header()
+        finally:
+            with self._cond:
+                self._pool.close()
+            assert self._device is not None
+            self._device.close()
+
+    def __enter__(self) -> "DeltaWAL":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _set_many(items: list) -> None:
+    for fut, value, exc in items:
+        if fut.done():
+            continue
+        if exc is None:
+            fut.set_result(value)
+        else:
+            fut.set_exception(exc)
