@@ -1,10 +1,9 @@
 """Classic consumer-group coordinator (JoinGroup/SyncGroup/Heartbeat/LeaveGroup, committed offsets)."""
 from .coordinator import CommittedOffset, GroupCoordinator, GroupSummary, MemberSummary
-from .errors import GroupError
 from .group import GroupState, JoinResult, SyncResult
 from .store import GroupStore, SqliteGroupStore
 
 __all__ = [
-    "CommittedOffset", "GroupCoordinator", "GroupError", "GroupState", "GroupStore", "GroupSummary",
+    "CommittedOffset", "GroupCoordinator", "GroupState", "GroupStore", "GroupSummary",
     "JoinResult", "MemberSummary", "SqliteGroupStore", "SyncResult",
 ]

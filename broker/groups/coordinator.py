@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
-from .errors import GroupError as E
+from protocol import ErrorCode as E
 from .group import Group, GroupState, JoinResult, Member, SyncResult
 from .store import GroupRecord, GroupStore, OffsetRecord, SqliteGroupStore
 

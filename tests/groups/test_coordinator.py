@@ -6,7 +6,8 @@ import struct
 
 import pytest
 
-from broker.groups import GroupCoordinator, GroupError as E
+from broker.groups import GroupCoordinator
+from protocol import ErrorCode as E
 from broker.groups.group import parse_subscription
 
 

@@ -1,0 +1,382 @@
+"""Group APIs: FindCoordinator, JoinGroup, SyncGroup, Heartbeat, LeaveGroup, OffsetCommit,
+OffsetFetch, DescribeGroups, ListGroups, DeleteGroups, OffsetDelete.
+
+These only translate between the versioned wire objects and ``ctx.broker.groups`` (the
+GroupCoordinator); every rule about groups lives in ``broker/groups/``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+from protocol import ErrorCode as E, response_class
+
+from ..groups import GroupCoordinator
+from .registry import RequestContext, handler
+
+log = logging.getLogger(__name__)
+
+FIND_COORDINATOR, OFFSET_COMMIT, OFFSET_FETCH, JOIN_GROUP, HEARTBEAT = 10, 8, 9, 11, 12
+LEAVE_GROUP, SYNC_GROUP, DESCRIBE_GROUPS, LIST_GROUPS, DELETE_GROUPS, OFFSET_DELETE = 13, 14, 15, 16, 42, 47
+KEY_TYPE_GROUP, KEY_TYPE_TRANSACTION = 0, 1
+# The codec encodes None as Kafka's "not requested" value (INT32_MIN).
+AUTHORIZED_OPERATIONS_OMITTED = None
+
+
+def _coordinator(ctx: RequestContext) -> GroupCoordinator:
+    return ctx.broker.groups
+
+
+def _client_host(ctx: RequestContext) -> str:
+    """Kafka reports client hosts as "/<ip>"."""
+    conn = ctx.conn
+    for attr in ("peer", "peername", "remote_addr", "address", "addr"):
+        value = getattr(conn, attr, None)
+        if value:
+            host = value[0] if isinstance(value, (tuple, list)) else str(value).rsplit(":", 1)[0]
+            return f"/{host}"
+    return ""
+
+
+def _client_id(ctx: RequestContext) -> str:
+    return getattr(ctx.header, "client_id", None) or ""
+
+
+def _bytes(value: Any) -> bytes:
+    if value is None:
+        return b""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    return bytes(value.encode()) if hasattr(value, "encode") else b""
+
+
+# ------------------------------------------------------------------------- FindCoordinator
+@handler(FIND_COORDINATOR)
+async def find_coordinator(ctx: RequestContext, req: Any) -> Any:
+    """This single node coordinates every group. Transactional ids are answered with this node
+    too: the transaction APIs it would then call are simply not advertised, which clients
+    report clearly, instead of retrying COORDINATOR_NOT_AVAILABLE until they time out."""
+    cls = response_class(FIND_COORDINATOR)
+    cfg = ctx.broker.config
+    node, host, port = cfg.node_id, cfg.advertised_host, cfg.advertised_port
+    key_type = req.key_type
+
+    def answer(key: str) -> tuple[int, str | None, int, str, int]:
+        if key_type not in (KEY_TYPE_GROUP, KEY_TYPE_TRANSACTION):
+            return E.INVALID_REQUEST, f"unsupported coordinator key type {key_type}", -1, "", -1
+        return E.NONE, None, node, host, port
+
+    if ctx.version >= 4:
+        coordinators = []
+        for key in req.coordinator_keys or []:
+            err, msg, n, h, p = answer(key)
+            coordinators.append(cls.Coordinator(key=key, node_id=n, host=h, port=p, error_code=err, error_message=msg))
+        return cls(throttle_time_ms=0, coordinators=coordinators)
+    err, msg, n, h, p = answer(req.key)
+    return cls(throttle_time_ms=0, error_code=err, error_message=msg, node_id=n, host=h, port=p)
+
+
+# ------------------------------------------------------------------------- JoinGroup
+@handler(JOIN_GROUP)
+async def join_group(ctx: RequestContext, req: Any) -> Any:
+    """Parks until the rebalance's join phase completes (or answers at once on errors)."""
+    cls = response_class(JOIN_GROUP)
+    v = ctx.version
+    protocols = [(p.name, _bytes(p.metadata)) for p in (req.protocols or [])]
+    res = await _coordinator(ctx).join_group(
+        req.group_id,
+        req.member_id or "",
+        req.group_instance_id if v >= 5 else None,
+        _client_id(ctx),
+        _client_host(ctx),
+        req.session_timeout_ms,
+        req.rebalance_timeout_ms if v >= 1 else -1,
+        req.protocol_type,
+        protocols,
+        require_known_member_id=v >= 4,
+    )
+    ok = res.error == E.NONE
+    protocol_name = res.protocol_name if ok else None
+    return cls(
+        throttle_time_ms=0,
+        error_code=res.error,
+        generation_id=res.generation_id if ok else -1,
+        protocol_type=res.protocol_type if ok else None,
+        protocol_name=protocol_name if v >= 7 else (protocol_name or ""),
+        leader=res.leader_id if ok else "",
+        skip_assignment=res.skip_assignment,
+        member_id=res.member_id,
+        members=[
+            cls.JoinGroupResponseMember(member_id=mid, group_instance_id=iid, metadata=meta)
+            for mid, iid, meta in res.members
+        ],
+    )
+
+
+# ------------------------------------------------------------------------- SyncGroup
+@handler(SYNC_GROUP)
+async def sync_group(ctx: RequestContext, req: Any) -> Any:
+    """Parks followers until the leader's assignment arrives."""
+    cls = response_class(SYNC_GROUP)
+    v = ctx.version
+    assignments = {a.member_id: _bytes(a.assignment) for a in (req.assignments or [])}
+    res = await _coordinator(ctx).sync_group(
+        req.group_id,
+        req.generation_id,
+        req.member_id,
+        req.group_instance_id if v >= 3 else None,
+        req.protocol_type if v >= 5 else None,
+        req.protocol_name if v >= 5 else None,
+        assignments,
+    )
+    ok = res.error == E.NONE
+    return cls(
+        throttle_time_ms=0,
+        error_code=res.error,
+        protocol_type=res.protocol_type if ok else None,
+        protocol_name=res.protocol_name if ok else None,
+        assignment=res.assignment,
+    )
+
+
+# ------------------------------------------------------------------------- Heartbeat
+@handler(HEARTBEAT)
+async def heartbeat(ctx: RequestContext, req: Any) -> Any:
+    err = _coordinator(ctx).heartbeat(
+        req.group_id, req.generation_id, req.member_id, req.group_instance_id if ctx.version >= 3 else None
+    )
+    return response_class(HEARTBEAT)(throttle_time_ms=0, error_code=err)
+
+
+# ------------------------------------------------------------------------- LeaveGroup
+@handler(LEAVE_GROUP)
+async def leave_group(ctx: RequestContext, req: Any) -> Any:
+    """v0-2 name one member; v3+ carry a batch (static members by instance id)."""
+    cls = response_class(LEAVE_GROUP)
+    if ctx.version < 3:
+        _, errors = _coordinator(ctx).leave_group(req.group_id, [(req.member_id, None)])
+        return cls(throttle_time_ms=0, error_code=errors[0])
+    members = [(m.member_id or "", m.group_instance_id) for m in (req.members or [])]
+    top, errors = _coordinator(ctx).leave_group(req.group_id, members)
+    return cls(
+        throttle_time_ms=0,
+        error_code=top,
+        members=[
+            cls.MemberResponse(member_id=mid, group_instance_id=iid, error_code=err)
+            for (mid, iid), err in zip(members, errors)
+        ],
+    )
+
+
+# ------------------------------------------------------------------------- OffsetCommit
+def _topic_names_by_id(ctx: RequestContext) -> dict[Any, str]:
+    return {getattr(t, "topic_id", None): name for name, t in _topics(ctx).items()}
+
+
+def _topics(ctx: RequestContext) -> dict[str, Any]:
+    return getattr(ctx.broker, "topics", None) or {}
+
+
+def _partition_exists(topics: dict[str, Any], topic: str, partition: int) -> bool:
+    t = topics.get(topic)
+    return t is not None and 0 <= partition < len(t.partitions)
+
+
+@handler(OFFSET_COMMIT)
+async def offset_commit(ctx: RequestContext, req: Any) -> Any:
+    """Unknown topics/partitions and oversized metadata are refused per partition; the group
+    check (generation, member) applies to the rest, which are durable before we answer."""
+    cls = response_class(OFFSET_COMMIT)
+    tcls, pcls = cls.OffsetCommitResponseTopic, cls.OffsetCommitResponseTopic.OffsetCommitResponsePartition
+    v = ctx.version
+    coord = _coordinator(ctx)
+    topics = _topics(ctx)
+    by_id = _topic_names_by_id(ctx) if v >= 10 else {}
+    errors: dict[tuple[int, int], int] = {}  # (topic index, partition index in request) -> error
+    valid: list[tuple[str, int, int, int, str | None]] = []
+    valid_keys: list[tuple[int, int]] = []
+    for ti, t in enumerate(req.topics or []):
+        name = by_id.get(t.topic_id) if v >= 10 else t.name
+        for pi, p in enumerate(t.partitions or []):
+            if name is None:
+                errors[(ti, pi)] = E.UNKNOWN_TOPIC_ID
+            elif not _partition_exists(topics, name, p.partition_index):
+                errors[(ti, pi)] = E.UNKNOWN_TOPIC_OR_PARTITION
+            elif not coord.validate_metadata(p.committed_metadata):
+                errors[(ti, pi)] = E.OFFSET_METADATA_TOO_LARGE
+            else:
+                epoch = p.committed_leader_epoch if v >= 6 else -1
+                valid.append((name, p.partition_index, p.committed_offset, epoch, p.committed_metadata))
+                valid_keys.append((ti, pi))
+    generation = req.generation_id_or_member_epoch if v >= 1 else -1
+    member_id = req.member_id if v >= 1 else ""
+    instance_id = req.group_instance_id if v >= 7 else None
+    if valid or not errors:
+        group_error = await coord.commit_offsets(req.group_id, generation, member_id or "", instance_id, valid)
+    else:
+        group_error = E.NONE
+    for key in valid_keys:
+        errors[key] = group_error
+    return cls(
+        throttle_time_ms=0,
+        topics=[
+            tcls(
+                name=t.name, topic_id=t.topic_id,
+                partitions=[pcls(partition_index=p.partition_index, error_code=errors[(ti, pi)])
+                            for pi, p in enumerate(t.partitions or [])],
+            )
+            for ti, t in enumerate(req.topics or [])
+        ],
+    )
+
+
+# ------------------------------------------------------------------------- OffsetFetch
+def _fetch_group(
+    ctx: RequestContext, group_id: str, req_topics: Iterable[Any] | None, use_ids: bool
+) -> list[tuple[str, Any, list[tuple[int, int, int, str, int]]]]:
+    """[(topic name, topic id, [(partition, offset, leader epoch, metadata, error)])]."""
+    coord = _coordinator(ctx)
+    by_id = _topic_names_by_id(ctx) if use_ids else {}
+    topics = _topics(ctx)
+    if req_topics is None:
+        wanted = None
+    else:
+        wanted, order = [], []
+        for t in req_topics:
+            name = by_id.get(t.topic_id, "") if use_ids else t.name
+            order.append(name)
+            wanted.extend((name, p) for p in (t.partition_indexes or []))
+    rows = coord.fetch_offsets(group_id, wanted)
+    out: dict[str, list[tuple[int, int, int, str, int]]] = {}
+    for topic, partition, c in rows:
+        if c is None:
+            out.setdefault(topic, []).append((partition, -1, -1, "", E.NONE))
+        else:
+            out.setdefault(topic, []).append((partition, c.offset, c.leader_epoch, c.metadata or "", E.NONE))
+    if wanted is not None:
+        for name in order:  # topics asked for with no partitions still get an entry
+            out.setdefault(name, [])
+    return [(name, getattr(topics.get(name), "topic_id", None), parts) for name, parts in out.items()]
+
+
+@handler(OFFSET_FETCH)
+async def offset_fetch(ctx: RequestContext, req: Any) -> Any:
+    """All partitions when topics is null (v2+); v8+ batches groups. require_stable is
+    accepted: there are no pending transactional offsets that could make a read unstable."""
+    cls = response_class(OFFSET_FETCH)
+    v = ctx.version
+    if v < 8:
+        tcls = cls.OffsetFetchResponseTopic
+        pcls = tcls.OffsetFetchResponsePartition
+        result = _fetch_group(ctx, req.group_id, req.topics, use_ids=False)
+        return cls(
+            throttle_time_ms=0,
+            error_code=E.NONE,
+            topics=[
+                tcls(name=name, partitions=[
+                    pcls(partition_index=p, committed_offset=o, committed_leader_epoch=ep, metadata=md, error_code=err)
+                    for p, o, ep, md, err in parts
+                ])
+                for name, _, parts in result
+            ],
+        )
+    gcls = cls.OffsetFetchResponseGroup
+    tcls = gcls.OffsetFetchResponseTopics
+    pcls = tcls.OffsetFetchResponsePartitions
+    groups = []
+    for g in req.groups or []:
+        result = _fetch_group(ctx, g.group_id, g.topics, use_ids=v >= 10)
+        groups.append(gcls(
+            group_id=g.group_id,
+            error_code=E.NONE,
+            topics=[
+                tcls(name=name, topic_id=tid, partitions=[
+                    pcls(partition_index=p, committed_offset=o, committed_leader_epoch=ep, metadata=md, error_code=err)
+                    for p, o, ep, md, err in parts
+                ])
+                for name, tid, parts in result
+            ],
+        ))
+    return cls(throttle_time_ms=0, groups=groups)
+
+
+# ------------------------------------------------------------------------- admin
+@handler(DESCRIBE_GROUPS)
+async def describe_groups(ctx: RequestContext, req: Any) -> Any:
+    """Unknown groups are reported as Dead (v0-5) or GROUP_ID_NOT_FOUND (v6+), as Kafka does."""
+    cls = response_class(DESCRIBE_GROUPS)
+    gcls, mcls = cls.DescribedGroup, cls.DescribedGroup.DescribedGroupMember
+    coord = _coordinator(ctx)
+    out = []
+    for gid in req.groups or []:
+        s = coord.describe_group(gid)
+        if s is None:
+            missing_error = E.GROUP_ID_NOT_FOUND if ctx.version >= 6 else E.NONE
+            out.append(gcls(
+                error_code=missing_error,
+                error_message=f"group {gid} not found" if missing_error else None,
+                group_id=gid, group_state="Dead", protocol_type="", protocol_data="", members=[],
+                authorized_operations=AUTHORIZED_OPERATIONS_OMITTED,
+            ))
+            continue
+        out.append(gcls(
+            error_code=E.NONE, error_message=None, group_id=gid, group_state=s.state,
+            protocol_type=s.protocol_type, protocol_data=s.protocol_data,
+            members=[
+                mcls(member_id=m.member_id, group_instance_id=m.instance_id, client_id=m.client_id,
+                     client_host=m.client_host, member_metadata=m.metadata, member_assignment=m.assignment)
+                for m in s.members
+            ],
+            authorized_operations=AUTHORIZED_OPERATIONS_OMITTED,
+        ))
+    return cls(throttle_time_ms=0, groups=out)
+
+
+@handler(LIST_GROUPS)
+async def list_groups(ctx: RequestContext, req: Any) -> Any:
+    """States filter (v4+) and types filter (v5+) match case-insensitively; all groups are classic."""
+    cls = response_class(LIST_GROUPS)
+    states = {s.lower() for s in (req.states_filter or [])} if ctx.version >= 4 else set()
+    types = {t.lower() for t in (req.types_filter or [])} if ctx.version >= 5 else set()
+    groups = []
+    if not types or "classic" in types:
+        for gid, ptype, state in _coordinator(ctx).list_groups():
+            if states and state.lower() not in states:
+                continue
+            groups.append(cls.ListedGroup(group_id=gid, protocol_type=ptype, group_state=state, group_type="classic"))
+    return cls(throttle_time_ms=0, error_code=E.NONE, groups=groups)
+
+
+@handler(DELETE_GROUPS)
+async def delete_groups(ctx: RequestContext, req: Any) -> Any:
+    cls = response_class(DELETE_GROUPS)
+    names = list(req.groups_names or [])
+    result = await _coordinator(ctx).delete_groups(names)
+    return cls(
+        throttle_time_ms=0,
+        results=[cls.DeletableGroupResult(group_id=g, error_code=result[g]) for g in names],
+    )
+
+
+@handler(OFFSET_DELETE)
+async def offset_delete(ctx: RequestContext, req: Any) -> Any:
+    """Refused per partition (GROUP_SUBSCRIBED_TO_TOPIC) while members consume the topic."""
+    cls = response_class(OFFSET_DELETE)
+    tcls, pcls = cls.OffsetDeleteResponseTopic, cls.OffsetDeleteResponseTopic.OffsetDeleteResponsePartition
+    topics = _topics(ctx)
+    wanted = [(t.name, p.partition_index) for t in (req.topics or []) for p in (t.partitions or [])]
+    known = [tp for tp in wanted if _partition_exists(topics, *tp)]
+    top, per = await _coordinator(ctx).delete_offsets(req.group_id, known)
+    return cls(
+        error_code=top,
+        throttle_time_ms=0,
+        topics=[
+            tcls(name=t.name, partitions=[
+                pcls(partition_index=p.partition_index,
+                     error_code=per.get((t.name, p.partition_index), E.UNKNOWN_TOPIC_OR_PARTITION)
+                     if top == E.NONE else top)
+                for p in (t.partitions or [])
+            ])
+            for t in (req.topics or [])
+        ],
+    )
