@@ -81,12 +81,12 @@ class GroupCoordinator:
         self._executor: ThreadPoolExecutor | None = None
         self.groups: dict[str, Group] = {}
         self.offsets: dict[str, dict[TopicPartition, CommittedOffset]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+        self._background: set[asyncio.Task[None]] = set()
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         """Open the store and load committed offsets and persisted groups."""
-        self._loop = asyncio.get_running_loop()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="group-store")
         if self._store is None:
             self._store = await self._run(SqliteGroupStore, self.db_path_or_url)
@@ -103,6 +103,7 @@ class GroupCoordinator:
 
     async def close(self) -> None:
         """Stop timers, fail parked calls so clients retry elsewhere, close the store."""
+        self._closing = True
         for group in self.groups.values():
             self._cancel_rebalance_timer(group)
             for handle in group.pending_members.values():
@@ -111,6 +112,8 @@ class GroupCoordinator:
                 m.cancel_timer()
                 m.complete_join(JoinResult(E.COORDINATOR_NOT_AVAILABLE, m.member_id))
                 m.complete_sync(SyncResult(E.COORDINATOR_NOT_AVAILABLE))
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
         if self._executor is not None:
             if self._store is not None:
                 await self._run(self._store.close)
@@ -150,7 +153,7 @@ class GroupCoordinator:
         )
 
     async def _persist(self, group: Group) -> None:
-        if self._store is None or self._executor is None:
+        if self._store is None or self._executor is None or self._closing:
             return
         try:
             await self._run(self._store.save_group, self._group_record(group))
@@ -158,8 +161,10 @@ class GroupCoordinator:
             log.exception("could not persist group %s", group.group_id)
 
     def _persist_soon(self, group: Group) -> None:
-        if self._executor is not None:
-            asyncio.get_running_loop().create_task(self._persist(group))
+        if self._executor is not None and not self._closing:
+            task = asyncio.get_running_loop().create_task(self._persist(group))
+            self._background.add(task)  # keep a reference until done (the loop holds weak ones)
+            task.add_done_callback(self._background.discard)
 
     # ----------------------------------------------------------------- timers
     def _loop_now(self) -> asyncio.AbstractEventLoop:
@@ -303,6 +308,8 @@ class GroupCoordinator:
         if group is None:
             if member_id:
                 return JoinResult(E.UNKNOWN_MEMBER_ID, member_id)
+            if not protocols or not protocol_type:
+                return JoinResult(E.INCONSISTENT_GROUP_PROTOCOL, member_id)
             group = self.groups[group_id] = Group(group_id)
         if group.state == S.DEAD:
             return JoinResult(E.COORDINATOR_NOT_AVAILABLE, member_id)
