@@ -54,6 +54,8 @@ class DeltaWAL:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._header_lock = threading.Lock()
+        self._resolve_lock = threading.Lock()
+        self._completed: collections.deque = collections.deque()
         self._device: Device | None = None
         self._header: WALHeader | None = None
         self._opened = False
@@ -358,15 +360,16 @@ class DeltaWAL:
         self._complete(blk)
 
     def _complete(self, blk: Block) -> None:
-        done: list = []
         with self._cond:
             blk.done = True
             self._writing.remove(blk)
             self._inflight -= blk.used
+            done = self._completed
             for sid in blk.streams:
                 q = self._queues.get(sid)
                 while q and q[0][0].done:
-                    done.append(q.popleft())
+                    _b, offset, waiter = q.popleft()
+                    done.append((offset, waiter, None))
                 if q is not None and not q:
                     del self._queues[sid]
             self._pool.put(blk.buf)
@@ -374,39 +377,47 @@ class DeltaWAL:
             waiters = self._window_waiters
             self._window_waiters = []
             self._cond.notify_all()
-        self._resolve(done, None)
+        self._drain_completed()
         for loop, fut in waiters:
             self._call_soon(loop, _set_many, [(fut, None, None)])
 
     def _fail(self, err: BaseException) -> None:
         log.error("WAL IO failed permanently, refusing further appends: %s", err)
+        exc = WALError(f"WAL write failed: {err}")
         with self._cond:
             self._failed = err
-            done = [e for q in self._queues.values() for e in q]
+            for q in self._queues.values():
+                self._completed.extend((off, waiter, exc) for _b, off, waiter in q)
             self._queues.clear()
             waiters = self._window_waiters
             self._window_waiters = []
             self._cond.notify_all()
-        self._resolve(done, WALError(f"WAL write failed: {err}"))
+        self._drain_completed()
         for loop, fut in waiters:
             self._call_soon(loop, _set_many, [(fut, None, None)])
 
-    def _resolve(self, entries: list, exc: BaseException | None) -> None:
-        """Complete waiters outside the lock; one loop wake-up per event loop per batch."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for _blk, offset, waiter in entries:
-            if isinstance(waiter, tuple):
-                by_loop.setdefault(waiter[0], []).append((waiter[1], offset, exc))
-            elif not waiter.done():
-                try:
-                    if exc is None:
-                        waiter.set_result(offset)
-                    else:
-                        waiter.set_exception(exc)
-                except cf.InvalidStateError:
-                    pass
-        for loop, items in by_loop.items():
-            self._call_soon(loop, _set_many, items)
+    def _drain_completed(self) -> None:
+        """Complete waiters outside the main lock, in the order they were popped (so callers
+        see acknowledgements of one stream in order even when IO threads race); one loop
+        wake-up per event loop per batch."""
+        with self._resolve_lock:
+            q = self._completed
+            while q:
+                by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+                while q:
+                    offset, waiter, exc = q.popleft()
+                    if isinstance(waiter, tuple):
+                        by_loop.setdefault(waiter[0], []).append((waiter[1], offset, exc))
+                    elif not waiter.done():
+                        try:
+                            if exc is None:
+                                waiter.set_result(offset)
+                            else:
+                                waiter.set_exception(exc)
+                        except cf.InvalidStateError:
+                            pass
+                for loop, items in by_loop.items():
+                    self._call_soon(loop, _set_many, items)
 
     @staticmethod
     def _call_soon(loop: asyncio.AbstractEventLoop, fn, arg) -> None:
