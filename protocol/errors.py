@@ -179,7 +179,8 @@ class CorruptRecordError(ProtocolError):
         self.code = code
 
 
-class UnsupportedCompressionError(ProtocolError):
+class UnsupportedCompressionError(CorruptRecordError):
     """Unknown compression codec id in a batch (UNSUPPORTED_COMPRESSION_TYPE)."""
 
-    code = ErrorCode.UNSUPPORTED_COMPRESSION_TYPE
+    def __init__(self, msg: str) -> None:
+        super().__init__(msg, ErrorCode.UNSUPPORTED_COMPRESSION_TYPE)
