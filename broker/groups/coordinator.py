@@ -167,12 +167,9 @@ class GroupCoordinator:
             task.add_done_callback(self._background.discard)
 
     # ----------------------------------------------------------------- timers
-    def _loop_now(self) -> asyncio.AbstractEventLoop:
-        return asyncio.get_running_loop()
-
     def _schedule_session(self, group: Group, member: Member) -> None:
         member.cancel_timer()
-        member.session_timer = self._loop_now().call_later(
+        member.session_timer = asyncio.get_running_loop().call_later(
             member.session_timeout_ms / 1000.0, self._on_session_expired, group, member.member_id
         )
 
@@ -210,8 +207,13 @@ class GroupCoordinator:
             delay = self.initial_rebalance_delay_ms / 1000.0
         else:
             group.initial_delay_active = False
-            delay = max((m.rebalance_timeout_ms for m in group.members.values()), default=0) / 1000.0
-        group.rebalance_timer = self._loop_now().call_later(delay, self._on_rebalance_timeout, group)
+            delay = self._rebalance_timeout_s(group)
+        group.rebalance_timer = asyncio.get_running_loop().call_later(delay, self._on_rebalance_timeout, group)
+
+    @staticmethod
+    def _rebalance_timeout_s(group: Group) -> float:
+        """A rebalance waits as long as the most patient member allows."""
+        return max((m.rebalance_timeout_ms for m in group.members.values()), default=0) / 1000.0
 
     def _on_rebalance_timeout(self, group: Group) -> None:
         group.rebalance_timer = None
@@ -220,8 +222,8 @@ class GroupCoordinator:
         if group.initial_delay_active:
             group.initial_delay_active = False
             if not group.all_members_joined():
-                delay = max((m.rebalance_timeout_ms for m in group.members.values()), default=0) / 1000.0
-                group.rebalance_timer = self._loop_now().call_later(delay, self._on_rebalance_timeout, group)
+                group.rebalance_timer = asyncio.get_running_loop().call_later(
+                    self._rebalance_timeout_s(group), self._on_rebalance_timeout, group)
                 return
         self._complete_join(group)
 
@@ -252,7 +254,6 @@ class GroupCoordinator:
             (m.member_id, m.instance_id, m.metadata_for(group.protocol_name)) for m in group.members.values()
         ]
         for m in group.members.values():
-            m.is_new = False
             if m.awaiting_join:
                 m.complete_join(
                     JoinResult(
@@ -339,12 +340,13 @@ class GroupCoordinator:
             if group.pending_members.pop(member_id, None) is not None:
                 if group.state == S.PREPARING_REBALANCE:
                     self._maybe_complete_join(group)
-                elif group.state == S.EMPTY and not group.members and not self.offsets.get(group.group_id):
+                else:
                     self._drop_if_unused(group)
 
-        group.pending_members[member_id] = self._loop_now().call_later(session_timeout_ms / 1000.0, expire)
+        group.pending_members[member_id] = asyncio.get_running_loop().call_later(session_timeout_ms / 1000.0, expire)
 
     def _drop_if_unused(self, group: Group) -> None:
+        """Forget a group that only ever saw a MEMBER_ID_REQUIRED round trip nobody finished."""
         if not group.members and not group.pending_members and group.generation_id == 0:
             if self.groups.get(group.group_id) is group and not self.offsets.get(group.group_id):
                 del self.groups[group.group_id]
@@ -355,9 +357,9 @@ class GroupCoordinator:
     ) -> JoinResult:
         member = Member(
             member_id, instance_id, client_id, client_host, session_timeout_ms, rebalance_timeout_ms,
-            protocol_type, [(n, bytes(m)) for n, m in protocols], is_new=True,
+            protocol_type, [(n, bytes(m)) for n, m in protocols],
         )
-        fut = member.join_future = self._loop_now().create_future()
+        fut = member.join_future = asyncio.get_running_loop().create_future()
         group.add_member(member)
         self._schedule_session(group, member)
         self._prepare_rebalance(group, f"new member {member_id} joined")
@@ -381,7 +383,7 @@ class GroupCoordinator:
         member.protocols = [(n, bytes(m)) for n, m in protocols]
         if member.awaiting_join:  # a duplicate JoinGroup supersedes the parked one
             member.complete_join(JoinResult(E.UNKNOWN_MEMBER_ID, member.member_id))
-        fut = member.join_future = self._loop_now().create_future()
+        fut = member.join_future = asyncio.get_running_loop().create_future()
         self._schedule_session(group, member)
         self._prepare_rebalance(group, f"member {member.member_id} rejoined")
         self._maybe_complete_join(group)
@@ -428,7 +430,7 @@ class GroupCoordinator:
                     E.NONE, new_id, group.generation_id, group.protocol_type, group.protocol_name,
                     old_leader or "", [],
                 )
-        fut = old.join_future = self._loop_now().create_future()
+        fut = old.join_future = asyncio.get_running_loop().create_future()
         self._prepare_rebalance(group, f"static member {instance_id} rejoined")
         self._maybe_complete_join(group)
         return await fut
@@ -471,7 +473,7 @@ class GroupCoordinator:
         # CompletingRebalance: park until the leader's assignment arrives.
         if member.awaiting_sync:
             member.complete_sync(SyncResult(E.REBALANCE_IN_PROGRESS))
-        member.sync_future = self._loop_now().create_future()
+        member.sync_future = asyncio.get_running_loop().create_future()
         fut = member.sync_future
         if member_id == group.leader_id:
             for m in group.members.values():

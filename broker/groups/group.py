@@ -57,7 +57,6 @@ class Member:
     join_future: asyncio.Future[JoinResult] | None = None
     sync_future: asyncio.Future[SyncResult] | None = None
     session_timer: asyncio.TimerHandle | None = None
-    is_new: bool = False
 
     @property
     def awaiting_join(self) -> bool:
