@@ -1,0 +1,147 @@
+"""Fetch (api key 1): read partitions with byte limits and long-poll for new data.
+
+Incremental fetch sessions (KIP-227) are declined by answering session_id 0, so every request
+is a full fetch. A request that finds fewer than min_bytes parks on the partitions' append
+waiters (no polling) until data arrives or max_wait_ms passes. KIP-74: the first batch of the
+first partition with data is returned even when larger than the limits (v3+).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import protocol
+from protocol import ErrorCode
+
+from ..partition import Partition, ReadResult, find_topic, find_topic_by_id, get_partition
+from .registry import RequestContext, handler
+
+log = logging.getLogger(__name__)
+
+FETCH = 1
+READ_COMMITTED = 1
+NO_LIMIT = 2**31 - 1
+
+
+async def _read_all(slots: list[tuple[Partition | None, int, int, int]], max_bytes: int,
+                    hard_limit: bool, read_committed: bool) -> tuple[list[ReadResult], int]:
+    """One pass over the requested partitions honouring the partition/response limits."""
+    results: list[ReadResult] = []
+    remaining = max_bytes
+    min_one = not hard_limit
+    total = 0
+    for partition, offset, part_max, missing_error in slots:
+        if partition is None:
+            results.append(ReadResult(error=missing_error))
+            continue
+        limit = min(part_max, remaining)
+        if limit <= 0 and not min_one:
+            # response budget used up: report the partition's offsets, no data
+            r = ReadResult(
+                high_watermark=partition.high_watermark,
+                last_stable_offset=partition.last_stable_offset,
+                log_start_offset=partition.log_start_offset)
+            results.append(r)
+            continue
+        r = await partition.read(offset, max(limit, 1), read_committed)
+        if r.batches and not min_one:
+            # only the very first batch of the response may exceed the limits (KIP-74)
+            kept, size = [], 0
+            for b in r.batches:
+                if size + len(b.payload) > limit:
+                    break
+                kept.append(b)
+                size += len(b.payload)
+            r.batches = kept
+        size = r.size
+        if size:
+            min_one = False
+        remaining = max(0, remaining - size)
+        total += size
+        results.append(r)
+    return results, total
+
+
+@handler(FETCH)
+async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
+    """Full fetch with long-poll; declines fetch sessions (session_id 0)."""
+    version = ctx.version
+    Resp = protocol.response_class(FETCH)
+    TopicResp = Resp.FetchableTopicResponse
+    PartResp = TopicResp.PartitionData
+    broker = ctx.broker
+
+    read_committed = version >= 4 and getattr(req, "isolation_level", 0) == READ_COMMITTED
+    max_bytes = req.max_bytes if version >= 3 and req.max_bytes is not None else NO_LIMIT
+    if max_bytes <= 0:
+        max_bytes = NO_LIMIT if version < 3 else max_bytes
+    hard_limit = version <= 2
+
+    session_id = getattr(req, "session_id", 0) or 0
+    if version >= 7 and session_id != 0:
+        return Resp(version=version, throttle_time_ms=0,
+                    error_code=ErrorCode.FETCH_SESSION_ID_NOT_FOUND, session_id=0, responses=[])
+
+    slots: list[tuple[Partition | None, int, int, int]] = []
+    layout: list[tuple[Any, list[int]]] = []
+    for ft in req.topics or []:
+        if version >= 13:
+            topic = find_topic_by_id(broker, ft.topic_id)
+            missing = ErrorCode.UNKNOWN_TOPIC_ID
+        else:
+            topic = find_topic(broker, ft.topic)
+            missing = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+        idxs = []
+        for fp in ft.partitions or []:
+            part = get_partition(topic, fp.partition)
+            slots.append((part, fp.fetch_offset, fp.partition_max_bytes, missing))
+            idxs.append(fp.partition)
+        layout.append((ft, idxs))
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max(req.max_wait_ms or 0, 0) / 1000
+    min_bytes = max(req.min_bytes or 0, 0)
+    partitions = [s[0] for s in slots if s[0] is not None]
+    while True:
+        # register before reading so an append landing during the read is not missed
+        waiter = loop.create_future()
+        for p in partitions:
+            p.new_waiter(waiter)
+        try:
+            results, total = await _read_all(slots, max_bytes, hard_limit, read_committed)
+            remaining = deadline - loop.time()
+            if (total >= min_bytes or remaining <= 0 or not partitions
+                    or any(r.error for r in results)
+                    or any(p._closed for p in partitions)):
+                break
+            try:
+                await asyncio.wait_for(waiter, remaining)
+            except asyncio.TimeoutError:
+                pass
+        finally:
+            for p in partitions:
+                p.remove_waiter(waiter)
+            if not waiter.done():
+                waiter.cancel()
+
+    responses = []
+    i = 0
+    for ft, idxs in layout:
+        parts = []
+        for index in idxs:
+            r = results[i]
+            i += 1
+            records = b"".join(b.payload for b in r.batches) if r.batches else b""
+            parts.append(PartResp(
+                partition_index=index, error_code=int(r.error),
+                high_watermark=r.high_watermark, last_stable_offset=r.last_stable_offset,
+                log_start_offset=r.log_start_offset,
+                aborted_transactions=[] if read_committed else None,
+                preferred_read_replica=-1, records=records))
+        if version >= 13:
+            responses.append(TopicResp(topic_id=ft.topic_id, partitions=parts))
+        else:
+            responses.append(TopicResp(topic=ft.topic, partitions=parts))
+    return Resp(version=version, throttle_time_ms=0, error_code=0, session_id=0,
+                responses=responses)

@@ -1,0 +1,72 @@
+"""ListOffsets (api key 2): earliest, latest, max timestamp and lookups by timestamp.
+
+Special timestamps as Kafka defines them: -1 latest (high watermark, or last stable offset
+under read_committed), -2 earliest (log start offset), -3 the record with the largest
+timestamp (v7+), -4 earliest local (= earliest: all data is "local" through the stream).
+A timestamp >= 0 finds the first record whose timestamp is >= it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import protocol
+from protocol import ErrorCode
+
+from ..partition import Partition, find_topic, get_partition
+from .registry import RequestContext, handler
+
+log = logging.getLogger(__name__)
+
+LIST_OFFSETS = 2
+LATEST, EARLIEST, MAX_TIMESTAMP, EARLIEST_LOCAL = -1, -2, -3, -4
+READ_COMMITTED = 1
+
+
+async def lookup(partition: Partition, timestamp: int, read_committed: bool) -> tuple[int, int, int]:
+    """(error, offset, timestamp) answering one ListOffsets partition query."""
+    if timestamp == LATEST:
+        off = partition.last_stable_offset if read_committed else partition.high_watermark
+        return ErrorCode.NONE, off, -1
+    if timestamp in (EARLIEST, EARLIEST_LOCAL):
+        return ErrorCode.NONE, partition.log_start_offset, -1
+    if timestamp == MAX_TIMESTAMP:
+        off, ts = await partition.max_timestamp_offset()
+        return ErrorCode.NONE, off, ts
+    if timestamp < 0:
+        return ErrorCode.INVALID_REQUEST, -1, -1
+    off, ts = await partition.offset_for_timestamp(timestamp)
+    if read_committed and off >= partition.last_stable_offset:
+        return ErrorCode.NONE, -1, -1
+    return ErrorCode.NONE, off, ts
+
+
+@handler(LIST_OFFSETS)
+async def handle_list_offsets(ctx: RequestContext, req: Any) -> Any:
+    version = ctx.version
+    Resp = protocol.response_class(LIST_OFFSETS)
+    TopicResp = Resp.ListOffsetsTopicResponse
+    PartResp = TopicResp.ListOffsetsPartitionResponse
+    read_committed = version >= 2 and getattr(req, "isolation_level", 0) == READ_COMMITTED
+    topics = []
+    for t in req.topics or []:
+        topic = find_topic(ctx.broker, t.name)
+        parts = []
+        for p in t.partitions or []:
+            partition = get_partition(topic, p.partition_index)
+            if partition is None:
+                parts.append(PartResp(partition_index=p.partition_index,
+                                      error_code=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
+                                      timestamp=-1, offset=-1, leader_epoch=-1))
+                continue
+            try:
+                err, off, ts = await lookup(partition, p.timestamp, read_committed)
+            except Exception:  # noqa: BLE001 - a broken partition answers an error, not a crash
+                log.exception("list offsets failed topic=%s partition=%d", t.name,
+                              p.partition_index)
+                err, off, ts = ErrorCode.KAFKA_STORAGE_ERROR, -1, -1
+            parts.append(PartResp(partition_index=p.partition_index, error_code=int(err),
+                                  timestamp=ts, offset=off,
+                                  leader_epoch=0 if off >= 0 and not err else -1))
+        topics.append(TopicResp(name=t.name, partitions=parts))
+    return Resp(version=version, throttle_time_ms=0, topics=topics)

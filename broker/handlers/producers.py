@@ -1,0 +1,69 @@
+"""InitProducerId (22) and DescribeProducers (61).
+
+Idempotent producers get a fresh producer id with epoch 0 every time (as Kafka does without a
+transactional id); ids come from a durable counter, so none is reused after a restart. A
+transactional id keeps its producer id and bumps the epoch (fencing the older instance), though
+the transaction APIs themselves are not offered.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import protocol
+from protocol import ErrorCode
+
+from ..partition import find_topic, get_partition
+from ..producer_state import producer_store_for
+from .registry import RequestContext, handler
+
+log = logging.getLogger(__name__)
+
+INIT_PRODUCER_ID = 22
+DESCRIBE_PRODUCERS = 61
+
+
+@handler(INIT_PRODUCER_ID)
+async def handle_init_producer_id(ctx: RequestContext, req: Any) -> Any:
+    Resp = protocol.response_class(INIT_PRODUCER_ID)
+    store = producer_store_for(ctx.broker)
+    txn_id = getattr(req, "transactional_id", None)
+    try:
+        if txn_id:
+            pid, epoch = await asyncio.to_thread(store.init_transactional, txn_id)
+        else:
+            pid, epoch = await asyncio.to_thread(store.allocate_producer_id), 0
+        err = ErrorCode.NONE
+    except Exception:  # noqa: BLE001 - the database may be busy/broken: a retriable answer
+        log.exception("producer id allocation failed")
+        pid, epoch, err = -1, -1, ErrorCode.COORDINATOR_NOT_AVAILABLE
+    return Resp(version=ctx.version, throttle_time_ms=0, error_code=int(err),
+                producer_id=pid, producer_epoch=epoch)
+
+
+@handler(DESCRIBE_PRODUCERS)
+async def handle_describe_producers(ctx: RequestContext, req: Any) -> Any:
+    Resp = protocol.response_class(DESCRIBE_PRODUCERS)
+    TopicResp = Resp.TopicResponse
+    PartResp = TopicResp.PartitionResponse
+    State = PartResp.ProducerState
+    topics = []
+    for t in req.topics or []:
+        topic = find_topic(ctx.broker, t.name)
+        parts = []
+        for index in t.partition_indexes or []:
+            partition = get_partition(topic, index)
+            if partition is None:
+                parts.append(PartResp(partition_index=index,
+                                      error_code=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
+                                      error_message=None, active_producers=[]))
+                continue
+            active = [State(producer_id=pid, producer_epoch=epoch, last_sequence=seq,
+                            last_timestamp=ts, coordinator_epoch=-1,
+                            current_txn_start_offset=-1)
+                      for pid, epoch, seq, ts, _first in partition.producer_rows()]
+            parts.append(PartResp(partition_index=index, error_code=0, error_message=None,
+                                  active_producers=active))
+        topics.append(TopicResp(name=t.name, partitions=parts))
+    return Resp(version=ctx.version, throttle_time_ms=0, topics=topics)

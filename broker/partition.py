@@ -1,0 +1,568 @@
+"""One Kafka topic-partition over a storage Stream.
+
+The produce path never decodes records: batches are split and validated in place (CRC-32C),
+offsets are written into the batch headers and the bytes go to the stream as one payload per
+produce request. The partition also owns what Kafka keeps next to a log: the idempotent
+producers' sequence windows, a sparse time index (for ListOffsets by timestamp) and the waiters
+that Fetch long-polls park on until an append becomes durable.
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import protocol
+from protocol import ErrorCode
+from storage.stream import Batch, OffsetOutOfRange, RetriableStorageError, StorageError, Stream
+
+from .producer_state import (NO_PRODUCER_ID, BatchMeta, PartitionProducers, ProducerError,
+                             ProducerStore, producer_store_for)
+
+log = logging.getLogger(__name__)
+
+COMPRESSION_ZSTD = 4
+DEFAULT_MAX_MESSAGE_BYTES = 1048588
+SNAPSHOT_EVERY_BATCHES = 1000
+REPLAY_READ_BYTES = 8 << 20
+CHUNK_BYTES = 1 << 20
+LEADER_EPOCH = 0  # one node, leadership never moves
+
+
+@dataclass(slots=True)
+class AppendResult:
+    """Outcome of one partition's part of a Produce request."""
+
+    error: int = 0
+    base_offset: int = -1
+    log_append_time: int = -1
+    log_start_offset: int = -1
+    message: str | None = None
+
+
+@dataclass(slots=True)
+class ReadResult:
+    """Outcome of one partition's part of a Fetch request."""
+
+    error: int = 0
+    high_watermark: int = -1
+    last_stable_offset: int = -1
+    log_start_offset: int = -1
+    batches: list[Batch] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return sum(len(b.payload) for b in self.batches)
+
+
+class LogIndex:
+    """Coarse index of the log in chunks of about CHUNK_BYTES of whole payloads.
+
+    Per chunk: base offset, size and the running max timestamp up to that chunk. The first
+    chunk whose running max is >= T holds the first batch with a timestamp >= T, so ListOffsets
+    by timestamp reads one chunk; chunk sizes drive retention.bytes and chunk timestamps
+    retention.ms. Memory stays bounded (one entry per ~1 MiB); rebuilt from batch headers on open."""
+
+    def __init__(self) -> None:
+        self.bases: list[int] = []
+        self.sizes: list[int] = []
+        self.run_max: list[int] = []
+        self.total_bytes = 0
+
+    @property
+    def max_timestamp(self) -> int:
+        return self.run_max[-1] if self.run_max else -1
+
+    def add(self, base_offset: int, size: int, max_timestamp: int) -> None:
+        """Account one appended payload (whole payloads only: chunk bases are trim points)."""
+        prev = self.run_max[-1] if self.run_max else -1
+        if self.sizes and self.sizes[-1] < CHUNK_BYTES:
+            self.sizes[-1] += size
+            self.run_max[-1] = max(prev, max_timestamp)
+        else:
+            self.bases.append(base_offset)
+            self.sizes.append(size)
+            self.run_max.append(max(prev, max_timestamp))
+        self.total_bytes += size
+
+    def lookup(self, target: int) -> int | None:
+        """Base offset of the chunk holding the first batch with max timestamp >= target."""
+        i = bisect.bisect_left(self.run_max, target)
+        return self.bases[i] if i < len(self.bases) else None
+
+    def chunk_of_max(self) -> int | None:
+        """Base offset of the chunk where the max timestamp was first reached."""
+        if not self.run_max:
+            return None
+        return self.lookup(self.run_max[-1])
+
+    def retention_point(self, cutoff_ts: int | None, max_bytes: int | None) -> int | None:
+        """Chunk base offset below which every chunk is expired (never the last chunk)."""
+        n = len(self.bases)
+        keep = 0  # number of leading chunks to delete
+        if cutoff_ts is not None:
+            # a chunk is expired when its own newest timestamp is older than the cutoff; the
+            # running max is monotone so the first chunk reaching the cutoff bounds the scan
+            keep = bisect.bisect_left(self.run_max, cutoff_ts)
+        if max_bytes is not None and max_bytes >= 0:
+            size = self.total_bytes
+            j = 0
+            while j < n - 1 and size - self.sizes[j] >= max_bytes:
+                size -= self.sizes[j]
+                j += 1
+            keep = max(keep, j)
+        keep = min(keep, n - 1)
+        return self.bases[keep] if keep > 0 else None
+
+    def truncate_below(self, start_offset: int) -> None:
+        """Forget chunks that lie wholly below ``start_offset``."""
+        i = bisect.bisect_right(self.bases, start_offset) - 1
+        if i > 0:
+            self.total_bytes -= sum(self.sizes[:i])
+            del self.bases[:i]
+            del self.sizes[:i]
+            del self.run_max[:i]
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _config_int(configs: dict[str, str], name: str, default: int) -> int:
+    try:
+        return int(configs.get(name, default))
+    except (TypeError, ValueError):
+        return default
+
+
+class Partition:
+    """One topic-partition over a Stream; owns offsets, idempotence state, time index, HW/LSO."""
+
+    def __init__(self, broker: Any, topic: str, topic_id: uuid.UUID, index: int, stream: Stream,
+                 configs: dict[str, str], producer_store: ProducerStore | None) -> None:
+        self.broker = broker
+        self.topic = topic
+        self.topic_id = topic_id
+        self.index = index
+        self.stream = stream
+        self.configs = configs
+        self.producers = PartitionProducers()
+        self.log_index = LogIndex()
+        self._producer_store = producer_store
+        self._waiters: set[asyncio.Future[None]] = set()
+        self._batches_since_snapshot = 0
+        self._closed = False
+
+    # --- life cycle ------------------------------------------------------------------------
+    @classmethod
+    async def open(cls, broker: Any, topic: str, topic_id: uuid.UUID, index: int, stream: Stream,
+                   configs: dict[str, str]) -> "Partition":
+        """Open over ``stream``, restoring producer state and the time index."""
+        store = None
+        if broker is not None:
+            try:
+                store = producer_store_for(broker)
+            except Exception:  # noqa: BLE001 - state then lives in memory only, say so
+                log.exception("producer state store unavailable; idempotence not durable")
+        p = cls(broker, topic, topic_id, index, stream, configs, store)
+        await p._restore()
+        if broker is not None:
+            from .retention import ensure_retention  # noqa: PLC0415 - retention imports us
+            ensure_retention(broker)
+        return p
+
+    async def _restore(self) -> None:
+        """Load the last snapshot and replay batch headers written after it."""
+        replay_from = self.stream.start_offset
+        snap = None
+        if self._producer_store is not None:
+            snap = self._producer_store.load_snapshot(str(self.topic_id), self.index,
+                                                      self.stream.stream_id)
+        if snap is not None:
+            try:
+                self.producers = PartitionProducers.from_json(snap[1])
+            except (ValueError, KeyError, TypeError):
+                log.warning("bad producer snapshot topic=%s partition=%d", self.topic, self.index)
+                self.producers = PartitionProducers()
+        # The time index is not snapshotted: rebuild it from every batch header (headers only;
+        # cheap for the hot tail, a full scan for cold logs). Producer state is replayed only
+        # for batches after the snapshot.
+        snap_end = snap[0] if snap is not None else -1
+        offset = replay_from
+        end = self.stream.confirmed_offset
+        while offset < end:
+            try:
+                batches = await self.stream.read(offset, REPLAY_READ_BYTES)
+            except OffsetOutOfRange:
+                break
+            if not batches:
+                break
+            for b in batches:
+                max_ts = -1
+                for view in protocol.iter_batches(b.payload):
+                    max_ts = max(max_ts, view.max_timestamp)
+                    if view.producer_id != NO_PRODUCER_ID and view.base_offset >= snap_end:
+                        self.producers.record(view.producer_id, view.producer_epoch,
+                                              view.base_sequence, view.last_offset_delta + 1,
+                                              view.base_offset, view.max_timestamp)
+                self.log_index.add(b.base_offset, len(b.payload), max_ts)
+                offset = b.next_offset
+        self.producers.expire_below(self.stream.start_offset)
+
+    def snapshot(self) -> None:
+        """Persist producer state up to the current end offset (cheap; called periodically)."""
+        if self._producer_store is None:
+            return
+        self._batches_since_snapshot = 0
+        try:
+            self._producer_store.save_snapshot(str(self.topic_id), self.index,
+                                               self.stream.stream_id, self.stream.confirmed_offset,
+                                               self.producers.to_json())
+        except Exception:  # noqa: BLE001 - the log tail still rebuilds state on start
+            log.exception("producer snapshot failed topic=%s partition=%d", self.topic, self.index)
+
+    async def close(self) -> None:
+        """Snapshot producer state and release long-polling fetches."""
+        if self._closed:
+            return
+        self._closed = True
+        self.snapshot()
+        self._wake()
+
+    # --- offsets ---------------------------------------------------------------------------
+    @property
+    def log_start_offset(self) -> int:
+        return self.stream.start_offset
+
+    @property
+    def high_watermark(self) -> int:
+        return self.stream.confirmed_offset
+
+    @property
+    def last_stable_offset(self) -> int:
+        """No transactions are supported, so everything durable is stable."""
+        return self.stream.confirmed_offset
+
+    @property
+    def log_end_offset(self) -> int:
+        return self.stream.end_offset
+
+    # --- produce ---------------------------------------------------------------------------
+    async def append(self, records: bytes | bytearray | memoryview | None,
+                     api_version: int = 9) -> AppendResult:
+        """Validate, assign offsets in place and append one produce payload durably.
+
+        Returns when the payload is durable (acks=1/all); the caller decides whether to answer.
+        Errors are returned as Kafka error codes, never raised."""
+        res = AppendResult(log_start_offset=self.log_start_offset)
+        if self._closed:
+            res.error = ErrorCode.NOT_LEADER_OR_FOLLOWER
+            return res
+        if records is None or len(records) == 0:
+            res.error = ErrorCode.CORRUPT_MESSAGE
+            res.message = "empty records"
+            return res
+        try:
+            buf, views = self._prepare(records)
+        except protocol.CorruptRecordError as e:
+            res.error, res.message = ErrorCode.CORRUPT_MESSAGE, str(e)
+            return res
+        if not views:
+            res.error, res.message = ErrorCode.CORRUPT_MESSAGE, "no record batch"
+            return res
+
+        max_bytes = _config_int(self.configs, "max.message.bytes", DEFAULT_MAX_MESSAGE_BYTES)
+        log_append = self.configs.get("message.timestamp.type", "CreateTime") == "LogAppendTime"
+        count = 0
+        for pos, view in views:
+            if view.size > max_bytes:
+                res.error = ErrorCode.MESSAGE_SIZE_TOO_LARGE
+                res.message = f"batch of {view.size} bytes > max.message.bytes {max_bytes}"
+                return res
+            if view.compression == COMPRESSION_ZSTD and api_version < 7:
+                res.error = ErrorCode.UNSUPPORTED_COMPRESSION_TYPE
+                return res
+            if view.is_transactional or view.is_control:
+                res.error = ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED
+                res.message = "transactions are not supported"
+                return res
+            count += view.last_offset_delta + 1
+
+        # idempotence checks (all batches of the request stand or fall together, like Kafka)
+        producers = self.producers
+        pending: dict[int, tuple[int, int]] = {}  # pid -> (epoch, last seq) within this request
+        for _pos, view in views:
+            pid = view.producer_id
+            if pid == NO_PRODUCER_ID:
+                continue
+            try:
+                if pid in pending:
+                    epoch, last = pending[pid]
+                    if view.producer_epoch != epoch or view.base_sequence != last + 1:
+                        raise ProducerError("OUT_OF_ORDER_SEQUENCE_NUMBER",
+                                            "sequence gap inside one request")
+                    dup = None
+                else:
+                    dup = producers.check(pid, view.producer_epoch, view.base_sequence,
+                                          view.last_offset_delta + 1)
+            except ProducerError as e:
+                res.error, res.message = ErrorCode[e.code], str(e)
+                return res
+            if dup is not None:
+                return await self._answer_duplicate(dup, res)
+            pending[pid] = (view.producer_epoch,
+                            view.base_sequence + view.last_offset_delta)
+
+        # offsets and timestamps, in place
+        base = self.stream.end_offset
+        now = _now_ms()
+        next_offset = base
+        recorded: list[tuple[int, BatchMeta]] = []
+        payload_max_ts = -1
+        for pos, view in views:
+            protocol.set_base_offset(buf, pos, next_offset)
+            protocol.set_partition_leader_epoch(buf, pos, LEADER_EPOCH)
+            if log_append:
+                protocol.set_log_append_time(buf, pos, now)
+                max_ts = now
+            else:
+                max_ts = view.max_timestamp
+                if max_ts < 0:
+                    max_ts = protocol.fill_max_timestamp(buf, pos)
+            payload_max_ts = max(payload_max_ts, max_ts)
+            if view.producer_id != NO_PRODUCER_ID:
+                recorded.append((view.producer_id, producers.record(
+                    view.producer_id, view.producer_epoch, view.base_sequence,
+                    view.last_offset_delta + 1, next_offset, max_ts)))
+            next_offset += view.last_offset_delta + 1
+
+        try:
+            await self.stream.append(buf, base, count)
+        except RetriableStorageError as e:
+            for pid, meta in recorded:
+                producers.forget(pid, meta)
+            res.error, res.message = ErrorCode.NOT_ENOUGH_REPLICAS, f"storage busy: {e}"
+            return res
+        except StorageError as e:
+            for pid, meta in recorded:
+                producers.forget(pid, meta)
+            log.error("append failed topic=%s partition=%d error=%s", self.topic, self.index, e)
+            res.error, res.message = ErrorCode.KAFKA_STORAGE_ERROR, str(e)
+            return res
+        self.log_index.add(base, len(buf), payload_max_ts)
+        self._wake()
+        self._batches_since_snapshot += len(views)
+        if self._batches_since_snapshot >= SNAPSHOT_EVERY_BATCHES:
+            self.snapshot()
+        res.base_offset = base
+        res.log_append_time = now if log_append else -1
+        res.log_start_offset = self.log_start_offset
+        return res
+
+    def _prepare(self, records: bytes | bytearray | memoryview
+                 ) -> tuple[bytearray, list[tuple[int, Any]]]:
+        """A writable buffer of v2 batches plus (position, header view) of each batch."""
+        mv = memoryview(records)
+        if mv.nbytes > 16 and mv[16] < 2:
+            buf = bytearray(protocol.convert_legacy(mv))
+        else:
+            # one copy: the request frame may be a reused receive buffer, the stored payload
+            # must own its bytes (the log cache keeps it)
+            buf = bytearray(mv)
+        views = []
+        for view in protocol.iter_batches(buf):
+            protocol.validate_batch(view)
+            views.append((view.pos, view))
+        return buf, views
+
+    async def _answer_duplicate(self, dup: BatchMeta, res: AppendResult) -> AppendResult:
+        """A retried batch: wait until the original is durable and answer with its offset."""
+        await self.wait_for(dup.last_offset + 1)
+        res.base_offset = dup.base_offset
+        res.log_start_offset = self.log_start_offset
+        if self.configs.get("message.timestamp.type", "CreateTime") == "LogAppendTime":
+            res.log_append_time = dup.timestamp
+        return res
+
+    async def wait_for(self, offset: int, timeout: float | None = None) -> bool:
+        """Wait until the high watermark reaches ``offset`` (or timeout); True if it did."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while self.high_watermark < offset and not self._closed:
+            fut = self.new_waiter()
+            try:
+                remaining = None if deadline is None else deadline - loop.time()
+                if remaining is not None and remaining <= 0:
+                    return False
+                await asyncio.wait_for(fut, remaining)
+            except asyncio.TimeoutError:
+                return self.high_watermark >= offset
+            finally:
+                self._waiters.discard(fut)
+        return self.high_watermark >= offset
+
+    # --- fetch -----------------------------------------------------------------------------
+    def new_waiter(self, fut: asyncio.Future[None] | None = None) -> asyncio.Future[None]:
+        """Register a future resolved by the next durable append (Fetch long-poll)."""
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+        self._waiters.add(fut)
+        return fut
+
+    def remove_waiter(self, fut: asyncio.Future[None]) -> None:
+        self._waiters.discard(fut)
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, set()
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def read(self, offset: int, max_bytes: int, read_committed: bool = False) -> ReadResult:
+        """Batches from ``offset`` up to the HW (LSO for read_committed; equal here)."""
+        hw = self.high_watermark
+        res = ReadResult(high_watermark=hw, last_stable_offset=self.last_stable_offset,
+                         log_start_offset=self.log_start_offset)
+        if offset < res.log_start_offset or offset > hw:
+            if offset > hw and offset <= self.log_end_offset:
+                return res  # data in flight: nothing visible yet, not an error
+            res.error = ErrorCode.OFFSET_OUT_OF_RANGE
+            return res
+        if offset == hw:
+            return res
+        try:
+            batches = await self.stream.read(offset, max(max_bytes, 1))
+        except OffsetOutOfRange:
+            res.error = ErrorCode.OFFSET_OUT_OF_RANGE
+            res.log_start_offset = self.log_start_offset
+            return res
+        except StorageError as e:
+            log.error("read failed topic=%s partition=%d offset=%d error=%s",
+                      self.topic, self.index, offset, e)
+            res.error = ErrorCode.KAFKA_STORAGE_ERROR
+            return res
+        limit = hw if not read_committed else self.last_stable_offset
+        res.batches = [b for b in batches if b.base_offset < limit]
+        return res
+
+    # --- list offsets ----------------------------------------------------------------------
+    async def offset_for_timestamp(self, timestamp: int) -> tuple[int, int]:
+        """(offset, timestamp) of the first record with timestamp >= ``timestamp``.
+
+        (-1, -1) when there is none. The log index names the chunk to read; within it the first
+        batch whose max timestamp reaches the target is decoded (not a hot path)."""
+        base = self.log_index.lookup(timestamp)
+        if base is None:
+            return -1, -1
+        start = self.log_start_offset
+        async for payload, pos, view in self._scan(max(base, start)):
+            if view.max_timestamp < timestamp:
+                continue
+            for offset, ts in protocol.record_timestamps(payload, pos):
+                if ts >= timestamp and offset >= start:
+                    return offset, ts
+        return -1, -1
+
+    async def max_timestamp_offset(self) -> tuple[int, int]:
+        """(offset, timestamp) of the first record carrying the largest timestamp."""
+        ts = self.log_index.max_timestamp
+        base = self.log_index.chunk_of_max()
+        if base is None or ts < 0:
+            return -1, -1
+        start = self.log_start_offset
+        async for payload, pos, view in self._scan(max(base, start)):
+            if view.max_timestamp != ts:
+                continue
+            for offset, rts in protocol.record_timestamps(payload, pos):
+                if rts == ts and offset >= start:
+                    return offset, rts
+        return -1, -1
+
+    async def _scan(self, offset: int):  # -> AsyncIterator[tuple[payload, pos, BatchView]]
+        """Batch headers from ``offset`` to the high watermark (reads whole payloads)."""
+        hw = self.high_watermark
+        while offset < hw:
+            try:
+                batches = await self.stream.read(offset, REPLAY_READ_BYTES)
+            except StorageError:
+                return
+            if not batches:
+                return
+            for b in batches:
+                for pos, view in _views_with_pos(b.payload):
+                    if view.base_offset + view.last_offset_delta >= offset:
+                        yield b.payload, pos, view
+                offset = max(offset, b.next_offset)
+
+    # --- trimming --------------------------------------------------------------------------
+    async def trim_to(self, offset: int) -> int:
+        """Advance the log start offset to ``offset`` (DeleteRecords / retention)."""
+        offset = min(offset, self.high_watermark)
+        if offset > self.log_start_offset:
+            await self.stream.trim(offset)
+            self.log_index.truncate_below(self.log_start_offset)
+            self.producers.expire_below(self.log_start_offset)
+        return self.log_start_offset
+
+    def producer_rows(self) -> list[tuple[int, int, int, int, int]]:
+        """(producer id, epoch, last sequence, last timestamp, first offset) for DescribeProducers."""
+        rows = []
+        for pid, e in self.producers.entries.items():
+            first = e.batches[0].base_offset if e.batches else -1
+            rows.append((pid, e.epoch, e.last_seq, e.last_timestamp, first))
+        return rows
+
+
+def _views_with_pos(payload: bytes | memoryview) -> list[tuple[int, Any]]:
+    return [(view.pos, view) for view in protocol.iter_batches(payload)]
+
+
+# --- lookups shared by the datapath handlers -------------------------------------------------
+def find_topic(broker: Any, name: str | None) -> Any | None:
+    """The broker's Topic called ``name`` (``broker.topics: dict[str, Topic]``), else None."""
+    if not name:
+        return None
+    return getattr(broker, "topics", {}).get(name)
+
+
+def find_topic_by_id(broker: Any, topic_id: uuid.UUID | None) -> Any | None:
+    """The broker's Topic with this id (Produce v13+ / Fetch v13+ address topics by id)."""
+    if topic_id is None:
+        return None
+    for t in list(getattr(broker, "topics", {}).values()):
+        if getattr(t, "topic_id", None) == topic_id:
+            return t
+    return None
+
+
+def get_partition(topic: Any | None, index: int) -> Partition | None:
+    """Partition ``index`` of ``topic`` if both exist."""
+    if topic is None:
+        return None
+    parts = getattr(topic, "partitions", None) or []
+    if 0 <= index < len(parts):
+        return parts[index]
+    return None
+
+
+async def topic_for_produce(broker: Any, name: str | None) -> Any | None:
+    """The topic to produce to, auto-created when the broker allows it (like Kafka's
+    auto.create.topics.enable). The broker core exposes ``broker.auto_create_topic(name)``."""
+    topic = find_topic(broker, name)
+    if topic is not None or not name:
+        return topic
+    create = getattr(broker, "auto_create_topic", None)
+    if create is None:
+        return None
+    try:
+        result = create(name)
+        if asyncio.iscoroutine(result):
+            result = await result
+    except Exception:  # noqa: BLE001 - an invalid name just stays unknown
+        log.debug("auto-create of %r failed", name, exc_info=True)
+        return None
+    return result if result is not None else find_topic(broker, name)

@@ -1,0 +1,267 @@
+"""Idempotent-producer state: producer id allocation and per-partition sequence windows.
+
+Kafka's idempotence contract is exact: per partition and producer, a retried batch that matches
+one of the last five appended batches is answered with its original offsets, a gap in the
+sequence numbers is OUT_OF_ORDER_SEQUENCE_NUMBER and an older epoch is fenced. The state must
+survive restarts, so producer ids are allocated through a durable counter in the metadata
+database and each partition's windows are snapshotted there (tables prefixed ``kafka_producer_``);
+the log tail written after the last snapshot is replayed from batch headers on start.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+NO_PRODUCER_ID = -1
+NO_PRODUCER_EPOCH = -1
+NO_SEQUENCE = -1
+WINDOW = 5  # Kafka keeps the last 5 batches per producer (max.in.flight for idempotence)
+INT32_MAX = 2**31 - 1
+EPOCH_MAX = 2**15 - 1
+
+
+class ProducerError(Exception):
+    """A sequence/epoch check failed; ``code`` is the Kafka error code name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class BatchMeta:
+    """What the dedup window remembers of one appended batch."""
+
+    first_seq: int
+    last_seq: int
+    base_offset: int
+    last_offset: int
+    timestamp: int
+
+
+@dataclass(slots=True)
+class ProducerEntry:
+    """One producer's state in one partition."""
+
+    epoch: int
+    batches: deque[BatchMeta] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    last_timestamp: int = -1
+
+    @property
+    def last_seq(self) -> int:
+        return self.batches[-1].last_seq if self.batches else NO_SEQUENCE
+
+    def find_duplicate(self, epoch: int, first_seq: int, last_seq: int) -> BatchMeta | None:
+        if epoch != self.epoch:
+            return None
+        for b in self.batches:
+            if b.first_seq == first_seq and b.last_seq == last_seq:
+                return b
+        return None
+
+
+def _in_sequence(last_seq: int, first_seq: int) -> bool:
+    """Next sequence after ``last_seq`` (sequences wrap from INT32_MAX to 0)."""
+    return first_seq == last_seq + 1 or (last_seq == INT32_MAX and first_seq == 0)
+
+
+def _last_seq(first_seq: int, count: int) -> int:
+    last = first_seq + count - 1
+    return last - INT32_MAX - 1 if last > INT32_MAX else last
+
+
+class PartitionProducers:
+    """Sequence windows of every idempotent producer writing to one partition."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, ProducerEntry] = {}
+
+    def check(self, producer_id: int, epoch: int, first_seq: int, count: int) -> BatchMeta | None:
+        """Validate a batch before it is appended.
+
+        Returns the remembered batch when this one is a duplicate (answer with its offsets),
+        None when the batch may be appended; raises ProducerError otherwise. Mirrors Kafka:
+        a producer this partition has no state for (new, or expired by retention) may start at
+        any sequence; a new epoch must start at sequence 0."""
+        entry = self.entries.get(producer_id)
+        if entry is None:
+            return None
+        dup = entry.find_duplicate(epoch, first_seq, _last_seq(first_seq, count))
+        if dup is not None:
+            return dup
+        if epoch < entry.epoch:
+            raise ProducerError(
+                "INVALID_PRODUCER_EPOCH",
+                f"producer {producer_id} epoch {epoch} is older than {entry.epoch}")
+        if epoch > entry.epoch:
+            if first_seq != 0:
+                raise ProducerError(
+                    "OUT_OF_ORDER_SEQUENCE_NUMBER",
+                    f"new epoch {epoch} of producer {producer_id} starts at {first_seq}, not 0")
+            return None
+        if entry.batches and not _in_sequence(entry.last_seq, first_seq):
+            raise ProducerError(
+                "OUT_OF_ORDER_SEQUENCE_NUMBER",
+                f"producer {producer_id}: expected sequence {entry.last_seq + 1}, got {first_seq}")
+        return None
+
+    def record(self, producer_id: int, epoch: int, first_seq: int, count: int,
+               base_offset: int, timestamp: int) -> BatchMeta:
+        """Remember an appended (or replayed) batch."""
+        entry = self.entries.get(producer_id)
+        if entry is None or epoch != entry.epoch:
+            if entry is not None and epoch < entry.epoch:
+                # replaying an old batch after a newer epoch was snapshotted: ignore
+                return BatchMeta(first_seq, _last_seq(first_seq, count), base_offset,
+                                 base_offset + count - 1, timestamp)
+            entry = ProducerEntry(epoch)
+            self.entries[producer_id] = entry
+        meta = BatchMeta(first_seq, _last_seq(first_seq, count), base_offset,
+                         base_offset + count - 1, timestamp)
+        entry.batches.append(meta)
+        entry.last_timestamp = max(entry.last_timestamp, timestamp)
+        return meta
+
+    def forget(self, producer_id: int, meta: BatchMeta) -> None:
+        """Undo ``record`` for a batch whose append failed (so the client's retry is accepted)."""
+        entry = self.entries.get(producer_id)
+        if entry is None:
+            return
+        try:
+            entry.batches.remove(meta)
+        except ValueError:
+            return
+        if not entry.batches:
+            del self.entries[producer_id]
+
+    def expire_below(self, log_start_offset: int) -> None:
+        """Drop producers whose every remembered batch fell below the log start (retention)."""
+        for pid in [p for p, e in self.entries.items()
+                    if e.batches and e.batches[-1].last_offset < log_start_offset]:
+            del self.entries[pid]
+
+    # --- snapshots -------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps({
+            str(pid): {"epoch": e.epoch, "ts": e.last_timestamp,
+                       "batches": [[b.first_seq, b.last_seq, b.base_offset, b.last_offset,
+                                    b.timestamp] for b in e.batches]}
+            for pid, e in self.entries.items()})
+
+    @classmethod
+    def from_json(cls, text: str) -> "PartitionProducers":
+        out = cls()
+        for pid, e in json.loads(text).items():
+            entry = ProducerEntry(int(e["epoch"]), last_timestamp=int(e.get("ts", -1)))
+            for fs, ls, bo, lo, ts in e["batches"]:
+                entry.batches.append(BatchMeta(fs, ls, bo, lo, ts))
+            out.entries[int(pid)] = entry
+        return out
+
+
+class ProducerStore:
+    """Durable producer-id counter and partition snapshots in the metadata database.
+
+    Uses its own sqlite3 connection (tables ``kafka_producer_*``) so it needs nothing from the
+    broker core's metastore; writes are small and committed synchronously, which is what makes
+    an allocated producer id never reused after a crash."""
+
+    def __init__(self, db_path: str) -> None:
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None,
+                                   timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS kafka_producer_ids ("
+                         " id INTEGER PRIMARY KEY CHECK (id = 0), next_id INTEGER NOT NULL)")
+        self._db.execute("CREATE TABLE IF NOT EXISTS kafka_producer_txn_ids ("
+                         " transactional_id TEXT PRIMARY KEY, producer_id INTEGER NOT NULL,"
+                         " epoch INTEGER NOT NULL)")
+        self._db.execute("CREATE TABLE IF NOT EXISTS kafka_producer_snapshots ("
+                         " topic_id TEXT NOT NULL, partition INTEGER NOT NULL,"
+                         " stream_id INTEGER NOT NULL, end_offset INTEGER NOT NULL,"
+                         " state TEXT NOT NULL, PRIMARY KEY (topic_id, partition))")
+        self._db.execute("INSERT OR IGNORE INTO kafka_producer_ids (id, next_id) VALUES (0, 1000)")
+
+    def allocate_producer_id(self) -> int:
+        """A producer id never handed out before (committed before it is returned)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                (pid,) = self._db.execute(
+                    "SELECT next_id FROM kafka_producer_ids WHERE id = 0").fetchone()
+                self._db.execute("UPDATE kafka_producer_ids SET next_id = ? WHERE id = 0",
+                                 (pid + 1,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            return int(pid)
+
+    def init_transactional(self, transactional_id: str) -> tuple[int, int]:
+        """Producer id and bumped epoch for a transactional id (fences the previous instance)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT producer_id, epoch FROM kafka_producer_txn_ids WHERE transactional_id = ?",
+                (transactional_id,)).fetchone()
+        if row is None or row[1] + 1 >= EPOCH_MAX:
+            pid, epoch = self.allocate_producer_id(), 0
+        else:
+            pid, epoch = int(row[0]), int(row[1]) + 1
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO kafka_producer_txn_ids VALUES (?, ?, ?)",
+                (transactional_id, pid, epoch))
+        return pid, epoch
+
+    def save_snapshot(self, topic_id: str, partition: int, stream_id: int, end_offset: int,
+                      state: str) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO kafka_producer_snapshots VALUES (?, ?, ?, ?, ?)",
+                (topic_id, partition, stream_id, end_offset, state))
+
+    def load_snapshot(self, topic_id: str, partition: int,
+                      stream_id: int) -> tuple[int, str] | None:
+        """(end offset covered, state JSON) of the last snapshot of this partition's stream."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT stream_id, end_offset, state FROM kafka_producer_snapshots"
+                " WHERE topic_id = ? AND partition = ?", (topic_id, partition)).fetchone()
+        if row is None or int(row[0]) != stream_id:
+            return None
+        return int(row[1]), str(row[2])
+
+    def delete_snapshots(self, topic_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM kafka_producer_snapshots WHERE topic_id = ?",
+                             (topic_id,))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def producer_store_for(broker: object) -> ProducerStore:
+    """The broker's ProducerStore, opened on first use next to the broker's metadata."""
+    store = getattr(broker, "_datapath_producer_store", None)
+    if store is None:
+        store = ProducerStore(_meta_db_path(broker))
+        setattr(broker, "_datapath_producer_store", store)
+    return store
+
+
+def _meta_db_path(broker: object) -> str:
+    cfg = getattr(broker, "config", None)
+    url = str(getattr(cfg, "metadata_url", "") or getattr(cfg, "metadata", "") or "")
+    if url.startswith("sqlite:///"):
+        return url[len("sqlite:///"):]
+    data_dir = str(getattr(cfg, "data_dir", None) or ".")
+    return f"{data_dir}/meta.db"
+
