@@ -253,3 +253,24 @@ async def test_join_waits_for_rebalance_over_wire(env):
     a2 = await call(env, 11, 3, member_id=a.member_id, **base)
     b = await tb
     assert a2.generation_id == b.generation_id == 2 and a2.leader == b.leader
+
+
+async def call_unadvertised(broker: Any, key: int, version: int, **fields: Any) -> Any:
+    """For versions below the advertised range (ZooKeeper-era clients): codec round trip without
+    the ApiVersions gate, so the handler is ready if the range is widened."""
+    req = request_class(key)(**fields)
+    parsed = request_class(key).decode(req.encode(version=version), version=version)
+    header = SimpleNamespace(api_key=key, api_version=version, correlation_id=1, client_id="old")
+    ctx = RequestContext(broker=broker, header=header, conn=SimpleNamespace())
+    resp = await HANDLERS[key](ctx, parsed)
+    return response_class(key).decode(resp.encode(version=version), version=version)
+
+
+@pytest.mark.parametrize("v", [0, 1])
+async def test_offset_commit_and_fetch_zookeeper_era_versions(env, v):
+    kw = {"generation_id_or_member_epoch": -1, "member_id": ""} if v >= 1 else {}
+    r = await call_unadvertised(env, 8, v, **commit_req(v, {("t1", 0): 33}, group_id="old-grp", **kw))
+    assert r.topics[0].partitions[0].error_code == 0
+    T = request_class(9).OffsetFetchRequestTopic
+    f = await call_unadvertised(env, 9, 0, group_id="old-grp", topics=[T(name="t1", partition_indexes=[0])])
+    assert [(p.committed_offset, p.metadata) for t in f.topics for p in t.partitions] == [(33, "m33")]
