@@ -211,8 +211,12 @@ class DeltaWAL:
             raise RecordTooLargeError(f"record of {n} bytes exceeds the WAL limits")
         ring = self.ring_size
         blk = self._current
-        if blk is not None and blk.used and blk.used + size > blk.capacity:
-            self._seal_locked()
+        if blk is not None and blk.used + size > blk.capacity:
+            if blk.used:
+                self._seal_locked()
+            else:                                   # empty leftover block, buffer too small
+                self._pool.put(blk.buf)
+                self._current = None
             blk = None
         if blk is None:
             blk = self._new_block(size)
@@ -306,7 +310,10 @@ class DeltaWAL:
                     self._cond.wait(timeout)
             for blk in submit:
                 assert self._executor is not None
-                self._executor.submit(self._write_block, blk)
+                try:
+                    self._executor.submit(self._write_block, blk)
+                except RuntimeError:            # interpreter shutting down
+                    return
 
     def _window_allows(self, blk: Block) -> bool:
         """Every block lies within window_len of the oldest unfinished write (or of the gap
