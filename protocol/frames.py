@@ -158,7 +158,15 @@ def response_header_flexible(header: RequestHeader) -> bool:
 
 
 def encode_response(header: RequestHeader, response_obj: Any) -> bytes:
-    """Full response frame: length prefix, response header of the right version, body."""
+    """Full response frame: length prefix, response header of the right version, body.
+
+    Fetch responses may carry ``records`` as a list of buffers (see
+    :func:`encode_response_buffers`, which avoids even the final join).
+    """
+    if header.api_key == 1 and header.api_version >= 4:
+        from .fetch_fast import encode_fetch_response
+
+        return b"".join(encode_fetch_response(header, response_obj))
     body = response_obj.encode(version=header.api_version)
     flexible = response_header_flexible(header)
     prefix = struct.pack(">ii", len(body) + 4 + flexible, header.correlation_id)
@@ -204,3 +212,17 @@ def build_api_versions_response(header: RequestHeader, throttle_time_ms: int = 0
     if version >= 1:
         kwargs["throttle_time_ms"] = throttle_time_ms
     return cls(version=version, **kwargs)
+
+
+def encode_response_buffers(header: RequestHeader, response_obj: Any) -> list[
+        bytes | bytearray | memoryview]:
+    """Like :func:`encode_response` but as a list of buffers for ``transport.writelines``.
+
+    Fetch responses (v4+) go through the zero-copy encoder: record payloads (bytes,
+    memoryviews or lists of them in ``records``) are not copied.
+    """
+    if header.api_key == 1 and header.api_version >= 4:
+        from .fetch_fast import encode_fetch_response
+
+        return encode_fetch_response(header, response_obj)
+    return [encode_response(header, response_obj)]

@@ -197,3 +197,45 @@ def test_produce_fast_parser_matches_codec_and_does_not_copy(version: int) -> No
     for cut in range(len(frame) - len(req.encode()), len(frame) - 1, 97):
         with pytest.raises(MalformedRequestError):
             parse_request(bytes(frame[:cut]))
+
+
+@pytest.mark.parametrize("version", range(4, 17))
+def test_fetch_fast_encoder_matches_codec_with_tags_and_buffer_lists(version: int) -> None:
+    from kafka.protocol.consumer import FetchResponse
+
+    topic_cls = FetchResponse.FetchableTopicResponse
+    part_cls = topic_cls.PartitionData
+    big = memoryview(bytearray(b"r" * 100_000))
+    small = b"s" * 10
+    extra: dict = {}
+    if version >= 12:
+        extra["current_leader"] = part_cls.LeaderIdAndEpoch(version=version, leader_id=0,
+                                                            leader_epoch=3)
+    parts = [
+        part_cls(version=version, partition_index=0, error_code=0, high_watermark=10,
+                 last_stable_offset=10, log_start_offset=0, aborted_transactions=None,
+                 preferred_read_replica=-1, records=[big, small], **extra),
+        part_cls(version=version, partition_index=1, error_code=1, high_watermark=-1,
+                 last_stable_offset=-1, log_start_offset=-1, aborted_transactions=[
+                     part_cls.AbortedTransaction(version=version, producer_id=5,
+                                                 first_offset=6)],
+                 preferred_read_replica=-1, records=None),
+    ]
+    tkw = {"topic_id": uuid.uuid4()} if version >= 13 else {"topic": "t"}
+    top: dict = {"throttle_time_ms": 0, "error_code": 0, "session_id": 0}
+    if version >= 16:
+        top["node_endpoints"] = [FetchResponse.NodeEndpoint(version=version, node_id=0,
+                                                            host="h", port=1, rack=None)]
+    resp = FetchResponse(version=version, responses=[topic_cls(version=version, partitions=parts,
+                                                               **tkw)], **top)
+    header = protocol.RequestHeader(1, version, 31)
+    bufs = protocol.encode_response_buffers(header, resp)
+    assert any(b is big for b in bufs)  # the payload object itself, not a copy
+    frame = b"".join(bytes(b) for b in bufs)
+    assert frame == encode_response(header, resp)
+    parts[0].records = bytes(big) + small
+    expect = bytes(resp.encode(version=version))
+    assert frame[8 + (version >= 12):] == expect
+    decoded = FetchResponse[version].decode(frame[4:], header=True)
+    assert decoded.header.correlation_id == 31
+    assert decoded.responses[0].partitions[0].records == bytes(big) + small
