@@ -2,7 +2,7 @@
 
 Run it with the standard Kafka connector, e.g.::
 
-    spark-submit --packages org.apache.spark:spark-sql-kafka-0-10_2.13:4.0.1 deploy/spark/job.py \
+    spark-submit --packages org.apache.spark:spark-sql-kafka-0-10_2.13:4.3.0 deploy/spark/job.py \
         --bootstrap-servers 127.0.0.1:9092 --input-topic events --output-topic event-aggregates \
         --output-path /tmp/agg --checkpoint-location /tmp/agg-ckpt
 
