@@ -237,3 +237,13 @@ def test_parse_subscription_tolerates_garbage():
     assert parse_subscription(subscription("a", "b")) == {"a", "b"}
     assert parse_subscription(b"\x00") is None
     assert parse_subscription(b"\x00\x00\x00\x00\x00\x05\x00\x10ab") is None
+
+
+def test_sqlite_url_forms():
+    from broker.groups.store import sqlite_path
+
+    assert sqlite_path("sqlite:///./data/meta.db") == "./data/meta.db"
+    assert sqlite_path("sqlite:////abs/meta.db") == "/abs/meta.db"
+    assert sqlite_path("/abs/meta.db") == "/abs/meta.db"
+    with pytest.raises(ValueError):
+        sqlite_path("postgresql://u@h/db")
