@@ -132,7 +132,8 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
         for index in idxs:
             r = results[i]
             i += 1
-            records = b"".join(b.payload for b in r.batches) if r.batches else b""
+            # a list of stored payloads: the protocol's Fetch encoder sends them uncopied
+            records = [b.payload for b in r.batches] if r.batches else b""
             parts.append(PartResp(
                 partition_index=index, error_code=int(r.error),
                 high_watermark=r.high_watermark, last_stable_offset=r.last_stable_offset,
