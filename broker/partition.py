@@ -197,18 +197,25 @@ class Partition:
         while offset < end:
             try:
                 batches = await self.stream.read(offset, REPLAY_READ_BYTES)
-            except OffsetOutOfRange:
+            except StorageError as e:
+                log.error("replay stopped topic=%s partition=%d offset=%d: %s",
+                          self.topic, self.index, offset, e)
                 break
             if not batches:
                 break
             for b in batches:
                 max_ts = -1
-                for view in protocol.iter_batches(b.payload):
-                    max_ts = max(max_ts, view.max_timestamp)
-                    if view.producer_id != NO_PRODUCER_ID and view.base_offset >= snap_end:
-                        self.producers.record(view.producer_id, view.producer_epoch,
-                                              view.base_sequence, view.last_offset_delta + 1,
-                                              view.base_offset, view.max_timestamp)
+                try:
+                    for view in protocol.iter_batches(b.payload):
+                        max_ts = max(max_ts, view.max_timestamp)
+                        if view.producer_id != NO_PRODUCER_ID and view.base_offset >= snap_end:
+                            self.producers.record(view.producer_id, view.producer_epoch,
+                                                  view.base_sequence, view.last_offset_delta + 1,
+                                                  view.base_offset, view.max_timestamp)
+                except protocol.CorruptRecordError as e:
+                    # never stop a broker from starting: the payload stays readable as stored
+                    log.error("unreadable batch header topic=%s partition=%d offset=%d: %s",
+                              self.topic, self.index, b.base_offset, e)
                 self.log_index.add(b.base_offset, len(b.payload), max_ts)
                 offset = b.next_offset
         self.producers.expire_below(self.stream.start_offset)
@@ -219,9 +226,10 @@ class Partition:
             return
         self._batches_since_snapshot = 0
         try:
+            durable = self.stream.confirmed_offset
             self._producer_store.save_snapshot(str(self.topic_id), self.index,
-                                               self.stream.stream_id, self.stream.confirmed_offset,
-                                               self.producers.to_json())
+                                               self.stream.stream_id, durable,
+                                               self.producers.to_json(durable))
         except Exception:  # noqa: BLE001 - the log tail still rebuilds state on start
             log.exception("producer snapshot failed topic=%s partition=%d", self.topic, self.index)
 

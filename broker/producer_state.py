@@ -147,12 +147,16 @@ class PartitionProducers:
             del self.entries[pid]
 
     # --- snapshots -------------------------------------------------------------------------
-    def to_json(self) -> str:
-        return json.dumps({
-            str(pid): {"epoch": e.epoch, "ts": e.last_timestamp,
-                       "batches": [[b.first_seq, b.last_seq, b.base_offset, b.last_offset,
-                                    b.timestamp] for b in e.batches]}
-            for pid, e in self.entries.items()})
+    def to_json(self, durable_end: int | None = None) -> str:
+        """Serialise the windows; batches at or above ``durable_end`` (appends still in
+        flight) are left out so a snapshot never remembers data that may not survive."""
+        out = {}
+        for pid, e in self.entries.items():
+            rows = [[b.first_seq, b.last_seq, b.base_offset, b.last_offset, b.timestamp]
+                    for b in e.batches if durable_end is None or b.last_offset < durable_end]
+            if rows:
+                out[str(pid)] = {"epoch": e.epoch, "ts": e.last_timestamp, "batches": rows}
+        return json.dumps(out)
 
     @classmethod
     def from_json(cls, text: str) -> "PartitionProducers":
