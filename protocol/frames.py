@@ -141,12 +141,16 @@ def decode_body(api_key: int, version: int, buf: memoryview, pos: int,
                                     header) from None
     if end > len(buf):
         raise MalformedRequestError(f"truncated {cls.__name__} v{version}", header)
-    obj._version = version
-    if hasattr(cls, "_min_version"):  # the compiled decoder skips ApiMessage.__init__
-        obj._header = None
-        obj._min_version = None
-        obj._max_version = None
+    _finish_decoded(obj, version)
     return obj
+
+
+def _finish_decoded(obj: Any, version: int) -> None:
+    """Set what the compiled decoder leaves unset (it skips ApiMessage.__init__)."""
+    obj._version = version
+    obj._header = None
+    obj._min_version = None
+    obj._max_version = None
 
 
 def response_header_flexible(header: RequestHeader) -> bool:
@@ -226,3 +230,36 @@ def encode_response_buffers(header: RequestHeader, response_obj: Any) -> list[
 
         return encode_fetch_response(header, response_obj)
     return [encode_response(header, response_obj)]
+
+
+def parse_response(api_key: int, api_version: int, frame: memoryview | bytes) -> tuple[int, Any]:
+    """Client side: decode a response frame (bytes after the length prefix) of a request we
+    sent; returns (correlation id, response object).  Strict: every byte must be consumed.
+
+    Used by tests and tools that speak to a broker over a raw socket.
+    """
+    if not isinstance(frame, memoryview):
+        frame = memoryview(frame)
+    if len(frame) < 4:
+        raise MalformedRequestError("response shorter than its header")
+    (correlation_id,) = _I32.unpack_from(frame, 0)
+    pos = 4
+    header = RequestHeader(api_key, api_version, correlation_id)
+    if response_header_flexible(header):
+        _, pos = read_tagged_fields(frame, pos)
+    cls = _SUPPORTED[api_key][3]
+    if api_key == API_VERSIONS_KEY and len(frame) >= pos + 2 and _I16.unpack_from(frame, pos)[0]:
+        api_version = 0  # failed ApiVersions answers are always v0 bodies (KIP-511)
+    flexible = bool(cls.flexible_version_q(api_version))
+    try:
+        fn = cls._struct.compiled_decode_from(api_version, compact=flexible, tagged=flexible,
+                                              data_class=cls)
+        obj, end = fn(frame, pos)
+    except Exception as exc:
+        raise MalformedRequestError(f"cannot decode {cls.__name__} v{api_version}: {exc!r}",
+                                    header) from None
+    if end != len(frame):
+        raise MalformedRequestError(
+            f"{cls.__name__} v{api_version}: {len(frame) - end} bytes left over", header)
+    _finish_decoded(obj, api_version)
+    return correlation_id, obj

@@ -239,3 +239,18 @@ def test_fetch_fast_encoder_matches_codec_with_tags_and_buffer_lists(version: in
     decoded = FetchResponse[version].decode(frame[4:], header=True)
     assert decoded.header.correlation_id == 31
     assert decoded.responses[0].partitions[0].records == bytes(big) + small
+
+
+@pytest.mark.parametrize("api_key,version", ALL_VERSIONS)
+def test_parse_response_reads_our_frames_exactly(api_key: int, version: int) -> None:
+    header = protocol.RequestHeader(api_key, version, 17)
+    resp = sample_message(response_class(api_key), version)
+    if api_key == 18:
+        resp.error_code = 0
+    frame = encode_response(header, resp)
+    corr, obj = protocol.parse_response(api_key, version, frame[4:])
+    assert corr == 17 and bytes(obj.encode(version=version)) == bytes(resp.encode(version=version))
+    with pytest.raises(MalformedRequestError):
+        protocol.parse_response(api_key, version, frame[4:] + b"\x00")
+    corr, obj = protocol.parse_response(18, 3, api_versions_fallback(header)[4:])
+    assert corr == 17 and obj.error_code == ErrorCode.UNSUPPORTED_VERSION
