@@ -23,6 +23,7 @@ class WALConfig:
     sync_mode: str = "dsync"                # "dsync" (O_DSYNC), "fdatasync" (per block), "none"
     max_record_size: int = 128 << 20        # largest body accepted by append()
     append_timeout_s: float = 30.0          # how long a blocking append() waits for window room
+    buffer_pool_bytes: int = 64 << 20       # aligned block buffers kept for reuse
 
     def validate(self) -> None:
         """Reject settings that would make the on-disk format or recovery unsound."""

@@ -52,7 +52,8 @@ class DeltaWAL:
         self.capacity = config.capacity
         self.ring_size = config.capacity - HEADER_AREA
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self._cond = threading.Condition(self._lock)          # appenders waiting for room
+        self._io_cond = threading.Condition(self._lock)       # IO threads waiting for blocks
         self._header_lock = threading.Lock()
         self._resolve_lock = threading.Lock()
         self._completed: collections.deque = collections.deque()
@@ -72,13 +73,13 @@ class DeltaWAL:
         self._window_len = 0
         self._queues: dict[int, collections.deque] = {}
         self._window_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-        self._pool = BufferPool(keep_per_size=config.io_threads * 2 + 2)
+        self._pool = BufferPool(max_bytes=config.buffer_pool_bytes)
         self._next_seal_at = 0.0
         self._bw_next = 0.0
         self._bw_lock = threading.Lock()
-        self._dispatcher: threading.Thread | None = None
-        self._executor: cf.ThreadPoolExecutor | None = None
+        self._threads: list[threading.Thread] = []
         self.direct_io = True
+        self.stats = {"block_writes": 0, "bytes_written": 0, "header_writes": 0}
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -90,6 +91,15 @@ class DeltaWAL:
     def end_offset(self) -> int:
         """Logical offset the next record would get (ignoring block/lap alignment)."""
         return self._end
+
+    @property
+    def confirmed_offset(self) -> int:
+        """Every record below this logical offset is durable (safe upper bound for trim)."""
+        with self._lock:
+            starts = [b.start for b in self._writing] + [b.start for b in self._pending]
+            if self._current is not None and self._current.used:
+                starts.append(self._current.start)
+            return min(starts) if starts else self._end
 
     @property
     def window_length(self) -> int:
@@ -144,11 +154,11 @@ class DeltaWAL:
         except BaseException:
             dev.close()
             raise
-        self._executor = cf.ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="wal-io")
-        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="wal-dispatch",
-                                            daemon=True)
+        self._threads = [threading.Thread(target=self._io_loop, name=f"wal-io-{i}", daemon=True)
+                         for i in range(cfg.io_threads)]
         self._opened = True
-        self._dispatcher.start()
+        for t in self._threads:
+            t.start()
         return iter(result.records)
 
     def _write_header(self) -> None:
@@ -156,6 +166,7 @@ class DeltaWAL:
         hdr = self._header
         assert hdr is not None and self._device is not None
         hdr.write_counter += 1
+        self.stats["header_writes"] += 1
         buf = aligned_buffer(HEADER_SLOT_SIZE)
         try:
             buf[:] = hdr.encode()
@@ -251,9 +262,9 @@ class DeltaWAL:
         q.append((blk, pos, waiter))
         if blk.used >= self.config.block_soft_limit:
             self._seal_locked()
-            self._cond.notify_all()
+            self._io_cond.notify()
         elif first:
-            self._cond.notify_all()
+            self._io_cond.notify()
         return pos
 
     def _new_block(self, size: int, start: int | None = None) -> Block:
@@ -273,13 +284,14 @@ class DeltaWAL:
         self._cursor = blk.end
         self._pending.append(blk)
 
-    # -- dispatch & IO ---------------------------------------------------------------------
-    def _dispatch_loop(self) -> None:
+    # -- IO threads ----------------------------------------------------------------------
+    def _io_loop(self) -> None:
+        """Each IO thread takes the next block (sealing the current one when the IOPS budget
+        allows and nothing else is queued), writes it and completes it; no hand-off thread."""
         interval = self.config.flush_interval_s
-        io_threads = self.config.io_threads
+        cond = self._io_cond
         while True:
-            submit: list[Block] = []
-            with self._cond:
+            with cond:
                 while True:
                     if self._failed is not None:
                         return
@@ -289,31 +301,23 @@ class DeltaWAL:
                             and (now >= self._next_seal_at or self._closing)):
                         self._seal_locked()
                         self._next_seal_at = now + interval
-                    while self._pending and len(self._writing) + len(submit) < io_threads:
-                        blk = self._pending[0]
-                        if not self._window_allows(blk):
-                            break
-                        self._pending.popleft()
+                    if self._pending and self._window_allows(self._pending[0]):
+                        blk = self._pending.popleft()
                         self._writing.append(blk)
-                        submit.append(blk)
-                    if submit:
+                        if self._pending or (self._current is not None and self._current.used):
+                            cond.notify()            # more work: wake another IO thread
                         break
-                    if self._closing and not self._pending and not self._writing and (
+                    if self._closing and not self._pending and (
                             self._current is None or not self._current.used):
+                        cond.notify_all()
                         return
                     timeout = None
-                    cur = self._current
                     if cur is not None and cur.used and not self._pending:
-                        timeout = max(self._next_seal_at - now, 0.0)
-                        if timeout == 0.0:
+                        timeout = self._next_seal_at - now
+                        if timeout <= 0:
                             continue
-                    self._cond.wait(timeout)
-            for blk in submit:
-                assert self._executor is not None
-                try:
-                    self._executor.submit(self._write_block, blk)
-                except RuntimeError:            # interpreter shutting down
-                    return
+                    cond.wait(timeout)
+            self._write_block(blk)
 
     def _window_allows(self, blk: Block) -> bool:
         """Every block lies within window_len of the oldest unfinished write (or of the gap
@@ -369,6 +373,8 @@ class DeltaWAL:
     def _complete(self, blk: Block) -> None:
         with self._cond:
             blk.done = True
+            self.stats["block_writes"] += 1
+            self.stats["bytes_written"] += align_up(blk.used)
             self._writing.remove(blk)
             self._inflight -= blk.used
             done = self._completed
@@ -384,6 +390,8 @@ class DeltaWAL:
             waiters = self._window_waiters
             self._window_waiters = []
             self._cond.notify_all()
+            if self._pending:
+                self._io_cond.notify()
         self._drain_completed()
         for loop, fut in waiters:
             self._call_soon(loop, _set_many, [(fut, None, None)])
@@ -399,6 +407,7 @@ class DeltaWAL:
             waiters = self._window_waiters
             self._window_waiters = []
             self._cond.notify_all()
+            self._io_cond.notify_all()
         self._drain_completed()
         for loop, fut in waiters:
             self._call_soon(loop, _set_many, [(fut, None, None)])
@@ -455,7 +464,7 @@ class DeltaWAL:
         """Seal the current block now (tests, shutdown); does not wait."""
         with self._cond:
             self._seal_locked()
-            self._cond.notify_all()
+            self._io_cond.notify()
 
     def close(self) -> None:
         """Wait for in-flight writes, then write a clean-shutdown header."""
@@ -467,11 +476,10 @@ class DeltaWAL:
                 return
             self._closing = True
             self._seal_locked()
+            self._io_cond.notify_all()
             self._cond.notify_all()
-        if self._dispatcher is not None:
-            self._dispatcher.join()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        for t in self._threads:
+            t.join()
         with self._cond:
             self._closed = True
         try:
