@@ -1,0 +1,127 @@
+"""``s3kafka`` command line: ``s3kafka serve [flags]`` (``python -m broker serve`` is the same)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Sequence
+
+from .config import BrokerConfig, broker_fields, build_config, engine_fields
+
+_HELP = {
+    "listen": "HOST:PORT to accept Kafka clients on (default 127.0.0.1:9092)",
+    "advertised_listener": "HOST:PORT clients are told to connect to (default: --listen)",
+    "data_dir": "directory for the WAL file, objects and metadata (default ./data)",
+    "wal": "WAL file or raw block device (default <data-dir>/wal)",
+    "object_store": "file://DIR, s3://bucket/prefix?endpoint_url=..., mem:// "
+                    "(default file://<data-dir>/objects)",
+    "metadata": "metadata database URL (default sqlite:///<data-dir>/meta.db)",
+    "node_id": "this broker's node id (default 0)",
+    "storage": "engine (durable, default) or memory (tests only; nothing survives a restart)",
+    "auto_create_topics": "auto.create.topics.enable: create unknown topics on Metadata/Produce "
+                          "(default true)",
+    "default_partitions": "num.partitions for auto-created topics and CreateTopics with -1 "
+                          "(default 1)",
+    "delete_topic_enable": "delete.topic.enable (default true)",
+    "max_request_bytes": "largest request frame accepted; larger ones close the connection "
+                         "(default 100MiB)",
+    "max_inflight_requests": "requests in flight per connection before reading pauses "
+                             "(default 256)",
+    "shutdown_timeout_s": "seconds SIGTERM waits for in-flight requests (default 30)",
+    "retention_check_interval_ms": "log.retention.check.interval.ms (default 300000)",
+    "topic_defaults": "broker-wide topic config defaults, NAME=VALUE[,NAME=VALUE...] "
+                      "(repeatable), e.g. retention.ms=3600000",
+    "log_level": "DEBUG, INFO, WARNING, ERROR (default INFO)",
+    "log_format": "text (key=value) or json (default text)",
+}
+
+
+class KeyValueFormatter(logging.Formatter):
+    """``ts=... level=INFO logger=broker.server msg`` lines; messages are key=value already."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        line = (f"ts={ts}.{int(record.msecs):03d}Z level={record.levelname} "
+                f"logger={record.name} {record.getMessage()}")
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        obj = {"ts": record.created, "level": record.levelname, "logger": record.name,
+               "msg": record.getMessage()}
+        if record.exc_info:
+            obj["exc"] = self.formatException(record.exc_info)
+        return json.dumps(obj)
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else KeyValueFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="s3kafka", description="Kafka-compatible broker on "
+                                     "object storage behind a Delta WAL")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the broker",
+                           description="Run one broker. Every option can also be set with the "
+                           "environment variable S3KAFKA_<NAME> (e.g. S3KAFKA_LISTEN) or in a "
+                           "--config file (TOML or key=value); flag > env > file > default.")
+    serve.add_argument("--config", default=None, help="TOML or key=value properties file")
+    for name, kind in broker_fields().items():
+        if name == "topic_defaults":
+            serve.add_argument(_flag(name), "--topic-default", dest=name, action="append",
+                               default=None, metavar="NAME=VALUE", help=_HELP[name])
+            continue
+        serve.add_argument(_flag(name), dest=name, default=None,
+                           metavar=getattr(kind, "__name__", "VALUE").upper(),
+                           help=_HELP.get(name, ""))
+    eng = serve.add_argument_group("storage engine knobs (docs/storage.md)")
+    for name, kind in engine_fields().items():
+        eng.add_argument(_flag(name), dest=name, default=None,
+                         metavar=getattr(kind, "__name__", "VALUE").upper())
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None, env: dict[str, str] | None = None
+                 ) -> BrokerConfig:
+    """argv (without the program name, starting with ``serve``) -> BrokerConfig."""
+    args = build_parser().parse_args(argv)
+    flags = vars(args)
+    if flags.get("topic_defaults"):
+        merged: list[str] = []
+        for item in flags["topic_defaults"]:
+            merged.extend(item.split(","))
+        flags["topic_defaults"] = merged
+    return build_config(flags, env)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``s3kafka`` console script."""
+    try:
+        cfg = parse_config(argv)
+    except (ValueError, OSError) as exc:
+        print(f"s3kafka: configuration error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.log_level, cfg.log_format)
+    from .server import run  # noqa: PLC0415 - keep --help fast
+
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

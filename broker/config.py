@@ -1,0 +1,309 @@
+"""Broker configuration: one dataclass, filled from flags > environment > config file > defaults.
+
+Every engine knob (``storage.engine.EngineConfig``) is exposed automatically as ``--<name>``
+(underscores become dashes), so a knob the engine adds needs no change here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import tomllib
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+ENV_PREFIX = "S3KAFKA_"
+
+# Broker fields whose names differ from the engine's (flag name -> engine field).
+_ENGINE_RENAMES = {"wal": "wal_path", "metadata": "metadata_url"}
+_ENGINE_OWN = {"data_dir", "wal_path", "object_store", "metadata_url", "node_id"}
+
+
+@dataclass
+class BrokerConfig:
+    """Everything ``s3kafka serve`` can be told; each field has a working default."""
+
+    listen: str = "127.0.0.1:9092"
+    advertised_listener: str = ""            # "" = the listen address (hostname if 0.0.0.0)
+    data_dir: str = "./data"
+    wal: str = ""                            # "" = <data_dir>/wal
+    object_store: str = ""                   # "" = file://<data_dir>/objects
+    metadata: str = ""                       # "" = sqlite:///<data_dir>/meta.db
+    node_id: int = 0
+    storage: str = "engine"                  # engine | memory (memory: nothing survives a restart)
+    auto_create_topics: bool = True          # Kafka's auto.create.topics.enable
+    default_partitions: int = 1              # Kafka's num.partitions
+    delete_topic_enable: bool = True         # Kafka's delete.topic.enable
+    max_request_bytes: int = 100 << 20       # larger frames close the connection
+    max_inflight_requests: int = 256         # per connection; reading pauses above it
+    shutdown_timeout_s: float = 30.0         # how long SIGTERM waits for in-flight requests
+    retention_check_interval_ms: int = 300_000   # Kafka's log.retention.check.interval.ms
+    group_min_session_timeout_ms: int = 6000
+    group_max_session_timeout_ms: int = 1_800_000
+    group_initial_rebalance_delay_ms: int = 0
+    offset_metadata_max_bytes: int = 4096
+    topic_defaults: dict[str, str] = field(default_factory=dict)  # broker-wide topic config defaults
+    log_level: str = "INFO"
+    log_format: str = "text"                 # text (key=value) | json
+    config: str = ""                         # the config file these values were read from
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig overrides (field -> value)
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def listen_host(self) -> str:
+        return split_host_port(self.listen)[0]
+
+    @property
+    def listen_port(self) -> int:
+        return split_host_port(self.listen)[1]
+
+    @property
+    def advertised_host(self) -> str:
+        if self.advertised_listener:
+            return split_host_port(self.advertised_listener)[0]
+        host = self.listen_host
+        if host in ("", "0.0.0.0", "::"):
+            return socket.gethostname()
+        return host
+
+    @property
+    def advertised_port(self) -> int:
+        if self.advertised_listener:
+            return split_host_port(self.advertised_listener)[1]
+        return self.listen_port
+
+    @property
+    def data_path(self) -> str:
+        return os.path.abspath(self.data_dir)
+
+    @property
+    def wal_path(self) -> str:
+        return self.wal or os.path.join(self.data_path, "wal")
+
+    @property
+    def object_store_url(self) -> str:
+        return self.object_store or "file://" + os.path.join(self.data_path, "objects")
+
+    @property
+    def metadata_url(self) -> str:
+        return self.metadata or "sqlite:///" + os.path.join(self.data_path, "meta.db")
+
+    @property
+    def auto_create_topics_enable(self) -> bool:
+        return self.auto_create_topics
+
+    def engine_config(self) -> Any:
+        """The ``storage.engine.EngineConfig`` for this broker (paths resolved)."""
+        from storage.engine import EngineConfig  # noqa: PLC0415 - optional until the engine lands
+
+        known = {f.name for f in fields(EngineConfig)}
+        kwargs = {k: v for k, v in self.engine.items() if k in known}
+        kwargs.update(data_dir=self.data_path, wal_path=self.wal_path,
+                      object_store=self.object_store_url, metadata_url=self.metadata_url,
+                      node_id=self.node_id)
+        return EngineConfig(**kwargs)
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) -> (host, port); raises ValueError on garbage."""
+    value = value.strip()
+    if "://" in value:  # accept Kafka-style "PLAINTEXT://host:port"
+        value = value.split("://", 1)[1]
+    m = re.fullmatch(r"\[([^\]]*)\]:(\d+)|([^:]*):(\d+)", value)
+    if not m:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    host = m.group(1) if m.group(1) is not None else m.group(3)
+    port = int(m.group(2) or m.group(4))
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port out of range in {value!r}")
+    return host, port
+
+
+_SIZE_SUFFIX = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
+                "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
+                "t": 1 << 40, "tib": 1 << 40}
+
+
+def parse_int(value: Any) -> int:
+    """Integers with optional binary size suffixes (``64MiB``, ``2g``) and ``_`` separators."""
+    if isinstance(value, bool):
+        raise ValueError("expected an integer")
+    if isinstance(value, int):
+        return value
+    s = str(value).strip().replace("_", "")
+    m = re.fullmatch(r"(-?\d+)\s*([a-zA-Z]*)", s)
+    if not m or m.group(2).lower() not in _SIZE_SUFFIX:
+        raise ValueError(f"expected an integer, got {value!r}")
+    return int(m.group(1)) * _SIZE_SUFFIX[m.group(2).lower()]
+
+
+def parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    s = str(value).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true/false, got {value!r}")
+
+
+def parse_kv_list(value: Any) -> dict[str, str]:
+    """``a=1,b=2`` (or a mapping, or a list of ``a=1``) -> {"a": "1", "b": "2"}."""
+    if isinstance(value, Mapping):
+        return {str(k): _scalar_str(v) for k, v in value.items()}
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    out: dict[str, str] = {}
+    for item in items:
+        item = str(item).strip()
+        if not item:
+            continue
+        if "=" not in item:
+            raise ValueError(f"expected NAME=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def _scalar_str(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def convert(kind: Any, value: Any) -> Any:
+    """Convert a flag/env/file value to a field's type."""
+    if kind in (int, "int"):
+        return parse_int(value)
+    if kind in (float, "float"):
+        return float(value)
+    if kind in (bool, "bool"):
+        return parse_bool(value)
+    return str(value)
+
+
+def _type_of(f: dataclasses.Field) -> Any:
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    return {"int": int, "float": float, "bool": bool, "str": str}.get(t, t)
+
+
+def broker_fields() -> dict[str, Any]:
+    """Broker field name -> type, for the scalar fields settable by flag/env/file."""
+    return {f.name: _type_of(f) for f in fields(BrokerConfig) if f.name not in ("engine", "config")}
+
+
+def engine_fields() -> dict[str, Any]:
+    """Engine knobs the CLI exposes (name -> type), empty while storage.engine is missing."""
+    try:
+        from storage.engine import EngineConfig  # noqa: PLC0415
+    except Exception:  # noqa: BLE001 - the engine may not be importable yet
+        return {}
+    return {f.name: _type_of(f) for f in fields(EngineConfig) if f.name not in _ENGINE_OWN}
+
+
+def _norm(key: str) -> str:
+    return key.strip().lower().replace("-", "_").replace(".", "_")
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """TOML (``*.toml``, or when it parses as TOML) or ``key=value`` properties -> flat dict.
+
+    TOML tables ``[engine]`` and ``[topic_defaults]`` are understood; properties files may use
+    ``topic.defaults.<name>=value`` (or ``topic_defaults.<name>``) for topic config defaults.
+    """
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    text = raw.decode("utf-8")
+    data: dict[str, Any] | None = None
+    if path.endswith(".toml"):
+        data = tomllib.loads(text)
+    else:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError:
+            data = None
+    out: dict[str, Any] = {}
+    if data is not None:
+        for k, v in data.items():
+            nk = _norm(k)
+            if isinstance(v, dict) and nk == "engine":
+                for ek, ev in v.items():
+                    out[_norm(ek)] = ev
+            elif isinstance(v, dict) and nk in ("topic_defaults", "topic"):
+                out["topic_defaults"] = {str(tk): _scalar_str(tv) for tk, tv in v.items()}
+            else:
+                out[nk] = v
+        return out
+    topic_defaults: dict[str, str] = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line[0] in "#!":
+            continue
+        sep = min((i for i in (line.find("="), line.find(":")) if i > 0), default=-1)
+        if sep < 0:
+            raise ValueError(f"{path}:{lineno}: expected key=value")
+        k, v = line[:sep].strip(), line[sep + 1:].strip()
+        for prefix in ("topic.defaults.", "topic_defaults.", "topic-defaults."):
+            if k.startswith(prefix):
+                topic_defaults[k[len(prefix):]] = v
+                break
+        else:
+            out[_norm(k)] = v
+    if topic_defaults:
+        out["topic_defaults"] = topic_defaults
+    return out
+
+
+def build_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> BrokerConfig:
+    """Merge ``flags`` (None = not given) over environment over config file over defaults."""
+    env = os.environ if env is None else env
+    bf, ef = broker_fields(), engine_fields()
+    config_path = flags.get("config") or env.get(ENV_PREFIX + "CONFIG") or ""
+    file_vals = read_config_file(config_path) if config_path else {}
+    unknown = [k for k in file_vals if k not in bf and k not in ef and k not in _ENGINE_RENAMES
+               and k != "config"]
+    if unknown:
+        raise ValueError(f"unknown key(s) in {config_path}: {', '.join(sorted(unknown))}")
+    cfg = BrokerConfig(config=config_path)
+    for name, kind in {**bf, **ef}.items():
+        value: Any = flags.get(name)
+        source = "flag"
+        if value is None:
+            value = env.get(ENV_PREFIX + name.upper())
+            source = "env"
+        if value is None:
+            value = file_vals.get(name)
+            source = "file"
+        if value is None:
+            continue
+        try:
+            if name == "topic_defaults":
+                parsed: Any = parse_kv_list(value)
+            else:
+                parsed = convert(kind, value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"bad value for {name} ({source}): {exc}") from None
+        if name in bf:
+            setattr(cfg, name, parsed)
+        else:
+            cfg.engine[name] = parsed
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: BrokerConfig) -> None:
+    """Reject values the broker cannot run with, with a message naming the option."""
+    split_host_port(cfg.listen)
+    if cfg.advertised_listener:
+        split_host_port(cfg.advertised_listener)
+    if cfg.storage not in ("engine", "memory"):
+        raise ValueError("storage must be 'engine' or 'memory'")
+    if cfg.default_partitions < 1:
+        raise ValueError("default_partitions must be >= 1")
+    if cfg.max_request_bytes < 1024:
+        raise ValueError("max_request_bytes must be >= 1024")
+    if cfg.log_format not in ("text", "json"):
+        raise ValueError("log_format must be 'text' or 'json'")
+    if cfg.node_id < 0:
+        raise ValueError("node_id must be >= 0")

@@ -1,0 +1,346 @@
+"""Topic administration: CreateTopics, DeleteTopics, CreatePartitions and the config APIs."""
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from protocol import ErrorCode, response_class
+
+from ..topics import (BOOLEAN, INT, LIST, LONG, SOURCE_DEFAULT, SOURCE_STATIC_BROKER,
+                      SOURCE_TOPIC, STRING, TOPIC_CONFIGS, Topic, TopicError, validate_config)
+from .registry import RequestContext, handler
+
+log = logging.getLogger(__name__)
+
+CREATE_TOPICS, DELETE_TOPICS, CREATE_PARTITIONS = 19, 20, 37
+DESCRIBE_CONFIGS, ALTER_CONFIGS, INCREMENTAL_ALTER_CONFIGS = 32, 33, 44
+RESOURCE_TOPIC, RESOURCE_BROKER, RESOURCE_BROKER_LOGGER = 2, 4, 8
+OP_SET, OP_DELETE, OP_APPEND, OP_SUBTRACT = 0, 1, 2, 3
+ZERO_UUID = uuid.UUID(int=0)
+
+
+def _err(exc: Exception) -> tuple[int, str]:
+    if isinstance(exc, TopicError):
+        return exc.code, exc.message
+    log.exception("admin operation failed", exc_info=exc)
+    return ErrorCode.UNKNOWN_SERVER_ERROR, str(exc) or type(exc).__name__
+
+
+# ---- CreateTopics ---------------------------------------------------------------------
+@handler(CREATE_TOPICS)
+async def create_topics(ctx: RequestContext, req: Any) -> Any:
+    mgr = ctx.broker.topic_manager
+    v = ctx.version
+    cls = response_class(CREATE_TOPICS)
+    rcls = cls.CreatableTopicResult
+    ccls = rcls.CreatableTopicConfigs
+    validate_only = bool(getattr(req, "validate_only", False))
+    names = [t.name for t in req.topics]
+    results = []
+    for t in req.topics:
+        topic: Topic | None = None
+        count = -1
+        try:
+            if names.count(t.name) > 1:
+                raise TopicError(ErrorCode.INVALID_REQUEST,
+                                 f"topic {t.name!r} appears more than once in the request")
+            configs: dict[str, str | None] = {}
+            for c in t.configs or []:
+                configs[c.name] = c.value
+            assignments = [(a.partition_index, list(a.broker_ids)) for a in t.assignments or []]
+            count, overrides = mgr.check_create(t.name, t.num_partitions, t.replication_factor,
+                                                assignments, configs)
+            if not validate_only:
+                topic = await mgr.create(t.name, count, overrides)
+            err, msg = ErrorCode.NONE, None
+        except Exception as exc:  # noqa: BLE001 - answered per topic
+            err, msg = _err(exc)
+        res: dict[str, Any] = dict(name=t.name, error_code=err, error_message=msg)
+        if v >= 7:
+            res["topic_id"] = topic.topic_id if topic is not None else ZERO_UUID
+        if v >= 5:
+            if err == ErrorCode.NONE:
+                overrides_now = topic.overrides if topic is not None else overrides
+                tmp = Topic(t.name, ZERO_UUID, overrides=dict(overrides_now))
+                res.update(num_partitions=count, replication_factor=1, configs=[
+                    ccls(name=n, value=val, read_only=False, config_source=src,
+                         is_sensitive=False) for n, val, src in mgr.describe(tmp)])
+            else:
+                res.update(num_partitions=-1, replication_factor=-1, configs=None)
+        results.append(rcls(**res))
+    return cls(version=v, throttle_time_ms=0, topics=results)
+
+
+# ---- DeleteTopics ---------------------------------------------------------------------
+@handler(DELETE_TOPICS)
+async def delete_topics(ctx: RequestContext, req: Any) -> Any:
+    broker, v = ctx.broker, ctx.version
+    mgr = broker.topic_manager
+    cls = response_class(DELETE_TOPICS)
+    rcls = cls.DeletableTopicResult
+    if v >= 6:
+        wanted = [(t.name, t.topic_id) for t in req.topics]
+    else:
+        wanted = [(n, None) for n in req.topic_names]
+    results = []
+    for name, tid in wanted:
+        err, msg = ErrorCode.NONE, None
+        if name is None and tid not in (None, ZERO_UUID):
+            topic = next((x for x in broker.topics.values() if x.topic_id == tid), None)
+            if topic is None:
+                err, msg = ErrorCode.UNKNOWN_TOPIC_ID, f"unknown topic id {tid}"
+            else:
+                name = topic.name
+        elif name is not None and tid not in (None, ZERO_UUID):
+            err, msg = ErrorCode.INVALID_REQUEST, "give a topic name or a topic id, not both"
+        topic = broker.topics.get(name) if name is not None else None
+        if err == ErrorCode.NONE:
+            if not broker.config.delete_topic_enable:
+                err, msg = ErrorCode.TOPIC_DELETION_DISABLED, "delete.topic.enable is false"
+            elif topic is None:
+                err, msg = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"unknown topic {name!r}"
+            else:
+                tid = topic.topic_id
+                try:
+                    await mgr.delete(name)
+                except Exception as exc:  # noqa: BLE001
+                    err, msg = _err(exc)
+        res: dict[str, Any] = dict(name=name, error_code=err)
+        if v >= 5:
+            res["error_message"] = msg
+        if v >= 6:
+            res["topic_id"] = tid if tid is not None else ZERO_UUID
+        results.append(rcls(**res))
+    return cls(version=v, throttle_time_ms=0, responses=results)
+
+
+# ---- CreatePartitions -----------------------------------------------------------------
+@handler(CREATE_PARTITIONS)
+async def create_partitions(ctx: RequestContext, req: Any) -> Any:
+    mgr = ctx.broker.topic_manager
+    cls = response_class(CREATE_PARTITIONS)
+    rcls = cls.CreatePartitionsTopicResult
+    names = [t.name for t in req.topics]
+    results = []
+    for t in req.topics:
+        try:
+            if names.count(t.name) > 1:
+                raise TopicError(ErrorCode.INVALID_REQUEST,
+                                 f"topic {t.name!r} appears more than once in the request")
+            assignments = None if t.assignments is None else [list(a.broker_ids)
+                                                              for a in t.assignments]
+            mgr.check_add_partitions(t.name, t.count, assignments)
+            if not req.validate_only:
+                await mgr.add_partitions(t.name, t.count)
+            err, msg = ErrorCode.NONE, None
+        except Exception as exc:  # noqa: BLE001
+            err, msg = _err(exc)
+        results.append(rcls(name=t.name, error_code=err, error_message=msg))
+    return cls(version=ctx.version, throttle_time_ms=0, results=results)
+
+
+# ---- configs --------------------------------------------------------------------------
+def broker_configs(broker: Any) -> list[tuple[str, str | None, int, int, bool, str]]:
+    """(name, value, source, type, read_only, doc) of every broker config we report."""
+    cfg = broker.config
+    out: list[tuple[str, str | None, int, int, bool, str]] = []
+    S = SOURCE_STATIC_BROKER
+
+    def b(x: bool) -> str:
+        return "true" if x else "false"
+
+    out += [
+        ("broker.id", str(cfg.node_id), S, INT, True, "--node-id"),
+        ("node.id", str(cfg.node_id), S, INT, True, "--node-id"),
+        ("listeners", f"PLAINTEXT://{cfg.listen}", S, LIST, True, "--listen"),
+        ("advertised.listeners", f"PLAINTEXT://{cfg.advertised_host}:{cfg.advertised_port}", S,
+         LIST, True, "--advertised-listener"),
+        ("log.dirs", cfg.data_path, S, STRING, True, "--data-dir"),
+        ("auto.create.topics.enable", b(cfg.auto_create_topics), S, BOOLEAN, True,
+         "--auto-create-topics"),
+        ("num.partitions", str(cfg.default_partitions), S, INT, True, "--default-partitions"),
+        ("default.replication.factor", "1", SOURCE_DEFAULT, INT, True, "single node"),
+        ("delete.topic.enable", b(cfg.delete_topic_enable), S, BOOLEAN, True,
+         "--delete-topic-enable"),
+        ("socket.request.max.bytes", str(cfg.max_request_bytes), S, INT, True,
+         "--max-request-bytes"),
+        ("log.retention.check.interval.ms", str(cfg.retention_check_interval_ms), S, LONG, True,
+         "--retention-check-interval-ms"),
+        ("group.min.session.timeout.ms", str(cfg.group_min_session_timeout_ms), S, INT, True, ""),
+        ("group.max.session.timeout.ms", str(cfg.group_max_session_timeout_ms), S, INT, True, ""),
+        ("group.initial.rebalance.delay.ms", str(cfg.group_initial_rebalance_delay_ms), S, INT,
+         True, ""),
+        ("offset.metadata.max.bytes", str(cfg.offset_metadata_max_bytes), S, INT, True, ""),
+    ]
+    defaults = cfg.topic_defaults or {}
+    for d in TOPIC_CONFIGS.values():
+        if d.broker_name and d.broker_name not in {o[0] for o in out}:
+            if d.name in defaults:
+                out.append((d.broker_name, defaults[d.name], S, d.type, True, d.doc))
+            else:
+                out.append((d.broker_name, d.default, SOURCE_DEFAULT, d.type, True, d.doc))
+    return sorted(out)
+
+
+def _topic_entries(mgr: Any, topic: Topic, synonyms: bool
+                   ) -> list[tuple[str, str | None, int, int, bool, str, list]]:
+    out = []
+    bd = mgr.broker_defaults
+    for name, value, source in mgr.describe(topic):
+        d = TOPIC_CONFIGS[name]
+        syn: list[tuple[str, str, int]] = []
+        if synonyms:
+            if name in topic.overrides:
+                syn.append((name, topic.overrides[name], SOURCE_TOPIC))
+            if d.broker_name:
+                if name in bd:
+                    syn.append((d.broker_name, bd[name], SOURCE_STATIC_BROKER))
+                syn.append((d.broker_name, d.default, SOURCE_DEFAULT))
+            elif source == SOURCE_DEFAULT:
+                syn.append((name, d.default, SOURCE_DEFAULT))
+        out.append((name, value, source, d.type, False, d.doc, syn))
+    return out
+
+
+@handler(DESCRIBE_CONFIGS)
+async def describe_configs(ctx: RequestContext, req: Any) -> Any:
+    broker, v = ctx.broker, ctx.version
+    mgr = broker.topic_manager
+    cls = response_class(DESCRIBE_CONFIGS)
+    rcls = cls.DescribeConfigsResult
+    ecls = rcls.DescribeConfigsResourceResult
+    scls = ecls.DescribeConfigsSynonym
+    include_synonyms = bool(getattr(req, "include_synonyms", False))
+    include_docs = bool(getattr(req, "include_documentation", False)) if v >= 3 else False
+    results = []
+    for res in req.resources:
+        keys = set(res.configuration_keys) if res.configuration_keys is not None else None
+        err, msg, entries = ErrorCode.NONE, None, []
+        if res.resource_type == RESOURCE_TOPIC:
+            topic = broker.topics.get(res.resource_name)
+            if topic is None:
+                err, msg = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, \
+                    f"unknown topic {res.resource_name!r}"
+            else:
+                entries = _topic_entries(mgr, topic, include_synonyms)
+        elif res.resource_type == RESOURCE_BROKER:
+            if res.resource_name not in ("", str(broker.config.node_id)):
+                err, msg = ErrorCode.INVALID_REQUEST, f"unknown broker {res.resource_name!r}"
+            else:
+                entries = [(n, val, src, typ, ro, doc,
+                            [(n, val, src)] if include_synonyms else [])
+                           for n, val, src, typ, ro, doc in broker_configs(broker)]
+        elif res.resource_type == RESOURCE_BROKER_LOGGER:
+            err, msg = ErrorCode.INVALID_REQUEST, "broker loggers are not configurable"
+        else:
+            err, msg = ErrorCode.INVALID_REQUEST, f"unsupported resource type {res.resource_type}"
+        configs = []
+        for name, value, source, typ, ro, doc, syn in entries:
+            if keys is not None and name not in keys:
+                continue
+            configs.append(ecls(
+                name=name, value=value, read_only=ro, config_source=source,
+                is_default=source == SOURCE_DEFAULT, is_sensitive=False,
+                synonyms=[scls(name=sn, value=sv, source=ss) for sn, sv, ss in syn],
+                config_type=typ, documentation=doc if include_docs else None))
+        results.append(rcls(error_code=err, error_message=msg, resource_type=res.resource_type,
+                            resource_name=res.resource_name, configs=configs))
+    return cls(version=v, throttle_time_ms=0, results=results)
+
+
+def _non_topic_error(broker: Any, res: Any) -> tuple[int, str]:
+    if res.resource_type == RESOURCE_BROKER:
+        return (ErrorCode.INVALID_CONFIG, "broker configs are static in s3kafka: set them with "
+                "flags, environment or the config file and restart")
+    return ErrorCode.INVALID_REQUEST, f"unsupported resource type {res.resource_type}"
+
+
+@handler(ALTER_CONFIGS)
+async def alter_configs(ctx: RequestContext, req: Any) -> Any:
+    """Legacy AlterConfigs: the given set replaces every override of the topic."""
+    broker = ctx.broker
+    mgr = broker.topic_manager
+    cls = response_class(ALTER_CONFIGS)
+    rcls = cls.AlterConfigsResourceResponse
+    out = []
+    for res in req.resources:
+        err, msg = ErrorCode.NONE, None
+        try:
+            if res.resource_type != RESOURCE_TOPIC:
+                raise TopicError(*_non_topic_error(broker, res))
+            topic = broker.topics.get(res.resource_name)
+            if topic is None:
+                raise TopicError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
+                                 f"unknown topic {res.resource_name!r}")
+            new: dict[str, str] = {}
+            for c in res.configs:
+                if c.value is None:
+                    continue
+                new[c.name] = validate_config(c.name, c.value)
+            if not req.validate_only:
+                await mgr.set_overrides(topic, new)
+        except Exception as exc:  # noqa: BLE001
+            err, msg = _err(exc)
+        out.append(rcls(error_code=err, error_message=msg, resource_type=res.resource_type,
+                        resource_name=res.resource_name))
+    return cls(version=ctx.version, throttle_time_ms=0, responses=out)
+
+
+def _split_list(value: str) -> list[str]:
+    return [x.strip() for x in value.split(",") if x.strip()]
+
+
+@handler(INCREMENTAL_ALTER_CONFIGS)
+async def incremental_alter_configs(ctx: RequestContext, req: Any) -> Any:
+    """SET/DELETE/APPEND/SUBTRACT applied in order to a copy; stored only if all are valid."""
+    broker = ctx.broker
+    mgr = broker.topic_manager
+    cls = response_class(INCREMENTAL_ALTER_CONFIGS)
+    rcls = cls.AlterConfigsResourceResponse
+    out = []
+    for res in req.resources:
+        err, msg = ErrorCode.NONE, None
+        try:
+            if res.resource_type != RESOURCE_TOPIC:
+                raise TopicError(*_non_topic_error(broker, res))
+            topic = broker.topics.get(res.resource_name)
+            if topic is None:
+                raise TopicError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
+                                 f"unknown topic {res.resource_name!r}")
+            seen = [c.name for c in res.configs]
+            if len(seen) != len(set(seen)):
+                raise TopicError(ErrorCode.INVALID_REQUEST, "a config appears more than once")
+            new = dict(topic.overrides)
+            for c in res.configs:
+                d = TOPIC_CONFIGS.get(c.name)
+                if d is None:
+                    raise TopicError(ErrorCode.INVALID_CONFIG, f"unknown topic config {c.name!r}")
+                op = c.config_operation
+                if op == OP_SET:
+                    new[c.name] = validate_config(c.name, c.value)
+                elif op == OP_DELETE:
+                    new.pop(c.name, None)
+                elif op in (OP_APPEND, OP_SUBTRACT):
+                    if d.type != LIST:
+                        raise TopicError(ErrorCode.INVALID_CONFIG,
+                                         f"{c.name} is not a list; cannot APPEND/SUBTRACT")
+                    current = _split_list(mgr.effective(new)[c.name])
+                    items = _split_list(c.value or "")
+                    if op == OP_APPEND:
+                        merged = current + [x for x in items if x not in current]
+                    else:
+                        merged = [x for x in current if x not in items]
+                    if merged or d.check is None:
+                        new[c.name] = validate_config(c.name, ",".join(merged))
+                    else:
+                        raise TopicError(ErrorCode.INVALID_CONFIG, f"{c.name} cannot be empty")
+                else:
+                    raise TopicError(ErrorCode.INVALID_REQUEST, f"unknown operation {op}")
+            if not req.validate_only:
+                await mgr.set_overrides(topic, new)
+        except Exception as exc:  # noqa: BLE001
+            err, msg = _err(exc)
+        out.append(rcls(error_code=err, error_message=msg, resource_type=res.resource_type,
+                        resource_name=res.resource_name))
+    return cls(version=ctx.version, throttle_time_ms=0, responses=out)

@@ -1,0 +1,150 @@
+"""Metadata, DescribeCluster and DescribeTopicPartitions: this node leads every partition."""
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from protocol import ErrorCode, response_class
+
+from ..topics import Topic, TopicError
+from .registry import RequestContext, handler
+
+log = logging.getLogger(__name__)
+
+METADATA, DESCRIBE_CLUSTER, DESCRIBE_TOPIC_PARTITIONS = 3, 60, 75
+ZERO_UUID = uuid.UUID(int=0)
+NO_OPS = -2147483648   # "authorized operations not requested"
+LEADER_EPOCH = 0
+
+
+async def resolve_topic(ctx: RequestContext, name: str, allow_create: bool
+                        ) -> tuple[Topic | None, int]:
+    """Find (or auto-create) a topic; returns (topic, error code)."""
+    broker = ctx.broker
+    topic = broker.topics.get(name)
+    if topic is not None:
+        return topic, ErrorCode.NONE
+    if allow_create and broker.config.auto_create_topics:
+        try:
+            topic = await broker.auto_create_topic(name)
+        except TopicError as exc:
+            return None, exc.code
+        if topic is not None:
+            return topic, ErrorCode.NONE
+    return None, ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+
+
+def _partitions(pcls: Any, topic: Topic, node: int, start: int = 0, limit: int | None = None,
+                extra: dict[str, Any] | None = None) -> list[Any]:
+    n = len(topic.partitions)
+    end = n if limit is None else min(n, start + limit)
+    return [pcls(error_code=0, partition_index=i, leader_id=node, leader_epoch=LEADER_EPOCH,
+                 replica_nodes=[node], isr_nodes=[node], offline_replicas=[], **(extra or {}))
+            for i in range(start, end)]
+
+
+@handler(METADATA)
+async def metadata(ctx: RequestContext, req: Any) -> Any:
+    broker, v = ctx.broker, ctx.version
+    cfg = broker.config
+    node = cfg.node_id
+    cls = response_class(METADATA)
+    tcls = cls.MetadataResponseTopic
+    pcls = tcls.MetadataResponsePartition
+    allow_create = bool(getattr(req, "allow_auto_topic_creation", True)) if v >= 4 else True
+    wanted = req.topics
+    topics_out = []
+    if wanted is None or (v == 0 and not wanted):
+        for topic in sorted(broker.topics.values(), key=lambda t: t.name):
+            topics_out.append(tcls(error_code=0, name=topic.name, topic_id=topic.topic_id,
+                                   is_internal=topic.is_internal,
+                                   partitions=_partitions(pcls, topic, node),
+                                   authorized_operations=None))
+    else:
+        for t in wanted:
+            name = getattr(t, "name", None)
+            tid = getattr(t, "topic_id", None) if v >= 10 else None
+            if name is None and tid not in (None, ZERO_UUID):
+                topic = next((x for x in broker.topics.values() if x.topic_id == tid), None)
+                if topic is None:
+                    topics_out.append(tcls(error_code=ErrorCode.UNKNOWN_TOPIC_ID, name=None,
+                                           topic_id=tid, is_internal=False, partitions=[],
+                                           authorized_operations=None))
+                    continue
+                err = ErrorCode.NONE
+            else:
+                topic, err = await resolve_topic(ctx, name or "", allow_create)
+            if topic is None:
+                topics_out.append(tcls(error_code=err, name=name, topic_id=ZERO_UUID,
+                                       is_internal=False, partitions=[],
+                                       authorized_operations=None))
+                continue
+            topics_out.append(tcls(error_code=0, name=topic.name, topic_id=topic.topic_id,
+                                   is_internal=topic.is_internal,
+                                   partitions=_partitions(pcls, topic, node),
+                                   authorized_operations=None))
+    brokers = [cls.MetadataResponseBroker(node_id=node, host=cfg.advertised_host,
+                                          port=cfg.advertised_port, rack=None)]
+    return cls(version=v, throttle_time_ms=0, brokers=brokers, cluster_id=broker.cluster_id,
+               controller_id=node, topics=topics_out, authorized_operations=None,
+               error_code=0)
+
+
+@handler(DESCRIBE_CLUSTER)
+async def describe_cluster(ctx: RequestContext, req: Any) -> Any:
+    broker, v = ctx.broker, ctx.version
+    cfg = broker.config
+    cls = response_class(DESCRIBE_CLUSTER)
+    endpoint_type = getattr(req, "endpoint_type", 1) if v >= 1 else 1
+    brokers = [cls.DescribeClusterBroker(broker_id=cfg.node_id, host=cfg.advertised_host,
+                                         port=cfg.advertised_port, rack=None, is_fenced=False)]
+    err, msg = ErrorCode.NONE, None
+    if endpoint_type not in (1, 2):
+        err, msg, brokers = ErrorCode.UNSUPPORTED_ENDPOINT_TYPE, "unknown endpoint type", []
+    return cls(version=v, throttle_time_ms=0, error_code=err, error_message=msg,
+               endpoint_type=endpoint_type, cluster_id=broker.cluster_id,
+               controller_id=cfg.node_id, brokers=brokers, authorized_operations=None)
+
+
+@handler(DESCRIBE_TOPIC_PARTITIONS)
+async def describe_topic_partitions(ctx: RequestContext, req: Any) -> Any:
+    """KIP-966 paging: topics in name order, at most ``response_partition_limit`` partitions,
+    continuing from ``cursor``; ``next_cursor`` says where to continue."""
+    broker = ctx.broker
+    node = broker.config.node_id
+    cls = response_class(DESCRIBE_TOPIC_PARTITIONS)
+    tcls = cls.DescribeTopicPartitionsResponseTopic
+    pcls = tcls.DescribeTopicPartitionsResponsePartition
+    limit = req.response_partition_limit if req.response_partition_limit > 0 else 2000
+    limit = min(limit, 2000)
+    if req.topics:
+        names = sorted({t.name for t in req.topics})
+    else:
+        names = sorted(broker.topics)
+    cursor = req.cursor
+    if cursor is not None:
+        names = [n for n in names if n >= cursor.topic_name]
+    out, next_cursor, budget = [], None, limit
+    extra = {"eligible_leader_replicas": None, "last_known_elr": None}
+    for name in names:
+        topic = broker.topics.get(name)
+        if topic is None:
+            out.append(tcls(error_code=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, name=name,
+                            topic_id=ZERO_UUID, is_internal=False, partitions=[],
+                            topic_authorized_operations=None))
+            continue
+        start = cursor.partition_index if cursor is not None and name == cursor.topic_name else 0
+        start = max(0, start)
+        if budget <= 0:
+            next_cursor = cls.Cursor(topic_name=name, partition_index=start)
+            break
+        parts = _partitions(pcls, topic, node, start, budget, extra)
+        budget -= len(parts)
+        out.append(tcls(error_code=0, name=name, topic_id=topic.topic_id,
+                        is_internal=topic.is_internal, partitions=parts,
+                        topic_authorized_operations=None))
+        if start + len(parts) < len(topic.partitions):
+            next_cursor = cls.Cursor(topic_name=name, partition_index=start + len(parts))
+            break
+    return cls(version=ctx.version, throttle_time_ms=0, topics=out, next_cursor=next_cursor)

@@ -1,0 +1,440 @@
+"""The broker process: state (config, metadata, storage, topics, groups) and the TCP listener.
+
+Per connection, frames are split as bytes arrive; each request runs as its own task (so a
+long-polling Fetch does not hold up a Heartbeat behind it), but responses are written strictly
+in request order, as Kafka clients pipeline and match responses by order. Responses that become
+ready in the same loop iteration go out in one ``writelines`` call.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import signal
+import struct
+import time
+from typing import Any
+
+import protocol
+from protocol import (MalformedRequestError, UnknownApiError, UnsupportedVersionError,
+                      api_name, parse_request)
+
+from .config import BrokerConfig
+from .handlers import HANDLERS
+from .handlers.registry import RequestContext
+from .metastore import MetadataStore, open_metadata_store
+from .topics import Topic, TopicManager
+
+log = logging.getLogger(__name__)
+
+_SIZE = struct.Struct(">i")
+_CLOSE = object()          # marker in the response queue: close the connection here
+_NO_RESPONSE = object()    # acks=0 produce: nothing to write
+WRITE_HIGH_WATER = 8 << 20
+INITIAL_BUFFER = 64 << 10
+
+try:  # the zero-copy Fetch encoder, when the protocol package offers it
+    from protocol.frames import encode_response_buffers as _encode_buffers
+except ImportError:  # pragma: no cover - older protocol package
+    _encode_buffers = None
+
+
+def _encode(header: Any, response: Any) -> list[Any]:
+    if _encode_buffers is not None:
+        return list(_encode_buffers(header, response))
+    return [protocol.encode_response(header, response)]
+
+
+class Connection(asyncio.BufferedProtocol):
+    """One client connection: framing, concurrent handling, in-order responses."""
+
+    def __init__(self, broker: "Broker") -> None:
+        self.broker = broker
+        self.transport: asyncio.Transport | None = None
+        self.peer: str = "?"
+        self._buf = bytearray(INITIAL_BUFFER)
+        self._start = 0          # first unconsumed byte
+        self._end = 0            # end of received bytes
+        self._queue: collections.deque[asyncio.Future] = collections.deque()
+        self._flush_scheduled = False
+        self._closing = False
+        self._paused_reading = False
+        self._write_paused = False
+        self._reading_stopped = False  # shutdown: no new requests
+
+    # ---- asyncio callbacks -------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)  # type: ignore[attr-defined]
+        self.broker.connections.add(self)
+        log.debug("connection open peer=%s", self.peer)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        self.broker.connections.discard(self)
+        for fut in self._queue:
+            fut.cancel()
+        self._queue.clear()
+        log.debug("connection closed peer=%s error=%s", self.peer, exc)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        free = len(self._buf) - self._end
+        if free < 4096:
+            pending = self._end - self._start
+            if self._start > 0 and pending < len(self._buf) // 2:
+                self._buf[:pending] = self._buf[self._start:self._end]
+                self._start, self._end = 0, pending
+            else:
+                self._buf.extend(bytes(max(len(self._buf), 4096)))
+        return memoryview(self._buf)[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._end += nbytes
+        try:
+            self._split_frames()
+        except Exception:  # noqa: BLE001 - never let a bug here take the loop down
+            log.exception("framing failed peer=%s", self.peer)
+            self.close()
+
+    def eof_received(self) -> bool | None:
+        return False  # close our side too; pending responses are lost with the socket
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._update_reading()
+
+    # ---- framing -----------------------------------------------------------------------
+    def _split_frames(self) -> None:
+        buf = self._buf
+        limit = self.broker.config.max_request_bytes
+        while not self._closing and not self._reading_stopped:
+            avail = self._end - self._start
+            if avail < 4:
+                break
+            (size,) = _SIZE.unpack_from(buf, self._start)
+            if size < 0 or size > limit:
+                log.warning("request too large or negative size peer=%s size=%d limit=%d; "
+                            "closing connection", self.peer, size, limit)
+                self._enqueue_close()
+                return
+            if avail < 4 + size:
+                need = 4 + size
+                if len(buf) - self._start < need:  # make room for the whole frame
+                    pending = bytes(buf[self._start:self._end])
+                    new = bytearray(max(need, INITIAL_BUFFER))
+                    new[:len(pending)] = pending
+                    self._buf = buf = new
+                    self._start, self._end = 0, len(pending)
+                break
+            frame = bytes(buf[self._start + 4:self._start + 4 + size])
+            self._start += 4 + size
+            self._dispatch(frame)
+        if self._start == self._end:
+            self._start = self._end = 0
+            if len(self._buf) > 4 * INITIAL_BUFFER:
+                self._buf = bytearray(INITIAL_BUFFER)
+        self._update_reading()
+
+    def _dispatch(self, frame: bytes) -> None:
+        """Decode one frame and queue its (possibly pending) response."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        try:
+            header, request = parse_request(frame)
+        except UnsupportedVersionError as exc:
+            h = exc.header
+            if h.api_key == 18:  # KIP-511: answer in v0 so the client can pick a version
+                fut.set_result([protocol.api_versions_fallback(h)])
+                self._queue.append(fut)
+                self._schedule_flush()
+                log.debug("unsupported ApiVersions v%d peer=%s", h.api_version, self.peer)
+                return
+            log.info("unsupported version api=%s version=%d peer=%s; closing connection",
+                     api_name(h.api_key), h.api_version, self.peer)
+            self._enqueue_close()
+            return
+        except UnknownApiError as exc:
+            log.info("unknown api key=%d peer=%s; closing connection", exc.header.api_key,
+                     self.peer)
+            self._enqueue_close()
+            return
+        except MalformedRequestError as exc:
+            log.info("malformed request peer=%s error=%s; closing connection", self.peer, exc)
+            self._enqueue_close()
+            return
+        except Exception as exc:  # noqa: BLE001 - a codec bug is still only this connection
+            log.warning("undecodable request peer=%s error=%r; closing connection", self.peer,
+                        exc)
+            self._enqueue_close()
+            return
+        fn = HANDLERS.get(header.api_key)
+        if fn is None:
+            log.warning("no handler api=%s peer=%s; closing connection",
+                        api_name(header.api_key), self.peer)
+            self._enqueue_close()
+            return
+        self._queue.append(fut)
+        task = loop.create_task(self._run(fn, header, request, frame))
+        task.add_done_callback(lambda t, f=fut: self._complete(t, f))
+
+    async def _run(self, fn: Any, header: Any, request: Any, frame: bytes) -> Any:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request api=%s version=%d correlation_id=%d client_id=%s peer=%s",
+                      api_name(header.api_key), header.api_version, header.correlation_id,
+                      header.client_id, self.peer)
+        ctx = RequestContext(self.broker, header, self)
+        response = await fn(ctx, request)
+        if response is None:
+            return _NO_RESPONSE
+        return _encode(header, response)
+
+    def _complete(self, task: asyncio.Task, fut: asyncio.Future) -> None:
+        if fut.done():
+            return
+        if task.cancelled():
+            fut.set_result(_CLOSE)
+        elif task.exception() is not None:
+            exc = task.exception()
+            log.error("handler failed peer=%s error=%r; closing connection", self.peer, exc,
+                      exc_info=exc)
+            fut.set_result(_CLOSE)
+        else:
+            fut.set_result(task.result())
+        self._schedule_flush()
+
+    def _enqueue_close(self) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(_CLOSE)
+        self._queue.append(fut)
+        self._reading_stopped = True  # nothing after a bad frame can be trusted
+        self._schedule_flush()
+
+    # ---- writing -----------------------------------------------------------------------
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Write every response that is ready at the head of the queue, in one call."""
+        self._flush_scheduled = False
+        out: list[Any] = []
+        close = False
+        while self._queue and self._queue[0].done():
+            fut = self._queue.popleft()
+            result = fut.result() if not fut.cancelled() else _CLOSE
+            if result is _CLOSE:
+                close = True
+                break
+            if result is not _NO_RESPONSE:
+                out.extend(result)
+        if self.transport is not None and not self.transport.is_closing():
+            if out:
+                self.transport.writelines(out)
+            if close:
+                self.close()
+        self._update_reading()
+        if not self._queue:
+            self.broker._connection_idle()
+
+    def _update_reading(self) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        want_pause = (self._write_paused or self._reading_stopped
+                      or len(self._queue) >= self.broker.config.max_inflight_requests)
+        if want_pause and not self._paused_reading:
+            self._paused_reading = True
+            self.transport.pause_reading()
+        elif not want_pause and self._paused_reading:
+            self._paused_reading = False
+            self.transport.resume_reading()
+            if self._end - self._start >= 4:  # frames already buffered
+                asyncio.get_running_loop().call_soon(self._split_frames)
+
+    def close(self) -> None:
+        self._closing = True
+        for fut in self._queue:
+            fut.cancel()
+        self._queue.clear()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    # ---- shutdown ----------------------------------------------------------------------
+    def stop_reading(self) -> None:
+        self._reading_stopped = True
+        self._update_reading()
+
+    @property
+    def idle(self) -> bool:
+        return not self._queue
+
+
+class Broker:
+    """Everything one s3kafka process owns; handlers reach it as ``ctx.broker``."""
+
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        self.meta: MetadataStore | None = None
+        self.store: Any = None
+        self.groups: Any = None
+        self.topic_manager: TopicManager | None = None
+        self.cluster_id = ""
+        self.connections: set[Connection] = set()
+        self._server: asyncio.base_events.Server | None = None
+        self._idle = asyncio.Event()
+        self.started_at = time.time()
+
+    # ---- state the handlers read -------------------------------------------------------
+    @property
+    def topics(self) -> dict[str, Topic]:
+        return self.topic_manager.topics if self.topic_manager is not None else {}
+
+    @property
+    def node_id(self) -> int:
+        return self.config.node_id
+
+    async def auto_create_topic(self, name: str) -> Topic | None:
+        """Produce/Metadata auto-creation (auto.create.topics.enable); None when disabled."""
+        assert self.topic_manager is not None
+        return await self.topic_manager.auto_create(name)
+
+    # ---- life cycle --------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        self.meta = await asyncio.to_thread(open_metadata_store, cfg.metadata_url)
+        self.cluster_id = await asyncio.to_thread(self.meta.cluster_id)
+        self.store = self._open_store()
+        await self.store.start()
+        self.topic_manager = TopicManager(self, self.meta)
+        await self.topic_manager.load()
+        self.groups = await self._start_groups()
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: Connection(self), cfg.listen_host, cfg.listen_port, reuse_address=True,
+            backlog=1024)
+        sock = self._server.sockets[0].getsockname()
+        log.info("broker started listen=%s:%d advertised=%s:%d node_id=%d cluster_id=%s "
+                 "data_dir=%s storage=%s", sock[0], sock[1], cfg.advertised_host,
+                 cfg.advertised_port, cfg.node_id, self.cluster_id, cfg.data_path, cfg.storage)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    def _open_store(self) -> Any:
+        if self.config.storage == "engine":
+            try:
+                from storage.engine import open_engine  # noqa: PLC0415
+            except ImportError:
+                log.warning("storage engine not available; using in-memory storage "
+                            "(data will NOT survive a restart)")
+            else:
+                return open_engine(self.config.engine_config())
+        from storage.memory import MemoryStreamStore  # noqa: PLC0415
+
+        return MemoryStreamStore()
+
+    async def _start_groups(self) -> Any:
+        try:
+            from .groups import GroupCoordinator  # noqa: PLC0415
+        except ImportError:
+            log.warning("group coordinator not available")
+            return None
+        cfg = self.config
+        groups = GroupCoordinator(
+            cfg.metadata_url, cfg.node_id, cfg.advertised_host, cfg.advertised_port,
+            min_session_timeout_ms=cfg.group_min_session_timeout_ms,
+            max_session_timeout_ms=cfg.group_max_session_timeout_ms,
+            initial_rebalance_delay_ms=cfg.group_initial_rebalance_delay_ms,
+            max_metadata_bytes=cfg.offset_metadata_max_bytes)
+        await groups.start()
+        return groups
+
+    def _connection_idle(self) -> None:
+        if all(c.idle for c in self.connections):
+            self._idle.set()
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish, close partitions, flush storage."""
+        log.info("broker stopping connections=%d", len(self.connections))
+        if self._server is not None:
+            self._server.close()
+        for c in list(self.connections):
+            c.stop_reading()
+        deadline = time.monotonic() + self.config.shutdown_timeout_s
+        # Long-polling fetches end at their max_wait; closing partitions releases them early.
+        await self._wait_idle(min(2.0, self.config.shutdown_timeout_s))
+        if self.topic_manager is not None:
+            await self.topic_manager.close()
+        await self._wait_idle(max(0.0, deadline - time.monotonic()))
+        for c in list(self.connections):
+            c.close()
+        retention = getattr(self, "_datapath_retention", None)
+        if retention is not None:
+            try:
+                await retention.stop()
+            except Exception:  # noqa: BLE001
+                log.exception("retention stop failed")
+        if self.groups is not None:
+            try:
+                await self.groups.close()
+            except Exception:  # noqa: BLE001
+                log.exception("group coordinator close failed")
+        if self.store is not None:
+            await self.store.close()
+        pstore = getattr(self, "_datapath_producer_store", None)
+        if pstore is not None and hasattr(pstore, "close"):
+            try:
+                pstore.close()
+            except Exception:  # noqa: BLE001
+                log.exception("producer store close failed")
+        if self.meta is not None:
+            self.meta.close()
+        log.info("broker stopped")
+
+    async def _wait_idle(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while any(not c.idle for c in self.connections):
+            left = end - time.monotonic()
+            if left <= 0:
+                log.warning("shutdown: requests still in flight; closing their connections")
+                return
+            self._idle.clear()
+            try:
+                await asyncio.wait_for(self._idle.wait(), min(left, 0.1))
+            except asyncio.TimeoutError:
+                pass
+
+
+async def serve(config: BrokerConfig) -> None:
+    """Run until SIGTERM/SIGINT, then shut down gracefully."""
+    broker = Broker(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await broker.start()
+    await stop.wait()
+    await broker.stop()
+
+
+def run(config: BrokerConfig) -> int:
+    """Process entry: uvloop when available; exit code 0 after a clean shutdown."""
+    try:
+        import uvloop  # noqa: PLC0415
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover
+        runner = asyncio.run
+    try:
+        runner(serve(config))
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    return 0

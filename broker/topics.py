@@ -1,0 +1,417 @@
+"""Topics: creation/deletion/partition growth, and their configs with Kafka's names and defaults.
+
+A topic's effective config is Kafka's default, overridden by the broker-wide ``topic_defaults``
+(reported with source STATIC_BROKER_CONFIG), overridden by the topic's own overrides (source
+TOPIC_CONFIG). ``Topic.configs`` is the live effective dict handed to ``Partition.open``: it is
+updated in place when configs change, so partitions always read current values.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from protocol import ErrorCode
+
+from .metastore import MetadataStore, TopicRecord
+
+log = logging.getLogger(__name__)
+
+LONG_MAX = str(2 ** 63 - 1)
+
+# ConfigType (DescribeConfigs v3+) and ConfigSource numbers, fixed by the protocol.
+BOOLEAN, STRING, INT, SHORT, LONG, DOUBLE, LIST = 1, 2, 3, 4, 5, 6, 7
+SOURCE_TOPIC, SOURCE_STATIC_BROKER, SOURCE_DEFAULT = 1, 4, 5
+
+
+@dataclass(frozen=True)
+class ConfigDef:
+    """A Kafka topic config: default value, wire type, validator, and the broker synonym."""
+
+    name: str
+    default: str
+    type: int
+    doc: str
+    broker_name: str | None = None
+    check: Callable[[str], bool] | None = None
+
+
+def _int_at_least(lo: int) -> Callable[[str], bool]:
+    return lambda v: int(v) >= lo
+
+
+def _one_of(*choices: str) -> Callable[[str], bool]:
+    return lambda v: v in choices
+
+
+def _list_of(*choices: str) -> Callable[[str], bool]:
+    return lambda v: all(x.strip() in choices for x in v.split(",")) and bool(v.strip())
+
+
+def _ratio(v: str) -> bool:
+    return 0.0 <= float(v) <= 1.0
+
+
+_DEFS = [
+    ConfigDef("cleanup.policy", "delete", LIST, "delete and/or compact (only delete is enforced)",
+              "log.cleanup.policy", _list_of("delete", "compact")),
+    ConfigDef("compression.type", "producer", STRING, "codec of stored batches (producer = keep)",
+              "compression.type",
+              _one_of("uncompressed", "zstd", "lz4", "snappy", "gzip", "producer")),
+    ConfigDef("compression.gzip.level", "-1", INT, "gzip level", "compression.gzip.level",
+              lambda v: int(v) == -1 or 1 <= int(v) <= 9),
+    ConfigDef("compression.lz4.level", "9", INT, "lz4 level", "compression.lz4.level",
+              lambda v: 1 <= int(v) <= 17),
+    ConfigDef("compression.zstd.level", "3", INT, "zstd level", "compression.zstd.level",
+              lambda v: -131072 <= int(v) <= 22),
+    ConfigDef("delete.retention.ms", "86400000", LONG, "tombstone retention (compaction)",
+              "log.cleaner.delete.retention.ms", _int_at_least(0)),
+    ConfigDef("file.delete.delay.ms", "60000", LONG, "accepted for compatibility",
+              "log.segment.delete.delay.ms", _int_at_least(0)),
+    ConfigDef("flush.messages", LONG_MAX, LONG, "accepted; every batch is made durable in the WAL",
+              "log.flush.interval.messages", _int_at_least(1)),
+    ConfigDef("flush.ms", LONG_MAX, LONG, "accepted; every batch is made durable in the WAL",
+              "log.flush.interval.ms", _int_at_least(0)),
+    ConfigDef("follower.replication.throttled.replicas", "", LIST, "accepted (single node)",
+              "follower.replication.throttled.replicas"),
+    ConfigDef("index.interval.bytes", "4096", INT, "accepted for compatibility",
+              "log.index.interval.bytes", _int_at_least(0)),
+    ConfigDef("leader.replication.throttled.replicas", "", LIST, "accepted (single node)",
+              "leader.replication.throttled.replicas"),
+    ConfigDef("local.retention.bytes", "-2", LONG, "accepted for compatibility",
+              "log.local.retention.bytes", _int_at_least(-2)),
+    ConfigDef("local.retention.ms", "-2", LONG, "accepted for compatibility",
+              "log.local.retention.ms", _int_at_least(-2)),
+    ConfigDef("max.compaction.lag.ms", LONG_MAX, LONG, "accepted for compatibility",
+              "log.cleaner.max.compaction.lag.ms", _int_at_least(1)),
+    ConfigDef("max.message.bytes", "1048588", INT, "largest record batch accepted",
+              "message.max.bytes", _int_at_least(0)),
+    ConfigDef("message.timestamp.after.max.ms", "3600000", LONG,
+              "how far in the future a CreateTime may be",
+              "log.message.timestamp.after.max.ms", _int_at_least(0)),
+    ConfigDef("message.timestamp.before.max.ms", LONG_MAX, LONG,
+              "how far in the past a CreateTime may be",
+              "log.message.timestamp.before.max.ms", _int_at_least(0)),
+    ConfigDef("message.timestamp.type", "CreateTime", STRING, "CreateTime or LogAppendTime",
+              "log.message.timestamp.type", _one_of("CreateTime", "LogAppendTime")),
+    ConfigDef("min.cleanable.dirty.ratio", "0.5", DOUBLE, "accepted for compatibility",
+              "log.cleaner.min.cleanable.ratio", _ratio),
+    ConfigDef("min.compaction.lag.ms", "0", LONG, "accepted for compatibility",
+              "log.cleaner.min.compaction.lag.ms", _int_at_least(0)),
+    ConfigDef("min.insync.replicas", "1", INT, "single node: 1 is the only meaningful value",
+              "min.insync.replicas", _int_at_least(1)),
+    ConfigDef("preallocate", "false", BOOLEAN, "accepted for compatibility", "log.preallocate"),
+    ConfigDef("remote.log.copy.disable", "false", BOOLEAN, "accepted for compatibility", None),
+    ConfigDef("remote.log.delete.on.disable", "false", BOOLEAN, "accepted for compatibility",
+              None),
+    ConfigDef("remote.storage.enable", "false", BOOLEAN, "accepted (storage is always remote)",
+              None),
+    ConfigDef("retention.bytes", "-1", LONG, "per-partition size limit (-1 = none)",
+              "log.retention.bytes", _int_at_least(-1)),
+    ConfigDef("retention.ms", "604800000", LONG, "time limit (-1 = forever)",
+              "log.retention.ms", _int_at_least(-1)),
+    ConfigDef("segment.bytes", "1073741824", INT, "accepted for compatibility",
+              "log.segment.bytes", _int_at_least(14)),
+    ConfigDef("segment.index.bytes", "10485760", INT, "accepted for compatibility",
+              "log.index.size.max.bytes", _int_at_least(4)),
+    ConfigDef("segment.jitter.ms", "0", LONG, "accepted for compatibility",
+              "log.roll.jitter.ms", _int_at_least(0)),
+    ConfigDef("segment.ms", "604800000", LONG, "accepted for compatibility", "log.roll.ms",
+              _int_at_least(1)),
+    ConfigDef("unclean.leader.election.enable", "false", BOOLEAN, "accepted (single node)",
+              "unclean.leader.election.enable"),
+]
+TOPIC_CONFIGS: dict[str, ConfigDef] = {d.name: d for d in _DEFS}
+
+_TOPIC_NAME = re.compile(r"[a-zA-Z0-9._-]+")
+MAX_TOPIC_NAME = 249
+
+
+class TopicError(Exception):
+    """A per-topic failure with the Kafka error code to answer."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def validate_topic_name(name: Any) -> None:
+    if not isinstance(name, str) or not name:
+        raise TopicError(ErrorCode.INVALID_TOPIC, "topic name is empty")
+    if name in (".", ".."):
+        raise TopicError(ErrorCode.INVALID_TOPIC, f"topic name {name!r} is illegal")
+    if len(name) > MAX_TOPIC_NAME:
+        raise TopicError(ErrorCode.INVALID_TOPIC,
+                         f"topic name is longer than {MAX_TOPIC_NAME} characters")
+    if not _TOPIC_NAME.fullmatch(name):
+        raise TopicError(ErrorCode.INVALID_TOPIC,
+                         f"topic name {name!r} has characters other than ASCII alphanumerics, "
+                         "'.', '_' and '-'")
+
+
+def validate_config(name: str, value: str | None) -> str:
+    """Check one topic config override; returns the normalised value."""
+    d = TOPIC_CONFIGS.get(name)
+    if d is None:
+        raise TopicError(ErrorCode.INVALID_CONFIG, f"unknown topic config {name!r}")
+    if value is None:
+        raise TopicError(ErrorCode.INVALID_CONFIG, f"null value for {name}")
+    v = value.strip()
+    try:
+        if d.type in (INT, LONG, SHORT):
+            n = int(v)
+            if d.type == INT and not -2 ** 31 <= n < 2 ** 31:
+                raise ValueError("out of int range")
+            if d.type == LONG and not -2 ** 63 <= n < 2 ** 63:
+                raise ValueError("out of long range")
+            v = str(n)
+        elif d.type == DOUBLE:
+            float(v)
+        elif d.type == BOOLEAN:
+            if v.lower() not in ("true", "false"):
+                raise ValueError("expected true or false")
+            v = v.lower()
+        if d.check is not None and not d.check(v):
+            raise ValueError("value not allowed")
+    except ValueError as exc:
+        raise TopicError(ErrorCode.INVALID_CONFIG,
+                         f"invalid value {value!r} for configuration {name}: {exc}") from None
+    return v
+
+
+@dataclass
+class Topic:
+    """A topic as the handlers see it (``broker.topics[name]``)."""
+
+    name: str
+    topic_id: uuid.UUID
+    partitions: list[Any] = field(default_factory=list)     # broker.partition.Partition
+    configs: dict[str, str] = field(default_factory=dict)    # live effective config
+    overrides: dict[str, str] = field(default_factory=dict)  # per-topic overrides only
+    stream_ids: list[int] = field(default_factory=list)
+    is_internal: bool = False
+
+
+class TopicManager:
+    """Creates, deletes and reconfigures topics; owns ``broker.topics``.
+
+    One asyncio lock serialises changes, so concurrent auto-creation of the same topic (say,
+    from several producers at once) creates it once.
+    """
+
+    def __init__(self, broker: Any, meta: MetadataStore) -> None:
+        self.broker = broker
+        self.meta = meta
+        self.topics: dict[str, Topic] = {}
+        self._lock = asyncio.Lock()
+
+    # ---- configs ---------------------------------------------------------------------
+    @property
+    def broker_defaults(self) -> dict[str, str]:
+        return dict(getattr(self.broker.config, "topic_defaults", {}) or {})
+
+    def effective(self, overrides: dict[str, str]) -> dict[str, str]:
+        eff = {n: d.default for n, d in TOPIC_CONFIGS.items()}
+        eff.update({k: v for k, v in self.broker_defaults.items() if k in TOPIC_CONFIGS})
+        eff.update(overrides)
+        return eff
+
+    def describe(self, topic: Topic) -> list[tuple[str, str, int]]:
+        """(name, value, source) for every known topic config, sorted by name."""
+        bd = self.broker_defaults
+        out = []
+        for name in sorted(TOPIC_CONFIGS):
+            if name in topic.overrides:
+                out.append((name, topic.overrides[name], SOURCE_TOPIC))
+            elif name in bd:
+                out.append((name, bd[name], SOURCE_STATIC_BROKER))
+            else:
+                out.append((name, TOPIC_CONFIGS[name].default, SOURCE_DEFAULT))
+        return out
+
+    def validate_configs(self, configs: dict[str, str | None]) -> dict[str, str]:
+        return {k: validate_config(k, v) for k, v in configs.items()}
+
+    async def set_overrides(self, topic: Topic, overrides: dict[str, str]) -> None:
+        """Persist new overrides and update the live dict the partitions read."""
+        await asyncio.to_thread(self.meta.set_topic_configs, topic.name, overrides)
+        topic.overrides = dict(overrides)
+        eff = self.effective(topic.overrides)
+        topic.configs.clear()
+        topic.configs.update(eff)
+        log.info("topic configs changed topic=%s overrides=%s", topic.name, overrides)
+
+    # ---- lifecycle -------------------------------------------------------------------
+    async def load(self) -> None:
+        """Open every stored topic's partitions (at start-up)."""
+        records = await asyncio.to_thread(self.meta.load_topics)
+        for rec in records:
+            topic = Topic(rec.name, rec.topic_id, configs=self.effective(rec.configs),
+                          overrides=dict(rec.configs), stream_ids=list(rec.stream_ids))
+            try:
+                for i, sid in enumerate(rec.stream_ids):
+                    topic.partitions.append(await self._open_partition(topic, i, sid,
+                                                                        create=False))
+            except Exception:  # noqa: BLE001 - one broken topic must not stop the broker
+                log.exception("cannot open topic=%s; it stays unavailable", rec.name)
+                continue
+            self.topics[rec.name] = topic
+        log.info("topics loaded count=%d", len(self.topics))
+
+    async def _open_partition(self, topic: Topic, index: int, stream_id: int | None,
+                              create: bool) -> Any:
+        from .partition import Partition  # noqa: PLC0415 - datapath module, import late
+
+        store = self.broker.store
+        stream = await store.create_stream() if create else await store.open_stream(stream_id)
+        return await Partition.open(self.broker, topic.name, topic.topic_id, index, stream,
+                                    topic.configs)
+
+    def check_create(self, name: Any, num_partitions: int, replication_factor: int,
+                     assignments: list[tuple[int, list[int]]] | None,
+                     configs: dict[str, str | None]) -> tuple[int, dict[str, str]]:
+        """Validate a creation; returns (partition count, validated overrides)."""
+        validate_topic_name(name)
+        if name in self.topics:
+            raise TopicError(ErrorCode.TOPIC_ALREADY_EXISTS, f"topic {name!r} already exists")
+        node = self.broker.config.node_id
+        if assignments:
+            if num_partitions not in (-1, 0) or replication_factor not in (-1, 0):
+                raise TopicError(ErrorCode.INVALID_REQUEST, "both partition count/replication "
+                                 "factor and a manual assignment were given")
+            idx = sorted(i for i, _ in assignments)
+            if idx != list(range(len(idx))):
+                raise TopicError(ErrorCode.INVALID_REPLICATION_ASSIGNMENT,
+                                 "partition indexes must be 0..n-1")
+            for _, brokers in assignments:
+                if list(brokers) != [node]:
+                    raise TopicError(ErrorCode.INVALID_REPLICATION_ASSIGNMENT,
+                                     f"this single-node cluster has only broker {node}")
+            count = len(idx)
+        else:
+            count = self.broker.config.default_partitions if num_partitions == -1 \
+                else num_partitions
+            if count <= 0:
+                raise TopicError(ErrorCode.INVALID_PARTITIONS,
+                                 "number of partitions must be larger than 0")
+            if replication_factor not in (-1, 1):
+                raise TopicError(ErrorCode.INVALID_REPLICATION_FACTOR,
+                                 f"replication factor {replication_factor} is larger than the "
+                                 "1 available broker" if replication_factor > 1 else
+                                 "replication factor must be larger than 0")
+        if count > 100_000:
+            raise TopicError(ErrorCode.INVALID_PARTITIONS, "too many partitions")
+        return count, self.validate_configs(configs)
+
+    async def create(self, name: str, count: int, overrides: dict[str, str]) -> Topic:
+        """Create a validated topic: streams first, then one metadata transaction."""
+        async with self._lock:
+            if name in self.topics:
+                raise TopicError(ErrorCode.TOPIC_ALREADY_EXISTS, f"topic {name!r} already exists")
+            topic = Topic(name, uuid.uuid4(), configs=self.effective(overrides),
+                          overrides=dict(overrides))
+            streams = [await self.broker.store.create_stream() for _ in range(count)]
+            topic.stream_ids = [s.stream_id for s in streams]
+            try:
+                await asyncio.to_thread(self.meta.create_topic, TopicRecord(
+                    name, topic.topic_id, dict(overrides), list(topic.stream_ids)))
+            except Exception:
+                for sid in topic.stream_ids:
+                    await self._drop_stream(sid)
+                raise
+            from .partition import Partition  # noqa: PLC0415
+
+            for i, s in enumerate(streams):
+                topic.partitions.append(await Partition.open(
+                    self.broker, name, topic.topic_id, i, s, topic.configs))
+            self.topics[name] = topic
+            log.info("topic created topic=%s id=%s partitions=%d configs=%s", name,
+                     topic.topic_id, count, overrides)
+            return topic
+
+    async def auto_create(self, name: str) -> Topic | None:
+        """Create ``name`` with broker defaults if auto-creation is on; None otherwise."""
+        if name in self.topics:
+            return self.topics[name]
+        if not self.broker.config.auto_create_topics:
+            return None
+        validate_topic_name(name)
+        try:
+            return await self.create(name, self.broker.config.default_partitions, {})
+        except TopicError as exc:
+            if exc.code == ErrorCode.TOPIC_ALREADY_EXISTS:
+                return self.topics.get(name)
+            raise
+
+    async def delete(self, name: str) -> None:
+        async with self._lock:
+            topic = self.topics.get(name)
+            if topic is None:
+                raise TopicError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"unknown topic {name!r}")
+            await asyncio.to_thread(self.meta.delete_topic, name)
+            del self.topics[name]
+            for p in topic.partitions:
+                try:
+                    await p.close()
+                except Exception:  # noqa: BLE001
+                    log.exception("closing partition failed topic=%s", name)
+            for sid in topic.stream_ids:
+                await self._drop_stream(sid)
+            log.info("topic deleted topic=%s id=%s", name, topic.topic_id)
+
+    async def _drop_stream(self, stream_id: int) -> None:
+        try:
+            await self.broker.store.delete_stream(stream_id)
+        except Exception:  # noqa: BLE001 - an orphan stream only wastes space
+            log.exception("delete_stream failed stream=%d", stream_id)
+
+    def check_add_partitions(self, name: str, count: int,
+                             assignments: list[list[int]] | None) -> Topic:
+        topic = self.topics.get(name)
+        if topic is None:
+            raise TopicError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"unknown topic {name!r}")
+        have = len(topic.partitions)
+        if count < have:
+            raise TopicError(ErrorCode.INVALID_PARTITIONS,
+                             f"topic has {have} partitions; cannot shrink to {count}")
+        if count == have:
+            raise TopicError(ErrorCode.INVALID_PARTITIONS, f"topic already has {have} partitions")
+        if count > 100_000:
+            raise TopicError(ErrorCode.INVALID_PARTITIONS, "too many partitions")
+        if assignments is not None:
+            if len(assignments) != count - have:
+                raise TopicError(ErrorCode.INVALID_REPLICATION_ASSIGNMENT,
+                                 f"expected {count - have} assignments, got {len(assignments)}")
+            node = self.broker.config.node_id
+            for brokers in assignments:
+                if list(brokers) != [node]:
+                    raise TopicError(ErrorCode.INVALID_REPLICATION_ASSIGNMENT,
+                                     f"this single-node cluster has only broker {node}")
+        return topic
+
+    async def add_partitions(self, name: str, count: int) -> None:
+        async with self._lock:
+            topic = self.check_add_partitions(name, count, None)
+            have = len(topic.partitions)
+            streams = [await self.broker.store.create_stream() for _ in range(count - have)]
+            ids = [s.stream_id for s in streams]
+            await asyncio.to_thread(self.meta.add_partitions, name, have, ids)
+            from .partition import Partition  # noqa: PLC0415
+
+            for i, s in enumerate(streams):
+                topic.partitions.append(await Partition.open(
+                    self.broker, name, topic.topic_id, have + i, s, topic.configs))
+            topic.stream_ids.extend(ids)
+            log.info("partitions added topic=%s partitions=%d->%d", name, have, count)
+
+    async def close(self) -> None:
+        for topic in list(self.topics.values()):
+            for p in topic.partitions:
+                try:
+                    await p.close()
+                except Exception:  # noqa: BLE001
+                    log.exception("closing partition failed topic=%s", topic.name)
