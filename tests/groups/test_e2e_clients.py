@@ -1,0 +1,277 @@
+"""Consumer groups end to end: real broker process, real sockets, unmodified client libraries."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+WAIT_S = 90.0
+
+
+def wait_for(pred: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    """Block until ``pred()`` holds; the timeout only stops a hung test, it asserts no speed."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def create_topic(bootstrap: str, name: str, partitions: int) -> None:
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        admin.create_topics([NewTopic(name, partitions, 1)])
+    finally:
+        admin.close()
+
+
+def produce(bootstrap: str, topic: str, partitions: int, values: list[bytes]) -> None:
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    try:
+        for i, v in enumerate(values):
+            producer.send(topic, v, partition=i % partitions)
+        producer.flush()
+    finally:
+        producer.close()
+
+
+class PyConsumer(threading.Thread):
+    """A kafka-python KafkaConsumer in its own thread (poll drives its rebalances)."""
+
+    def __init__(self, bootstrap: str, topic: str, group: str, seen: set[bytes], lock: threading.Lock) -> None:
+        super().__init__(daemon=True)
+        from kafka import KafkaConsumer
+
+        self.consumer = KafkaConsumer(
+            bootstrap_servers=bootstrap, group_id=group, auto_offset_reset="earliest",
+            enable_auto_commit=False, session_timeout_ms=6000, heartbeat_interval_ms=500,
+            client_id=f"py-{uuid.uuid4().hex[:6]}",
+        )
+        self.consumer.subscribe([topic])
+        self.seen, self.lock = seen, lock
+        self.assigned: frozenset = frozenset()
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        from kafka.errors import CommitFailedError, RebalanceInProgressError
+
+        try:
+            while not self.stop.is_set():
+                batches = self.consumer.poll(timeout_ms=200)
+                with self.lock:
+                    for records in batches.values():
+                        self.seen.update(r.value for r in records)
+                if self.consumer.assignment():  # also retries a commit a rebalance refused
+                    try:
+                        self.consumer.commit()
+                    except (CommitFailedError, RebalanceInProgressError):
+                        pass  # a rebalance started: as in any real consumer, the next poll rejoins
+                self.assigned = frozenset(self.consumer.assignment())
+        except BaseException as e:  # surfaced by the test
+            self.error = e
+        finally:
+            self.consumer.close()  # sends LeaveGroup
+
+
+def test_kafka_python_group_of_three_rebalances_when_one_leaves(broker):
+    from kafka import KafkaAdminClient
+
+    topic, group, parts = "g3-topic", "g3", 6
+    create_topic(broker.bootstrap, topic, parts)
+    first = [f"a{i}".encode() for i in range(60)]
+    produce(broker.bootstrap, topic, parts, first)
+    seen: set[bytes] = set()
+    lock = threading.Lock()
+    consumers = [PyConsumer(broker.bootstrap, topic, group, seen, lock) for _ in range(3)]
+    for c in consumers:
+        c.start()
+
+    def balanced(cs: list[PyConsumer], each: int) -> bool:
+        sets = [c.assigned for c in cs]
+        return all(len(s) == each for s in sets) and len(frozenset().union(*sets)) == parts
+
+    try:
+        wait_for(lambda: balanced(consumers, 2), "3 consumers to share 6 partitions")
+        wait_for(lambda: len(seen) == 60, "all first records")
+        leaving = consumers.pop()
+        leaving.stop.set()
+        leaving.join(30)
+        assert leaving.error is None
+        wait_for(lambda: balanced(consumers, 3), "2 consumers to take over all partitions")
+        second = [f"b{i}".encode() for i in range(30)]
+        produce(broker.bootstrap, topic, parts, second)
+        wait_for(lambda: seen >= set(first) | set(second), "records produced after the rebalance")
+        assert all(c.error is None for c in consumers)
+        admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+        try:
+            desc = admin.describe_groups([group])[group]
+            assert desc["group_state"] == "Stable" and len(desc["members"]) == 2
+            committed = admin.list_group_offsets({group: None})[group]
+            wait_for(lambda: sum(o.offset for o in admin.list_group_offsets({group: None})[group].values()) == 90,
+                     "commits of every record")
+            assert {tp.partition for tp in committed} == set(range(parts))
+        finally:
+            admin.close()
+    finally:
+        for c in consumers:
+            c.stop.set()
+        for c in consumers:
+            c.join(30)
+
+
+@pytest.mark.parametrize("how", ["sigterm", "kill9"])
+def test_committed_offsets_survive_restart(broker, how):
+    from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+    from kafka.structs import OffsetAndMetadata
+
+    topic, parts = "restart-topic", 3
+    create_topic(broker.bootstrap, topic, parts)
+    produce(broker.bootstrap, topic, parts, [f"r{i}".encode() for i in range(30)])
+    # An assign-based consumer (like Spark executors) commits for a group nobody joined.
+    simple = KafkaConsumer(bootstrap_servers=broker.bootstrap, group_id="simple-grp", enable_auto_commit=False)
+    simple.assign([TopicPartition(topic, p) for p in range(parts)])
+    simple.commit({TopicPartition(topic, p): OffsetAndMetadata(p + 4, f"meta{p}", -1) for p in range(parts)})
+    simple.close()
+    # A subscribed consumer reads half, commits, and goes away.
+    sub = KafkaConsumer(topic, bootstrap_servers=broker.bootstrap, group_id="sub-grp", enable_auto_commit=False,
+                        auto_offset_reset="earliest", session_timeout_ms=6000, max_poll_records=5)
+    got: list[bytes] = []
+
+    def poll_into(consumer, out: list[bytes], enough: int) -> Callable[[], bool]:
+        def step() -> bool:
+            out.extend(r.value for rs in consumer.poll(timeout_ms=200).values() for r in rs)
+            return len(out) >= enough
+        return step
+
+    wait_for(poll_into(sub, got, 5), "first records")
+    sub.commit()
+    position = {TopicPartition(topic, p): sub.position(TopicPartition(topic, p)) for p in range(parts)}
+    sub.close()
+
+    if how == "sigterm":
+        broker.stop()
+    else:
+        broker.kill()
+    broker.start()
+
+    admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    try:
+        offsets = admin.list_group_offsets({"simple-grp": None})["simple-grp"]
+        assert {tp.partition: (o.offset, o.metadata) for tp, o in offsets.items()} == {
+            p: (p + 4, f"meta{p}") for p in range(parts)}
+        sub_offsets = admin.list_group_offsets({"sub-grp": None})["sub-grp"]
+        assert {tp: o.offset for tp, o in sub_offsets.items()} == {
+            tp: o for tp, o in position.items() if o > 0 or tp in sub_offsets}
+    finally:
+        admin.close()
+    # The group resumes where it committed: nothing before the committed offsets again.
+    resumed = KafkaConsumer(topic, bootstrap_servers=broker.bootstrap, group_id="sub-grp", enable_auto_commit=False,
+                            auto_offset_reset="earliest", session_timeout_ms=6000)
+    rest: list[bytes] = []
+    wait_for(poll_into(resumed, rest, 30 - len(got)), "the remaining records")
+    resumed.close()
+    assert sorted(rest + got) == sorted(f"r{i}".encode() for i in range(30))
+
+
+def test_confluent_static_membership_rejoin_without_rebalance(broker):
+    from confluent_kafka import Consumer
+    from confluent_kafka.admin import AdminClient
+
+    topic, group = "static-topic", "static-grp"
+    create_topic(broker.bootstrap, topic, 4)
+    assignments: dict[str, list[list[int]]] = {"a": [], "b": [], "b2": []}
+
+    def make(name: str, instance: str) -> Consumer:
+        c = Consumer({
+            "bootstrap.servers": broker.bootstrap, "group.id": group, "group.instance.id": instance,
+            "session.timeout.ms": 30000, "heartbeat.interval.ms": 500, "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+        })
+        c.subscribe([topic], on_assign=lambda _c, ps: assignments[name].append(sorted(p.partition for p in ps)))
+        return c
+
+    a, b = make("a", "inst-a"), make("b", "inst-b")
+
+    def poll_all(*cs: Consumer) -> None:
+        for c in cs:
+            c.poll(0.05)
+
+    def settled() -> bool:
+        poll_all(a, b)
+        return bool(assignments["a"]) and bool(assignments["b"]) and \
+            len(set(assignments["a"][-1]) | set(assignments["b"][-1])) == 4 and \
+            not set(assignments["a"][-1]) & set(assignments["b"][-1])
+
+    wait_for(settled, "two static members sharing the partitions")
+    a_rounds, b_parts = len(assignments["a"]), assignments["b"][-1]
+    b.close()  # a static member leaves no LeaveGroup behind: its slot stays reserved
+    b2 = make("b2", "inst-b")
+
+    def b2_assigned() -> bool:
+        poll_all(a, b2)
+        return bool(assignments["b2"])
+
+    wait_for(b2_assigned, "the restarted static member to get its assignment back")
+    assert assignments["b2"][-1] == b_parts
+    for _ in range(20):
+        poll_all(a, b2)
+    assert len(assignments["a"]) == a_rounds, "the other member must not see a rebalance"
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    desc = admin.describe_consumer_groups([group])[group].result(timeout=30)
+    assert sorted(m.group_instance_id for m in desc.members) == ["inst-a", "inst-b"]
+    a.close()
+    b2.close()
+
+
+async def test_aiokafka_group_commits(broker):
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    topic, group = "aio-topic", "aio-grp"
+    create_topic(broker.bootstrap, topic, 2)
+    produce(broker.bootstrap, topic, 2, [f"x{i}".encode() for i in range(20)])
+    consumers = [
+        AIOKafkaConsumer(topic, bootstrap_servers=broker.bootstrap, group_id=group, enable_auto_commit=False,
+                         auto_offset_reset="earliest", session_timeout_ms=6000, heartbeat_interval_ms=500)
+        for _ in range(2)
+    ]
+    for c in consumers:
+        await c.start()
+    seen: set[bytes] = set()
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT_S
+        # both members get one partition each before anything is consumed
+        while not all(len(c.assignment()) == 1 for c in consumers):
+            assert loop.time() < deadline, "timed out waiting for the assignment"
+            await asyncio.sleep(0.05)
+        while len(seen) < 20:
+            assert loop.time() < deadline, "timed out consuming"
+            for c in consumers:
+                batches = await c.getmany(timeout_ms=100)
+                for records in batches.values():
+                    seen.update(r.value for r in records)
+                if batches:
+                    await c.commit()
+        total = 0
+        for p in range(2):
+            committed = None
+            for c in consumers:
+                if TopicPartition(topic, p) in c.assignment():
+                    committed = await c.committed(TopicPartition(topic, p))
+            total += committed or 0
+        assert total == 20
+    finally:
+        for c in consumers:
+            await c.stop()
