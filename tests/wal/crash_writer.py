@@ -1,7 +1,7 @@
 """Child process of the crash test: appends from several streams under load until killed.
 
-Prints `A <stream> <seq> <offset>` only after that record's future completed, and
-`T <offset>` only after trim() returned; each line is one os.write (atomic on a pipe).
+Prints `A <stream> <seq> <offset>` only after that record's future completed,
+`t <offset>` before calling trim() and `T <offset>` only after it returned; each line is one os.write (atomic on a pipe).
 Usage: crash_writer.py <path> <capacity> <seed> <sync_mode> <start seqs as s0,s1,...>
 """
 from __future__ import annotations
@@ -56,6 +56,7 @@ def main() -> None:
             with out_lock:
                 target = acked[-1] if acked else None
             if target is not None and target > wal.trim_offset:
+                os.write(1, f"t {target}\n".encode())
                 wal.trim(target)
                 os.write(1, f"T {target}\n".encode())
             else:
@@ -69,6 +70,7 @@ def main() -> None:
             with out_lock:
                 target = acked[len(acked) // 2] if acked else None
             if target is not None and target > wal.trim_offset:
+                os.write(1, f"t {target}\n".encode())
                 wal.trim(target)
                 os.write(1, f"T {target}\n".encode())
 
