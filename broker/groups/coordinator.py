@@ -99,7 +99,7 @@ class GroupCoordinator:
             self.groups.setdefault(rec.group_id, Group(rec.group_id))
         for grec in records:
             self._restore_group(grec)
-        log.info("group coordinator started", extra={"groups": len(self.groups)})
+        log.info("group coordinator started: %d groups, %d with committed offsets", len(self.groups), len(self.offsets))
 
     async def close(self) -> None:
         """Stop timers, fail parked calls so clients retry elsewhere, close the store."""
@@ -421,6 +421,7 @@ class GroupCoordinator:
         if group.leader_id == old_id:
             group.leader_id = new_id
         self._schedule_session(group, old)
+        log.info("group %s: static member %s replaced %s by %s", group.group_id, instance_id, old_id, new_id)
         if group.state == S.STABLE:
             if group.select_protocol() == group.protocol_name:
                 await self._persist(group)
