@@ -1,0 +1,155 @@
+"""Produce/consume through unmodified client libraries against a running broker."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from .wire import WireClient
+
+pytestmark = pytest.mark.e2e
+
+
+def _topic(prefix: str = "dpc") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def _create(broker, name: str, configs: dict[str, str] | None = None, partitions: int = 1) -> str:
+    with WireClient(broker.host, broker.port) as c:
+        c.create_topic(name, partitions=partitions, configs=configs)
+    return name
+
+
+@pytest.mark.parametrize("acks", [0, 1, "all"])
+def test_kafka_python_acks(module_broker, acks):
+    from kafka import KafkaConsumer, KafkaProducer
+
+    t = _create(module_broker, _topic())
+    prod = KafkaProducer(bootstrap_servers=module_broker.bootstrap, acks=acks,
+                         enable_idempotence=False, linger_ms=5)
+    futs = [prod.send(t, value=b"m%d" % i) for i in range(20)]
+    prod.flush(30)
+    if acks != 0:
+        offsets = [f.get(30).offset for f in futs]
+        assert offsets == list(range(20))
+    prod.close(10)
+    cons = KafkaConsumer(t, bootstrap_servers=module_broker.bootstrap,
+                         auto_offset_reset="earliest", enable_auto_commit=False,
+                         consumer_timeout_ms=15000, group_id=None)
+    values = []
+    for msg in cons:
+        values.append(msg.value)
+        if len(values) == 20:
+            break
+    cons.close()
+    assert values == [b"m%d" % i for i in range(20)]
+
+
+@pytest.mark.parametrize("codec", ["none", "gzip", "snappy", "lz4", "zstd"])
+def test_confluent_kafka_codecs(module_broker, codec):
+    from confluent_kafka import Consumer, Producer
+
+    t = _create(module_broker, _topic())
+    p = Producer({"bootstrap.servers": module_broker.bootstrap, "compression.type": codec,
+                  "enable.idempotence": True, "linger.ms": 5})
+    for i in range(50):
+        p.produce(t, value=b"value-%d" % i * 3, key=b"k%d" % i)
+    assert p.flush(30) == 0
+    c = Consumer({"bootstrap.servers": module_broker.bootstrap, "group.id": _topic("g"),
+                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    c.subscribe([t])
+    got = []
+    for _ in range(300):
+        m = c.poll(0.2)
+        if m is None:
+            if len(got) >= 50:
+                break
+            continue
+        assert m.error() is None, m.error()
+        got.append((m.offset(), m.key(), m.value()))
+        if len(got) == 50:
+            break
+    c.close()
+    assert got == [(i, b"k%d" % i, b"value-%d" % i * 3) for i in range(50)]
+
+
+def test_confluent_log_append_time_and_offsets_for_times(module_broker):
+    from confluent_kafka import (TIMESTAMP_LOG_APPEND_TIME, Consumer, Producer,
+                                 TopicPartition)
+
+    t = _create(module_broker, _topic(), configs={"message.timestamp.type": "LogAppendTime"})
+    p = Producer({"bootstrap.servers": module_broker.bootstrap})
+    for i in range(5):
+        p.produce(t, value=b"x%d" % i, timestamp=1000 + i)
+    assert p.flush(30) == 0
+    c = Consumer({"bootstrap.servers": module_broker.bootstrap, "group.id": _topic("g"),
+                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    c.assign([TopicPartition(t, 0, 0)])
+    msgs = []
+    for _ in range(100):
+        m = c.poll(0.2)
+        if m is not None and m.error() is None:
+            msgs.append(m)
+        if len(msgs) == 5:
+            break
+    assert len(msgs) == 5
+    ts_type, ts = msgs[0].timestamp()
+    assert ts_type == TIMESTAMP_LOG_APPEND_TIME and ts > 1_600_000_000_000
+    # the broker's time, not the producer's 1000+i, is what ListOffsets indexes
+    (found,) = c.offsets_for_times([TopicPartition(t, 0, ts)], timeout=10)
+    assert found.offset == 0
+    (none,) = c.offsets_for_times([TopicPartition(t, 0, ts + 10**9)], timeout=10)
+    assert none.offset == -1
+    lo, hi = c.get_watermark_offsets(TopicPartition(t, 0), timeout=10)
+    assert (lo, hi) == (0, 5)
+    c.close()
+
+
+def test_kafka_python_idempotent_and_offsets_for_times(module_broker):
+    from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+    t = _create(module_broker, _topic())
+    prod = KafkaProducer(bootstrap_servers=module_broker.bootstrap, enable_idempotence=True,
+                         acks="all")
+    for i in range(10):
+        prod.send(t, value=b"i%d" % i, timestamp_ms=10_000 + i * 100)
+    prod.flush(30)
+    prod.close(10)
+    cons = KafkaConsumer(bootstrap_servers=module_broker.bootstrap, enable_auto_commit=False)
+    tp = TopicPartition(t, 0)
+    res = cons.offsets_for_times({tp: 10_250})
+    assert res[tp].offset == 3 and res[tp].timestamp == 10_300
+    assert cons.beginning_offsets([tp])[tp] == 0
+    assert cons.end_offsets([tp])[tp] == 10
+    cons.close()
+
+
+def test_aiokafka_round_trip(module_broker):
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    t = _create(module_broker, _topic())
+
+    async def run() -> list[bytes]:
+        prod = AIOKafkaProducer(bootstrap_servers=module_broker.bootstrap, acks="all",
+                                compression_type="gzip")
+        await prod.start()
+        try:
+            for i in range(10):
+                await prod.send_and_wait(t, b"a%d" % i)
+        finally:
+            await prod.stop()
+        cons = AIOKafkaConsumer(t, bootstrap_servers=module_broker.bootstrap,
+                                auto_offset_reset="earliest", enable_auto_commit=False)
+        await cons.start()
+        out: list[bytes] = []
+        try:
+            while len(out) < 10:
+                batch = await asyncio.wait_for(cons.getmany(timeout_ms=1000), 30)
+                for msgs in batch.values():
+                    out.extend(m.value for m in msgs)
+        finally:
+            await cons.stop()
+        return out
+
+    assert asyncio.run(run()) == [b"a%d" % i for i in range(10)]
