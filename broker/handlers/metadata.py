@@ -132,7 +132,7 @@ async def describe_topic_partitions(ctx: RequestContext, req: Any) -> Any:
         if topic is None:
             out.append(tcls(error_code=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, name=name,
                             topic_id=ZERO_UUID, is_internal=False, partitions=[],
-                            topic_authorized_operations=None))
+                            topic_authorized_operations=NO_OPS))
             continue
         start = cursor.partition_index if cursor is not None and name == cursor.topic_name else 0
         start = max(0, start)
@@ -143,7 +143,7 @@ async def describe_topic_partitions(ctx: RequestContext, req: Any) -> Any:
         budget -= len(parts)
         out.append(tcls(error_code=0, name=name, topic_id=topic.topic_id,
                         is_internal=topic.is_internal, partitions=parts,
-                        topic_authorized_operations=None))
+                        topic_authorized_operations=NO_OPS))
         if start + len(parts) < len(topic.partitions):
             next_cursor = cls.Cursor(topic_name=name, partition_index=start + len(parts))
             break
