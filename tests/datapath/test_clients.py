@@ -153,3 +153,44 @@ def test_aiokafka_round_trip(module_broker):
         return out
 
     assert asyncio.run(run()) == [b"a%d" % i for i in range(10)]
+
+
+def test_confluent_admin_list_offsets_and_delete_records(module_broker):
+    from confluent_kafka import Producer, TopicPartition
+    from confluent_kafka.admin import AdminClient, OffsetSpec
+
+    t = _create(module_broker, _topic())
+    p = Producer({"bootstrap.servers": module_broker.bootstrap})
+    for i in range(6):
+        p.produce(t, value=b"d%d" % i, timestamp=5000 + i * 10)
+        p.flush(30)  # one batch per record: DeleteRecords then cuts between batches
+    admin = AdminClient({"bootstrap.servers": module_broker.bootstrap})
+    tp = TopicPartition(t, 0)
+
+    def offsets(spec) -> int:
+        return admin.list_offsets({tp: spec})[tp].result(30).offset
+
+    assert offsets(OffsetSpec.earliest()) == 0
+    assert offsets(OffsetSpec.latest()) == 6
+    assert offsets(OffsetSpec.for_timestamp(5025)) == 3
+    assert offsets(OffsetSpec.max_timestamp()) == 5
+    res = admin.delete_records([TopicPartition(t, 0, 4)])[TopicPartition(t, 0, 4)].result(30)
+    assert res.low_watermark == 4
+    assert offsets(OffsetSpec.earliest()) == 4
+
+
+def test_kafka_python_admin_delete_records(module_broker):
+    from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
+
+    t = _create(module_broker, _topic())
+    prod = KafkaProducer(bootstrap_servers=module_broker.bootstrap, linger_ms=0)
+    for i in range(4):
+        prod.send(t, b"r%d" % i).get(30)
+    prod.close(10)
+    admin = KafkaAdminClient(bootstrap_servers=module_broker.bootstrap)
+    tp = TopicPartition(t, 0)
+    res = admin.delete_records({tp: 2})
+    assert res[tp]["low_watermark"] == 2
+    assert admin.list_partition_offsets({tp: -2})[tp].offset == 2
+    assert admin.list_partition_offsets({tp: -1})[tp].offset == 4
+    admin.close()
