@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Sequence
 
-from .config import BrokerConfig, broker_fields, build_config, engine_fields
+from .config import BrokerConfig, broker_fields, build_config, engine_defaults, engine_fields
 
 _HELP = {
     "listen": "HOST:PORT to accept Kafka clients on (default 127.0.0.1:9092)",
@@ -33,6 +33,11 @@ _HELP = {
     "retention_check_interval_ms": "log.retention.check.interval.ms (default 300000)",
     "topic_defaults": "broker-wide topic config defaults, NAME=VALUE[,NAME=VALUE...] "
                       "(repeatable), e.g. retention.ms=3600000",
+    "group_min_session_timeout_ms": "group.min.session.timeout.ms (default 6000)",
+    "group_max_session_timeout_ms": "group.max.session.timeout.ms (default 1800000)",
+    "group_initial_rebalance_delay_ms": "group.initial.rebalance.delay.ms (default 0; Kafka: "
+                                        "3000)",
+    "offset_metadata_max_bytes": "offset.metadata.max.bytes (default 4096)",
     "log_level": "DEBUG, INFO, WARNING, ERROR (default INFO)",
     "log_format": "text (key=value) or json (default text)",
 }
@@ -91,9 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                            metavar=getattr(kind, "__name__", "VALUE").upper(),
                            help=_HELP.get(name, ""))
     eng = serve.add_argument_group("storage engine knobs (docs/storage.md)")
+    defaults = engine_defaults()
     for name, kind in engine_fields().items():
         eng.add_argument(_flag(name), dest=name, default=None,
-                         metavar=getattr(kind, "__name__", "VALUE").upper())
+                         metavar=getattr(kind, "__name__", "VALUE").upper(),
+                         help=f"default {defaults.get(name)!r}")
     return parser
 
 

@@ -202,6 +202,15 @@ def engine_fields() -> dict[str, Any]:
     return {f.name: _type_of(f) for f in fields(EngineConfig) if f.name not in _ENGINE_OWN}
 
 
+def engine_defaults() -> dict[str, Any]:
+    """Engine knob -> its default value (for --help and docs)."""
+    try:
+        from storage.engine import EngineConfig  # noqa: PLC0415
+    except Exception:  # noqa: BLE001
+        return {}
+    return {f.name: getattr(EngineConfig(), f.name) for f in fields(EngineConfig)}
+
+
 def _norm(key: str) -> str:
     return key.strip().lower().replace("-", "_").replace(".", "_")
 
@@ -307,3 +316,10 @@ def validate(cfg: BrokerConfig) -> None:
         raise ValueError("log_format must be 'text' or 'json'")
     if cfg.node_id < 0:
         raise ValueError("node_id must be >= 0")
+    from .topics import TopicError, validate_config  # noqa: PLC0415 - avoid a cycle at import
+
+    for name, value in list(cfg.topic_defaults.items()):
+        try:
+            cfg.topic_defaults[name] = validate_config(name, value)
+        except TopicError as exc:
+            raise ValueError(f"topic_defaults: {exc.message}") from None

@@ -387,7 +387,10 @@ class Broker:
             except Exception:  # noqa: BLE001
                 log.exception("group coordinator close failed")
         if self.store is not None:
-            await self.store.close()
+            try:
+                await self.store.close()  # flushes the WAL and uploads per the engine's rules
+            except Exception:  # noqa: BLE001
+                log.exception("storage close failed")
         pstore = getattr(self, "_datapath_producer_store", None)
         if pstore is not None and hasattr(pstore, "close"):
             try:
@@ -419,7 +422,15 @@ async def serve(config: BrokerConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await broker.start()
+    try:
+        await broker.start()
+    except BaseException:
+        log.error("start-up failed; releasing what was opened")
+        try:
+            await broker.stop()
+        except Exception:  # noqa: BLE001 - report the original error
+            log.exception("cleanup after failed start-up failed")
+        raise
     await stop.wait()
     await broker.stop()
 

@@ -61,6 +61,8 @@ def test_topic_default_flag_is_repeatable():
     (["serve", "--node-id", "x"], {}),
     (["serve"], {"S3KAFKA_DEFAULT_PARTITIONS": "0"}),
     (["serve", "--storage", "tape"], {}),
+    (["serve", "--topic-default", "retention.ms=soon"], {}),
+    (["serve", "--topic-default", "no.such.config=1"], {}),
 ])
 def test_bad_values_are_rejected(argv, env):
     with pytest.raises(ValueError):
