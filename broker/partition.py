@@ -286,6 +286,7 @@ class Partition:
         max_bytes = _config_int(self.configs, "max.message.bytes", DEFAULT_MAX_MESSAGE_BYTES)
         log_append = self.configs.get("message.timestamp.type", "CreateTime") == "LogAppendTime"
         count = 0
+        max_ts_of: list[int] = []
         for pos, view in views:
             if view.size > max_bytes:
                 res.error = ErrorCode.MESSAGE_SIZE_TOO_LARGE
@@ -298,6 +299,22 @@ class Partition:
                 res.error = ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED
                 res.message = "transactions are not supported"
                 return res
+            if view.compression > COMPRESSION_ZSTD:
+                res.error, res.message = ErrorCode.CORRUPT_MESSAGE, "unknown compression codec"
+                return res
+            max_ts = view.max_timestamp
+            if max_ts < 0 and not log_append:
+                # rare producers leave it unset; timestamp lookups need it (decodes records)
+                try:
+                    max_ts = protocol.fill_max_timestamp(buf, pos)
+                except protocol.CorruptRecordError as e:
+                    res.error = getattr(e, "code", None) or ErrorCode.CORRUPT_MESSAGE
+                    res.message = str(e)
+                    return res
+                except Exception as e:  # noqa: BLE001 - undecodable records are bad input
+                    res.error, res.message = ErrorCode.CORRUPT_MESSAGE, f"bad records: {e!r}"
+                    return res
+            max_ts_of.append(max_ts)
             count += view.last_offset_delta + 1
 
         # idempotence checks (all batches of the request stand or fall together, like Kafka)
@@ -331,16 +348,12 @@ class Partition:
         next_offset = base
         recorded: list[tuple[int, BatchMeta]] = []
         payload_max_ts = -1
-        for pos, view in views:
+        for (pos, view), max_ts in zip(views, max_ts_of):
             protocol.set_base_offset(buf, pos, next_offset)
             protocol.set_partition_leader_epoch(buf, pos, LEADER_EPOCH)
             if log_append:
                 protocol.set_log_append_time(buf, pos, now)
                 max_ts = now
-            else:
-                max_ts = view.max_timestamp
-                if max_ts < 0:
-                    max_ts = protocol.fill_max_timestamp(buf, pos)
             payload_max_ts = max(payload_max_ts, max_ts)
             if view.producer_id != NO_PRODUCER_ID:
                 recorded.append((view.producer_id, producers.record(
@@ -355,10 +368,10 @@ class Partition:
                 producers.forget(pid, meta)
             res.error, res.message = ErrorCode.NOT_ENOUGH_REPLICAS, f"storage busy: {e}"
             return res
-        except StorageError as e:
+        except Exception as e:  # noqa: BLE001 - StorageError or a storage bug: not appended
             for pid, meta in recorded:
                 producers.forget(pid, meta)
-            log.error("append failed topic=%s partition=%d error=%s", self.topic, self.index, e)
+            log.error("append failed topic=%s partition=%d error=%r", self.topic, self.index, e)
             res.error, res.message = ErrorCode.KAFKA_STORAGE_ERROR, str(e)
             return res
         self.log_index.add(base, len(buf), payload_max_ts)

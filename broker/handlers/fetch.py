@@ -103,6 +103,9 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
     deadline = loop.time() + max(req.max_wait_ms or 0, 0) / 1000
     min_bytes = max(req.min_bytes or 0, 0)
     partitions = [s[0] for s in slots if s[0] is not None]
+    if not slots and min_bytes > 0:
+        # an empty fetch waits like Kafka does, so a client loop over it does not spin
+        await asyncio.sleep(max(0.0, deadline - loop.time()))
     while True:
         # register before reading so an append landing during the read is not missed
         waiter = loop.create_future()

@@ -215,3 +215,42 @@ async def test_wait_for_wakes_on_append(tmp_path):
     assert not waiter.done()
     await p.append(make_batch([b"a"]))
     assert await waiter is True
+
+
+def _with_header_field(batch: bytes, offset: int, fmt: str, value: int) -> bytes:
+    """Rewrite one header field and fix the CRC-32C (as a sloppy producer would send it)."""
+    import struct
+
+    import crc32c
+
+    b = bytearray(batch)
+    struct.pack_into(fmt, b, offset, value)
+    struct.pack_into(">I", b, 17, crc32c.crc32c(bytes(b[21:])))
+    return bytes(b)
+
+
+async def test_unset_max_timestamp_is_filled(tmp_path):
+    p, *_ = await open_partition(tmp_path)
+    batch = _with_header_field(make_batch([b"a", b"b"], timestamps=[700, 900], codec="gzip"),
+                               35, ">q", -1)
+    assert batch_headers(batch)[0].max_timestamp == -1
+    assert (await p.append(batch)).error == 0
+    res = await p.read(0, 1 << 30)
+    (h,) = batch_headers(res.batches[0].payload)
+    assert h.max_timestamp == 900 and h.validate_crc()
+    assert await p.offset_for_timestamp(800) == (1, 900)
+
+
+async def test_undecodable_records_rejected_without_side_effects(tmp_path):
+    p, *_ = await open_partition(tmp_path)
+    # valid CRC, gzip flag, garbage compressed body, unset max timestamp: records must be read
+    raw = bytearray(make_batch([b"q" * 300], codec="gzip", producer_id=3, epoch=0,
+                               base_sequence=0))
+    raw[61:] = b"\x00" * (len(raw) - 61)
+    bad = _with_header_field(bytes(raw), 35, ">q", -1)
+    assert (await p.append(bad)).error == ErrorCode.CORRUPT_MESSAGE
+    assert p.high_watermark == 0 and p.producers.entries == {}
+    unknown_codec = _with_header_field(make_batch([b"x"]), 21, ">h", 6)
+    assert (await p.append(unknown_codec)).error == ErrorCode.CORRUPT_MESSAGE
+    ok = await p.append(make_batch([b"q"], producer_id=3, epoch=0, base_sequence=0))
+    assert (ok.error, ok.base_offset) == (0, 0)

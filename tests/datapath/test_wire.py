@@ -12,6 +12,7 @@ from kafka.protocol.consumer import (OffsetForLeaderEpochRequest,
                                      OffsetForLeaderEpochResponse)
 
 from .batches import batch_headers, make_batch, read_records
+from .conftest import SMALL_WAL
 from .wire import WireClient
 
 pytestmark = pytest.mark.e2e
@@ -212,7 +213,7 @@ def test_idempotent_producer_over_the_wire(client):
 
 @pytest.mark.parametrize("hard", [False, True], ids=["sigterm", "kill9"])
 def test_producer_state_survives_restart(broker_factory, hard):
-    broker = broker_factory()
+    broker = broker_factory(SMALL_WAL)
     t = _topic()
     with WireClient(broker.host, broker.port) as c:
         c.create_topic(t)
@@ -239,7 +240,7 @@ def test_retention_in_a_running_broker(broker_factory):
     import os
     import time
 
-    broker = broker_factory(["--retention-check-interval-ms", "50"])
+    broker = broker_factory(["--retention-check-interval-ms", "50", *SMALL_WAL])
     t = _topic()
     old = int(time.time() * 1000) - 3_600_000
     with WireClient(broker.host, broker.port) as c:
