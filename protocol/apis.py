@@ -35,14 +35,15 @@ from kafka.protocol.producer import (
 
 # api_key -> (min, max) advertised in ApiVersions.  Why these bounds:
 # - Produce from v0 (librdkafka disables compression otherwise, KAFKA-18659); v13 uses topic ids.
-# - Fetch from v4 (KIP-896 minimum for 4.x clients) to v16: v17+ is KIP-853/share-group era.
+# - Fetch from v0 (v0-3 answers are down-converted to magic 0/1 message sets for pre-0.11
+#   clients) to v16: v17+ is KIP-853/share-group era.
 # - OffsetCommit/OffsetFetch from v0 (ZooKeeper-era simple consumers); <= 9: v10 is KIP-848.
 # - FindCoordinator <= 4 (batched keys); v5/v6 are transactions-v2 / share groups.
 # - OffsetForLeaderEpoch 2-4: Java clients validate positions only with v3+.
 # - ApiVersions 0-4: kafka-python 3.x sends v4 first, aiokafka v0.
 _SUPPORTED: dict[int, tuple[int, int, type, type]] = {
     0: (0, 13, ProduceRequest, ProduceResponse),
-    1: (4, 16, FetchRequest, FetchResponse),
+    1: (0, 16, FetchRequest, FetchResponse),
     2: (1, 8, ListOffsetsRequest, ListOffsetsResponse),
     3: (0, 12, MetadataRequest, MetadataResponse),
     8: (0, 9, OffsetCommitRequest, OffsetCommitResponse),

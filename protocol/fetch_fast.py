@@ -53,7 +53,11 @@ def _count(out: bytearray, n: int | None, flexible: bool) -> None:
 
 
 def encode_fetch_body(resp: Any, version: int) -> list[Buf]:
-    """Body buffers of a FetchResponse object (v4+), records passed through uncopied."""
+    """Body buffers of a FetchResponse object, records passed through uncopied.
+
+    Versions 0-3 predate record batches: their clients read magic 0 (v0-1) or magic 1 (v2-3)
+    message sets, so stored v2 batches are down-converted here (that path copies).
+    """
     flexible = version >= 12
     parts: list[Buf] = []
     out = bytearray()
@@ -86,6 +90,11 @@ def encode_fetch_body(resp: Any, version: int) -> list[Buf]:
             if version >= 11:
                 out += struct.pack(">i", p.preferred_read_replica)
             records = p.records
+            if version < 4 and records:
+                from .legacy import down_convert
+
+                joined = b"".join(records) if isinstance(records, (list, tuple)) else records
+                records = down_convert(joined, 0 if version < 2 else 1)
             pieces: Sequence[Buf]
             if records is None:
                 pieces = ()

@@ -167,7 +167,7 @@ def encode_response(header: RequestHeader, response_obj: Any) -> bytes:
     Fetch responses may carry ``records`` as a list of buffers (see
     :func:`encode_response_buffers`, which avoids even the final join).
     """
-    if header.api_key == 1 and header.api_version >= 4:
+    if header.api_key == 1:
         from .fetch_fast import encode_fetch_response
 
         return b"".join(encode_fetch_response(header, response_obj))
@@ -222,10 +222,10 @@ def encode_response_buffers(header: RequestHeader, response_obj: Any) -> list[
         bytes | bytearray | memoryview]:
     """Like :func:`encode_response` but as a list of buffers for ``transport.writelines``.
 
-    Fetch responses (v4+) go through the zero-copy encoder: record payloads (bytes,
+    Fetch responses go through the zero-copy encoder: record payloads (bytes,
     memoryviews or lists of them in ``records``) are not copied.
     """
-    if header.api_key == 1 and header.api_version >= 4:
+    if header.api_key == 1:
         from .fetch_fast import encode_fetch_response
 
         return encode_fetch_response(header, response_obj)

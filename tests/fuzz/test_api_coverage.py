@@ -16,6 +16,13 @@ import protocol
 from protocol.examples import sample_message
 
 TIMEOUT_S = 30.0
+SMALL_WAL = ["--wal-capacity", str(64 << 20)]  # the default 2 GiB is preallocated on disk
+
+
+@pytest.fixture(scope="module")
+def module_broker(module_broker_factory):
+    """One broker for this module, with a small WAL."""
+    return module_broker_factory(SMALL_WAL)
 
 
 class WireClient:

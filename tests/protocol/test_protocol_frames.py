@@ -254,3 +254,27 @@ def test_parse_response_reads_our_frames_exactly(api_key: int, version: int) -> 
         protocol.parse_response(api_key, version, frame[4:] + b"\x00")
     corr, obj = protocol.parse_response(18, 3, api_versions_fallback(header)[4:])
     assert corr == 17 and obj.error_code == ErrorCode.UNSUPPORTED_VERSION
+
+
+@pytest.mark.parametrize("version", range(0, 4))
+def test_fetch_v0_to_v3_answers_carry_legacy_message_sets(version: int) -> None:
+    from kafka.protocol.consumer import FetchResponse
+    from kafka.record.memory_records import MemoryRecords
+
+    topic_cls = FetchResponse.FetchableTopicResponse
+    stored = [protocol.build_batch([(b"k", b"a"), (b"k", b"b")], base_offset=7, timestamp=50,
+                                   compression=protocol.GZIP)]
+    part = topic_cls.PartitionData(version=version, partition_index=0, error_code=0,
+                                   high_watermark=9, records=stored)
+    resp = FetchResponse(version=version, throttle_time_ms=0,
+                         responses=[topic_cls(version=version, topic="t", partitions=[part])])
+    header = protocol.RequestHeader(1, version, 5)
+    corr, decoded = protocol.parse_response(1, version, encode_response(header, resp)[4:])
+    records = decoded.responses[0].partitions[0].records
+    magic = 0 if version < 2 else 1
+    assert records[16] == magic
+    mr = MemoryRecords(records)
+    got = []
+    while (batch := mr.next_batch()) is not None:
+        got += [(m.offset, m.value, m.timestamp) for m in batch]
+    assert got == [(7, b"a", 50 if magic else None), (8, b"b", 50 if magic else None)]
