@@ -1,0 +1,136 @@
+"""BlockCache: decoded data blocks of objects for cold reads, LRU, bounded, with readahead.
+
+A miss fetches the wanted block and, in the same ranged GET, the following blocks of the
+object up to the reader's readahead size; the size starts at 512 KiB and grows by 512 KiB on
+each sequential miss up to 32 MiB, so a catch-up consumer quickly moves to large GETs while a
+random reader stays cheap. Concurrent misses for a block already being fetched wait for that
+fetch instead of issuing another. It is a separate pool from the LogCache, so cold reads can
+never evict the hot tail.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from ..objects.format import Record, decode_block
+
+READAHEAD_INITIAL = 512 << 10
+READAHEAD_STEP = 512 << 10
+READAHEAD_MAX = 32 << 20
+
+BlockKey = tuple[str, int]                      # (object key, block position)
+Fetch = Callable[[str, int, int], Awaitable[bytes]]  # (key, start, end) -> bytes
+
+
+@dataclass
+class Readahead:
+    """A reader's readahead state: where the last fetch ended and how big the next may be."""
+
+    key: str = ""
+    next_position: int = -1
+    size: int = READAHEAD_INITIAL
+
+
+class BlockCache:
+    """LRU of decoded blocks keyed by (object key, position)."""
+
+    def __init__(self, capacity: int, fetch: Fetch, readahead_max: int = READAHEAD_MAX) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self.readahead_max = readahead_max
+        self._fetch = fetch
+        self._lru: OrderedDict[BlockKey, tuple[list[Record], int]] = OrderedDict()
+        self._inflight: dict[BlockKey, asyncio.Future] = {}
+        self.hits = 0
+        self.misses = 0
+        self.bytes_fetched = 0
+
+    def _put(self, key: BlockKey, records: list[Record], size: int) -> None:
+        if key in self._lru:
+            return
+        self._lru[key] = (records, size)
+        self.used += size
+        while self.used > self.capacity and len(self._lru) > 1:
+            _, (_, s) = self._lru.popitem(last=False)
+            self.used -= s
+
+    def invalidate_object(self, key: str) -> None:
+        """Drop every cached block of an object (deleted by compaction/retention)."""
+        for k in [k for k in self._lru if k[0] == key]:
+            self.used -= self._lru.pop(k)[1]
+
+    def clear(self) -> None:
+        self._lru.clear()
+        self.used = 0
+
+    async def get(self, key: str, blocks: list[tuple[int, int]], i: int, ra: Readahead
+                  ) -> list[Record]:
+        """Records of block ``blocks[i]`` ((position, size), sorted, distinct) of object ``key``.
+
+        Raises CorruptObjectError (bad bytes) or the fetch's error (store down)."""
+        bkey = (key, blocks[i][0])
+        hit = self._lru.get(bkey)
+        if hit is not None:
+            self._lru.move_to_end(bkey)
+            self.hits += 1
+            return hit[0]
+        fut = self._inflight.get(bkey)
+        if fut is not None:
+            await asyncio.shield(fut)
+            hit = self._lru.get(bkey)
+            if hit is not None:
+                return hit[0]
+        self.misses += 1
+        # grow the readahead on sequential misses, reset it on a jump
+        pos0 = blocks[i][0]
+        if (ra.key == key and ra.next_position == pos0) or (ra.key and ra.key != key and pos0 == 0):
+            ra.size = min(ra.size + READAHEAD_STEP, self.readahead_max)
+        else:
+            ra.size = READAHEAD_INITIAL
+        j = i + 1
+        total = blocks[i][1]
+        while j < len(blocks) and total + blocks[j][1] <= ra.size \
+                and (key, blocks[j][0]) not in self._lru and (key, blocks[j][0]) not in self._inflight:
+            total += blocks[j][1]
+            j += 1
+        wanted = blocks[i:j]
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        for pos, _ in wanted:
+            self._inflight[(key, pos)] = fut
+        start = wanted[0][0]
+        end = wanted[-1][0] + wanted[-1][1]
+        try:
+            data = await self._fetch(key, start, end)
+            self.bytes_fetched += len(data)
+            result = None
+            err: Exception | None = None
+            for pos, size in wanted:
+                try:
+                    if pos + size - start > len(data):
+                        from ..objects.format import CorruptObjectError
+                        raise CorruptObjectError("object shorter than its index says")
+                    recs = decode_block(memoryview(data)[pos - start:pos - start + size])
+                except Exception as e:      # a bad block only fails reads of that block
+                    if pos == blocks[i][0]:
+                        err = e
+                    continue
+                self._put((key, pos), recs, size)
+                if pos == blocks[i][0]:
+                    result = recs
+            ra.key, ra.next_position = key, end
+            if err is not None:
+                raise err
+            assert result is not None
+            fut.set_result(None)
+            return result
+        except BaseException as e:
+            if not fut.done():
+                fut.set_exception(e)
+                fut.exception()      # mark retrieved: waiters re-check and refetch
+            raise
+        finally:
+            for pos, _ in wanted:
+                self._inflight.pop((key, pos), None)

@@ -1,0 +1,197 @@
+"""LogCache: every stream's recent batches in memory, bounded, evicted first-in first-out.
+
+Appends land here right after the WAL; reads of the tail never touch the object store. An entry
+may be evicted only once the object store holds it (``mark_committed``), so a full cache of
+unuploaded data is back-pressure for producers, never loss. Data waiting for upload is kept in
+WAL order in ``pending``: the uploader takes a durable prefix, and after the commit the WAL can be
+trimmed up to the first entry still pending.
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+from collections import deque
+
+from ..stream import Batch
+
+
+class CacheEntry:
+    """One appended payload plus where it sits in the WAL."""
+
+    __slots__ = ("stream_id", "base_offset", "count", "payload", "wal_offset", "wal_next",
+                 "durable", "size")
+
+    def __init__(self, stream_id: int, base_offset: int, count: int, payload: bytes,
+                 wal_offset: int = -1, wal_next: int = -1, durable: bool = False) -> None:
+        self.stream_id = stream_id
+        self.base_offset = base_offset
+        self.count = count
+        self.payload = payload
+        self.wal_offset = wal_offset
+        self.wal_next = wal_next
+        self.durable = durable
+        self.size = len(payload) + 64
+
+    @property
+    def next_offset(self) -> int:
+        return self.base_offset + self.count
+
+
+class _StreamCache:
+    """One stream's cached entries, sorted by offset; evicted from the front."""
+
+    __slots__ = ("entries", "bases", "head", "committed", "start")
+
+    def __init__(self) -> None:
+        self.entries: list[CacheEntry] = []
+        self.bases: list[int] = []
+        self.head = 0
+        self.committed = 0          # offsets below are in the object store
+        self.start = 0              # offsets below were trimmed away
+
+    def pop_front(self) -> None:
+        self.head += 1
+        if self.head >= 1024 and self.head * 2 >= len(self.entries):
+            del self.entries[:self.head]
+            del self.bases[:self.head]
+            self.head = 0
+
+
+class LogCache:
+    """Bounded FIFO cache of all streams' tails."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self.pending: deque[CacheEntry] = deque()     # not yet taken by an upload, WAL order
+        self.pending_bytes = 0
+        self._fifo: deque[CacheEntry] = deque()
+        self._streams: dict[int, _StreamCache] = {}
+        self._space = asyncio.Event()
+
+    def _stream(self, stream_id: int) -> _StreamCache:
+        sc = self._streams.get(stream_id)
+        if sc is None:
+            sc = self._streams[stream_id] = _StreamCache()
+        return sc
+
+    def set_stream_state(self, stream_id: int, committed: int, start: int) -> None:
+        """Tell the cache how far a stream is committed/trimmed (at open and recovery)."""
+        sc = self._stream(stream_id)
+        sc.committed = max(sc.committed, committed)
+        sc.start = max(sc.start, start)
+
+    def has_room(self, size: int) -> bool:
+        """True if ``size`` more bytes fit, evicting committed entries if needed."""
+        if self.used + size <= self.capacity:
+            return True
+        self._evict(self.used + size - self.capacity)
+        return self.used + size <= self.capacity
+
+    def add(self, entry: CacheEntry) -> None:
+        """Insert an appended entry (the caller checked has_room; the bound is soft by one)."""
+        sc = self._stream(entry.stream_id)
+        sc.entries.append(entry)
+        sc.bases.append(entry.base_offset)
+        self._fifo.append(entry)
+        self.pending.append(entry)
+        self.pending_bytes += entry.size
+        self.used += entry.size
+
+    def take_pending(self, max_bytes: int) -> list[CacheEntry]:
+        """A durable prefix of pending entries (at least one if any), removed from pending."""
+        out: list[CacheEntry] = []
+        size = 0
+        while self.pending and self.pending[0].durable:
+            e = self.pending[0]
+            if out and size + e.size > max_bytes:
+                break
+            self.pending.popleft()
+            self.pending_bytes -= e.size
+            out.append(e)
+            size += e.size
+        return out
+
+    def return_pending(self, entries: list[CacheEntry]) -> None:
+        """Put back entries whose upload failed, ahead of everything newer."""
+        for e in reversed(entries):
+            self.pending.appendleft(e)
+            self.pending_bytes += e.size
+
+    def mark_committed(self, stream_id: int, end_offset: int) -> None:
+        """Offsets below end_offset are in the object store: their entries become evictable."""
+        sc = self._stream(stream_id)
+        if end_offset > sc.committed:
+            sc.committed = end_offset
+        self._evict(self.used - int(self.capacity * 0.9))
+        self._space.set()
+
+    def trim(self, stream_id: int, start_offset: int) -> None:
+        """Entries wholly below the new start are no longer needed once committed."""
+        sc = self._stream(stream_id)
+        sc.start = max(sc.start, start_offset)
+
+    def drop_stream(self, stream_id: int) -> None:
+        """Forget a deleted stream: its entries become evictable at once and leave pending."""
+        sc = self._stream(stream_id)
+        sc.committed = sc.start = 1 << 62
+        kept = [e for e in self.pending if e.stream_id != stream_id]
+        self.pending = deque(kept)
+        self.pending_bytes = sum(e.size for e in kept)
+        self._evict(self.used)
+        self._space.set()
+
+    def _evictable(self, e: CacheEntry) -> bool:
+        sc = self._streams[e.stream_id]
+        return e.next_offset <= sc.committed
+
+    def _evict(self, need: int) -> None:
+        while need > 0 and self._fifo and self._evictable(self._fifo[0]):
+            e = self._fifo.popleft()
+            sc = self._streams[e.stream_id]
+            if sc.head < len(sc.entries) and sc.entries[sc.head] is e:
+                sc.pop_front()
+            self.used -= e.size
+            need -= e.size
+
+    def drop_all_committed(self) -> None:
+        """Evict everything already in the object store (tests: force cold reads)."""
+        self._evict(self.used)
+
+    async def wait_for_space(self, timeout: float) -> None:
+        """Wait until some entries were committed (or the timeout passes)."""
+        self._space.clear()
+        try:
+            await asyncio.wait_for(self._space.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def first_offset(self, stream_id: int) -> int | None:
+        """Base offset of the oldest cached entry of a stream, None if nothing is cached."""
+        sc = self._streams.get(stream_id)
+        if sc is None or sc.head >= len(sc.entries):
+            return None
+        return sc.entries[sc.head].base_offset
+
+    def read(self, stream_id: int, offset: int, max_bytes: int, limit: int,
+             first_required: bool) -> list[Batch]:
+        """Cached batches from the one holding ``offset``, below ``limit`` (confirmed offset)."""
+        sc = self._streams.get(stream_id)
+        out: list[Batch] = []
+        if sc is None:
+            return out
+        i = max(bisect.bisect_right(sc.bases, offset, lo=sc.head) - 1, sc.head)
+        size = 0
+        n = len(sc.entries)
+        while i < n:
+            e = sc.entries[i]
+            i += 1
+            if e.next_offset <= offset:
+                continue
+            if e.next_offset > limit:
+                break
+            if (out or not first_required) and size + len(e.payload) > max_bytes:
+                break
+            out.append(Batch(e.base_offset, e.count, e.payload))
+            size += len(e.payload)
+        return out

@@ -1,0 +1,476 @@
+"""The storage engine: Delta WAL + LogCache + uploader + object reads + compaction.
+
+Write path: Stream.append -> WAL record (stream id, base offset, count, payload) -> LogCache
+entry -> completes once the WAL says the record is durable. Upload path: unuploaded bytes pass
+a threshold, an interval passes, or the cache/WAL fill up -> objects are written to the object
+store, committed to the metadata store in one transaction, then the WAL is trimmed and the
+cache entries become evictable. Read path: LogCache, else objects through the BlockCache.
+Start-up: clean up objects a crash left prepared/destroyed, replay the WAL (dropping what is
+already committed), upload it, trim.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import os
+import struct
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+from .cache.log_cache import CacheEntry, LogCache
+from .crash import crash_point
+from .metastore import MetaStore, NewObject, ObjectRange, StreamMeta, open_metastore
+from .objects.format import Record, encode_object
+from .objects.store import ObjectStore, open_object_store
+from .reader import ObjectReader
+from .stream import (Batch, OffsetOutOfRange, RetriableStorageError, StorageError, Stream,
+                     StreamStore)
+
+log = logging.getLogger(__name__)
+
+WAL_RECORD = struct.Struct(">qqi")          # stream id, base offset, count; then the payload
+WAL_RECORD_HEADER = 24                      # the WAL's own per-record header (offset arithmetic)
+
+
+@dataclass
+class EngineConfig:
+    """Every engine option with its default (docs/storage.md explains each)."""
+
+    data_dir: str = "./data"
+    wal_path: str = ""                       # "" = <data_dir>/wal (preallocated file)
+    wal_capacity: int = 2 << 30
+    object_store: str = ""                   # "" = file://<data_dir>/objects
+    metadata_url: str = ""                   # "" = sqlite:///<data_dir>/meta.db
+    node_id: int = 0
+    log_cache_bytes: int = 1 << 30
+    block_cache_bytes: int = 256 << 20
+    upload_threshold_bytes: int = 64 << 20
+    upload_interval_s: float = 60.0
+    upload_max_bytes: int = 256 << 20        # most bytes one upload round writes
+    stream_object_threshold_bytes: int = 8 << 20   # a stream's run this big gets its own object
+    object_block_bytes: int = 512 << 10      # data block size inside objects
+    readahead_max_bytes: int = 32 << 20
+    compaction_interval_s: float = 300.0
+    compaction_min_objects: int = 4          # compact when this many small objects exist
+    compaction_max_bytes: int = 256 << 20    # most bytes one compaction round reads
+    small_object_bytes: int = 16 << 20       # stream objects below this get merged
+    cleanup_interval_s: float = 10.0         # how often dead objects are looked for
+    backpressure_timeout_s: float = 5.0      # append waits this long for cache/WAL room
+    wal_sync_mode: str = "dsync"
+    wal_flush_interval_s: float = 1 / 3000
+    io_threads: int = 8                      # threads for object store / metadata calls
+
+    def resolved(self) -> "EngineConfig":
+        """A copy with the data-dir derived defaults filled in."""
+        c = EngineConfig(**{f.name: getattr(self, f.name) for f in fields(self)})
+        d = os.path.abspath(c.data_dir)
+        c.wal_path = c.wal_path or os.path.join(d, "wal")
+        c.object_store = c.object_store or "file://" + os.path.join(d, "objects")
+        c.metadata_url = c.metadata_url or "sqlite:///" + os.path.join(d, "meta.db")
+        return c
+
+
+def open_engine(config: EngineConfig) -> "Engine":
+    """The StreamStore the broker uses; call ``await store.start()`` next."""
+    return Engine(config)
+
+
+class EngineStream(Stream):
+    """One stream over the engine."""
+
+    def __init__(self, engine: "Engine", meta: StreamMeta) -> None:
+        self.stream_id = meta.stream_id
+        self._engine = engine
+        self._start = meta.start_offset
+        self._end = meta.end_offset
+        self._confirmed = meta.end_offset
+        self.committed = meta.end_offset
+        self.deleted = meta.deleted
+
+    @property
+    def start_offset(self) -> int:
+        return self._start
+
+    @property
+    def end_offset(self) -> int:
+        return self._end
+
+    @property
+    def confirmed_offset(self) -> int:
+        return self._confirmed
+
+    def _durable(self, entry: CacheEntry, fut: asyncio.Future) -> None:
+        entry.durable = True        # even on a WAL error: the bytes still go to the object store
+        if not fut.cancelled() and fut.exception() is None and entry.next_offset > self._confirmed:
+            self._confirmed = entry.next_offset
+        self._engine._maybe_upload()
+
+    async def append(self, payload: bytes | memoryview, base_offset: int, count: int) -> None:
+        eng = self._engine
+        if self.deleted:
+            raise StorageError(f"stream {self.stream_id} is deleted")
+        if base_offset != self._end:
+            raise ValueError(f"append at {base_offset}, expected {self._end}")
+        if count <= 0:
+            raise ValueError("count must be positive")
+        body = WAL_RECORD.pack(self.stream_id, base_offset, count) + bytes(payload)
+        deadline = None
+        while True:
+            room = eng.cache.has_room(len(body) + 64)
+            if room:
+                try:
+                    res = eng.wal.append(body, self.stream_id)
+                    break
+                except eng.over_capacity_error:
+                    eng.request_upload("wal full")
+            else:
+                eng.request_upload("cache full")
+            # back-pressure: wait for an upload to free room, then give up (retriable)
+            now = time.monotonic()
+            deadline = deadline or now + eng.config.backpressure_timeout_s
+            if now >= deadline or eng.closing:
+                raise RetriableStorageError("storage is full of unuploaded data; retry")
+            await eng.wait_for_room(deadline - now)
+            if base_offset != self._end or self.deleted:
+                raise RetriableStorageError("stream moved on while waiting for room; retry")
+        entry = CacheEntry(self.stream_id, base_offset, count,
+                           memoryview(body)[WAL_RECORD.size:], res.offset, res.next_offset)
+        eng.cache.add(entry)
+        self._end = base_offset + count
+        eng.note_wal(res.next_offset)
+        afut = asyncio.wrap_future(res.future)
+        afut.add_done_callback(functools.partial(self._durable, entry))
+        try:
+            await asyncio.shield(afut)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise StorageError(f"WAL write failed: {e}") from e
+
+    async def read(self, start_offset: int, max_bytes: int) -> list[Batch]:
+        if self.deleted:
+            raise StorageError(f"stream {self.stream_id} is deleted")
+        if start_offset < self._start or start_offset > self._end:
+            raise OffsetOutOfRange(f"{start_offset} not in [{self._start}, {self._end}]")
+        eng = self._engine
+        out: list[Batch] = []
+        size = 0
+        offset = start_offset
+        for _ in range(4):
+            limit = self._confirmed
+            if offset >= limit or size >= max_bytes:
+                break
+            first = eng.cache.first_offset(self.stream_id)
+            if first is None or offset < first:
+                got = await eng.reader.read(self.stream_id, offset, max_bytes - size, limit,
+                                            first_required=not out)
+                if got:
+                    out.extend(got)
+                    size += sum(len(b.payload) for b in got)
+                    offset = got[-1].next_offset
+                    first = eng.cache.first_offset(self.stream_id)
+                    if first is None or offset < first:
+                        break           # max_bytes reached (or the cache holds nothing newer)
+            got = eng.cache.read(self.stream_id, offset, max_bytes - size, self._confirmed,
+                                 first_required=not out)
+            if got:
+                out.extend(got)
+                break
+            if eng.cache.first_offset(self.stream_id) is None or \
+                    offset >= eng.cache.first_offset(self.stream_id):
+                break
+            # the cache moved on while we read objects: look again
+        if not out and offset < self._confirmed and offset >= self._start:
+            raise StorageError(f"stream {self.stream_id}: offset {offset} is neither cached nor "
+                               "in any object")
+        return out
+
+    async def trim(self, new_start_offset: int) -> None:
+        new_start = min(new_start_offset, self._end)
+        if new_start <= self._start:
+            return
+        self._start = new_start
+        self._engine.cache.trim(self.stream_id, new_start)
+        await self._engine.io(self._engine.meta.set_stream_start, self.stream_id, new_start)
+
+
+class Engine(StreamStore):
+    """Ties WAL, LogCache, uploader, reader and maintenance together."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config.resolved()
+        self.streams: dict[int, EngineStream] = {}
+        self.cache = LogCache(self.config.log_cache_bytes)
+        self.closing = False
+        self.wal: Any = None
+        self.over_capacity_error: type[BaseException] = Exception
+        self.meta: MetaStore
+        self.store: ObjectStore
+        self.reader: ObjectReader
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            self.config.io_threads, thread_name_prefix="s3kafka-io")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._upload_wakeup = asyncio.Event()
+        self._room = asyncio.Event()
+        self._force_upload = False
+        self._last_upload = time.monotonic()
+        self._wal_head = 0               # WAL offset after the newest record
+        self._wal_trimmed = 0
+        self._tasks: list[asyncio.Task] = []
+        self._uploading = False
+        self.maintenance: Any = None
+        self.upload_errors = 0
+
+    async def io(self, fn: Callable, *args: Any) -> Any:
+        """Run a blocking call (object store, metadata, WAL trim) on the IO threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        from .wal import DeltaWAL, OverCapacityError, WALConfig
+        from .maintenance import Maintenance
+        c = self.config
+        self._loop = asyncio.get_running_loop()
+        os.makedirs(c.data_dir, exist_ok=True)
+        self.over_capacity_error = OverCapacityError
+        self.meta = await self.io(open_metastore, c.metadata_url)
+        self.store = await self.io(open_object_store, c.object_store)
+        self.reader = ObjectReader(self.store, self.io, c.block_cache_bytes, c.readahead_max_bytes)
+        self.maintenance = Maintenance(self)
+        await self.maintenance.delete_leftovers()
+        for m in await self.io(self.meta.streams):
+            self.streams[m.stream_id] = EngineStream(self, m)
+            self.cache.set_stream_state(m.stream_id, m.end_offset, m.start_offset)
+            if m.deleted:
+                self.cache.drop_stream(m.stream_id)
+        self.reader.add(await self.io(self.meta.ranges))
+        self.wal = DeltaWAL(WALConfig(path=c.wal_path, capacity=c.wal_capacity, node_id=c.node_id,
+                                      sync_mode=c.wal_sync_mode,
+                                      flush_interval_s=c.wal_flush_interval_s))
+        recovered = await self.io(lambda: list(self.wal.open()))
+        self._wal_trimmed = self.wal.trim_offset
+        self._recover(recovered)
+        self._tasks = [asyncio.create_task(self._upload_loop(), name="s3kafka-uploader"),
+                       asyncio.create_task(self.maintenance.run(), name="s3kafka-maintenance")]
+        if self.cache.pending:
+            self.request_upload("recovery")
+        elif recovered:
+            last_off, last_body = recovered[-1]
+            await self.io(self.wal.trim, last_off + WAL_RECORD_HEADER + len(last_body))
+
+    def _recover(self, records: list[tuple[int, bytes]]) -> None:
+        """Re-append WAL records not yet committed to objects into the cache, in order."""
+        n = dropped = 0
+        gap: set[int] = set()
+        for off, body in records:
+            if len(body) < WAL_RECORD.size:
+                dropped += 1
+                continue
+            sid, base, count = WAL_RECORD.unpack_from(body)
+            s = self.streams.get(sid)
+            if s is None or s.deleted or sid in gap or count <= 0:
+                dropped += 1
+                continue
+            if base + count <= s._end:
+                continue                         # already committed to an object
+            if base != s._end:
+                log.error("[BUG] WAL data may be lost: stream %d expects %d, WAL has %d",
+                          sid, s._end, base)
+                gap.add(sid)
+                continue
+            e = CacheEntry(sid, base, count, memoryview(body)[WAL_RECORD.size:], off,
+                           off + WAL_RECORD_HEADER + len(body), durable=True)
+            self.cache.add(e)
+            s._end = s._confirmed = e.next_offset
+            self._wal_head = max(self._wal_head, e.wal_next)
+            n += 1
+        if records:
+            log.info("WAL recovery: %d records replayed, %d dropped", n, dropped)
+
+    async def close(self) -> None:
+        if self.closing:
+            return
+        self.closing = True
+        self._room.set()
+        # one last upload so the next start has little to replay (best effort)
+        try:
+            await asyncio.wait_for(self._drain_uploads(), timeout=10)
+        except (asyncio.TimeoutError, Exception) as e:  # the WAL still has it
+            log.warning("final upload skipped: %s", e)
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self.wal is not None:
+            await self.io(self.wal.close)
+        await self.io(self.meta.close)
+        await self.io(self.store.close)
+        self._executor.shutdown(wait=True)
+
+    async def _drain_uploads(self) -> None:
+        while self.cache.pending:
+            if self._uploading:
+                await asyncio.sleep(0.01)
+                continue
+            entries = self.cache.take_pending(self.config.upload_max_bytes)
+            if not entries:
+                await asyncio.sleep(0.001)
+                continue
+            try:
+                await self._upload(entries)
+            except Exception:
+                self.cache.return_pending(entries)
+                raise
+
+    # -- streams ----------------------------------------------------------------------------
+    async def create_stream(self) -> Stream:
+        sid = await self.io(self.meta.create_stream)
+        s = EngineStream(self, StreamMeta(sid, 0, 0, False))
+        self.streams[sid] = s
+        self.cache.set_stream_state(sid, 0, 0)
+        return s
+
+    async def open_stream(self, stream_id: int) -> Stream:
+        s = self.streams.get(stream_id)
+        if s is None or s.deleted:
+            raise StorageError(f"no stream {stream_id}")
+        return s
+
+    async def delete_stream(self, stream_id: int) -> None:
+        s = self.streams.get(stream_id)
+        if s is None:
+            return
+        s.deleted = True
+        self.cache.drop_stream(stream_id)
+        await self.io(self.meta.delete_stream, stream_id)
+
+    # -- upload -----------------------------------------------------------------------------
+    def note_wal(self, wal_next: int) -> None:
+        """Track WAL usage; nearing capacity forces an upload."""
+        self._wal_head = max(self._wal_head, wal_next)
+        self._maybe_upload()
+
+    def _maybe_upload(self) -> None:
+        c = self.config
+        if self.cache.pending_bytes >= c.upload_threshold_bytes or \
+                self._wal_head - self._wal_trimmed > c.wal_capacity // 2 or \
+                self.cache.used > c.log_cache_bytes * 0.8:
+            self._upload_wakeup.set()
+
+    def request_upload(self, why: str) -> None:
+        """Upload whatever is pending now (cache/WAL pressure, shutdown, tests)."""
+        self._force_upload = True
+        self._upload_wakeup.set()
+
+    async def wait_for_room(self, timeout: float) -> None:
+        self._room.clear()
+        try:
+            await asyncio.wait_for(self._room.wait(), max(timeout, 0.001))
+        except asyncio.TimeoutError:
+            pass
+
+    async def flush(self) -> None:
+        """Upload everything appended so far and trim the WAL (tests, shutdown)."""
+        await self._drain_uploads()
+
+    def drop_caches(self) -> None:
+        """Evict every committed cache entry and the block cache: reads go to the store."""
+        self.cache.drop_all_committed()
+        self.reader.block_cache.clear()
+
+    async def _upload_loop(self) -> None:
+        backoff = 0.1
+        c = self.config
+        while True:
+            try:
+                await asyncio.wait_for(self._upload_wakeup.wait(),
+                                       timeout=min(c.upload_interval_s, 1.0))
+            except asyncio.TimeoutError:
+                pass
+            self._upload_wakeup.clear()
+            while self.cache.pending:
+                due = (self._force_upload
+                       or self.cache.pending_bytes >= c.upload_threshold_bytes
+                       or time.monotonic() - self._last_upload >= c.upload_interval_s
+                       or self._wal_head - self._wal_trimmed > c.wal_capacity // 2
+                       or self.cache.used > c.log_cache_bytes * 0.8)
+                if not due:
+                    break
+                entries = self.cache.take_pending(c.upload_max_bytes)
+                if not entries:
+                    await asyncio.sleep(0.001)      # head not durable yet
+                    continue
+                self._uploading = True
+                try:
+                    await self._upload(entries)
+                    backoff = 0.1
+                except asyncio.CancelledError:
+                    self.cache.return_pending(entries)
+                    raise
+                except Exception as e:
+                    self.cache.return_pending(entries)
+                    self.upload_errors += 1
+                    log.warning("upload failed (retrying in %.1fs): %s", backoff, e)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                finally:
+                    self._uploading = False
+            if not self.cache.pending:
+                self._force_upload = False
+                self._last_upload = time.monotonic()
+
+    async def _upload(self, entries: list[CacheEntry]) -> None:
+        """Write entries as objects, commit them, trim the WAL, release the cache."""
+        c = self.config
+        by_stream: dict[int, list[CacheEntry]] = {}
+        for e in entries:
+            s = self.streams.get(e.stream_id)
+            if s is None or s.deleted or e.next_offset <= s.committed:
+                continue
+            by_stream.setdefault(e.stream_id, []).append(e)
+        groups: list[tuple[str, list[Record]]] = []
+        sso: list[Record] = []
+        for sid in sorted(by_stream):
+            es = by_stream[sid]
+            recs = [Record(sid, e.base_offset, e.count, e.payload) for e in es]
+            if sum(len(e.payload) for e in es) >= c.stream_object_threshold_bytes:
+                groups.append(("so", recs))
+            else:
+                sso.extend(recs)
+        if sso:
+            groups.append(("sso", sso))
+        new: list[tuple[NewObject, str, str]] = []
+        for kind, recs in groups:
+            oid, key = await self.io(self.meta.prepare_object, kind, c.node_id)
+            data, _index, ranges = await self.io(encode_object, recs, c.object_block_bytes)
+            await self.io(self.store.put, key, data)
+            new.append((NewObject(oid, len(data), ranges), key, kind))
+        crash_point("before_commit")
+        if new:
+            await self.io(self.meta.commit_objects, [n for n, _, _ in new], [])
+        crash_point("after_commit")
+        added = []
+        for obj, key, kind in new:
+            for r in obj.ranges:
+                added.append(ObjectRange(obj.object_id, key, kind, obj.size, r.stream_id,
+                                         r.start_offset, r.end_offset))
+                s = self.streams.get(r.stream_id)
+                if s is not None:
+                    s.committed = max(s.committed, r.end_offset)
+                self.cache.mark_committed(r.stream_id, r.end_offset)
+        self.reader.add(added)
+        trim_to = self.cache.pending[0].wal_offset if self.cache.pending else \
+            max(e.wal_next for e in entries)
+        if trim_to > self._wal_trimmed:
+            await self.io(self.wal.trim, trim_to)
+            self._wal_trimmed = trim_to
+        self._last_upload = time.monotonic()
+        self._room.set()
+        log.debug("uploaded %d objects (%d entries), WAL trimmed to %d", len(new), len(entries),
+                  trim_to)

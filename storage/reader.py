@@ -1,0 +1,146 @@
+"""Cold read path: which objects hold a stream's offsets, their indexes, and the BlockCache."""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+from collections import OrderedDict
+from typing import Awaitable, Callable
+
+from .cache.block_cache import BlockCache, Readahead
+from .metastore import ObjectRange
+from .objects.format import FOOTER, CorruptObjectError, IndexEntry, decode_footer, decode_index
+from .objects.store import ObjectNotFound, ObjectStore, ObjectStoreError
+from .stream import Batch, RetriableStorageError, StorageError
+
+log = logging.getLogger(__name__)
+Io = Callable[..., Awaitable]
+INDEX_TAIL = 64 << 10
+
+
+class ObjectReader:
+    """Reads stream offsets from committed objects; owns the in-memory object map."""
+
+    def __init__(self, store: ObjectStore, io: Io, block_cache_bytes: int,
+                 readahead_max: int) -> None:
+        self.store = store
+        self._io = io
+        self.objects: dict[int, list[ObjectRange]] = {}
+        self._ranges: dict[int, list[ObjectRange]] = {}
+        self._starts: dict[int, list[int]] = {}
+        self._index: OrderedDict[int, list[IndexEntry]] = OrderedDict()
+        self._readers: OrderedDict[tuple[int, int], Readahead] = OrderedDict()
+        self.block_cache = BlockCache(block_cache_bytes, self._fetch, readahead_max)
+
+    async def _fetch(self, key: str, start: int, end: int) -> bytes:
+        return await self._io(self.store.get, key, start, end)
+
+    # -- object map -------------------------------------------------------------------------
+    def add(self, ranges: list[ObjectRange]) -> None:
+        """Make committed ranges readable."""
+        touched = set()
+        for r in ranges:
+            self.objects.setdefault(r.object_id, []).append(r)
+            self._ranges.setdefault(r.stream_id, []).append(r)
+            touched.add(r.stream_id)
+        for sid in touched:
+            self._ranges[sid].sort(key=lambda r: r.start_offset)
+            self._starts[sid] = [r.start_offset for r in self._ranges[sid]]
+
+    def remove(self, object_ids: list[int]) -> None:
+        """Forget objects (compacted away or deleted); their keys may vanish from the store."""
+        touched = set()
+        for oid in object_ids:
+            for r in self.objects.pop(oid, []):
+                touched.add(r.stream_id)
+                self.block_cache.invalidate_object(r.key)
+            self._index.pop(oid, None)
+        for sid in touched:
+            rs = [r for r in self._ranges.get(sid, []) if r.object_id not in object_ids]
+            self._ranges[sid] = rs
+            self._starts[sid] = [r.start_offset for r in rs]
+
+    def stream_ranges(self, stream_id: int) -> list[ObjectRange]:
+        return list(self._ranges.get(stream_id, []))
+
+    # -- reads ------------------------------------------------------------------------------
+    async def _load_index(self, r: ObjectRange) -> list[IndexEntry]:
+        idx = self._index.get(r.object_id)
+        if idx is not None:
+            self._index.move_to_end(r.object_id)
+            return idx
+        start = max(0, r.size - INDEX_TAIL)
+        tail = await self._io(self.store.get, r.key, start, r.size)
+        if len(tail) != r.size - start:
+            raise CorruptObjectError(f"object {r.key} has {len(tail) + start} bytes, expected {r.size}")
+        pos, length, crc = decode_footer(tail[-FOOTER.size:], r.size)
+        if pos >= start:
+            data = tail[pos - start:pos - start + length]
+        else:
+            data = await self._io(self.store.get, r.key, pos, pos + length)
+        idx = decode_index(data, crc)
+        self._index[r.object_id] = idx
+        while len(self._index) > 20000:
+            self._index.popitem(last=False)
+        return idx
+
+    async def read(self, stream_id: int, offset: int, max_bytes: int, limit: int,
+                   first_required: bool) -> list[Batch]:
+        """Batches from objects starting at the one holding ``offset``, below ``limit``.
+
+        Stops at the end of the committed data; raises StorageError for a corrupt object and
+        RetriableStorageError when the store cannot be reached."""
+        out: list[Batch] = []
+        size = 0
+        rkey = (stream_id, offset)
+        ra = self._readers.pop(rkey, None) or Readahead()
+        retries = 0
+        while offset < limit:
+            starts = self._starts.get(stream_id, [])
+            i = bisect.bisect_right(starts, offset) - 1
+            if i < 0 or self._ranges[stream_id][i].end_offset <= offset:
+                break
+            r = self._ranges[stream_id][i]
+            try:
+                index = await self._load_index(r)
+                entries = [e for e in index if e.stream_id == stream_id]
+                blocks = sorted({(e.position, e.size) for e in entries})
+                done = False
+                for e in entries:
+                    if e.end_offset <= offset:
+                        continue
+                    bi = bisect.bisect_left(blocks, (e.position, e.size))
+                    records = await self.block_cache.get(r.key, blocks, bi, ra)
+                    for rec in records:
+                        if rec.stream_id != stream_id or rec.end_offset <= offset:
+                            continue
+                        if rec.end_offset > limit or rec.base_offset >= r.end_offset:
+                            done = True
+                            break
+                        if (out or not first_required) and size + len(rec.payload) > max_bytes:
+                            done = True
+                            break
+                        out.append(Batch(rec.base_offset, rec.count, rec.payload))
+                        size += len(rec.payload)
+                        offset = rec.end_offset
+                    if done:
+                        break
+                if done:
+                    break
+                if offset < r.end_offset:
+                    raise CorruptObjectError(f"object {r.key} lacks offsets {offset}..{r.end_offset}")
+            except ObjectNotFound:
+                if r.object_id not in self.objects or retries < 1:
+                    retries += 1      # compaction replaced it meanwhile: look the offset up again
+                    await asyncio.sleep(0)
+                    continue
+                raise StorageError(f"object {r.key} is missing from the store")
+            except CorruptObjectError as e:
+                log.error("corrupt object %s: %s", r.key, e)
+                raise StorageError(f"corrupt object {r.key}: {e}") from e
+            except ObjectStoreError as e:
+                raise RetriableStorageError(f"object store: {e}") from e
+        self._readers[(stream_id, offset)] = ra
+        while len(self._readers) > 1000:
+            self._readers.popitem(last=False)
+        return out
