@@ -23,7 +23,12 @@ class WALConfig:
     sync_mode: str = "dsync"                # "dsync" (O_DSYNC), "fdatasync" (per block), "none"
     max_record_size: int = 128 << 20        # largest body accepted by append()
     append_timeout_s: float = 30.0          # how long a blocking append() waits for window room
+    max_buffered_bytes: int = 32 << 20      # appends wait while this much is not yet durable
     buffer_pool_bytes: int = 64 << 20       # aligned block buffers kept for reuse
+    # IO threads need the GIL for a few microseconds after each write; with CPython's default
+    # 5 ms switch interval a busy event loop delays every acknowledgement by up to 5 ms. open()
+    # lowers the process-wide interval to this value (never raises it); None leaves it alone.
+    gil_switch_interval_s: float | None = 0.0005
 
     def validate(self) -> None:
         """Reject settings that would make the on-disk format or recovery unsound."""

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import concurrent.futures as cf
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -73,6 +74,7 @@ class DeltaWAL:
         self._window_len = 0
         self._queues: dict[int, collections.deque] = {}
         self._window_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._buffer_limit = min(config.window_max, config.max_buffered_bytes)
         self._pool = BufferPool(max_bytes=config.buffer_pool_bytes)
         self._next_seal_at = 0.0
         self._bw_next = 0.0
@@ -154,6 +156,9 @@ class DeltaWAL:
         except BaseException:
             dev.close()
             raise
+        sw = cfg.gil_switch_interval_s
+        if sw is not None and sys.getswitchinterval() > sw:
+            sys.setswitchinterval(sw)
         self._threads = [threading.Thread(target=self._io_loop, name=f"wal-io-{i}", daemon=True)
                          for i in range(cfg.io_threads)]
         self._opened = True
@@ -208,7 +213,9 @@ class DeltaWAL:
         return await fut
 
     def _window_room(self, size: int) -> bool:
-        return self._inflight == 0 or self._inflight + size <= self.config.window_max
+        """Bound buffered, not yet durable bytes: more does not speed up the device, it only
+        adds latency and memory (and fresh buffers cost page faults)."""
+        return self._inflight == 0 or self._inflight + size <= self._buffer_limit
 
     def _reserve(self, body, stream_id: int, waiter) -> int:
         """Place the record in the current block; caller holds the lock."""
