@@ -248,8 +248,9 @@ def parse_response(api_key: int, api_version: int, frame: memoryview | bytes) ->
     if response_header_flexible(header):
         _, pos = read_tagged_fields(frame, pos)
     cls = _SUPPORTED[api_key][3]
-    if api_key == API_VERSIONS_KEY and len(frame) >= pos + 2 and _I16.unpack_from(frame, pos)[0]:
-        api_version = 0  # failed ApiVersions answers are always v0 bodies (KIP-511)
+    if (api_key == API_VERSIONS_KEY and len(frame) >= pos + 2
+            and _I16.unpack_from(frame, pos)[0] == ErrorCode.UNSUPPORTED_VERSION):
+        api_version = 0  # the KIP-511 fallback answer is a v0 body whatever was asked
     flexible = bool(cls.flexible_version_q(api_version))
     try:
         fn = cls._struct.compiled_decode_from(api_version, compact=flexible, tagged=flexible,
