@@ -24,6 +24,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 CACHE = REPO / "tests" / ".cache"
 JAVA_CACHE = CACHE / "java"
 JAVA_VERSIONS = ("3.9", "4.3")
+TEST_WAL_CAPACITY = 64 << 20   # default --wal-capacity of test brokers (tests may pass their own)
 START_TIMEOUT_S = float(os.environ.get("S3KAFKA_TEST_START_TIMEOUT", "60"))
 
 # Brokers currently running in this pytest process (for log tails on failure).
@@ -205,8 +206,11 @@ class _BrokerPool:
             data_dir = pathlib.Path(data)
             data_args = []
         node_args = [] if _has_flag(extra, "--node-id") else ["--node-id", "0"]
+        # a small WAL: the 2 GiB default is preallocated per broker and fills the disk
+        wal_args = ([] if _has_flag(extra, "--wal-capacity") or "S3KAFKA_WAL_CAPACITY" in (env or {})
+                    else ["--wal-capacity", str(TEST_WAL_CAPACITY)])
         args = [sys.executable, "-m", "broker", "serve", *listen_args, *data_args,
-                *node_args, *extra]
+                *node_args, *wal_args, *extra]
         bp = BrokerProcess(args, port, data_dir, self.base / f"broker{suffix}.log", env=env)
         self.procs.append(bp)
         bp.start()
@@ -219,7 +223,11 @@ class _BrokerPool:
 
 @pytest.fixture
 def broker_factory(tmp_path: pathlib.Path) -> Iterator[BrokerFactory]:
-    """broker_factory(extra_args=(), env=None) -> started BrokerProcess; all killed at teardown."""
+    """broker_factory(extra_args=(), env=None) -> started BrokerProcess; all killed at teardown.
+
+    Defaults added unless extra_args name them: --listen 127.0.0.1:<free port>,
+    --data-dir <tmp_path>/data[-n], --node-id 0, --wal-capacity 64 MiB.
+    """
     pool = _BrokerPool(tmp_path, [])
     try:
         yield pool
