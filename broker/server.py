@@ -82,12 +82,13 @@ class Connection(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         free = len(self._buf) - self._end
         if free < 4096:
+            # Never resize in place: the loop may still hold a view of the old buffer.
             pending = self._end - self._start
-            if self._start > 0 and pending < len(self._buf) // 2:
-                self._buf[:pending] = self._buf[self._start:self._end]
-                self._start, self._end = 0, pending
-            else:
-                self._buf.extend(bytes(max(len(self._buf), 4096)))
+            size = len(self._buf) if pending < len(self._buf) // 2 else 2 * len(self._buf)
+            new = bytearray(size)
+            new[:pending] = self._buf[self._start:self._end]
+            self._buf = new
+            self._start, self._end = 0, pending
         return memoryview(self._buf)[self._end:]
 
     def buffer_updated(self, nbytes: int) -> None:

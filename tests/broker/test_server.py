@@ -78,6 +78,18 @@ def test_frames_split_across_writes_byte_by_byte(wire):
     assert corr == 42 and resp.brokers[0].node_id == 0
 
 
+def test_large_frames_arriving_in_pieces(wire):
+    names = [f"large-frame-topic-{i:06d}" for i in range(8000)]  # ~250 KiB request
+    frame = _metadata_frame(77, names, auto=False) + _api_versions_frame(78)
+    assert len(frame) > 4 * (64 << 10)  # several times the initial read buffer
+    for i in range(0, len(frame), 5000):
+        wire.send(frame[i:i + 5000])
+    corr, resp = parse_response(METADATA, 12, wire.recv_frame())
+    assert corr == 77 and [t.name for t in resp.topics] == names
+    assert {t.error_code for t in resp.topics} == {ErrorCode.UNKNOWN_TOPIC_OR_PARTITION}
+    assert parse_response(API_VERSIONS, 0, wire.recv_frame())[0] == 78
+
+
 def test_unsupported_api_versions_version_gets_v0_fallback(wire):
     # A future ApiVersions version: header v2 like newer clients send; body is opaque to us.
     body = struct.pack(">hhih", API_VERSIONS, 99, 5, 1) + b"x" + b"\x00" + b"\x00"
@@ -157,6 +169,14 @@ def test_sigterm_with_open_connections_exits_cleanly(broker_factory):
         log = b.log_text()
         assert "broker stopping" in log and "broker stopped" in log
         assert idle.is_closed_by_peer()
+        # requests read before the signal were answered, in order, before the close
+        got = []
+        while True:
+            try:
+                got.append(parse_response(METADATA, 12, busy.recv_frame())[0])
+            except ConnectionError:
+                break
+        assert got == list(range(1, 1 + len(got)))
     finally:
         idle.close()
         busy.close()
