@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import json
 import logging
 import time
 import uuid
@@ -72,13 +73,33 @@ class LogIndex:
         self.sizes: list[int] = []
         self.run_max: list[int] = []
         self.total_bytes = 0
+        self.end_offset = -1  # next offset after the last payload indexed (-1: none yet)
+
+    def to_state(self) -> dict[str, Any]:
+        return {"bases": self.bases, "sizes": self.sizes, "run_max": self.run_max,
+                "end": self.end_offset}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "LogIndex":
+        idx = cls()
+        idx.bases = [int(x) for x in state["bases"]]
+        idx.sizes = [int(x) for x in state["sizes"]]
+        idx.run_max = [int(x) for x in state["run_max"]]
+        if not len(idx.bases) == len(idx.sizes) == len(idx.run_max):
+            raise ValueError("inconsistent log index")
+        idx.total_bytes = sum(idx.sizes)
+        idx.end_offset = int(state["end"])
+        return idx
 
     @property
     def max_timestamp(self) -> int:
         return self.run_max[-1] if self.run_max else -1
 
-    def add(self, base_offset: int, size: int, max_timestamp: int) -> None:
+    def add(self, base_offset: int, size: int, max_timestamp: int, end_offset: int) -> None:
         """Account one appended payload (whole payloads only: chunk bases are trim points)."""
+        self.end_offset = end_offset
+        if size <= 0:
+            return
         prev = self.run_max[-1] if self.run_max else -1
         if self.sizes and self.sizes[-1] < CHUNK_BYTES:
             self.sizes[-1] += size
@@ -155,6 +176,7 @@ class Partition:
         self._producer_store = producer_store
         self._waiters: set[asyncio.Future[None]] = set()
         self._batches_since_snapshot = 0
+        self._index_pending: dict[int, tuple[int, int, int]] = {}
         self._closed = False
 
     # --- life cycle ------------------------------------------------------------------------
@@ -176,24 +198,29 @@ class Partition:
         return p
 
     async def _restore(self) -> None:
-        """Load the last snapshot and replay batch headers written after it."""
-        replay_from = self.stream.start_offset
+        """Load the last snapshot (producer windows + log index) and replay the batch headers
+        written after it; without a usable snapshot the whole log is scanned."""
+        start, end = self.stream.start_offset, self.stream.confirmed_offset
+        snap_end = -1
         snap = None
         if self._producer_store is not None:
             snap = self._producer_store.load_snapshot(str(self.topic_id), self.index,
                                                       self.stream.stream_id)
         if snap is not None:
             try:
-                self.producers = PartitionProducers.from_json(snap[1])
-            except (ValueError, KeyError, TypeError):
-                log.warning("bad producer snapshot topic=%s partition=%d", self.topic, self.index)
-                self.producers = PartitionProducers()
-        # The time index is not snapshotted: rebuild it from every batch header (headers only;
-        # cheap for the hot tail, a full scan for cold logs). Producer state is replayed only
-        # for batches after the snapshot.
-        snap_end = snap[0] if snap is not None else -1
-        offset = replay_from
-        end = self.stream.confirmed_offset
+                state = json.loads(snap[1])
+                producers = PartitionProducers.from_json(json.dumps(state["producers"]))
+                index = LogIndex.from_state(state["index"])
+                if not (snap[0] == index.end_offset or index.end_offset == -1) \
+                        or snap[0] > end:
+                    raise ValueError(f"snapshot end {snap[0]} does not fit log end {end}")
+                self.producers, self.log_index = producers, index
+                snap_end = snap[0]
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("ignoring producer snapshot topic=%s partition=%d: %s",
+                            self.topic, self.index, e)
+        offset = max(start, snap_end)
+        self.log_index.truncate_below(start)
         while offset < end:
             try:
                 batches = await self.stream.read(offset, REPLAY_READ_BYTES)
@@ -204,6 +231,8 @@ class Partition:
             if not batches:
                 break
             for b in batches:
+                if b.next_offset <= offset:
+                    continue
                 max_ts = -1
                 try:
                     for view in protocol.iter_batches(b.payload):
@@ -216,9 +245,11 @@ class Partition:
                     # never stop a broker from starting: the payload stays readable as stored
                     log.error("unreadable batch header topic=%s partition=%d offset=%d: %s",
                               self.topic, self.index, b.base_offset, e)
-                self.log_index.add(b.base_offset, len(b.payload), max_ts)
+                self.log_index.add(b.base_offset, len(b.payload), max_ts, b.next_offset)
                 offset = b.next_offset
-        self.producers.expire_below(self.stream.start_offset)
+        self.producers.expire_below(start)
+        # appends continue from the durable end (skipping a region replay could not read)
+        self.log_index.end_offset = self.stream.end_offset
 
     def snapshot(self) -> None:
         """Persist producer state up to the current end offset (cheap; called periodically)."""
@@ -226,10 +257,16 @@ class Partition:
             return
         self._batches_since_snapshot = 0
         try:
-            durable = self.stream.confirmed_offset
+            # the index only holds payloads whose append completed: it defines what the
+            # snapshot covers, and producer batches beyond it are replayed on open
+            covered = self.log_index.end_offset
+            if covered < 0:
+                covered = self.stream.start_offset
+            state = {"producers": json.loads(self.producers.to_json(covered)),
+                     "index": self.log_index.to_state()}
             self._producer_store.save_snapshot(str(self.topic_id), self.index,
-                                               self.stream.stream_id, durable,
-                                               self.producers.to_json(durable))
+                                               self.stream.stream_id, covered,
+                                               json.dumps(state))
         except Exception:  # noqa: BLE001 - the log tail still rebuilds state on start
             log.exception("producer snapshot failed topic=%s partition=%d", self.topic, self.index)
 
@@ -371,10 +408,12 @@ class Partition:
         except Exception as e:  # noqa: BLE001 - StorageError or a storage bug: not appended
             for pid, meta in recorded:
                 producers.forget(pid, meta)
+            if self.stream.end_offset > base:  # offsets consumed: keep the index chain going
+                self._indexed(base, 0, -1, base + count)
             log.error("append failed topic=%s partition=%d error=%r", self.topic, self.index, e)
             res.error, res.message = ErrorCode.KAFKA_STORAGE_ERROR, str(e)
             return res
-        self.log_index.add(base, len(buf), payload_max_ts)
+        self._indexed(base, len(buf), payload_max_ts, base + count)
         self._wake()
         self._batches_since_snapshot += len(views)
         if self._batches_since_snapshot >= SNAPSHOT_EVERY_BATCHES:
@@ -383,6 +422,19 @@ class Partition:
         res.log_append_time = now if log_append else -1
         res.log_start_offset = self.log_start_offset
         return res
+
+    def _indexed(self, base: int, size: int, max_ts: int, end: int) -> None:
+        """Add a completed payload to the log index in offset order (completions of
+        concurrent appends may resume out of order)."""
+        idx = self.log_index
+        if base != idx.end_offset:
+            self._index_pending[base] = (size, max_ts, end)
+            return
+        idx.add(base, size, max_ts, end)
+        while idx.end_offset in self._index_pending:
+            b = idx.end_offset
+            size, max_ts, end = self._index_pending.pop(b)
+            idx.add(b, size, max_ts, end)
 
     def _prepare(self, records: bytes | bytearray | memoryview
                  ) -> tuple[bytearray, list[tuple[int, Any]]]:

@@ -254,3 +254,40 @@ async def test_undecodable_records_rejected_without_side_effects(tmp_path):
     assert (await p.append(unknown_codec)).error == ErrorCode.CORRUPT_MESSAGE
     ok = await p.append(make_batch([b"q"], producer_id=3, epoch=0, base_sequence=0))
     assert (ok.error, ok.base_offset) == (0, 0)
+
+
+async def test_reopen_uses_snapshot_index_and_replays_only_the_tail(tmp_path):
+    store = MemoryStreamStore()
+    p, store, stream, _ = await open_partition(tmp_path, store=store)
+    for i in range(3):
+        await p.append(make_batch([b"%d" % i], timestamps=[100 * (i + 1)],
+                                  producer_id=8, epoch=0, base_sequence=i))
+    p.snapshot()
+    await p.append(make_batch([b"3"], timestamps=[400], producer_id=8, epoch=0,
+                              base_sequence=3))
+    reads: list[int] = []
+    original = stream.read
+
+    async def counting_read(offset, max_bytes):
+        reads.append(offset)
+        return await original(offset, max_bytes)
+
+    stream.read = counting_read
+    p2, *_ = await open_partition(tmp_path, store=store, stream=stream,
+                                  broker=fake_broker(tmp_path))
+    assert reads == [3]  # only the payload after the snapshot was read back
+    assert await p2.offset_for_timestamp(150) == (1, 200)
+    assert (await p2.append(make_batch([b"3"], producer_id=8, epoch=0,
+                                       base_sequence=3))).base_offset == 3
+    # seq 0 is known only from the snapshot: still answered as a duplicate
+    dup = await p2.append(make_batch([b"0"], producer_id=8, epoch=0, base_sequence=0))
+    assert (dup.error, dup.base_offset) == (0, 0)
+    assert p2.high_watermark == 4
+
+
+async def test_index_kept_in_offset_order(tmp_path):
+    p, *_ = await open_partition(tmp_path)
+    p._indexed(1, 10, 50, 2)  # completion of the second append resumes first
+    assert p.log_index.end_offset == 0 and p.log_index.bases == []
+    p._indexed(0, 10, 40, 1)
+    assert p.log_index.end_offset == 2 and p.log_index.total_bytes == 20
