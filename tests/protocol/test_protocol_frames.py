@@ -278,3 +278,31 @@ def test_fetch_v0_to_v3_answers_carry_legacy_message_sets(version: int) -> None:
     while (batch := mr.next_batch()) is not None:
         got += [(m.offset, m.value, m.timestamp) for m in batch]
     assert got == [(7, b"a", 50 if magic else None), (8, b"b", 50 if magic else None)]
+
+
+@pytest.mark.parametrize("api_key,version", ALL_VERSIONS)
+def test_mutated_valid_frames_raise_only_protocol_errors(api_key: int, version: int) -> None:
+    import random
+
+    rng = random.Random(api_key * 1000 + version)
+    frame = client_frame(sample_message(request_class(api_key), version), 8)
+    for _ in range(150):
+        buf = bytearray(frame)
+        op = rng.randrange(4)
+        if op == 0:  # bit flips after the api key/version
+            for _ in range(rng.randint(1, 4)):
+                buf[rng.randrange(4, len(buf))] ^= 1 << rng.randrange(8)
+        elif op == 1:  # a length/count field made huge or negative
+            pos = rng.randrange(8, max(9, len(buf) - 3))
+            buf[pos:pos + 4] = rng.choice([b"\x7f\xff\xff\xff", b"\xff\xff\xff\xfe",
+                                           b"\x80\x00\x00\x00", b"\xff\xff\xff\x7f"])
+        elif op == 2:  # inserted garbage
+            pos = rng.randrange(8, len(buf))
+            buf[pos:pos] = rng.randbytes(rng.randint(1, 16))
+        else:  # deleted bytes
+            pos = rng.randrange(8, len(buf))
+            del buf[pos:pos + rng.randint(1, 8)]
+        try:
+            parse_request(bytes(buf))
+        except protocol.ProtocolError:
+            pass
