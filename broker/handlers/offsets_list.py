@@ -57,7 +57,8 @@ async def handle_list_offsets(ctx: RequestContext, req: Any) -> Any:
             if partition is None:
                 parts.append(PartResp(partition_index=p.partition_index,
                                       error_code=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
-                                      timestamp=-1, offset=-1, leader_epoch=-1))
+                                      timestamp=-1, offset=-1, leader_epoch=-1,
+                                      old_style_offsets=[]))
                 continue
             try:
                 err, off, ts = await lookup(partition, p.timestamp, read_committed)
@@ -65,6 +66,13 @@ async def handle_list_offsets(ctx: RequestContext, req: Any) -> Any:
                 log.exception("list offsets failed topic=%s partition=%d", t.name,
                               p.partition_index)
                 err, off, ts = ErrorCode.KAFKA_STORAGE_ERROR, -1, -1
+            if version == 0:
+                # v0 (0.8/0.9 clients) answers a list of offsets; one is what clients use
+                wanted = getattr(p, "max_num_offsets", 1) or 0
+                parts.append(PartResp(partition_index=p.partition_index, error_code=int(err),
+                                      old_style_offsets=[off] if off >= 0 and wanted > 0
+                                      else []))
+                continue
             parts.append(PartResp(partition_index=p.partition_index, error_code=int(err),
                                   timestamp=ts, offset=off,
                                   leader_epoch=0 if off >= 0 and not err else -1))
