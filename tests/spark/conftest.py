@@ -38,3 +38,13 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     assert pyspark.__version__
     yield session
     session.stop()
+
+
+#: A small WAL: the default 2 GiB preallocation per broker fills /tmp quickly across test runs.
+SMALL_WAL = ["--wal-capacity", str(128 << 20)]
+
+
+@pytest.fixture(scope="module")
+def spark_broker(module_broker_factory):
+    """One broker per test module (each test uses its own topics), with a small WAL."""
+    return module_broker_factory(SMALL_WAL)

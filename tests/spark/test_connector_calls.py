@@ -50,18 +50,20 @@ def _report(proc: subprocess.CompletedProcess) -> str:
 
 
 @pytest.mark.parametrize("version", ["3.9", "4.3"])
-def test_driver_executor_and_sink_calls(version, java_classpath, broker):
+def test_driver_executor_and_sink_calls(version, java_classpath, spark_broker):
     """describeTopics/listTopics/listOffsets (earliest, latest, forTimestamp; both isolation
     levels), assign + seekToBeginning/End + position + seek + poll, byte-array producer."""
     if version not in java_classpath:
         pytest.skip(f"kafka-clients {version} not available")
-    proc = _run(version, java_classpath[version], broker.bootstrap)
+    proc = _run(version, java_classpath[version], spark_broker.bootstrap)
     assert proc.returncode == 0 and "DONE" in proc.stdout, _report(proc)
     assert "FAIL" not in proc.stdout
 
 
-def test_isolation_levels_with_an_open_transaction(java_classpath, broker):
+def test_isolation_levels_with_an_open_transaction(java_classpath, spark_broker):
     """read_committed latest offset stops at the open transaction (Spark's driver honours
     kafka.isolation.level); after commit, the executor reads across the commit marker."""
-    proc = _run("3.9", java_classpath["3.9"], broker.bootstrap, "transactions")
+    proc = _run("3.9", java_classpath["3.9"], spark_broker.bootstrap, "transactions")
+    if proc.returncode == 3:
+        pytest.skip(f"broker has no transactions: {proc.stdout.strip().splitlines()[-1]}")
     assert proc.returncode == 0 and "DONE" in proc.stdout, _report(proc)

@@ -29,17 +29,17 @@ def test_parse_time_ms_accepts_epoch_and_iso():
 
 
 @pytest.mark.e2e
-def test_generator_writes_keyed_timestamped_records(broker, capsys):
+def test_generator_writes_keyed_timestamped_records(spark_broker, capsys):
     from kafka import KafkaConsumer, TopicPartition
 
     topic = f"gen-{uuid.uuid4().hex[:8]}"
-    rc = main(["--bootstrap-servers", broker.bootstrap, "--topic", topic, "--partitions", "2", "--count", "200",
+    rc = main(["--bootstrap-servers", spark_broker.bootstrap, "--topic", topic, "--partitions", "2", "--count", "200",
                "--start-time", str(T0), "--step-ms", "1000", "--malformed-every", "50", "--summary"])
     assert rc == 0
     summary = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert sum(s["events"] for s in summary) == 200
 
-    consumer = KafkaConsumer(bootstrap_servers=broker.bootstrap, enable_auto_commit=False, group_id=None)
+    consumer = KafkaConsumer(bootstrap_servers=spark_broker.bootstrap, enable_auto_commit=False, group_id=None)
     try:
         tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
         assert len(tps) == 2

@@ -138,8 +138,8 @@ def _topic_totals(bootstrap: str, topic: str) -> tuple[dict, int]:
 
 
 @pytest.mark.timeout(1500)
-def test_streaming_job_through_the_kafka_connector_with_restarts(kafka_jars, broker, spark, tmp_path):
-    bootstrap = broker.bootstrap
+def test_streaming_job_through_the_kafka_connector_with_restarts(kafka_jars, spark_broker, spark, tmp_path):
+    bootstrap = spark_broker.bootstrap
     suffix = uuid.uuid4().hex[:6]
     events_topic, out_topic = f"events-{suffix}", f"aggregates-{suffix}"
     ensure_topic(bootstrap, events_topic, 2)

@@ -40,7 +40,8 @@ import org.apache.kafka.common.serialization.ByteArraySerializer;
  * records with headers, flush). The connector itself cannot be downloaded on these machines.
  *
  * Usage: SparkConnectorCalls BOOTSTRAP TOPIC [transactions]. Prints "OK name" per check, or
- * "FAIL name: why" and exits 1 at the first failed check.
+ * "FAIL name: why" and exits 1 at the first failed check; in transactions mode, exits 3 with
+ * "UNSUPPORTED ..." when the broker lacks the transaction APIs.
  */
 public final class SparkConnectorCalls {
     static final int PARTITIONS = 3;
@@ -154,7 +155,23 @@ public final class SparkConnectorCalls {
         return out;
     }
 
-    public static void main(String[] args) throws Exception {
+    public static void main(String[] args) {
+        try {
+            run(args);
+        } catch (Throwable t) {
+            Throwable cause = t.getCause() != null ? t.getCause() : t;
+            if (args.length > 2 && cause instanceof org.apache.kafka.common.errors.UnsupportedVersionException) {
+                System.out.println("UNSUPPORTED " + cause.getMessage());
+                System.exit(3);
+            }
+            System.out.println("FAIL exception after the last OK check: " + t);
+            t.printStackTrace(System.out);
+            System.out.flush();
+            System.exit(1);
+        }
+    }
+
+    static void run(String[] args) throws Exception {
         String bootstrap = args[0];
         String topic = args[1];
         boolean transactions = args.length > 2 && args[2].equals("transactions");
@@ -272,8 +289,13 @@ public final class SparkConnectorCalls {
              Admin admin = Admin.create(driverParams(bootstrap, null))) {
             producer.initTransactions();
             producer.beginTransaction();
-            for (int i = 0; i < 3; i++) producer.send(new ProducerRecord<>(topic, 0, b("t" + i), b("tv" + i)));
+            List<Future<RecordMetadata>> txSent = new ArrayList<>();
+            for (int i = 0; i < 3; i++) txSent.add(producer.send(new ProducerRecord<>(topic, 0, b("t" + i), b("tv" + i))));
             producer.flush();
+            for (Future<RecordMetadata> f : txSent) {
+                long off = f.get().offset();
+                check("transactional produce ack @" + off, off >= 5 && off < 8, "offset " + off);
+            }
             long hw = listOffsets(admin, tps, OffsetSpec.latest(), IsolationLevel.READ_UNCOMMITTED).get(tp);
             long lso = listOffsets(admin, tps, OffsetSpec.latest(), IsolationLevel.READ_COMMITTED).get(tp);
             check("open txn: read_uncommitted latest = high watermark", hw == 8, "got " + hw);
