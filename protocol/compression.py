@@ -53,16 +53,16 @@ def decompress(codec: int, data: bytes | bytearray | memoryview,
         return bytes(data)
     try:
         if codec == GZIP:
-            d = zlib.decompressobj(47)  # gzip or zlib header, auto-detected
-            out = d.decompress(data, max_size + 1)
+            out = _gzip_decompress(bytes(data), max_size)
         elif codec == SNAPPY:
             out = _snappy_decompress(memoryview(data), max_size)
         elif codec == LZ4:
             d = lz4.frame.LZ4FrameDecompressor()
             out = d.decompress(bytes(data), max_length=max_size + 1)
         elif codec == ZSTD:
-            d = zstandard.ZstdDecompressor().decompressobj()
-            out = d.decompress(bytes(data))
+            reader = zstandard.ZstdDecompressor().stream_reader(bytes(data),
+                                                                read_across_frames=True)
+            out = reader.read(max_size + 1)
         else:
             raise UnsupportedCompressionError(f"unknown compression codec {codec}")
     except (UnsupportedCompressionError, CorruptRecordError):
@@ -74,9 +74,33 @@ def decompress(codec: int, data: bytes | bytearray | memoryview,
     return bytes(out)
 
 
+def _gzip_decompress(data: bytes, max_size: int) -> bytes:
+    """gzip members may be concatenated (Java's GZIPInputStream reads them all)."""
+    parts = []
+    total = 0
+    while data:
+        d = zlib.decompressobj(47)  # gzip or zlib header, auto-detected
+        chunk = d.decompress(data, max_size + 1 - total)
+        parts.append(chunk)
+        total += len(chunk)
+        if total > max_size:
+            break
+        if not d.eof:
+            raise CorruptRecordError("truncated gzip stream")
+        data = d.unused_data
+    return b"".join(parts)
+
+
+def _snappy_raw(block: memoryview, max_size: int) -> bytes:
+    # the raw format declares its length up front: check it before anything is allocated
+    if cramjam.snappy.decompress_raw_len(block) > max_size:
+        raise CorruptRecordError("snappy payload inflates too much")
+    return bytes(cramjam.snappy.decompress_raw(block))
+
+
 def _snappy_decompress(mv: memoryview, max_size: int) -> bytes:
     if bytes(mv[:8]) != _XERIAL_MAGIC:
-        return bytes(cramjam.snappy.decompress_raw(mv))
+        return _snappy_raw(mv, max_size)
     pos = 16
     out = []
     total = 0
@@ -87,7 +111,7 @@ def _snappy_decompress(mv: memoryview, max_size: int) -> bytes:
         pos += 4
         if n < 0 or pos + n > len(mv):
             raise CorruptRecordError("bad xerial snappy block length")
-        block = bytes(cramjam.snappy.decompress_raw(mv[pos:pos + n]))
+        block = _snappy_raw(mv[pos:pos + n], max_size - total)
         total += len(block)
         if total > max_size:
             raise CorruptRecordError("snappy payload inflates too much")

@@ -204,3 +204,27 @@ def test_random_garbage_batches_raise_only_corrupt_record_errors() -> None:
             convert_legacy(buf)
         except CorruptRecordError:
             pass
+
+
+def test_decompression_bombs_are_refused_without_inflating() -> None:
+    import cramjam
+
+    bomb = b"\x00" * (8 << 20)
+    for codec in (1, 2, 3, 4):
+        with pytest.raises(CorruptRecordError):
+            codecs.decompress(codec, codecs.compress(codec, bomb), max_size=1 << 20)
+    # a raw snappy header that declares 4 GiB
+    with pytest.raises(CorruptRecordError):
+        codecs.decompress(codecs.SNAPPY, b"\xff\xff\xff\xff\x0f" + b"\x00" * 5)
+    assert codecs.decompress(2, bytes(cramjam.snappy.compress_raw(b"ok"))) == b"ok"
+
+
+def test_concatenated_gzip_members_and_zstd_frames_are_read_whole() -> None:
+    import gzip
+
+    assert codecs.decompress(codecs.GZIP, gzip.compress(b"abc") + gzip.compress(b"def")) == (
+        b"abcdef")
+    two = codecs.compress(codecs.ZSTD, b"abc") + codecs.compress(codecs.ZSTD, b"def")
+    assert codecs.decompress(codecs.ZSTD, two) == b"abcdef"
+    with pytest.raises(CorruptRecordError):
+        codecs.decompress(codecs.GZIP, gzip.compress(b"abc" * 100)[:-5])
