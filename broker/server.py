@@ -39,7 +39,13 @@ except ImportError:  # pragma: no cover - older protocol package
     _encode_buffers = None
 
 
+class EncodedBody(bytes):
+    """A handler may return a response body it already encoded (e.g. a cached one)."""
+
+
 def _encode(header: Any, response: Any) -> list[Any]:
+    if isinstance(response, EncodedBody):
+        return protocol.encode_response_parts(header, [response])
     if _encode_buffers is not None:
         return list(_encode_buffers(header, response))
     return [protocol.encode_response(header, response)]
