@@ -1,0 +1,177 @@
+"""Helpers for the end-to-end client tests: the Java CLI, topic set-up, group-of-three checks."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+JAVA_CACHE = REPO / "tests" / ".cache" / "java"
+
+JAVA_SRC = REPO / "tests" / "java" / "KafkaCli.java"
+CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
+ACKS = ("0", "1", "all")
+# broker settings for client tests: quick group rebalances
+CLIENT_BROKER_ARGS = ["--group-min-session-timeout-ms", "1000",
+                      "--group-initial-rebalance-delay-ms", "0"]
+
+
+def unique(prefix: str) -> str:
+    """A topic/group name no other test in a shared broker uses."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+
+
+
+def create_topic(bootstrap: str, name: str, partitions: int = 1) -> None:
+    """Create a topic through kafka-python's admin client (a neutral third client)."""
+    from kafka.admin import KafkaAdminClient, NewTopic
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=15000)
+    try:
+        admin.create_topics([NewTopic(name, partitions, 1)])
+    finally:
+        admin.close()
+
+
+def produce_values(bootstrap: str, topic: str, values: list[str], partition: int | None = None
+                   ) -> None:
+    """Produce values with acks=all through kafka-python, round-robin over partitions."""
+    from kafka import KafkaProducer
+    p = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    try:
+        futs = [p.send(topic, value=v.encode(), key=v.encode(), partition=partition)
+                for v in values]
+        p.flush(30)
+        for f in futs:
+            f.get(30)
+    finally:
+        p.close(10)
+
+
+# -- Java ---------------------------------------------------------------------------------------
+@dataclass
+class JavaCli:
+    """Runs tests/java/KafkaCli.java (compiled against one kafka-clients version)."""
+    version: str
+    classpath: str
+
+    def __call__(self, command: str, timeout: float = 120, **opts: object) -> dict:
+        args = ["java", "-Xshare:auto", "-XX:TieredStopAtLevel=1", "-cp", self.classpath,
+                "KafkaCli", command]
+        for k, v in opts.items():
+            args += ["--" + k.replace("_", "-"), str(v)]
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            raise AssertionError(f"java {self.version} {command} failed ({proc.returncode}):\n"
+                                 f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        return json.loads(lines[-1])
+
+
+def compile_java(version: str, classpath: str) -> str:
+    out = JAVA_CACHE / f"classes-{version}"
+    stamp = out / ".src-mtime"
+    mtime = str(JAVA_SRC.stat().st_mtime_ns)
+    if not (stamp.exists() and stamp.read_text() == mtime):
+        out.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["javac", "-nowarn", "-d", str(out), "-cp", classpath, str(JAVA_SRC)],
+                       check=True, capture_output=True, timeout=300)
+        stamp.write_text(mtime)
+    return str(out) + os.pathsep + classpath
+
+
+
+
+
+# -- group of three -----------------------------------------------------------------------------
+class Member(Protocol):
+    """One group member driven from its own thread (client objects are not shared)."""
+    def poll_once(self) -> list[str]: ...          # values received
+    def assignment(self) -> set[int]: ...          # partitions currently owned
+    def close(self) -> None: ...                   # commit and leave the group
+
+
+@dataclass
+class GroupRun:
+    phase1: list[set[int]] = field(default_factory=list)
+    phase2: list[set[int]] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)
+
+
+def _split(assigned: list[set[int]], members: list[int], partitions: int) -> list[set[int]] | None:
+    snap = [set(assigned[m]) for m in members]
+    union = set().union(*snap)
+    if all(snap) and len(union) == partitions and sum(map(len, snap)) == partitions:
+        return snap
+    return None
+
+
+def run_group_of_three(make_member: Callable[[int], Member], partitions: int,
+                       expected: set[str], timeout: float = 90) -> GroupRun:
+    """Three members join; wait for a 3-way split; member 2 leaves; the two others must take
+    over every partition and together receive every expected value."""
+    run = GroupRun()
+    assigned: list[set[int]] = [set(), set(), set()]
+    stop = [threading.Event() for _ in range(3)]
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def loop(i: int) -> None:
+        try:
+            m = make_member(i)
+            try:
+                while not stop[i].is_set():
+                    vals = m.poll_once()
+                    a = m.assignment()
+                    with lock:
+                        run.seen.update(vals)
+                        assigned[i] = set(a)
+            finally:
+                m.close()
+                with lock:
+                    assigned[i] = set()
+        except BaseException as e:  # reported in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+
+    def wait_for(cond: Callable[[], object], what: str) -> object:
+        while time.monotonic() < deadline:
+            if errors:
+                raise errors[0]
+            with lock:
+                r = cond()
+            if r:
+                return r
+            time.sleep(0.05)
+        with lock:
+            raise AssertionError(f"timed out waiting for {what}: assigned={assigned} "
+                                 f"seen={len(run.seen)}/{len(expected)}")
+
+    try:
+        run.phase1 = wait_for(lambda: _split(assigned, [0, 1, 2], partitions), "3-way split")
+        stop[2].set()
+        threads[2].join(60)
+        run.phase2 = wait_for(lambda: _split(assigned, [0, 1], partitions), "2-way split")
+        wait_for(lambda: expected <= run.seen, "all records")
+    finally:
+        for s in stop:
+            s.set()
+        for t in threads:
+            t.join(60)
+    if errors:
+        raise errors[0]
+    return run

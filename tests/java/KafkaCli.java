@@ -1,0 +1,384 @@
+import java.time.Duration;
+import java.util.*;
+import java.util.concurrent.*;
+import java.util.concurrent.atomic.AtomicBoolean;
+
+import org.apache.kafka.clients.admin.*;
+import org.apache.kafka.clients.consumer.*;
+import org.apache.kafka.clients.producer.*;
+import org.apache.kafka.common.TopicPartition;
+import org.apache.kafka.common.config.ConfigResource;
+import org.apache.kafka.common.serialization.StringDeserializer;
+import org.apache.kafka.common.serialization.StringSerializer;
+
+/**
+ * Drives unmodified Java kafka-clients against a broker for the pytest end-to-end suite.
+ * Compiles against kafka-clients 3.9 and 4.x alike (only APIs present in both are used).
+ * Usage: KafkaCli <command> --bootstrap host:port [--key value ...]; prints one JSON object.
+ * Commands: produce, produce-matrix, consume-assign, consume-group, group-rebalance, admin.
+ */
+public final class KafkaCli {
+    private KafkaCli() {}
+
+    public static void main(String[] argv) throws Exception {
+        if (argv.length < 1) {
+            throw new IllegalArgumentException("usage: KafkaCli <command> [--opt value ...]");
+        }
+        Map<String, String> a = new HashMap<>();
+        for (int i = 1; i + 1 < argv.length; i += 2) {
+            a.put(argv[i].replaceFirst("^--", ""), argv[i + 1]);
+        }
+        Map<String, Object> out;
+        switch (argv[0]) {
+            case "produce": out = produce(a); break;
+            case "produce-matrix": out = produceMatrix(a); break;
+            case "consume-assign": out = consumeAssign(a); break;
+            case "consume-group": out = consumeGroup(a); break;
+            case "group-rebalance": out = groupRebalance(a); break;
+            case "admin": out = admin(a); break;
+            default: throw new IllegalArgumentException("unknown command " + argv[0]);
+        }
+        System.out.println(Json.write(out));
+        System.out.flush();
+        System.exit(0);
+    }
+
+    static String req(Map<String, String> a, String k) {
+        String v = a.get(k);
+        if (v == null) throw new IllegalArgumentException("missing --" + k);
+        return v;
+    }
+
+    static Properties common(Map<String, String> a) {
+        Properties p = new Properties();
+        p.put("bootstrap.servers", req(a, "bootstrap"));
+        p.put("client.id", a.getOrDefault("client-id", "s3kafka-java-test"));
+        p.put("request.timeout.ms", "15000");
+        p.put("default.api.timeout.ms", "30000");
+        return p;
+    }
+
+    // ---------------------------------------------------------------- producer
+    static Properties producerProps(Map<String, String> a) {
+        Properties p = common(a);
+        String acks = a.getOrDefault("acks", "all");
+        p.put("acks", acks);
+        p.put("compression.type", a.getOrDefault("compression", "none"));
+        // idempotence needs acks=all; the Java client refuses an explicit conflict
+        p.put("enable.idempotence", Boolean.toString(acks.equals("all") || acks.equals("-1")));
+        p.put("linger.ms", a.getOrDefault("linger-ms", "5"));
+        p.put("delivery.timeout.ms", "30000");
+        p.put("max.block.ms", "15000");
+        p.put("key.serializer", StringSerializer.class.getName());
+        p.put("value.serializer", StringSerializer.class.getName());
+        return p;
+    }
+
+    /** Sends --count records "<prefix>-<i>" and reports what was acknowledged. */
+    static Map<String, Object> produce(Map<String, String> a) throws Exception {
+        String topic = req(a, "topic");
+        int count = Integer.parseInt(a.getOrDefault("count", "100"));
+        String prefix = a.getOrDefault("prefix", "v");
+        Integer partition = a.containsKey("partition") ? Integer.valueOf(a.get("partition")) : null;
+        List<Future<RecordMetadata>> futures = new ArrayList<>();
+        try (KafkaProducer<String, String> producer = new KafkaProducer<>(producerProps(a))) {
+            for (int i = 0; i < count; i++) {
+                String v = prefix + "-" + i;
+                Future<RecordMetadata> f = producer.send(new ProducerRecord<>(topic, partition, "k" + i, v));
+                futures.add(f);
+                if (f.isDone()) {
+                    // a send that failed synchronously (no metadata) would fail for every record:
+                    // stop instead of blocking max.block.ms per record
+                    try { f.get(); } catch (ExecutionException e) { break; }
+                }
+            }
+            producer.flush();
+        }
+        int acked = 0;
+        List<String> errors = new ArrayList<>();
+        Map<String, List<Long>> offsets = new TreeMap<>();
+        for (Future<RecordMetadata> f : futures) {
+            try {
+                RecordMetadata m = f.get();
+                acked++;
+                offsets.computeIfAbsent(Integer.toString(m.partition()), k -> new ArrayList<>())
+                        .add(m.hasOffset() ? m.offset() : -1L);
+            } catch (ExecutionException e) {
+                errors.add(e.getCause().toString());
+            }
+        }
+        Map<String, Object> out = new LinkedHashMap<>();
+        out.put("acked", acked);
+        out.put("errors", errors);
+        out.put("offsets", offsets);
+        return out;
+    }
+
+    /** produce for every --acks x --compressions pair (comma lists), prefix "<acks>-<codec>". */
+    static Map<String, Object> produceMatrix(Map<String, String> a) throws Exception {
+        Map<String, Object> out = new LinkedHashMap<>();
+        for (String acks : a.getOrDefault("acks", "0,1,all").split(",")) {
+            for (String codec : a.getOrDefault("compressions", "none,gzip,snappy,lz4,zstd").split(",")) {
+                Map<String, String> one = new HashMap<>(a);
+                one.put("acks", acks);
+                one.put("compression", codec);
+                one.put("prefix", acks + "-" + codec);
+                out.put(acks + "-" + codec, produce(one));
+            }
+        }
+        return out;
+    }
+
+    // ---------------------------------------------------------------- consumers
+    static Properties consumerProps(Map<String, String> a, String group) {
+        Properties p = common(a);
+        if (group != null) p.put("group.id", group);
+        p.put("enable.auto.commit", "false");
+        p.put("auto.offset.reset", a.getOrDefault("reset", "earliest"));
+        p.put("isolation.level", a.getOrDefault("isolation", "read_uncommitted"));
+        p.put("session.timeout.ms", a.getOrDefault("session-timeout-ms", "6000"));
+        p.put("heartbeat.interval.ms", "300");
+        p.put("max.poll.interval.ms", "60000");
+        p.put("fetch.max.wait.ms", "200");
+        p.put("key.deserializer", StringDeserializer.class.getName());
+        p.put("value.deserializer", StringDeserializer.class.getName());
+        return p;
+    }
+
+    static Map<String, Object> rec(ConsumerRecord<String, String> r) {
+        Map<String, Object> m = new LinkedHashMap<>();
+        m.put("p", r.partition());
+        m.put("o", r.offset());
+        m.put("k", r.key());
+        m.put("v", r.value());
+        return m;
+    }
+
+    /** assign + seek (or seekToBeginning), poll until --count records or --timeout-ms. */
+    static Map<String, Object> consumeAssign(Map<String, String> a) {
+        String topic = req(a, "topic");
+        int count = Integer.parseInt(a.getOrDefault("count", "1"));
+        long deadline = System.currentTimeMillis() + Long.parseLong(a.getOrDefault("timeout-ms", "30000"));
+        TopicPartition tp = new TopicPartition(topic, Integer.parseInt(a.getOrDefault("partition", "0")));
+        List<Object> records = new ArrayList<>();
+        Map<String, Object> out = new LinkedHashMap<>();
+        try (KafkaConsumer<String, String> c = new KafkaConsumer<>(consumerProps(a, null))) {
+            c.assign(List.of(tp));
+            if (a.containsKey("offset")) c.seek(tp, Long.parseLong(a.get("offset")));
+            else c.seekToBeginning(List.of(tp));
+            while (records.size() < count && System.currentTimeMillis() < deadline) {
+                for (ConsumerRecord<String, String> r : c.poll(Duration.ofMillis(200))) records.add(rec(r));
+            }
+            out.put("position", c.position(tp));
+            out.put("end_offset", c.endOffsets(List.of(tp)).get(tp));
+            out.put("beginning_offset", c.beginningOffsets(List.of(tp)).get(tp));
+        }
+        out.put("records", records);
+        return out;
+    }
+
+    /** subscribe in --group, poll until --count records (or idle), commitSync, close. */
+    static Map<String, Object> consumeGroup(Map<String, String> a) {
+        String topic = req(a, "topic");
+        String group = req(a, "group");
+        int count = Integer.parseInt(a.getOrDefault("count", "1"));
+        long timeout = Long.parseLong(a.getOrDefault("timeout-ms", "30000"));
+        long deadline = System.currentTimeMillis() + timeout;
+        List<Object> records = new ArrayList<>();
+        Map<String, Object> out = new LinkedHashMap<>();
+        try (KafkaConsumer<String, String> c = new KafkaConsumer<>(consumerProps(a, group))) {
+            c.subscribe(List.of(topic));
+            while (records.size() < count && System.currentTimeMillis() < deadline) {
+                for (ConsumerRecord<String, String> r : c.poll(Duration.ofMillis(200))) records.add(rec(r));
+            }
+            // after the goal, one more short poll proves nothing beyond it was pending
+            for (ConsumerRecord<String, String> r : c.poll(Duration.ofMillis(500))) records.add(rec(r));
+            c.commitSync();
+            Map<String, Object> committed = new TreeMap<>();
+            for (Map.Entry<TopicPartition, OffsetAndMetadata> e : c.committed(c.assignment()).entrySet()) {
+                committed.put(Integer.toString(e.getKey().partition()), e.getValue() == null ? null : e.getValue().offset());
+            }
+            out.put("committed", committed);
+        }
+        out.put("records", records);
+        return out;
+    }
+
+    /**
+     * Three members of --group in one JVM (one thread each): wait for a 3-way split of the
+     * partitions, close member 3 (LeaveGroup), wait for the 2 survivors to cover every
+     * partition, consume until --count distinct records, commit, report assignments.
+     */
+    static Map<String, Object> groupRebalance(Map<String, String> a) throws Exception {
+        String topic = req(a, "topic");
+        String group = req(a, "group");
+        int partitions = Integer.parseInt(req(a, "partitions"));
+        int count = Integer.parseInt(req(a, "count"));
+        long deadline = System.currentTimeMillis() + Long.parseLong(a.getOrDefault("timeout-ms", "60000"));
+        final int n = 3;
+        List<Set<Integer>> assigned = new ArrayList<>();
+        for (int i = 0; i < n; i++) assigned.add(ConcurrentHashMap.newKeySet());
+        Set<String> seen = ConcurrentHashMap.newKeySet();
+        AtomicBoolean[] stop = new AtomicBoolean[n];
+        ExecutorService pool = Executors.newFixedThreadPool(n);
+        List<Future<?>> tasks = new ArrayList<>();
+        for (int i = 0; i < n; i++) {
+            final int me = i;
+            stop[i] = new AtomicBoolean(false);
+            Map<String, String> mine = new HashMap<>(a);
+            mine.put("client-id", "member-" + i);
+            tasks.add(pool.submit(() -> {
+                try (KafkaConsumer<String, String> c = new KafkaConsumer<>(consumerProps(mine, group))) {
+                    c.subscribe(List.of(topic), new ConsumerRebalanceListener() {
+                        public void onPartitionsRevoked(Collection<TopicPartition> ps) {
+                            for (TopicPartition tp : ps) assigned.get(me).remove(tp.partition());
+                        }
+                        public void onPartitionsAssigned(Collection<TopicPartition> ps) {
+                            for (TopicPartition tp : ps) assigned.get(me).add(tp.partition());
+                        }
+                    });
+                    while (!stop[me].get()) {
+                        for (ConsumerRecord<String, String> r : c.poll(Duration.ofMillis(100))) seen.add(r.value());
+                    }
+                    c.commitSync();
+                }
+                return null;
+            }));
+        }
+        Map<String, Object> out = new LinkedHashMap<>();
+        out.put("phase1", waitSplit(assigned, List.of(0, 1, 2), partitions, deadline));
+        stop[2].set(true);
+        tasks.get(2).get(30, TimeUnit.SECONDS);
+        assigned.get(2).clear();
+        out.put("phase2", waitSplit(assigned, List.of(0, 1), partitions, deadline));
+        while (seen.size() < count && System.currentTimeMillis() < deadline) Thread.sleep(50);
+        stop[0].set(true);
+        stop[1].set(true);
+        for (Future<?> t : tasks) t.get(30, TimeUnit.SECONDS);
+        pool.shutdown();
+        out.put("distinct", seen.size());
+        return out;
+    }
+
+    /** Waits until the given members own disjoint, non-empty sets covering every partition. */
+    static List<List<Integer>> waitSplit(List<Set<Integer>> assigned, List<Integer> members,
+                                         int partitions, long deadline) throws InterruptedException {
+        while (System.currentTimeMillis() < deadline) {
+            List<List<Integer>> snap = new ArrayList<>();
+            Set<Integer> union = new HashSet<>();
+            int total = 0;
+            boolean nonEmpty = true;
+            for (int m : members) {
+                List<Integer> s = new ArrayList<>(assigned.get(m));
+                Collections.sort(s);
+                snap.add(s);
+                union.addAll(s);
+                total += s.size();
+                nonEmpty &= !s.isEmpty();
+            }
+            if (nonEmpty && union.size() == partitions && total == partitions) return snap;
+            Thread.sleep(50);
+        }
+        List<List<Integer>> snap = new ArrayList<>();
+        for (int m : members) snap.add(new ArrayList<>(assigned.get(m)));
+        throw new IllegalStateException("group never split the partitions: " + snap);
+    }
+
+    // ---------------------------------------------------------------- admin
+    /** createTopics, describeTopics, listOffsets, deleteRecords, describeConfigs on --topic. */
+    static Map<String, Object> admin(Map<String, String> a) throws Exception {
+        String topic = req(a, "topic");
+        int partitions = Integer.parseInt(a.getOrDefault("partitions", "2"));
+        Map<String, Object> out = new LinkedHashMap<>();
+        try (Admin admin = Admin.create(common(a))) {
+            admin.createTopics(List.of(new NewTopic(topic, partitions, (short) 1)
+                    .configs(Map.of("retention.ms", "3600000")))).all().get();
+            try {
+                admin.createTopics(List.of(new NewTopic(topic, partitions, (short) 1))).all().get();
+                out.put("create_again", "ok");
+            } catch (ExecutionException e) {
+                out.put("create_again", e.getCause().getClass().getSimpleName());
+            }
+            out.put("listed", admin.listTopics().names().get().contains(topic));
+            TopicDescription d = admin.describeTopics(List.of(topic)).allTopicNames().get().get(topic);
+            out.put("describe_partitions", d.partitions().size());
+            out.put("describe_leader", d.partitions().get(0).leader() == null ? -1 : d.partitions().get(0).leader().id());
+
+            Map<String, String> pa = new HashMap<>(a);
+            pa.put("count", "10");
+            pa.put("partition", "0");
+            pa.put("acks", "all");
+            out.put("produce", produce(pa));
+
+            TopicPartition tp0 = new TopicPartition(topic, 0);
+            out.put("earliest", admin.listOffsets(Map.of(tp0, OffsetSpec.earliest())).all().get().get(tp0).offset());
+            out.put("latest", admin.listOffsets(Map.of(tp0, OffsetSpec.latest())).all().get().get(tp0).offset());
+            out.put("max_timestamp_offset",
+                    admin.listOffsets(Map.of(tp0, OffsetSpec.maxTimestamp())).all().get().get(tp0).offset());
+            out.put("for_timestamp_0",
+                    admin.listOffsets(Map.of(tp0, OffsetSpec.forTimestamp(0L))).all().get().get(tp0).offset());
+
+            out.put("low_watermark", admin.deleteRecords(Map.of(tp0, RecordsToDelete.beforeOffset(4L)))
+                    .lowWatermarks().get(tp0).get().lowWatermark());
+            out.put("earliest_after_delete",
+                    admin.listOffsets(Map.of(tp0, OffsetSpec.earliest())).all().get().get(tp0).offset());
+
+            ConfigResource res = new ConfigResource(ConfigResource.Type.TOPIC, topic);
+            Config cfg = admin.describeConfigs(List.of(res)).all().get().get(res);
+            Map<String, Object> cfgs = new TreeMap<>();
+            for (ConfigEntry e : cfg.entries()) cfgs.put(e.name(), e.value());
+            out.put("configs", cfgs);
+
+            out.put("cluster_nodes", admin.describeCluster().nodes().get().size());
+            admin.deleteTopics(List.of(topic)).all().get();
+            out.put("listed_after_delete", admin.listTopics().names().get().contains(topic));
+        }
+        return out;
+    }
+
+    // ---------------------------------------------------------------- tiny JSON writer
+    static final class Json {
+        static String write(Object o) {
+            StringBuilder sb = new StringBuilder();
+            write(sb, o);
+            return sb.toString();
+        }
+
+        static void write(StringBuilder sb, Object o) {
+            if (o == null) {
+                sb.append("null");
+            } else if (o instanceof Number || o instanceof Boolean) {
+                sb.append(o);
+            } else if (o instanceof Map) {
+                sb.append('{');
+                boolean first = true;
+                for (Map.Entry<?, ?> e : ((Map<?, ?>) o).entrySet()) {
+                    if (!first) sb.append(',');
+                    first = false;
+                    write(sb, String.valueOf(e.getKey()));
+                    sb.append(':');
+                    write(sb, e.getValue());
+                }
+                sb.append('}');
+            } else if (o instanceof Collection) {
+                sb.append('[');
+                boolean first = true;
+                for (Object x : (Collection<?>) o) {
+                    if (!first) sb.append(',');
+                    first = false;
+                    write(sb, x);
+                }
+                sb.append(']');
+            } else {
+                String s = o.toString();
+                sb.append('"');
+                for (char c : s.toCharArray()) {
+                    if (c == '"' || c == '\\') sb.append('\\').append(c);
+                    else if (c < 0x20) sb.append(String.format("\\u%04x", (int) c));
+                    else sb.append(c);
+                }
+                sb.append('"');
+            }
+        }
+    }
+}
