@@ -31,6 +31,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 1048588
 SNAPSHOT_EVERY_BATCHES = 1000
 REPLAY_READ_BYTES = 8 << 20
 CHUNK_BYTES = 1 << 20
+LONG_MAX = 2**63 - 1
 LEADER_EPOCH = 0  # one node, leadership never moves
 
 
@@ -324,6 +325,12 @@ class Partition:
         log_append = self.configs.get("message.timestamp.type", "CreateTime") == "LogAppendTime"
         count = 0
         max_ts_of: list[int] = []
+        now = _now_ms()
+        if not log_append:
+            # KIP-937 bounds on CreateTime, checked on the batch header (first timestamp and
+            # max timestamp) so records stay undecoded
+            earliest = now - _config_int(self.configs, "message.timestamp.before.max.ms", LONG_MAX)
+            latest = now + _config_int(self.configs, "message.timestamp.after.max.ms", LONG_MAX)
         for pos, view in views:
             if view.size > max_bytes:
                 res.error = ErrorCode.MESSAGE_SIZE_TOO_LARGE
@@ -351,6 +358,10 @@ class Partition:
                 except Exception as e:  # noqa: BLE001 - undecodable records are bad input
                     res.error, res.message = ErrorCode.CORRUPT_MESSAGE, f"bad records: {e!r}"
                     return res
+            if not log_append and (max_ts > latest or 0 <= view.base_timestamp < earliest):
+                res.error = ErrorCode.INVALID_TIMESTAMP
+                res.message = "timestamp outside message.timestamp.before/after.max.ms"
+                return res
             max_ts_of.append(max_ts)
             count += view.last_offset_delta + 1
 
@@ -381,7 +392,6 @@ class Partition:
 
         # offsets and timestamps, in place
         base = self.stream.end_offset
-        now = _now_ms()
         next_offset = base
         recorded: list[tuple[int, BatchMeta]] = []
         payload_max_ts = -1

@@ -291,3 +291,19 @@ async def test_index_kept_in_offset_order(tmp_path):
     assert p.log_index.end_offset == 0 and p.log_index.bases == []
     p._indexed(0, 10, 40, 1)
     assert p.log_index.end_offset == 2 and p.log_index.total_bytes == 20
+
+
+async def test_timestamp_bounds(tmp_path):
+    import time
+
+    now = int(time.time() * 1000)
+    configs = {"message.timestamp.after.max.ms": "3600000"}
+    p, *_ = await open_partition(tmp_path, configs=configs)
+    future = make_batch([b"f"], timestamps=[now + 7_200_000])
+    assert (await p.append(future)).error == ErrorCode.INVALID_TIMESTAMP
+    assert (await p.append(make_batch([b"ok"], timestamps=[now]))).error == 0
+    configs["message.timestamp.before.max.ms"] = "60000"
+    assert (await p.append(make_batch([b"old"], timestamps=[now - 600_000]))).error \
+        == ErrorCode.INVALID_TIMESTAMP
+    configs["message.timestamp.type"] = "LogAppendTime"  # broker time: bounds do not apply
+    assert (await p.append(future)).error == 0
