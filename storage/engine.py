@@ -314,7 +314,7 @@ class Engine(StreamStore):
         self._executor.shutdown(wait=True)
 
     async def _drain_uploads(self) -> None:
-        while self.cache.pending:
+        while self.cache.pending or self._uploading:
             if self._uploading:
                 await asyncio.sleep(0.01)
                 continue

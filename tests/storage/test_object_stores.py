@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import boto3
 import pytest
@@ -25,7 +26,7 @@ def store(request, tmp_path):
     elif request.param == "mem":
         url = f"mem://{tmp_path.name}"
     else:
-        url = _bucket(request.getfixturevalue("s3_endpoint"), f"b-{tmp_path.name[-20:].lower()}")
+        url = _bucket(request.getfixturevalue("s3_endpoint"), f"b-{os.getpid()}-{time.time_ns()}")
     s = open_object_store(url)
     yield s
     s.close()
