@@ -44,7 +44,7 @@ from kafka.protocol.producer import (
 _SUPPORTED: dict[int, tuple[int, int, type, type]] = {
     0: (0, 13, ProduceRequest, ProduceResponse),
     1: (0, 16, FetchRequest, FetchResponse),
-    2: (1, 8, ListOffsetsRequest, ListOffsetsResponse),
+    2: (0, 8, ListOffsetsRequest, ListOffsetsResponse),
     3: (0, 12, MetadataRequest, MetadataResponse),
     8: (0, 9, OffsetCommitRequest, OffsetCommitResponse),
     9: (0, 9, OffsetFetchRequest, OffsetFetchResponse),
