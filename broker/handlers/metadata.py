@@ -126,7 +126,8 @@ async def describe_topic_partitions(ctx: RequestContext, req: Any) -> Any:
     if cursor is not None:
         names = [n for n in names if n >= cursor.topic_name]
     out, next_cursor, budget = [], None, limit
-    extra = {"eligible_leader_replicas": None, "last_known_elr": None}
+    # Java admin clients call .stream() on these lists: empty, never null.
+    extra: dict[str, Any] = {"eligible_leader_replicas": [], "last_known_elr": []}
     for name in names:
         topic = broker.topics.get(name)
         if topic is None:

@@ -175,6 +175,9 @@ def test_describe_topic_partitions_pages_with_cursor(module_broker, cadmin):
                           response_partition_limit=2, cursor=cursor)
             for t in resp.topics:
                 seen += [(t.name, p.partition_index) for p in t.partitions]
+                # Java's admin client NPEs on null lists here
+                assert all(p.eligible_leader_replicas == [] and p.last_known_elr == []
+                           for p in t.partitions)
             if resp.next_cursor is None:
                 break
             cursor = rc.Cursor(topic_name=resp.next_cursor.topic_name,
