@@ -50,7 +50,18 @@ def main() -> None:
         header = protocol.RequestHeader(1, version, 1)
         us = best(lambda: protocol.encode_response_buffers(header, resp))
         print(f"encode Fetch v{version} 1 MiB as buffers (zero-copy): {us:8.1f} us")
-    t = time.perf_counter()
+    from protocol.examples import sample_message
+
+    for key, version in ((12, 4), (3, 12), (18, 3)):
+        req = sample_message(protocol.request_class(key), version)
+        req.with_header(correlation_id=1, client_id="bench")
+        frame = bytes(req.encode(header=True))
+        hdr, _ = protocol.parse_request(frame)
+        rsp = sample_message(protocol.response_class(key), version)
+        parse_us = best(lambda: protocol.parse_request(frame), 2000)
+        enc_us = best(lambda: protocol.encode_response(hdr, rsp), 2000)
+        print(f"small {protocol.api_name(key)} v{version}: parse {parse_us:6.2f} us, "
+              f"encode response {enc_us:6.2f} us")
     resp.responses[0].partitions[0].records = batch
     us = best(lambda: resp.encode(version=16), 50)
     print(f"  (kafka-python generic encode of the same: {us:8.1f} us)")
