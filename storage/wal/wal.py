@@ -182,12 +182,16 @@ class DeltaWAL:
     # -- append ----------------------------------------------------------------------------
     def append(self, body: bytes | memoryview, stream_id: int = 0) -> AppendResult:
         """Buffer one record; the future completes (with the offset) once it and every earlier
-        record of stream_id are durable. Blocks only while the sliding window is full."""
+        record of stream_id are durable. In a plain thread it blocks while max_buffered_bytes
+        are not yet durable; on an event loop thread it never blocks."""
         fut: cf.Future = cf.Future()
         size = RECORD_HEADER_SIZE + len(body)
         deadline = None
+        # never block an event loop thread: there the buffered-bytes bound is not enforced
+        # (append_async enforces it by awaiting); the ring capacity still bounds everything
+        on_loop = asyncio._get_running_loop() is not None
         with self._cond:
-            while not self._window_room(size):
+            while not on_loop and not self._window_room(size):
                 if deadline is None:
                     deadline = time.monotonic() + self.config.append_timeout_s
                 left = deadline - time.monotonic()
@@ -247,7 +251,9 @@ class DeltaWAL:
             else:
                 blk.start = next_lap
             pos = blk.start
-        if pos + size - self._trim > ring:
+        # the block is written in whole 4 KiB pages: its zero padding must not reach the page
+        # holding the (unaligned) trim offset one lap later
+        if align_up(pos + size) - self._trim > ring:
             if not blk.used and blk is self._current:
                 pass                                         # empty block, nothing to undo
             raise OverCapacityError(

@@ -164,3 +164,76 @@ def test_bandwidth_limit_still_delivers(make_wal):
     rs = [w.append(b"b" * 10_000) for _ in range(100)]
     for r in rs:
         r.future.result(10)
+
+
+async def test_sync_append_on_the_event_loop_never_blocks(make_wal):
+    # far more than max_buffered_bytes appended from the loop thread without awaiting
+    w, _ = make_wal(capacity=16 << 20, max_buffered_bytes=64 << 10)
+    rs = [w.append(b"q" * 20_000, stream_id=i % 2) for i in range(200)]
+    await asyncio.gather(*[asyncio.wrap_future(r.future) for r in rs])
+    assert [r.future.result() for r in rs] == [r.offset for r in rs]
+
+
+def test_blocking_append_waits_for_room_in_a_thread(make_wal):
+    w, _ = make_wal(capacity=16 << 20, max_buffered_bytes=64 << 10)
+    rs = [w.append(b"q" * 20_000) for _ in range(200)]
+    for r in rs:
+        r.future.result(10)
+    w.close()
+    _, recs = make_wal(capacity=16 << 20)
+    assert len(recs) == 200
+
+
+async def test_append_async_waits_for_room(make_wal):
+    w, _ = make_wal(capacity=16 << 20, max_buffered_bytes=64 << 10)
+    offs = await asyncio.gather(*[w.append_async(b"a" * 30_000, i % 3) for i in range(100)])
+    assert len(set(offs)) == 100
+
+
+def test_acknowledgements_arrive_in_order_per_stream(make_wal):
+    w, _ = make_wal(capacity=16 << 20, block_soft_limit=4096, io_threads=4)
+    seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    import threading
+    lock = threading.Lock()
+
+    def cb(sid, f):
+        with lock:
+            seen[sid].append(f.result())
+
+    rs = []
+    for i in range(600):
+        r = w.append(os.urandom(100 + (i * 7919) % 9000), stream_id=i % 3)
+        r.future.add_done_callback(lambda f, s=i % 3: cb(s, f))
+        rs.append(r)
+    for r in rs:
+        r.future.result(10)
+    for sid, offs in seen.items():
+        assert offs == sorted(offs) and len(offs) == 200
+
+
+def test_padding_never_overwrites_a_live_record_at_an_unaligned_trim(make_wal):
+    # fill the ring right up to an unaligned trim one lap back: the last block's zero padding
+    # would land on the live record at the trim offset if the capacity check ignored it
+    w, _ = make_wal(capacity=64 << 10)                  # ring = 56 KiB
+    ring = w.ring_size
+    for _ in range(50):                                 # two records in one block
+        first = w.append(b"L" * 1000)
+        live = w.append(b"K" * 500)                     # unaligned offset, stays live
+        live.future.result(10)
+        w.trim(live.offset)
+        if live.offset % 4096 == 1024:
+            break
+    assert live.offset % 4096 == 1024
+    appended = [live]
+    try:
+        while True:
+            r = w.append(b"f" * 700)
+            r.future.result(10)
+            appended.append(r)
+    except Exception as e:
+        assert type(e).__name__ == "OverCapacityError"
+    assert appended[-1].offset >= ring - 4096              # the ring is full
+    w.close()
+    _, recs = make_wal(capacity=64 << 10)
+    assert [o for o, _ in recs] == [r.offset for r in appended]
+    assert recs[0][1] == b"K" * 500
