@@ -306,3 +306,22 @@ def test_mutated_valid_frames_raise_only_protocol_errors(api_key: int, version: 
             parse_request(bytes(buf))
         except protocol.ProtocolError:
             pass
+
+
+FLEXIBLE_VERSIONS = [(k, v) for k, v in ALL_VERSIONS if request_class(k).flexible_version_q(v)]
+
+
+@pytest.mark.parametrize("api_key,version", FLEXIBLE_VERSIONS)
+def test_unknown_tagged_fields_are_ignored(api_key: int, version: int) -> None:
+    """Newer clients may add tagged fields we do not know, in the header and in the body."""
+    req = sample_message(request_class(api_key), version, fill=False)
+    frame = bytearray(client_frame(req, 44, "c"))
+    body = bytes(req.encode(version=version))
+    assert frame.endswith(body) and body.endswith(b"\x00")
+    header_len = len(frame) - len(body)
+    assert frame[header_len - 1] == 0  # header v2: empty tagged fields
+    unknown = b"\x01" + b"\xe8\x07" + b"\x03abc"  # one field, tag 1000, 3 bytes
+    new = frame[:header_len - 1] + unknown + body[:-1] + unknown
+    header, decoded = parse_request(bytes(new))
+    assert header.correlation_id == 44 and header.tagged_fields == {1000: b"abc"}
+    assert decoded.version == version
