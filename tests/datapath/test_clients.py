@@ -194,3 +194,44 @@ def test_kafka_python_admin_delete_records(module_broker):
     assert admin.list_partition_offsets({tp: -2})[tp].offset == 2
     assert admin.list_partition_offsets({tp: -1})[tp].offset == 4
     admin.close()
+
+
+@pytest.mark.parametrize("hard", [False, True], ids=["sigterm", "kill9"])
+def test_idempotent_librdkafka_producer_across_restart(broker_factory, hard):
+    """One producer instance keeps its producer id and sequences across a broker restart:
+    the broker's restored state accepts the continuation and nothing is duplicated."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    from .conftest import SMALL_WAL
+
+    broker = broker_factory(SMALL_WAL)
+    t = _create(broker, _topic())
+    errors: list = []
+    p = Producer({"bootstrap.servers": broker.bootstrap, "enable.idempotence": True,
+                  "linger.ms": 5, "message.timeout.ms": 60000,
+                  "reconnect.backoff.max.ms": 500})
+
+    def report(err, msg):
+        if err is not None:
+            errors.append(err)
+
+    for i in range(100):
+        p.produce(t, value=b"before-%d" % i, on_delivery=report)
+    assert p.flush(30) == 0
+    broker.restart(hard=hard)
+    for i in range(100):
+        p.produce(t, value=b"after-%d" % i, on_delivery=report)
+    assert p.flush(60) == 0
+    assert errors == []
+    c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": _topic("g"),
+                  "enable.auto.commit": False})
+    c.assign([TopicPartition(t, 0, 0)])
+    values = []
+    for _ in range(300):
+        for m in c.consume(200, 0.2):
+            if m.error() is None:
+                values.append(m.value())
+        if len(values) >= 200:
+            break
+    c.close()
+    assert values == [b"before-%d" % i for i in range(100)] + [b"after-%d" % i for i in range(100)]
