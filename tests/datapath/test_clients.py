@@ -235,3 +235,52 @@ def test_idempotent_librdkafka_producer_across_restart(broker_factory, hard):
             break
     c.close()
     assert values == [b"before-%d" % i for i in range(100)] + [b"after-%d" % i for i in range(100)]
+
+
+def test_kill9_during_idempotent_produce_loses_and_duplicates_nothing(broker_factory):
+    """kill -9 while batches are in flight: after restart the producer's retries are either
+    deduplicated (the batch was durable) or appended (it was not) - every acknowledged value
+    is there exactly once, in order."""
+    import threading
+
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    from .conftest import SMALL_WAL
+
+    broker = broker_factory(SMALL_WAL)
+    t = _create(broker, _topic())
+    acked: list[bytes] = []
+    errors: list = []
+    lock = threading.Lock()
+
+    def report(err, msg):
+        with lock:
+            (errors if err is not None else acked).append(err or msg.value())
+
+    p = Producer({"bootstrap.servers": broker.bootstrap, "enable.idempotence": True,
+                  "linger.ms": 2, "batch.num.messages": 50, "message.timeout.ms": 120000,
+                  "reconnect.backoff.max.ms": 500})
+    n = 3000
+    for i in range(n):
+        p.produce(t, value=b"v-%05d" % i, on_delivery=report)
+        p.poll(0)
+        if i == n // 3:
+            p.flush(30)  # some acknowledged data before the crash
+        if i == n // 2:
+            broker.kill()  # the rest of the first half is in flight or queued
+            broker.start()
+    assert p.flush(120) == 0
+    assert errors == []
+    assert sorted(acked) == [b"v-%05d" % i for i in range(n)]
+    c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": _topic("g"),
+                  "enable.auto.commit": False})
+    c.assign([TopicPartition(t, 0, 0)])
+    values: list[bytes] = []
+    for _ in range(600):
+        for m in c.consume(1000, 0.2):
+            if m.error() is None:
+                values.append(m.value())
+        if len(values) >= n:
+            break
+    c.close()
+    assert values == [b"v-%05d" % i for i in range(n)]
