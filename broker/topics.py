@@ -401,7 +401,12 @@ class TopicManager:
             have = len(topic.partitions)
             streams = [await self.broker.store.create_stream() for _ in range(count - have)]
             ids = [s.stream_id for s in streams]
-            await asyncio.to_thread(self.meta.add_partitions, name, have, ids)
+            try:
+                await asyncio.to_thread(self.meta.add_partitions, name, have, ids)
+            except Exception:
+                for sid in ids:
+                    await self._drop_stream(sid)
+                raise
             from .partition import Partition  # noqa: PLC0415
 
             for i, s in enumerate(streams):

@@ -7,7 +7,7 @@ from typing import Any
 
 from protocol import ErrorCode, response_class
 
-from ..topics import Topic, TopicError
+from ..topics import Topic, TopicError, validate_topic_name
 from .registry import RequestContext, handler
 
 log = logging.getLogger(__name__)
@@ -25,6 +25,10 @@ async def resolve_topic(ctx: RequestContext, name: str, allow_create: bool
     topic = broker.topics.get(name)
     if topic is not None:
         return topic, ErrorCode.NONE
+    try:
+        validate_topic_name(name)
+    except TopicError as exc:
+        return None, exc.code
     if allow_create and broker.config.auto_create_topics:
         try:
             topic = await broker.auto_create_topic(name)

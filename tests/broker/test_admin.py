@@ -155,9 +155,14 @@ def test_metadata_auto_create_and_unknown(module_broker):
                        topics=[type(md_topic("x"))(name=None, topic_id=tid)],
                        allow_auto_topic_creation=False, include_topic_authorized_operations=False)
         assert by_id.topics[0].name == "auto-md"
-        bad = w.call(3, 12, correlation_id=21, topics=[md_topic("bad/name")],
-                     allow_auto_topic_creation=True, include_topic_authorized_operations=False)
-        assert bad.topics[0].error_code == ErrorCode.INVALID_TOPIC
+        for auto in (True, False):
+            bad = w.call(3, 12, correlation_id=21, topics=[md_topic("bad/name")],
+                         allow_auto_topic_creation=auto,
+                         include_topic_authorized_operations=False)
+            assert bad.topics[0].error_code == ErrorCode.INVALID_TOPIC
+        # v0: an empty list means every topic
+        everything = w.call(3, 0, correlation_id=22, topics=[])
+        assert "auto-md" in {t.name for t in everything.topics}
     finally:
         w.close()
 
