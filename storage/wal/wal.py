@@ -136,8 +136,10 @@ class DeltaWAL:
                 raise FencedError(
                     f"WAL on {cfg.path} belongs to node {hdr.node_id} epoch {hdr.node_epoch} "
                     f"> our epoch {cfg.node_epoch}")
+            # bound record length by the ring, not by today's max_record_size: a record written
+            # under a larger setting must still be recovered
             result = scan(dev, self.ring_size, hdr.trim_offset, hdr.window_max_length,
-                          cfg.max_record_size)
+                          self.ring_size)
             if hdr.shutdown_type != SHUTDOWN_CLEAN:
                 log.info("WAL %s recovered %d records after unclean shutdown", cfg.path,
                          len(result.records))
