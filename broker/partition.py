@@ -279,6 +279,11 @@ class Partition:
         self.snapshot()
         self._wake()
 
+    @property
+    def closed(self) -> bool:
+        """Closed partitions (topic deleted, broker stopping) take no appends and end long-polls."""
+        return self._closed
+
     # --- offsets ---------------------------------------------------------------------------
     @property
     def log_start_offset(self) -> int:

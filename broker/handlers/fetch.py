@@ -116,7 +116,7 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
             remaining = deadline - loop.time()
             if (total >= min_bytes or remaining <= 0 or not partitions
                     or any(r.error for r in results)
-                    or any(p._closed for p in partitions)):
+                    or any(p.closed for p in partitions)):
                 break
             try:
                 await asyncio.wait_for(waiter, remaining)
