@@ -58,7 +58,7 @@ def produce(bootstrap: str, topic: str, values: list[bytes], partition: int = 0,
 
 
 def consume_all(bootstrap: str, topic: str, expect: int | None = None, partition: int = 0,
-                timeout: float = 60) -> list[tuple[int, bytes]]:
+                timeout: float = 60, start: int = 0) -> list[tuple[int, bytes]]:
     """(offset, value) of every record from the start until ``expect`` were read (None: up
     to the high watermark)."""
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"g-{time.time_ns()}",
@@ -66,8 +66,8 @@ def consume_all(bootstrap: str, topic: str, expect: int | None = None, partition
                   "fetch.max.bytes": 1 << 20})
     if expect is None:
         low, high = c.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
-        expect = high - low
-    c.assign([TopicPartition(topic, partition, 0)])
+        expect = high - max(low, start)
+    c.assign([TopicPartition(topic, partition, start)])
     out: list[tuple[int, bytes]] = []
     deadline = time.monotonic() + timeout
     try:
