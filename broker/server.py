@@ -66,7 +66,8 @@ class Connection(asyncio.BufferedProtocol):
         self._closing = False
         self._paused_reading = False
         self._write_paused = False
-        self._reading_stopped = False  # shutdown: no new requests
+        self._reading_stopped = False  # shutdown or bad frame: no new requests
+        self._eof = False              # the client half-closed its side
 
     # ---- asyncio callbacks -------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -106,7 +107,13 @@ class Connection(asyncio.BufferedProtocol):
             self.close()
 
     def eof_received(self) -> bool | None:
-        return False  # close our side too; pending responses are lost with the socket
+        """The client half-closed: answer what it sent, then close (keeps ``printf | nc`` and
+        scripted clients working)."""
+        self._eof = True
+        self._reading_stopped = True
+        if not self._queue:
+            return False
+        return True
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -244,7 +251,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.transport is not None and not self.transport.is_closing():
             if out:
                 self.transport.writelines(out)
-            if close:
+            if close or (self._eof and not self._queue):
                 self.close()
         self._update_reading()
         if not self._queue:

@@ -90,6 +90,19 @@ def test_large_frames_arriving_in_pieces(wire):
     assert parse_response(API_VERSIONS, 0, wire.recv_frame())[0] == 78
 
 
+def test_half_closed_client_still_gets_its_answers(module_broker):
+    import socket
+    w = Wire(module_broker.host, module_broker.port)
+    try:
+        w.send(b"".join(_metadata_frame(i, [f"half-closed-{i}"]) for i in range(5)))
+        w.sock.shutdown(socket.SHUT_WR)
+        got = [parse_response(METADATA, 12, w.recv_frame())[0] for _ in range(5)]
+        assert got == list(range(5))
+        assert w.is_closed_by_peer()
+    finally:
+        w.close()
+
+
 def test_unsupported_api_versions_version_gets_v0_fallback(wire):
     # A future ApiVersions version: header v2 like newer clients send; body is opaque to us.
     body = struct.pack(">hhih", API_VERSIONS, 99, 5, 1) + b"x" + b"\x00" + b"\x00"
