@@ -310,6 +310,11 @@ class Broker:
         return self.topic_manager.topics if self.topic_manager is not None else {}
 
     @property
+    def partitions(self) -> dict[tuple[str, int], Any]:
+        """(topic, index) -> Partition, a snapshot of every open partition."""
+        return {(t.name, i): p for t in self.topics.values() for i, p in enumerate(t.partitions)}
+
+    @property
     def node_id(self) -> int:
         return self.config.node_id
 

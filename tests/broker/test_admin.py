@@ -193,7 +193,7 @@ def test_describe_topic_partitions_pages_with_cursor(module_broker, cadmin):
 
 
 def test_auto_create_disabled(broker_factory):
-    b = broker_factory(["--auto-create-topics", "false"])
+    b = broker_factory(["--auto-create-topics", "false", "--log-format", "json"])
     admin = AdminClient({"bootstrap.servers": b.bootstrap})
     w = Wire(b.host, b.port)
     try:
@@ -203,6 +203,9 @@ def test_auto_create_disabled(broker_factory):
         assert "nope" not in admin.list_topics(timeout=TIMEOUT).topics
     finally:
         w.close()
+    import json
+    lines = [json.loads(x) for x in b.log_text().splitlines() if x.startswith("{")]
+    assert any(x["msg"].startswith("broker started") and x["level"] == "INFO" for x in lines)
 
 
 def test_topics_and_configs_survive_restart(broker_factory):
