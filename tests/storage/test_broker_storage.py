@@ -62,3 +62,70 @@ def test_kill9_at_crash_points(point, broker_factory) -> None:
     more = produce(b.bootstrap, "c", _values(100, "after"))
     recs = consume_all(b.bootstrap, "c", len(recs) + 100)
     check_log(recs, acked + more)
+
+
+def _objects(data_dir) -> set[str]:
+    return {str(p) for p in (data_dir / "objects").rglob("*") if p.is_file()}
+
+
+def test_corrupt_object_fails_its_partition_only(broker_factory) -> None:
+    b = broker_factory(ENGINE_ARGS + ["--stream-object-threshold-bytes", "1"])
+    create_topic(b.bootstrap, "k", partitions=2)
+    acked0 = produce(b.bootstrap, "k", _values(500, "p0"), partition=0)
+    b.stop()                                    # p0's data is uploaded, the WAL trimmed
+    mine = _objects(b.data_dir)
+    assert mine
+    b.start()
+    acked1 = produce(b.bootstrap, "k", _values(500, "p1"), partition=1)
+    b.stop()
+    for path in mine:                           # flip bytes inside the data blocks
+        raw = bytearray(open(path, "rb").read())
+        for i in range(40, len(raw) // 2, 997):
+            raw[i] ^= 0x5A
+        open(path, "wb").write(bytes(raw))
+    b.start()
+    check_log(consume_all(b.bootstrap, "k", 500, partition=1), acked1)
+    got = consume_all(b.bootstrap, "k", 1, partition=0, timeout=5)
+    assert got == [], "a corrupt range is never served"
+    assert "corrupt object" in b.log_text()
+    assert b.running and acked0
+    check_log(consume_all(b.bootstrap, "k", 500, partition=1), acked1)
+
+
+def test_delete_records_and_compaction_shrink_the_store(broker_factory) -> None:
+    from confluent_kafka import TopicPartition
+    from confluent_kafka.admin import AdminClient
+
+    b = broker_factory(ENGINE_ARGS + ["--stream-object-threshold-bytes", str(1 << 30),
+                                      "--cleanup-interval-s", "0.3"])
+    create_topic(b.bootstrap, "r")
+    acked = []
+    for i in range(6):                          # six uploads -> six stream set objects
+        acked += produce(b.bootstrap, "r", _values(300, f"r{i}"))
+        b.stop()
+        b.start()
+    n0 = len(_objects(b.data_dir))
+    assert n0 >= 6
+    admin = AdminClient({"bootstrap.servers": b.bootstrap})
+    res = admin.delete_records([TopicPartition("r", 0, 900)])
+    for f in res.values():
+        f.result(30)
+    deadline = time.monotonic() + 30
+    while len(_objects(b.data_dir)) > n0 - 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(_objects(b.data_dir)) <= n0 - 3, "objects below the new start were deleted"
+    tail = consume_all(b.bootstrap, "r", start=900)
+    assert [o for o, _ in tail] == list(range(900, 1800))
+    assert [v for _, v in tail] == acked[900:]
+    # compaction: same records, fewer objects
+    n1 = len(_objects(b.data_dir))
+    b.stop()
+    b.args += ["--compaction-interval-s", "0.5", "--compaction-min-objects", "2"]
+    b.start()
+    deadline = time.monotonic() + 30
+    while len(_objects(b.data_dir)) >= n1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(_objects(b.data_dir)) < n1
+    tail = consume_all(b.bootstrap, "r", start=900)
+    assert [o for o, _ in tail] == list(range(900, 1800))
+    assert [v for _, v in tail] == acked[900:]
