@@ -5,7 +5,6 @@ microseconds, i.e. not scale with the payload.
 """
 from __future__ import annotations
 
-import time
 import uuid
 import timeit
 
