@@ -180,7 +180,12 @@ class ProducerStore:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None,
                                    timeout=30)
-        self._db.execute("PRAGMA journal_mode=WAL")
+        try:
+            # the broker core and groups share this file; WAL lets us write concurrently
+            self._db.execute("PRAGMA journal_mode=WAL")
+        except sqlite3.OperationalError:
+            log.warning("could not switch %s to WAL journal mode; keeping the current one",
+                        db_path)
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("CREATE TABLE IF NOT EXISTS kafka_producer_ids ("
                          " id INTEGER PRIMARY KEY CHECK (id = 0), next_id INTEGER NOT NULL)")

@@ -27,9 +27,9 @@ DESCRIBE_PRODUCERS = 61
 @handler(INIT_PRODUCER_ID)
 async def handle_init_producer_id(ctx: RequestContext, req: Any) -> Any:
     Resp = protocol.response_class(INIT_PRODUCER_ID)
-    store = producer_store_for(ctx.broker)
     txn_id = getattr(req, "transactional_id", None)
     try:
+        store = producer_store_for(ctx.broker)
         if txn_id:
             pid, epoch = await asyncio.to_thread(store.init_transactional, txn_id)
         else:
