@@ -104,15 +104,42 @@ def test_streaming_restart_from_checkpoint_counts_every_event_once(spark, tmp_pa
     _write_events(inp, "part-2", second)
     run(spark, _args(*flags))
     # a far-later event moves the watermark past every window; an event older than the
-    # watermark by then is late and must be dropped, not counted
+    # current watermark is late and must be dropped, not counted
     flush = {"event_id": "flush", "user": "u0", "kind": "view", "amount_cents": 0, "ts": T0 + 3_600_000}
-    _write_events(inp, "part-3", [flush])
-    run(spark, _args(*flags))
     late = {"event_id": "late", "user": "u0", "kind": "purchase", "amount_cents": 999, "ts": T0 + 1000}
-    _write_events(inp, "part-4", [late])
+    _write_events(inp, "part-3", [flush, late])
     run(spark, _args(*flags))
     run(spark, _args(*flags))  # a run with no new input changes nothing
 
     totals, n = _parquet_totals(spark, out)
     assert n == len(totals), "a (window, kind) row was written twice"
     assert totals == summarize(first + second, 60_000)
+
+
+@pytest.mark.slow
+def test_batch_mode_writes_every_window(spark, tmp_path):
+    """Batch mode has no watermark: every window, including the newest, is final at once."""
+    inp, out = tmp_path / "in", tmp_path / "out"
+    inp.mkdir()
+    events = list(make_events(200, T0, step_ms=1000, seed=31))
+    _write_events(inp, "part-1", events, junk=2)
+    run(spark, _args("--mode", "batch", "--input-path", str(inp), "--output-topic", "", "--output-path", str(out)))
+    totals, n = _parquet_totals(spark, out)
+    assert n == len(totals) and totals == summarize(events, 60_000)
+    # a second batch run replaces the output instead of appending to it
+    run(spark, _args("--mode", "batch", "--input-path", str(inp), "--output-topic", "", "--output-path", str(out)))
+    assert _parquet_totals(spark, out) == (totals, n)
+
+
+@pytest.mark.slow
+def test_streaming_timeout_stops_a_running_query(spark, tmp_path):
+    """With a processing-time trigger the job runs until --timeout, then stops cleanly."""
+    inp, out = tmp_path / "in", tmp_path / "out"
+    inp.mkdir()
+    _write_events(inp, "part-1", list(make_events(50, T0, step_ms=1000, seed=2)))
+    flush = {"event_id": "f", "user": "u0", "kind": "view", "amount_cents": 0, "ts": T0 + 3_600_000}
+    _write_events(inp, "part-2", [flush])
+    run(spark, _args("--input-path", str(inp), "--output-topic", "", "--output-path", str(out),
+                     "--checkpoint-location", str(tmp_path / "ckpt"), "--trigger", "1 second", "--timeout", "8"))
+    assert not [q for q in spark.streams.active]
+    assert (tmp_path / "ckpt" / "parquet" / "offsets").is_dir()
