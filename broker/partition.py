@@ -177,6 +177,7 @@ class Partition:
         self._producer_store = producer_store
         self._waiters: set[asyncio.Future[None]] = set()
         self._batches_since_snapshot = 0
+        self._dirty = True  # nothing saved yet for this open partition
         self._index_pending: dict[int, tuple[int, int, int]] = {}
         self._closed = False
 
@@ -252,11 +253,13 @@ class Partition:
         # appends continue from the durable end (skipping a region replay could not read)
         self.log_index.end_offset = self.stream.end_offset
 
-    def snapshot(self) -> None:
-        """Persist producer state up to the current end offset (cheap; called periodically)."""
-        if self._producer_store is None:
+    def snapshot(self, force: bool = False) -> None:
+        """Persist producer state and log index up to the indexed end (called periodically;
+        skipped when nothing changed since the last one, since each is an fsync)."""
+        if self._producer_store is None or not (force or self._dirty):
             return
         self._batches_since_snapshot = 0
+        self._dirty = False
         try:
             # the index only holds payloads whose append completed: it defines what the
             # snapshot covers, and producer batches beyond it are replayed on open
@@ -269,6 +272,7 @@ class Partition:
                                                self.stream.stream_id, covered,
                                                json.dumps(state))
         except Exception:  # noqa: BLE001 - the log tail still rebuilds state on start
+            self._dirty = True
             log.exception("producer snapshot failed topic=%s partition=%d", self.topic, self.index)
 
     async def close(self) -> None:
@@ -431,6 +435,7 @@ class Partition:
         self._indexed(base, len(buf), payload_max_ts, base + count)
         self._wake()
         self._batches_since_snapshot += len(views)
+        self._dirty = True
         if self._batches_since_snapshot >= SNAPSHOT_EVERY_BATCHES:
             self.snapshot()
         res.base_offset = base
@@ -592,6 +597,7 @@ class Partition:
         offset = min(offset, self.high_watermark)
         if offset > self.log_start_offset:
             await self.stream.trim(offset)
+            self._dirty = True
             self.log_index.truncate_below(self.log_start_offset)
             self.producers.expire_below(self.log_start_offset)
         return self.log_start_offset

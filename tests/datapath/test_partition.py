@@ -307,3 +307,19 @@ async def test_timestamp_bounds(tmp_path):
         == ErrorCode.INVALID_TIMESTAMP
     configs["message.timestamp.type"] = "LogAppendTime"  # broker time: bounds do not apply
     assert (await p.append(future)).error == 0
+
+
+async def test_snapshot_skipped_when_unchanged(tmp_path):
+    p, *_ = await open_partition(tmp_path)
+    saved: list[int] = []
+    store = p._producer_store
+    original = store.save_snapshot
+    store.save_snapshot = lambda *a: (saved.append(a[3]), original(*a))
+    p.snapshot()
+    p.snapshot()
+    await p.append(make_batch([b"a"]))
+    p.snapshot()
+    p.snapshot()
+    await p.trim_to(1)
+    p.snapshot()
+    assert saved == [0, 1, 1]
