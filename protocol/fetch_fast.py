@@ -117,11 +117,18 @@ def encode_fetch_body(resp: Any, version: int) -> list[Buf]:
                     parts.append(piece)
                     out = bytearray()
             if flexible:
-                out += _PART_TAGS(version).encode(p, version=version)
+                if (p.diverging_epoch is None and p.current_leader is None
+                        and p.snapshot_id is None):
+                    out.append(0)  # the common case: no tagged fields set
+                else:
+                    out += _PART_TAGS(version).encode(p, version=version)
         if flexible:
             out.append(0)  # FetchableTopicResponse has no tagged fields
     if flexible:
-        out += _TOP_TAGS(version).encode(resp, version=version)
+        if not resp.node_endpoints:
+            out.append(0)
+        else:
+            out += _TOP_TAGS(version).encode(resp, version=version)
     parts.append(out)
     return parts
 
