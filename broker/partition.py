@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import concurrent.futures
 import json
 import logging
 import time
@@ -253,35 +254,49 @@ class Partition:
         # appends continue from the durable end (skipping a region replay could not read)
         self.log_index.end_offset = self.stream.end_offset
 
-    def snapshot(self, force: bool = False) -> None:
+    def snapshot(self, force: bool = False) -> "concurrent.futures.Future[None] | None":
         """Persist producer state and log index up to the indexed end (called periodically;
-        skipped when nothing changed since the last one, since each is an fsync)."""
+        skipped when nothing changed since the last one). The write runs on the store's
+        thread; the returned future completes when it is durable."""
         if self._producer_store is None or not (force or self._dirty):
-            return
+            return None
         self._batches_since_snapshot = 0
         self._dirty = False
+        # the index only holds payloads whose append completed: it defines what the snapshot
+        # covers, and producer batches beyond it are replayed on open
+        covered = self.log_index.end_offset
+        if covered < 0:
+            covered = self.stream.start_offset
+        state = json.dumps({"producers": json.loads(self.producers.to_json(covered)),
+                            "index": self.log_index.to_state()})
         try:
-            # the index only holds payloads whose append completed: it defines what the
-            # snapshot covers, and producer batches beyond it are replayed on open
-            covered = self.log_index.end_offset
-            if covered < 0:
-                covered = self.stream.start_offset
-            state = {"producers": json.loads(self.producers.to_json(covered)),
-                     "index": self.log_index.to_state()}
-            self._producer_store.save_snapshot(str(self.topic_id), self.index,
-                                               self.stream.stream_id, covered,
-                                               json.dumps(state))
-        except Exception:  # noqa: BLE001 - the log tail still rebuilds state on start
+            fut = self._producer_store.save_snapshot_later(
+                str(self.topic_id), self.index, self.stream.stream_id, covered, state)
+        except RuntimeError:  # store already shut down (broker stopping)
             self._dirty = True
-            log.exception("producer snapshot failed topic=%s partition=%d", self.topic, self.index)
+            return None
+        fut.add_done_callback(self._snapshot_done)
+        return fut
+
+    def _snapshot_done(self, fut: "concurrent.futures.Future[None]") -> None:
+        exc = fut.exception()
+        if exc is not None:  # the log tail still rebuilds the state on start
+            self._dirty = True
+            log.error("producer snapshot failed topic=%s partition=%d: %r",
+                      self.topic, self.index, exc)
 
     async def close(self) -> None:
         """Snapshot producer state and release long-polling fetches."""
         if self._closed:
             return
         self._closed = True
-        self.snapshot()
         self._wake()
+        fut = self.snapshot()
+        if fut is not None:
+            try:
+                await asyncio.wrap_future(fut)
+            except Exception:  # noqa: BLE001 - logged by _snapshot_done
+                pass
 
     @property
     def closed(self) -> bool:

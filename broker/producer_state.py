@@ -9,6 +9,7 @@ the log tail written after the last snapshot is replayed from batch headers on s
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import sqlite3
@@ -178,6 +179,8 @@ class ProducerStore:
 
     def __init__(self, db_path: str) -> None:
         self._lock = threading.Lock()
+        self._writer = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="s3kafka-producer-snapshots")
         self._db = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None,
                                    timeout=30)
         try:
@@ -229,6 +232,13 @@ class ProducerStore:
                 (transactional_id, pid, epoch))
         return pid, epoch
 
+    def save_snapshot_later(self, topic_id: str, partition: int, stream_id: int,
+                            end_offset: int, state: str) -> "concurrent.futures.Future[None]":
+        """Write a snapshot on the store's own thread (in submission order), off the event
+        loop: each write is an fsync."""
+        return self._writer.submit(self.save_snapshot, topic_id, partition, stream_id,
+                                   end_offset, state)
+
     def save_snapshot(self, topic_id: str, partition: int, stream_id: int, end_offset: int,
                       state: str) -> None:
         with self._lock:
@@ -253,6 +263,7 @@ class ProducerStore:
                              (topic_id,))
 
     def close(self) -> None:
+        self._writer.shutdown(wait=True)
         with self._lock:
             self._db.close()
 

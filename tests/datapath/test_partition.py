@@ -177,7 +177,7 @@ async def test_producer_state_survives_reopen(tmp_path):
     store = MemoryStreamStore()
     p, store, stream, broker = await open_partition(tmp_path, store=store)
     await p.append(make_batch([b"a"], producer_id=9, epoch=0, base_sequence=0))
-    p.snapshot()  # snapshot covers offset 0 only; the next batch is replayed from the log
+    p.snapshot().result()  # covers offset 0 only; the next batch is replayed from the log
     await p.append(make_batch([b"b"], producer_id=9, epoch=0, base_sequence=1))
     # crash: no close(); a new broker object (new sqlite connection) over the same streams
     p2, *_ = await open_partition(tmp_path, store=store, stream=stream,
@@ -262,7 +262,7 @@ async def test_reopen_uses_snapshot_index_and_replays_only_the_tail(tmp_path):
     for i in range(3):
         await p.append(make_batch([b"%d" % i], timestamps=[100 * (i + 1)],
                                   producer_id=8, epoch=0, base_sequence=i))
-    p.snapshot()
+    p.snapshot().result()
     await p.append(make_batch([b"3"], timestamps=[400], producer_id=8, epoch=0,
                               base_sequence=3))
     reads: list[int] = []
@@ -314,12 +314,12 @@ async def test_snapshot_skipped_when_unchanged(tmp_path):
     saved: list[int] = []
     store = p._producer_store
     original = store.save_snapshot
-    store.save_snapshot = lambda *a: (saved.append(a[3]), original(*a))
+    store.save_snapshot = lambda *a: (saved.append(a[3]), original(*a))  # runs on the writer
     p.snapshot()
     p.snapshot()
     await p.append(make_batch([b"a"]))
     p.snapshot()
     p.snapshot()
     await p.trim_to(1)
-    p.snapshot()
+    p.snapshot().result()
     assert saved == [0, 1, 1]
