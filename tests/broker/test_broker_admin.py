@@ -13,7 +13,7 @@ from kafka.admin import NewTopic as KNewTopic
 
 from protocol import ErrorCode
 
-from .wire import Wire, md_topic
+from broker_wire import Wire, md_topic
 
 TIMEOUT = 15
 

@@ -9,7 +9,7 @@ from broker.handlers import HANDLERS
 from protocol import SUPPORTED_APIS, ErrorCode
 from protocol.frames import parse_response
 
-from .wire import Wire, encode_request, md_topic, request
+from broker_wire import Wire, encode_request, md_topic, request
 
 API_VERSIONS, METADATA = 18, 3
 
