@@ -175,10 +175,10 @@ def test_loop_device_uses_only_configured_capacity(loop_device):
 
 @pytest.mark.slow
 def test_crash_loop_long_file(tmp_path):
-    crash_loop(str(tmp_path / "wal"), 8 << 20, rounds=120, seed=3)
-    crash_loop(str(tmp_path / "wal2"), 8 << 20, rounds=40, seed=4, sync_mode="fdatasync")
+    crash_loop(str(tmp_path / "wal"), 8 << 20, rounds=60, seed=3)
+    crash_loop(str(tmp_path / "wal2"), 8 << 20, rounds=20, seed=4, sync_mode="fdatasync")
 
 
 @pytest.mark.slow
 def test_crash_loop_long_loop_device(loop_device):
-    crash_loop(loop_device, 8 << 20, rounds=80, seed=5)
+    crash_loop(loop_device, 8 << 20, rounds=40, seed=5)
