@@ -312,6 +312,8 @@ def validate(cfg: BrokerConfig) -> None:
         raise ValueError("default_partitions must be >= 1")
     if cfg.max_request_bytes < 1024:
         raise ValueError("max_request_bytes must be >= 1024")
+    if cfg.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError("log_level must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
     if cfg.log_format not in ("text", "json"):
         raise ValueError("log_format must be 'text' or 'json'")
     if cfg.node_id < 0:

@@ -357,6 +357,8 @@ class Broker:
                 return open_engine(self.config.engine_config())
         from storage.memory import MemoryStreamStore  # noqa: PLC0415
 
+        if self.config.storage == "memory":
+            log.warning("storage=memory: records are kept in RAM only and lost on restart")
         return MemoryStreamStore()
 
     async def _start_groups(self) -> Any:

@@ -61,6 +61,7 @@ def test_topic_default_flag_is_repeatable():
     (["serve", "--node-id", "x"], {}),
     (["serve"], {"S3KAFKA_DEFAULT_PARTITIONS": "0"}),
     (["serve", "--storage", "tape"], {}),
+    (["serve", "--log-level", "chatty"], {}),
     (["serve", "--topic-default", "retention.ms=soon"], {}),
     (["serve", "--topic-default", "no.such.config=1"], {}),
 ])
