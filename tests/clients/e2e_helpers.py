@@ -180,3 +180,32 @@ def run_group_of_three(make_member: Callable[[int], Member], partitions: int,
     if errors:
         raise errors[0]
     return run
+
+
+def pending_values(bootstrap: str, group: str, topic: str, partitions: int) -> list[str]:
+    """Values of the records at or after the group's committed offsets (from the beginning of
+    partitions without a commit): exactly what the group must receive when it resumes.
+
+    Comparing against this, instead of assuming a client committed everything it consumed,
+    keeps the resume check exact: client libraries may skip a commit that races a rebalance.
+    """
+    from kafka import KafkaConsumer, TopicPartition
+    c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
+                      auto_offset_reset="earliest")
+    try:
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        start = {tp: c.committed(tp) or 0 for tp in tps}
+        end = c.end_offsets(tps)
+        c.assign(tps)
+        for tp in tps:
+            c.seek(tp, start[tp])
+        out: list[str] = []
+        want = sum(max(0, end[tp] - start[tp]) for tp in tps)
+        deadline = time.monotonic() + 30
+        while len(out) < want and time.monotonic() < deadline:
+            for recs in c.poll(timeout_ms=300).values():
+                out += [r.value.decode() for r in recs]
+        assert len(out) == want, f"read {len(out)} of {want} pending records"
+        return out
+    finally:
+        c.close()

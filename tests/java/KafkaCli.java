@@ -252,9 +252,14 @@ public final class KafkaCli {
         assigned.get(2).clear();
         out.put("phase2", waitSplit(assigned, List.of(0, 1), partitions, deadline));
         while (seen.size() < count && System.currentTimeMillis() < deadline) Thread.sleep(50);
+        // leave one at a time, each from a stable assignment (a commit racing an eager
+        // rebalance would find nothing assigned and commit nothing)
         stop[0].set(true);
+        tasks.get(0).get(30, TimeUnit.SECONDS);
+        assigned.get(0).clear();
+        waitSplit(assigned, List.of(1), partitions, deadline);
         stop[1].set(true);
-        for (Future<?> t : tasks) t.get(30, TimeUnit.SECONDS);
+        tasks.get(1).get(30, TimeUnit.SECONDS);
         pool.shutdown();
         out.put("distinct", seen.size());
         return out;
