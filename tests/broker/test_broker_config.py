@@ -115,3 +115,18 @@ def test_env_configures_a_running_broker(broker_factory):
 
 def test_dataclass_fields_have_defaults():
     BrokerConfig()  # every field has a working default
+
+
+def test_advertised_listener_reaches_metadata_and_find_coordinator(broker_factory):
+    from broker_wire import Wire
+    b = broker_factory(["--advertised-listener", "kafka.example:19092", "--node-id", "7"])
+    w = Wire(b.host, b.port)
+    try:
+        md = w.call(3, 12, topics=None, allow_auto_topic_creation=False,
+                    include_topic_authorized_operations=False)
+        assert [(x.node_id, x.host, x.port) for x in md.brokers] == [(7, "kafka.example", 19092)]
+        assert md.controller_id == 7
+        fc = w.call(10, 3, correlation_id=2, key="g", key_type=0)
+        assert (fc.node_id, fc.host, fc.port) == (7, "kafka.example", 19092)
+    finally:
+        w.close()
