@@ -70,6 +70,24 @@ def test_pipelined_requests_are_answered_in_request_order(wire):
             assert resp.topics[0].error_code == 0
 
 
+def test_slow_long_poll_fetch_does_not_reorder_later_answers(wire):
+    from protocol import request_class
+    wire.call(METADATA, 12, correlation_id=500, topics=[md_topic("long-poll")],
+              allow_auto_topic_creation=True, include_topic_authorized_operations=False)
+    fc = request_class(1)
+    fetch = fc(version=12, replica_id=-1, max_wait_ms=500, min_bytes=1, max_bytes=1 << 20,
+               isolation_level=0, session_id=0, session_epoch=-1, rack_id="",
+               forgotten_topics_data=[],
+               topics=[fc.FetchTopic(topic="long-poll", partitions=[fc.FetchTopic.FetchPartition(
+                   partition=0, current_leader_epoch=-1, fetch_offset=0, last_fetched_epoch=-1,
+                   log_start_offset=-1, partition_max_bytes=1 << 20)])])
+    # the Fetch parks until max_wait_ms (nothing to read); the ApiVersions behind it is instant
+    wire.send(encode_request(1, 12, 501, fetch) + _api_versions_frame(502))
+    corr, resp = parse_response(1, 12, wire.recv_frame())
+    assert corr == 501 and resp.responses[0].partitions[0].error_code == 0
+    assert parse_response(API_VERSIONS, 0, wire.recv_frame())[0] == 502
+
+
 def test_frames_split_across_writes_byte_by_byte(wire):
     frame = _metadata_frame(42, None)
     for b in frame:
