@@ -255,9 +255,7 @@ class DeltaWAL:
             pos = blk.start
         # the block is written in whole 4 KiB pages: its zero padding must not reach the page
         # holding the (unaligned) trim offset one lap later
-        if align_up(pos + size) - self._trim > ring:
-            if not blk.used and blk is self._current:
-                pass                                         # empty block, nothing to undo
+        if align_up(pos + size) - self._trim > ring:     # nothing modified yet: just refuse
             raise OverCapacityError(
                 f"WAL ring full: {pos + size - self._trim} bytes untrimmed > {ring}; "
                 "upload and trim first")

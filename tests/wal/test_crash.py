@@ -182,3 +182,27 @@ def test_crash_loop_long_file(tmp_path):
 @pytest.mark.slow
 def test_crash_loop_long_loop_device(loop_device):
     crash_loop(loop_device, 8 << 20, rounds=40, seed=5)
+
+
+def test_device_write_errors_fail_futures_and_stop_appends(loop_device):
+    """A device that starts refusing writes: no crash, no false acknowledgement."""
+    from storage.wal import WALClosedError, WALError
+    if shutil.which("blockdev") is None:
+        pytest.skip("blockdev is not installed: cannot make the loop device read-only")
+    w = DeltaWAL(WALConfig(path=loop_device, capacity=1 << 20))
+    list(w.open())
+    ok = w.append(b"before")
+    ok.future.result(10)
+    subprocess.run(["blockdev", "--setro", loop_device], check=True)
+    try:
+        r = w.append(b"after")
+        with pytest.raises(WALError):
+            r.future.result(30)
+        with pytest.raises(WALClosedError):
+            w.append(b"refused")
+    finally:
+        subprocess.run(["blockdev", "--setrw", loop_device], check=True)
+        w.close()
+    w = DeltaWAL(WALConfig(path=loop_device, capacity=1 << 20))
+    assert [b for _, b in w.open()] == [b"before"]
+    w.close()
