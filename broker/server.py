@@ -139,14 +139,17 @@ class Connection(asyncio.BufferedProtocol):
                 return
             if avail < 4 + size:
                 need = 4 + size
-                if len(buf) - self._start < need:  # make room for the whole frame
+                if len(buf) - self._start < need:
+                    # Grow step by step (doubling) instead of trusting the declared size at
+                    # once, so idle clients announcing huge frames cannot pin much memory.
                     pending = bytes(buf[self._start:self._end])
-                    new = bytearray(max(need, INITIAL_BUFFER))
+                    new = bytearray(min(need, max(2 * len(buf), INITIAL_BUFFER)))
                     new[:len(pending)] = pending
                     self._buf = buf = new
                     self._start, self._end = 0, len(pending)
                 break
-            frame = bytes(buf[self._start + 4:self._start + 4 + size])
+            with memoryview(buf) as view:  # one copy; the read buffer is reused
+                frame = bytes(view[self._start + 4:self._start + 4 + size])
             self._start += 4 + size
             self._dispatch(frame)
         if self._start == self._end:
