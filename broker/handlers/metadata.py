@@ -34,6 +34,9 @@ async def resolve_topic(ctx: RequestContext, name: str, allow_create: bool
             topic = await broker.auto_create_topic(name)
         except TopicError as exc:
             return None, exc.code
+        except Exception:  # noqa: BLE001 - e.g. storage trouble: the client retries
+            log.exception("auto-creating topic=%s failed", name)
+            return None, ErrorCode.LEADER_NOT_AVAILABLE
         if topic is not None:
             return topic, ErrorCode.NONE
     return None, ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
