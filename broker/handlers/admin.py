@@ -6,6 +6,7 @@ import uuid
 from typing import Any
 
 from protocol import ErrorCode, response_class
+from storage.stream import StorageError
 
 from ..topics import (BOOLEAN, INT, LIST, LONG, SOURCE_DEFAULT, SOURCE_STATIC_BROKER,
                       SOURCE_TOPIC, STRING, TOPIC_CONFIGS, Topic, TopicError, validate_config)
@@ -23,6 +24,9 @@ ZERO_UUID = uuid.UUID(int=0)
 def _err(exc: Exception) -> tuple[int, str]:
     if isinstance(exc, TopicError):
         return exc.code, exc.message
+    if isinstance(exc, StorageError):
+        log.warning("admin operation hit a storage error: %s", exc)
+        return ErrorCode.KAFKA_STORAGE_ERROR, str(exc)
     log.exception("admin operation failed", exc_info=exc)
     return ErrorCode.UNKNOWN_SERVER_ERROR, str(exc) or type(exc).__name__
 
