@@ -14,9 +14,10 @@ if str(SPARK_DIR) not in sys.path:
     sys.path.insert(0, str(SPARK_DIR))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """A local[2] SparkSession for one test module (JVM start-up is the expensive part)."""
+    """One local[2] SparkSession for the Spark tests (JVM start-up is the expensive part);
+    stopped when tests/spark is done so it holds no memory during other areas' tests."""
     pyspark = pytest.importorskip("pyspark")
     from pyspark.sql import SparkSession
 
