@@ -5,7 +5,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from e2e_helpers import CLIENT_BROKER_ARGS, JavaCli, compile_java, unique
+from clients.e2e_helpers import CLIENT_BROKER_ARGS, JavaCli, compile_java, unique
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from aiokafka.admin.records_to_delete import RecordsToDelete
 from aiokafka.errors import TopicAlreadyExistsError
 from aiokafka.structs import OffsetAndMetadata
 
-from e2e_helpers import ACKS, CODECS, pending_values, produce_values, run_group_of_three, unique
+from clients.e2e_helpers import ACKS, CODECS, pending_values, produce_values, run_group_of_three, unique
 
 pytestmark = pytest.mark.e2e
 N = 20

@@ -9,7 +9,7 @@ from confluent_kafka import (OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcept
 from confluent_kafka.admin import (AdminClient, ConfigResource, NewPartitions, NewTopic,
                                    OffsetSpec, ResourceType)
 
-from e2e_helpers import ACKS, CODECS, pending_values, produce_values, run_group_of_three, unique
+from clients.e2e_helpers import ACKS, CODECS, pending_values, produce_values, run_group_of_three, unique
 
 pytestmark = pytest.mark.e2e
 N = 20

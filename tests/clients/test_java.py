@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_helpers import ACKS, CODECS, create_topic, pending_values, produce_values, unique
+from clients.e2e_helpers import ACKS, CODECS, create_topic, pending_values, produce_values, unique
 
 pytestmark = [pytest.mark.e2e, pytest.mark.parametrize("version", ["3.9", "4.3"])]
 N = 20

@@ -10,7 +10,7 @@ from kafka.admin import (ConfigResource, ConfigResourceType, KafkaAdminClient, N
 from kafka.errors import TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
-from e2e_helpers import ACKS, CODECS, pending_values, produce_values, run_group_of_three, unique
+from clients.e2e_helpers import ACKS, CODECS, pending_values, produce_values, run_group_of_three, unique
 
 pytestmark = pytest.mark.e2e
 N = 20

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from e2e_helpers import ACKS, CODECS, create_topic, pending_values, produce_values, run_group_of_three, unique
+from clients.e2e_helpers import ACKS, CODECS, create_topic, pending_values, produce_values, run_group_of_three, unique
 
 KCAT = shutil.which("kcat") or shutil.which("kafkacat")
 pytestmark = [pytest.mark.e2e,

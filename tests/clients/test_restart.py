@@ -19,7 +19,7 @@ from kafka.protocol.producer import ProduceRequest, ProduceResponse
 from kafka.record import MemoryRecordsBuilder
 from kafka.structs import OffsetAndMetadata
 
-from e2e_helpers import CLIENT_BROKER_ARGS
+from clients.e2e_helpers import CLIENT_BROKER_ARGS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.parametrize("hard", [False, True],
                                                        ids=["sigterm", "kill9"])]
