@@ -14,7 +14,8 @@ class WALConfig:
     capacity: int = 2 << 30                 # bytes of the device used, incl. two 4 KiB header slots
     block_soft_limit: int = 256 << 10       # a block is sealed once it holds this many bytes
     flush_interval_s: float = 1 / 3000      # minimum gap between sealed blocks (IOPS budget)
-    io_threads: int = 4                     # blocks written concurrently
+    io_threads: int = 4                     # writes in flight (queue depth)
+    max_write_bytes: int = 1 << 20          # consecutive sealed blocks merged into one pwritev
     bandwidth_limit: int | None = None      # bytes/s written to the device, None = unlimited
     window_initial: int = 1 << 20           # in-flight span recorded in the header at start
     window_max: int = 512 << 20             # cap of the in-flight span; appends wait beyond it

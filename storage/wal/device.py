@@ -139,6 +139,10 @@ class Device:
     # -- IO ------------------------------------------------------------------------------
     def write(self, buf, position: int) -> None:
         """Write the whole buffer at position (both aligned) and make it durable."""
+        self._write_all(buf, position)
+        self._barrier()
+
+    def _write_all(self, buf, position: int) -> None:
         view = memoryview(buf)
         done = 0
         total = len(view)
@@ -147,8 +151,27 @@ class Device:
             if n <= 0:
                 raise WALError(f"short write on {self.path} at {position + done}")
             done += n
+
+    def _barrier(self) -> None:
         if self.sync_mode == "fdatasync" or (not self.direct and self.sync_mode != "none"):
             os.fdatasync(self._fd)
+
+    def writev(self, bufs: list, position: int) -> None:
+        """Write consecutive aligned buffers with one pwritev, then the durability barrier."""
+        if len(bufs) == 1:
+            self.write(bufs[0], position)
+            return
+        total = sum(len(b) for b in bufs)
+        done = os.pwritev(self._fd, bufs, position)
+        if done < total:                      # rare short write: finish piece by piece
+            at = 0
+            for b in bufs:
+                end = at + len(b)
+                if end > done:
+                    start = max(done, at) - at
+                    self._write_all(memoryview(b)[start:], position + at + start)
+                at = end
+        self._barrier()
 
     def read_into(self, buf, position: int) -> int:
         """Fill an aligned buffer from position; returns bytes read."""
