@@ -6,7 +6,8 @@
 For each record size it prints appended MB/s, records/s, device writes/s (IOPS), p50/p99 append
 latency (append() call -> durable future) at full speed and at half of that speed, the raw
 O_DIRECT sequential write MB/s of the same device measured in the same run right before and
-after the WAL run (same write size, same sync mode, same queue depth as the WAL's IO threads),
+after the WAL run (the WAL's largest write size, same sync mode, same queue depth as the WAL's
+IO threads),
 and the ratio WAL/raw. The half-speed run paces appends at half the full-speed MB/s. A last
 table shows what each durability mode costs (256 KiB throughput, 4 KiB paced latency).
 """
@@ -144,7 +145,8 @@ def main() -> None:
             # small records are bounded by Python per-append cost: fewer bytes keep runs short
             total = args.bytes if size >= 16 << 10 else min(args.bytes, 128 << 20)
             total = min(total, args.capacity // 2) if size < 64 << 10 else total
-            wsize = max(cfg0.block_soft_limit, align_up(size + RECORD_HEADER_SIZE))
+            # the largest write the WAL issues (blocks are merged up to max_write_bytes)
+            wsize = max(cfg0.max_write_bytes, align_up(size + RECORD_HEADER_SIZE))
             # raw right before and right after the WAL run: the machines are noisy (+-30 %)
             raw1 = raw_write_mbps(path, args.capacity, args.sync, wsize, cfg0.io_threads, total)
             full = run_wal(WALConfig(**base), size, total, None)
