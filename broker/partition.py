@@ -298,6 +298,10 @@ class Partition:
             except Exception:  # noqa: BLE001 - logged by _snapshot_done
                 pass
 
+    def mark_changed(self) -> None:
+        """Producer state changed outside an append (expiry): the next snapshot saves it."""
+        self._dirty = True
+
     @property
     def closed(self) -> bool:
         """Closed partitions (topic deleted, broker stopping) take no appends and end long-polls."""

@@ -14,6 +14,7 @@ import json
 import logging
 import sqlite3
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ class ProducerEntry:
     epoch: int
     batches: deque[BatchMeta] = field(default_factory=lambda: deque(maxlen=WINDOW))
     last_timestamp: int = -1
+    last_seen_ms: int = 0  # broker wall clock of the last append (for producer id expiry)
 
     @property
     def last_seq(self) -> int:
@@ -127,6 +129,7 @@ class PartitionProducers:
                          base_offset + count - 1, timestamp)
         entry.batches.append(meta)
         entry.last_timestamp = max(entry.last_timestamp, timestamp)
+        entry.last_seen_ms = int(time.time() * 1000)
         return meta
 
     def forget(self, producer_id: int, meta: BatchMeta) -> None:
@@ -147,6 +150,14 @@ class PartitionProducers:
                     if e.batches and e.batches[-1].last_offset < log_start_offset]:
             del self.entries[pid]
 
+    def expire_idle(self, now_ms: int, max_idle_ms: int) -> int:
+        """Forget producers idle for longer than ``max_idle_ms`` (Kafka's
+        producer.id.expiration.ms); returns how many were dropped."""
+        idle = [pid for pid, e in self.entries.items() if now_ms - e.last_seen_ms > max_idle_ms]
+        for pid in idle:
+            del self.entries[pid]
+        return len(idle)
+
     # --- snapshots -------------------------------------------------------------------------
     def to_json(self, durable_end: int | None = None) -> str:
         """Serialise the windows; batches at or above ``durable_end`` (appends still in
@@ -156,14 +167,16 @@ class PartitionProducers:
             rows = [[b.first_seq, b.last_seq, b.base_offset, b.last_offset, b.timestamp]
                     for b in e.batches if durable_end is None or b.last_offset < durable_end]
             if rows:
-                out[str(pid)] = {"epoch": e.epoch, "ts": e.last_timestamp, "batches": rows}
+                out[str(pid)] = {"epoch": e.epoch, "ts": e.last_timestamp,
+                                 "seen": e.last_seen_ms, "batches": rows}
         return json.dumps(out)
 
     @classmethod
     def from_json(cls, text: str) -> "PartitionProducers":
         out = cls()
         for pid, e in json.loads(text).items():
-            entry = ProducerEntry(int(e["epoch"]), last_timestamp=int(e.get("ts", -1)))
+            entry = ProducerEntry(int(e["epoch"]), last_timestamp=int(e.get("ts", -1)),
+                                  last_seen_ms=int(e.get("seen", 0)))
             for fs, ls, bo, lo, ts in e["batches"]:
                 entry.batches.append(BatchMeta(fs, ls, bo, lo, ts))
             out.entries[int(pid)] = entry

@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RETENTION_MS = 7 * 24 * 3600 * 1000
 DEFAULT_CHECK_INTERVAL_S = 300.0  # Kafka's log.retention.check.interval.ms
+DEFAULT_PRODUCER_ID_EXPIRATION_MS = 86_400_000  # Kafka's producer.id.expiration.ms
 
 
 def _int(configs: dict[str, str], name: str, default: int) -> int:
@@ -82,6 +83,8 @@ class RetentionTask:
         ms = getattr(cfg, "retention_check_interval_ms", None)
         self.interval_s = interval_s if interval_s is not None else (
             float(ms) / 1000 if ms else DEFAULT_CHECK_INTERVAL_S)
+        exp = getattr(cfg, "producer_id_expiration_ms", None)
+        self.producer_id_expiration_ms = int(exp) if exp else DEFAULT_PRODUCER_ID_EXPIRATION_MS
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -94,7 +97,10 @@ class RetentionTask:
             await asyncio.sleep(self.interval_s)
             parts = broker_partitions(self.broker)
             await apply_retention(parts)
+            now = int(time.time() * 1000)
             for p in parts:
+                if p.producers.expire_idle(now, self.producer_id_expiration_ms):
+                    p.mark_changed()
                 p.snapshot()
 
     async def stop(self) -> None:

@@ -104,3 +104,30 @@ async def test_delete_records_style_trim_then_reopen(tmp_path):
                                   broker=fake_broker(tmp_path))
     assert p2.log_start_offset == 2
     assert await p2.offset_for_timestamp(0) == (2, NOW + 2)
+
+
+async def test_idle_producers_expire(tmp_path):
+    import time
+
+    p, *_ = await open_partition(tmp_path)
+    await p.append(make_batch([b"a"], producer_id=11, epoch=0, base_sequence=0))
+    await p.append(make_batch([b"b"], producer_id=12, epoch=0, base_sequence=0))
+    now = int(time.time() * 1000)
+    p.producers.entries[11].last_seen_ms = now - 2 * 86_400_000
+    assert p.producers.expire_idle(now, 86_400_000) == 1
+    assert set(p.producers.entries) == {12}
+    # an expired producer is unknown again: Kafka accepts its next sequence as is
+    r = await p.append(make_batch([b"c"], producer_id=11, epoch=0, base_sequence=7))
+    assert (r.error, r.base_offset) == (0, 2)
+
+
+async def test_background_task_expires_producers(tmp_path):
+    p, *_ = await open_partition(tmp_path)
+    await p.append(make_batch([b"a"], producer_id=21, epoch=0, base_sequence=0))
+    p.producers.entries[21].last_seen_ms = 0
+    cfg = types.SimpleNamespace(retention_check_interval_ms=1, producer_id_expiration_ms=1000)
+    broker = types.SimpleNamespace(config=cfg, topics={"t": types.SimpleNamespace(partitions=[p])})
+    task = RetentionTask(broker)
+    task.start()
+    assert await _until(lambda: not p.producers.entries)
+    await task.stop()
