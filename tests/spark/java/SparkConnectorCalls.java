@@ -16,6 +16,7 @@ import org.apache.kafka.clients.admin.ListOffsetsOptions;
 import org.apache.kafka.clients.admin.ListOffsetsResult.ListOffsetsResultInfo;
 import org.apache.kafka.clients.admin.NewTopic;
 import org.apache.kafka.clients.admin.OffsetSpec;
+import org.apache.kafka.clients.admin.RecordsToDelete;
 import org.apache.kafka.clients.admin.TopicDescription;
 import org.apache.kafka.clients.consumer.ConsumerRecord;
 import org.apache.kafka.clients.consumer.ConsumerRecords;
@@ -272,6 +273,32 @@ public final class SparkConnectorCalls {
                           "poll did not throw OffsetOutOfRangeException");
                 }
             }
+        }
+        // --- retention trimmed the log (DeleteRecords): Spark's data-loss detection relies on this ---
+        TopicPartition trimmed = tps.get(0);
+        try (Admin admin = Admin.create(driverParams(bootstrap, null))) {
+            admin.deleteRecords(Map.of(trimmed, RecordsToDelete.beforeOffset(5))).all().get();
+            long low = 5;
+            for (IsolationLevel level : IsolationLevel.values()) {
+                long earliest = listOffsets(admin, List.of(trimmed), OffsetSpec.earliest(), level).get(trimmed);
+                check("earliest after deleteRecords " + level, earliest == low, "got " + earliest);
+            }
+        }
+        try (KafkaConsumer<byte[], byte[]> c = new KafkaConsumer<>(executorParams(bootstrap, null))) {
+            c.assign(Collections.singleton(trimmed));
+            long[] range = availableRange(c, trimmed);
+            check("available range after deleteRecords", range[0] == 5 && range[1] == PER_PARTITION,
+                  Arrays.toString(range));
+            c.seek(trimmed, 2);
+            boolean threw = false;
+            try {
+                c.poll(Duration.ofMillis(POLL_MS));
+            } catch (OffsetOutOfRangeException e) {
+                threw = true;
+            }
+            check("fetch below log start with auto.offset.reset=none throws", threw, "no exception");
+            check("fetch from log start after deleteRecords", fetchRange(c, trimmed, 5, PER_PARTITION).size() == 15,
+                  "");
         }
         System.out.println("DONE");
     }
