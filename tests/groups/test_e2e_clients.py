@@ -46,6 +46,14 @@ def produce(bootstrap: str, topic: str, partitions: int, values: list[bytes]) ->
         producer.close()
 
 
+def subscribed(consumer, topic: str):
+    """Subscribe once the topic's metadata is loaded: kafka-python 3.0.12 loses a rebalance that a
+    metadata change triggers while poll() times out mid-join (the leader never finishes it)."""
+    wait_for(lambda: bool(consumer.partitions_for_topic(topic)), "topic metadata")
+    consumer.subscribe([topic])
+    return consumer
+
+
 class PyConsumer(threading.Thread):
     """A kafka-python KafkaConsumer in its own thread (poll drives its rebalances)."""
 
@@ -58,26 +66,31 @@ class PyConsumer(threading.Thread):
             enable_auto_commit=False, session_timeout_ms=6000, heartbeat_interval_ms=500,
             client_id=f"py-{uuid.uuid4().hex[:6]}",
         )
-        self.consumer.subscribe([topic])
+        subscribed(self.consumer, topic)
         self.seen, self.lock = seen, lock
         self.assigned: frozenset = frozenset()
         self.stop = threading.Event()
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        from kafka.errors import CommitFailedError, RebalanceInProgressError
+        from kafka.errors import KafkaError
 
         try:
             while not self.stop.is_set():
-                batches = self.consumer.poll(timeout_ms=200)
+                try:
+                    batches = self.consumer.poll(timeout_ms=1000)
+                except KafkaError as e:
+                    if not e.retriable:  # e.g. the broker restarting: retry like a real consumer
+                        raise
+                    continue
                 with self.lock:
                     for records in batches.values():
                         self.seen.update(r.value for r in records)
                 if self.consumer.assignment():  # also retries a commit a rebalance refused
                     try:
                         self.consumer.commit()
-                    except (CommitFailedError, RebalanceInProgressError):
-                        pass  # a rebalance started: as in any real consumer, the next poll rejoins
+                    except KafkaError:
+                        pass  # rebalance or lost connection: as in any real consumer, the next poll recovers
                 self.assigned = frozenset(self.consumer.assignment())
         except BaseException as e:  # surfaced by the test
             self.error = e
@@ -134,6 +147,7 @@ def test_kafka_python_group_of_three_rebalances_when_one_leaves(broker):
 @pytest.mark.parametrize("how", ["sigterm", "kill9"])
 def test_committed_offsets_survive_restart(broker, how):
     from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+    from kafka.errors import CommitFailedError, RebalanceInProgressError
     from kafka.structs import OffsetAndMetadata
 
     topic, parts = "restart-topic", 3
@@ -145,18 +159,27 @@ def test_committed_offsets_survive_restart(broker, how):
     simple.commit({TopicPartition(topic, p): OffsetAndMetadata(p + 4, f"meta{p}", -1) for p in range(parts)})
     simple.close()
     # A subscribed consumer reads half, commits, and goes away.
-    sub = KafkaConsumer(topic, bootstrap_servers=broker.bootstrap, group_id="sub-grp", enable_auto_commit=False,
-                        auto_offset_reset="earliest", session_timeout_ms=6000, max_poll_records=5)
+    sub = subscribed(KafkaConsumer(bootstrap_servers=broker.bootstrap, group_id="sub-grp", enable_auto_commit=False,
+                                   auto_offset_reset="earliest", session_timeout_ms=6000, max_poll_records=5), topic)
     got: list[bytes] = []
 
     def poll_into(consumer, out: list[bytes], enough: int) -> Callable[[], bool]:
         def step() -> bool:
-            out.extend(r.value for rs in consumer.poll(timeout_ms=200).values() for r in rs)
+            out.extend(r.value for rs in consumer.poll(timeout_ms=1000).values() for r in rs)
             return len(out) >= enough
         return step
 
     wait_for(poll_into(sub, got, 5), "first records")
-    sub.commit()
+
+    def commit() -> bool:
+        try:
+            sub.commit()
+            return True
+        except (CommitFailedError, RebalanceInProgressError):  # finish the rebalance, then retry
+            poll_into(sub, got, 0)()
+            return False
+
+    wait_for(commit, "a commit outside a rebalance")
     position = {TopicPartition(topic, p): sub.position(TopicPartition(topic, p)) for p in range(parts)}
     sub.close()
 
@@ -177,8 +200,9 @@ def test_committed_offsets_survive_restart(broker, how):
     finally:
         admin.close()
     # The group resumes where it committed: nothing before the committed offsets again.
-    resumed = KafkaConsumer(topic, bootstrap_servers=broker.bootstrap, group_id="sub-grp", enable_auto_commit=False,
-                            auto_offset_reset="earliest", session_timeout_ms=6000)
+    resumed = subscribed(KafkaConsumer(bootstrap_servers=broker.bootstrap, group_id="sub-grp",
+                                       enable_auto_commit=False, auto_offset_reset="earliest",
+                                       session_timeout_ms=6000), topic)
     rest: list[bytes] = []
     wait_for(poll_into(resumed, rest, 30 - len(got)), "the remaining records")
     resumed.close()
@@ -275,3 +299,110 @@ async def test_aiokafka_group_commits(broker):
     finally:
         for c in consumers:
             await c.stop()
+
+
+CHILD_CONSUMER = r"""
+import sys, time
+from kafka import KafkaConsumer
+c = KafkaConsumer(bootstrap_servers=sys.argv[1], group_id=sys.argv[3],
+                  session_timeout_ms=6000, heartbeat_interval_ms=500, enable_auto_commit=False)
+while not c.partitions_for_topic(sys.argv[2]):  # see subscribed()
+    time.sleep(0.05)
+c.subscribe([sys.argv[2]])
+while True:
+    c.poll(timeout_ms=200)
+    if c.assignment():
+        print("assigned", flush=True)
+"""
+
+
+def test_session_timeout_expires_a_killed_member(broker, tmp_path):
+    """A member that dies without LeaveGroup is removed when its session times out, and the
+    survivor takes over its partitions."""
+    import subprocess
+    import sys
+
+    topic, group = "expiry-topic", "expiry-grp"
+    create_topic(broker.bootstrap, topic, 4)
+    script = tmp_path / "child.py"
+    script.write_text(CHILD_CONSUMER)
+    child = subprocess.Popen([sys.executable, str(script), broker.bootstrap, topic, group],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "assigned"
+        seen: set[bytes] = set()
+        survivor = PyConsumer(broker.bootstrap, topic, group, seen, threading.Lock())
+        survivor.start()
+        try:
+            wait_for(lambda: len(survivor.assigned) == 2, "the partitions to be split between two members")
+            child.kill()
+            child.wait(30)
+            wait_for(lambda: len(survivor.assigned) == 4, "the survivor to take over after the session timeout")
+            assert survivor.error is None
+        finally:
+            survivor.stop.set()
+            survivor.join(30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
+
+
+def test_active_group_rides_through_broker_restart(broker):
+    """The Stable generation is restored after a restart: the running consumer keeps its member
+    id and generation, and keeps consuming and committing."""
+    from kafka import KafkaAdminClient
+
+    topic, group = "ride-topic", "ride-grp"
+    create_topic(broker.bootstrap, topic, 2)
+    produce(broker.bootstrap, topic, 2, [f"p{i}".encode() for i in range(10)])
+    seen: set[bytes] = set()
+    consumer = PyConsumer(broker.bootstrap, topic, group, seen, threading.Lock())
+    consumer.start()
+    try:
+        wait_for(lambda: len(seen) == 10, "records before the restart")
+
+        def describe() -> dict:
+            admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+            try:
+                return admin.describe_groups([group])[group]
+            finally:
+                admin.close()
+
+        wait_for(lambda: describe()["group_state"] == "Stable", "a stable group")
+        before = [m["member_id"] for m in describe()["members"]]
+        broker.stop()
+        broker.start()
+        produce(broker.bootstrap, topic, 2, [f"q{i}".encode() for i in range(10)])
+        wait_for(lambda: len(seen) == 20, "records after the restart")
+        after = describe()
+        assert after["group_state"] == "Stable"
+        assert [m["member_id"] for m in after["members"]] == before
+        assert consumer.error is None
+    finally:
+        consumer.stop.set()
+        consumer.join(30)
+
+
+def test_admin_list_delete_groups_and_offsets(broker):
+    from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+    from kafka.structs import OffsetAndMetadata
+
+    topic = "adm-topic"
+    create_topic(broker.bootstrap, topic, 2)
+    for group in ("adm-a", "adm-b"):
+        c = KafkaConsumer(bootstrap_servers=broker.bootstrap, group_id=group, enable_auto_commit=False)
+        c.commit({TopicPartition(topic, p): OffsetAndMetadata(3, "", -1) for p in range(2)})
+        c.close()
+    admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    try:
+        listed = {g[0] if isinstance(g, tuple) else g["group_id"] for g in admin.list_groups()}
+        assert {"adm-a", "adm-b"} <= listed
+        admin.delete_group_offsets("adm-a", [TopicPartition(topic, 0)])
+        assert {tp.partition for tp in admin.list_group_offsets({"adm-a": None})["adm-a"]} == {1}
+        admin.delete_groups(["adm-b"])
+        assert admin.list_group_offsets({"adm-b": None})["adm-b"] == {}
+        listed = {g[0] if isinstance(g, tuple) else g["group_id"] for g in admin.list_groups()}
+        assert "adm-b" not in listed and "adm-a" in listed
+    finally:
+        admin.close()
