@@ -81,7 +81,7 @@ class DeltaWAL:
         self._bw_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self.direct_io = True
-        self.stats = {"block_writes": 0, "bytes_written": 0, "header_writes": 0}
+        self.stats = {"writes": 0, "block_writes": 0, "bytes_written": 0, "header_writes": 0}
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -416,6 +416,7 @@ class DeltaWAL:
         """Mark a written group durable and pop, per stream, every record whose predecessors
         are all durable; one lock acquisition per group."""
         with self._cond:
+            self.stats["writes"] += 1
             done = self._completed
             streams: set[int] = set()
             for blk in group:
