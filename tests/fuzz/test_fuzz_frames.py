@@ -222,9 +222,20 @@ def _check_corrupt_produce_refused(host: str, port: int, rng: random.Random, leg
     assert part.error_code == protocol.ErrorCode.CORRUPT_MESSAGE, part
 
 
-def test_fuzzed_frames_never_kill_the_broker(broker_factory) -> None:
-    from conftest import api_versions_roundtrip
+def api_versions_roundtrip(host: str, port: int, timeout: float = 10) -> bool:
+    """The broker still answers ApiVersions v0 with no error on a fresh connection."""
+    frame = struct.pack(">hhih", 18, 0, 4321, 4) + b"live"
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.sendall(_frame(frame))
+            (size,) = struct.unpack(">i", _recv_exact(s, 4))
+            corr, resp = protocol.parse_response(18, 0, _recv_exact(s, size))
+    except (OSError, protocol.ProtocolError):
+        return False
+    return corr == 4321 and resp.error_code == 0
 
+
+def test_fuzzed_frames_never_kill_the_broker(broker_factory) -> None:
     broker = broker_factory(["--wal-capacity", str(64 << 20)])  # default 2 GiB is preallocated
     rng = random.Random(SEED)
     good = GoodClient(broker.bootstrap)
