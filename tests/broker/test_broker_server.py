@@ -88,6 +88,36 @@ def test_slow_long_poll_fetch_does_not_reorder_later_answers(wire):
     assert parse_response(API_VERSIONS, 0, wire.recv_frame())[0] == 502
 
 
+def _fetch_frame(corr: int, topic: str, max_wait_ms: int) -> bytes:
+    from protocol import request_class
+    fc = request_class(1)
+    fetch = fc(version=12, replica_id=-1, max_wait_ms=max_wait_ms, min_bytes=1,
+               max_bytes=1 << 20, isolation_level=0, session_id=0, session_epoch=-1, rack_id="",
+               forgotten_topics_data=[],
+               topics=[fc.FetchTopic(topic=topic, partitions=[fc.FetchTopic.FetchPartition(
+                   partition=0, current_leader_epoch=-1, fetch_offset=0, last_fetched_epoch=-1,
+                   log_start_offset=-1, partition_max_bytes=1 << 20)])])
+    return encode_request(1, 12, corr, fetch)
+
+
+def test_sigterm_releases_a_parked_fetch_and_answers_it(broker_factory):
+    import time
+    b = broker_factory(["--log-level", "DEBUG"])
+    w = Wire(b.host, b.port, timeout=60)
+    try:
+        w.call(METADATA, 12, correlation_id=1, topics=[md_topic("parked")],
+               allow_auto_topic_creation=True, include_topic_authorized_operations=False)
+        w.send(_fetch_frame(2, "parked", max_wait_ms=600_000))  # would park for 10 minutes
+        deadline = time.monotonic() + 30  # wait until the broker has read the Fetch
+        while "api=Fetch" not in b.log_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        b.stop()  # SIGTERM: closing the partitions wakes the Fetch; exit code 0 asserted
+        corr, resp = parse_response(1, 12, w.recv_frame())
+        assert corr == 2 and resp.responses[0].partitions[0].records in (None, b"")
+    finally:
+        w.close()
+
+
 def test_frames_split_across_writes_byte_by_byte(wire):
     frame = _metadata_frame(42, None)
     for b in frame:
