@@ -64,17 +64,33 @@ class JavaCli:
     version: str
     classpath: str
 
-    def __call__(self, command: str, timeout: float = 120, **opts: object) -> dict:
+    def args(self, command: str, **opts: object) -> list[str]:
         args = ["java", "-Xshare:auto", "-XX:TieredStopAtLevel=1", "-cp", self.classpath,
                 "KafkaCli", command]
         for k, v in opts.items():
             args += ["--" + k.replace("_", "-"), str(v)]
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            raise AssertionError(f"java {self.version} {command} failed ({proc.returncode}):\n"
-                                 f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        return args
+
+    def __call__(self, command: str, timeout: float = 120, **opts: object) -> dict:
+        """Run one command to completion and return its JSON result."""
+        proc = subprocess.run(self.args(command, **opts), capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+        return self._result(command, proc.returncode, proc.stdout, proc.stderr)
+
+    def start(self, command: str, **opts: object) -> subprocess.Popen:
+        """Start a command in the background; pass the Popen to finish()."""
+        return subprocess.Popen(self.args(command, **opts), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+
+    def finish(self, proc: subprocess.Popen, timeout: float = 120) -> dict:
+        out, err = proc.communicate(timeout=timeout)
+        return self._result(str(proc.args[6:7]), proc.returncode, out, err)
+
+    def _result(self, command: str, code: int, out: str, err: str) -> dict:
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if code != 0 or not lines:
+            raise AssertionError(f"java {self.version} {command} failed ({code}):\n"
+                                 f"{out[-3000:]}\n{err[-5000:]}")
         return json.loads(lines[-1])
 
 

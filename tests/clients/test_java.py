@@ -4,6 +4,8 @@ Each call starts one JVM running tests/java/KafkaCli.java, which prints a JSON r
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from clients.e2e_helpers import ACKS, CODECS, create_topic, pending_values, produce_values, unique
@@ -79,3 +81,45 @@ def test_group_of_three_rebalances_then_resumes_after_restart(cbroker, java_cli,
                  count=len(expected), timeout_ms=30000)
     assert sorted(rec["v"] for rec in again["records"]) == expected
     assert sum(again["committed"].values()) == 72
+
+
+@pytest.mark.parametrize("hard", [False, True], ids=["sigterm", "kill9"])
+def test_idempotent_producer_through_broker_restart(broker_factory, java_cli, version, hard):
+    """A Java idempotent producer keeps sending while the broker restarts: its retried
+    in-flight batches are deduplicated (no duplicates) and nothing acknowledged is lost."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    from clients.e2e_helpers import CLIENT_BROKER_ARGS
+    broker = broker_factory(CLIENT_BROKER_ARGS)
+    topic, count = "through-restart", 1500
+    create_topic(broker.bootstrap, topic, 1)
+    proc = java_cli[version].start("produce", bootstrap=broker.bootstrap, topic=topic,
+                                   count=count, acks="all", partition=0, pace_ms=20,
+                                   delivery_timeout_ms=120000)
+    tp = TopicPartition(topic, 0)
+    probe = KafkaConsumer(bootstrap_servers=broker.bootstrap)
+    try:
+        while probe.end_offsets([tp])[tp] < 300:        # the producer is well under way
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+    finally:
+        probe.close()
+    broker.restart(hard=hard)
+    res = java_cli[version].finish(proc)
+    assert res["errors"] == [] and res["acked"] == count
+    offsets = res["offsets"]["0"]
+    assert offsets == list(range(count))              # acked in order, no gaps, no repeats
+    c = KafkaConsumer(bootstrap_servers=broker.bootstrap, enable_auto_commit=False)
+    try:
+        c.assign([tp])
+        c.seek_to_beginning(tp)
+        values: list[str] = []
+        deadline = time.monotonic() + 30
+        while len(values) < count and time.monotonic() < deadline:
+            for recs in c.poll(timeout_ms=500).values():
+                values += [r.value.decode() for r in recs]
+        for recs in c.poll(timeout_ms=500).values():
+            values += [r.value.decode() for r in recs]
+    finally:
+        c.close()
+    assert values == [f"v-{i}" for i in range(count)]

@@ -67,7 +67,7 @@ public final class KafkaCli {
         // idempotence needs acks=all; the Java client refuses an explicit conflict
         p.put("enable.idempotence", Boolean.toString(acks.equals("all") || acks.equals("-1")));
         p.put("linger.ms", a.getOrDefault("linger-ms", "5"));
-        p.put("delivery.timeout.ms", "30000");
+        p.put("delivery.timeout.ms", a.getOrDefault("delivery-timeout-ms", "30000"));
         p.put("max.block.ms", "15000");
         p.put("key.serializer", StringSerializer.class.getName());
         p.put("value.serializer", StringSerializer.class.getName());
@@ -80,10 +80,12 @@ public final class KafkaCli {
         int count = Integer.parseInt(a.getOrDefault("count", "100"));
         String prefix = a.getOrDefault("prefix", "v");
         Integer partition = a.containsKey("partition") ? Integer.valueOf(a.get("partition")) : null;
+        long paceMs = Long.parseLong(a.getOrDefault("pace-ms", "0"));   // sleep per 10 records
         List<Future<RecordMetadata>> futures = new ArrayList<>();
         try (KafkaProducer<String, String> producer = new KafkaProducer<>(producerProps(a))) {
             for (int i = 0; i < count; i++) {
                 String v = prefix + "-" + i;
+                if (paceMs > 0 && i % 10 == 0) Thread.sleep(paceMs);
                 Future<RecordMetadata> f = producer.send(new ProducerRecord<>(topic, partition, "k" + i, v));
                 futures.add(f);
                 if (f.isDone()) {
