@@ -102,8 +102,8 @@ class GroupCoordinator:
         log.info("group coordinator started: %d groups, %d with committed offsets", len(self.groups), len(self.offsets))
 
     async def close(self) -> None:
-        """Stop timers, fail parked calls so clients retry elsewhere, close the store."""
-        self._closing = True
+        """Stop timers, fail parked calls so clients retry elsewhere, finish pending group
+        writes (an Empty group must not come back with its departed members), close the store."""
         for group in self.groups.values():
             self._cancel_rebalance_timer(group)
             for handle in group.pending_members.values():
@@ -114,6 +114,7 @@ class GroupCoordinator:
                 m.complete_sync(SyncResult(E.COORDINATOR_NOT_AVAILABLE))
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        self._closing = True
         if self._executor is not None:
             if self._store is not None:
                 await self._run(self._store.close)

@@ -247,3 +247,21 @@ def test_sqlite_url_forms():
     assert sqlite_path("/abs/meta.db") == "/abs/meta.db"
     with pytest.raises(ValueError):
         sqlite_path("postgresql://u@h/db")
+
+
+async def test_group_emptied_just_before_close_restarts_empty(tmp_path):
+    """The Empty state written in the background is flushed by close(): no ghost members."""
+    db = str(tmp_path / "meta.db")
+    c = GroupCoordinator(db, min_session_timeout_ms=10)
+    await c.start()
+    a = await join(c, session=60_000)
+    await c.sync_group("g", 1, a.member_id, None, None, None, {})
+    c.leave_group("g", [(a.member_id, None)])
+    await c.close()
+    c2 = GroupCoordinator(db, min_session_timeout_ms=10)
+    await c2.start()
+    try:
+        s = c2.describe_group("g")
+        assert s.state == "Empty" and s.members == []
+    finally:
+        await c2.close()
