@@ -301,6 +301,15 @@ class DeltaWAL:
 
     # -- IO threads ----------------------------------------------------------------------
     def _io_loop(self) -> None:
+        """Thread body: any unexpected error stops the WAL (fails waiters) instead of leaving
+        appenders waiting forever on a dead thread."""
+        try:
+            self._io_loop_inner()
+        except BaseException as e:           # noqa: BLE001 - must never die silently
+            log.exception("WAL IO thread failed")
+            self._fail(e)
+
+    def _io_loop_inner(self) -> None:
         """Each IO thread takes the next block (sealing the current one when the IOPS budget
         allows and nothing else is queued), writes it and completes it; no hand-off thread."""
         interval = self.config.flush_interval_s
@@ -449,7 +458,8 @@ class DeltaWAL:
         log.error("WAL IO failed permanently, refusing further appends: %s", err)
         exc = WALError(f"WAL write failed: {err}")
         with self._cond:
-            self._failed = err
+            if self._failed is None:
+                self._failed = err
             for q in self._queues.values():
                 self._completed.extend((off, waiter, exc) for _b, off, waiter in q)
             self._queues.clear()
