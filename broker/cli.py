@@ -33,6 +33,8 @@ _HELP = {
     "retention_check_interval_ms": "log.retention.check.interval.ms (default 300000)",
     "topic_defaults": "broker-wide topic config defaults, NAME=VALUE[,NAME=VALUE...] "
                       "(repeatable), e.g. retention.ms=3600000",
+    "producer_id_expiration_ms": "producer.id.expiration.ms: idle idempotent producers are "
+                                 "forgotten after this (default 86400000)",
     "group_min_session_timeout_ms": "group.min.session.timeout.ms (default 6000)",
     "group_max_session_timeout_ms": "group.max.session.timeout.ms (default 1800000)",
     "group_initial_rebalance_delay_ms": "group.initial.rebalance.delay.ms (default 0; Kafka: "

@@ -39,6 +39,7 @@ class BrokerConfig:
     max_inflight_requests: int = 256         # per connection; reading pauses above it
     shutdown_timeout_s: float = 30.0         # how long SIGTERM waits for in-flight requests
     retention_check_interval_ms: int = 300_000   # Kafka's log.retention.check.interval.ms
+    producer_id_expiration_ms: int = 86_400_000  # Kafka's producer.id.expiration.ms
     group_min_session_timeout_ms: int = 6000
     group_max_session_timeout_ms: int = 1_800_000
     group_initial_rebalance_delay_ms: int = 0

@@ -171,6 +171,7 @@ def broker_configs(broker: Any) -> list[tuple[str, str | None, int, int, bool, s
          "--max-request-bytes"),
         ("log.retention.check.interval.ms", str(cfg.retention_check_interval_ms), S, LONG, True,
          "--retention-check-interval-ms"),
+        ("producer.id.expiration.ms", str(cfg.producer_id_expiration_ms), S, INT, True, ""),
         ("group.min.session.timeout.ms", str(cfg.group_min_session_timeout_ms), S, INT, True, ""),
         ("group.max.session.timeout.ms", str(cfg.group_max_session_timeout_ms), S, INT, True, ""),
         ("group.initial.rebalance.delay.ms", str(cfg.group_initial_rebalance_delay_ms), S, INT,
