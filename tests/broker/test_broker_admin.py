@@ -257,3 +257,28 @@ def test_legacy_alter_configs_replaces_the_override_set(module_broker, cadmin):
     (cfg,) = _wait(cadmin.describe_configs([ConfigResource("topic", "legacy-alter")])).values()
     assert cfg["retention.bytes"].value == "4096"
     assert cfg["retention.ms"].value == "604800000" and cfg["retention.ms"].is_default
+
+
+def test_describe_configs_keys_synonyms_and_docs(module_broker, cadmin):
+    _wait(cadmin.create_topics([NewTopic("syn-topic", 1, 1, config={"retention.ms": "42"})]))
+    from protocol import request_class
+    rc = request_class(32)
+    w = Wire(module_broker.host, module_broker.port)
+    try:
+        res = rc.DescribeConfigsResource(resource_type=2, resource_name="syn-topic",
+                                         configuration_keys=["retention.ms", "cleanup.policy"])
+        resp = w.call(32, 4, resources=[res], include_synonyms=True, include_documentation=True)
+        (result,) = resp.results
+        by_name = {c.name: c for c in result.configs}
+        assert set(by_name) == {"retention.ms", "cleanup.policy"}
+        rm = by_name["retention.ms"]
+        assert (rm.value, rm.config_source, rm.config_type) == ("42", 1, 5)  # TOPIC, LONG
+        assert [(s.name, s.value, s.source) for s in rm.synonyms] == [
+            ("retention.ms", "42", 1), ("log.retention.ms", "604800000", 5)]
+        assert rm.documentation
+        unknown = rc.DescribeConfigsResource(resource_type=2, resource_name="no-such-topic",
+                                             configuration_keys=None)
+        resp = w.call(32, 1, correlation_id=2, resources=[unknown], include_synonyms=False)
+        assert resp.results[0].error_code == ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+    finally:
+        w.close()
