@@ -351,17 +351,12 @@ class Broker:
 
     def _open_store(self) -> Any:
         if self.config.storage == "engine":
-            try:
-                from storage.engine import open_engine  # noqa: PLC0415
-            except ImportError:
-                log.warning("storage engine not available; using in-memory storage "
-                            "(data will NOT survive a restart)")
-            else:
-                return open_engine(self.config.engine_config())
+            from storage.engine import open_engine  # noqa: PLC0415 - never fall back silently
+
+            return open_engine(self.config.engine_config())
         from storage.memory import MemoryStreamStore  # noqa: PLC0415
 
-        if self.config.storage == "memory":
-            log.warning("storage=memory: records are kept in RAM only and lost on restart")
+        log.warning("storage=memory: records are kept in RAM only and lost on restart")
         return MemoryStreamStore()
 
     async def _start_groups(self) -> Any:
