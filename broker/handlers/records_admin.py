@@ -1,7 +1,7 @@
 """DeleteRecords (21) and OffsetForLeaderEpoch (23).
 
 There is one node and the leader epoch is 0 forever, so OffsetForLeaderEpoch answers epoch 0
-with the high watermark as its end offset, and UNDEFINED (-1, -1) for any other epoch, as Kafka
+with the log end offset as its end offset (as Kafka does for the latest epoch), and UNDEFINED (-1, -1) for any other epoch, as Kafka
 does for epochs it has not seen.
 """
 from __future__ import annotations
@@ -78,7 +78,9 @@ async def handle_offset_for_leader_epoch(ctx: RequestContext, req: Any) -> Any:
             elif current is not None and 0 <= current < LEADER_EPOCH:
                 err, epoch, end = ErrorCode.FENCED_LEADER_EPOCH, UNDEFINED, UNDEFINED
             elif p.leader_epoch == LEADER_EPOCH:
-                err, epoch, end = ErrorCode.NONE, LEADER_EPOCH, partition.high_watermark
+                # like Kafka: the log end offset of the latest epoch (never below any
+                # consumer position, so clients cannot mistake it for a truncation)
+                err, epoch, end = ErrorCode.NONE, LEADER_EPOCH, partition.log_end_offset
             else:
                 err, epoch, end = ErrorCode.NONE, UNDEFINED, UNDEFINED
             parts.append(PartResp(error_code=int(err), partition=p.partition,

@@ -224,6 +224,9 @@ def test_producer_state_survives_restart(broker_factory, hard):
             assert c.produce(t, b).base_offset == i
     broker.restart(hard=hard)
     with WireClient(broker.host, broker.port) as c:
+        # the whole durable log is visible as soon as the broker answers
+        assert c.list_offsets(t, -1).offset == 3
+        assert c.fetch(t, 0).high_watermark == 3
         dup = c.produce(t, batches[2])
         assert (dup.error_code, dup.base_offset) == (E_NONE, 2)
         gap = c.produce(t, make_batch([b"x"], producer_id=pid, epoch=0, base_sequence=5))
