@@ -237,3 +237,17 @@ def test_padding_never_overwrites_a_live_record_at_an_unaligned_trim(make_wal):
     _, recs = make_wal(capacity=64 << 10)
     assert [o for o, _ in recs] == [r.offset for r in appended]
     assert recs[0][1] == b"K" * 500
+
+
+def test_record_of_128_mib_round_trips(make_wal):
+    import hashlib
+    big = os.urandom(1 << 20) * 128                      # 128 MiB, the default maximum
+    w, _ = make_wal(capacity=160 << 20)
+    rs = [w.append(b"small-before"), w.append(big, stream_id=1), w.append(b"small-after")]
+    for r in rs:
+        r.future.result(60)
+    w.close()
+    _, recs = make_wal(capacity=160 << 20)
+    assert [o for o, _ in recs] == [r.offset for r in rs]
+    assert recs[0][1] == b"small-before" and recs[2][1] == b"small-after"
+    assert hashlib.sha256(recs[1][1]).digest() == hashlib.sha256(big).digest()
