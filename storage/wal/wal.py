@@ -1,10 +1,10 @@
 """DeltaWAL: append records, write them in aligned blocks from IO threads, recover after a crash.
 
 Threads: appenders (usually the asyncio loop) copy a record into the current block under one
-lock and return at once; a dispatcher thread seals blocks (by size, or by time within the IOPS
-budget) and hands them to the IO pool while the sliding window allows; IO threads pwrite and
-complete futures in order per stream. Nothing here blocks the event loop except a header write
-on trim (one 4 KiB write).
+lock and return at once. IO threads take sealed blocks themselves (merging physically
+consecutive ones into one pwritev), seal the current block by time within the IOPS budget when
+nothing else is queued, respect the sliding window, write, and complete futures in order per
+stream. Nothing here blocks the event loop except a header write on trim (one 4 KiB write).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from .config import WALConfig
 from .device import Device, aligned_buffer
 from .errors import (CapacityMismatchError, FencedError, OverCapacityError,
                      RecordTooLargeError, WALClosedError, WALError)
-from .format import (ALIGN, HEADER_AREA, HEADER_SLOT_SIZE, RECORD_HEADER_SIZE,
+from .format import (HEADER_AREA, HEADER_SLOT_SIZE, RECORD_HEADER_SIZE,
                      SHUTDOWN_CLEAN, SHUTDOWN_UNCLEAN, WALHeader, align_up, body_crc,
                      newest_header, pack_record_header)
 from .recovery import scan

@@ -6,7 +6,6 @@ import os
 import pytest
 
 from storage.wal import DeltaWAL, FencedError, WALConfig
-from storage.wal.format import RECORD_HEADER_SIZE
 
 from .craft import Image
 
