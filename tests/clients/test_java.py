@@ -59,16 +59,18 @@ def test_admin_operations(cbroker, java_cli, topic_name, version):
     assert r["listed_after_delete"] is False
 
 
+@pytest.mark.parametrize("assignor", ["range", "cooperative-sticky"])
 def test_group_of_three_rebalances_then_resumes_after_restart(cbroker, java_cli, topic_name,
-                                                              version):
-    """3 subscribers split 6 partitions; one leaves, two take over; committed offsets survive
-    a broker restart and the group resumes exactly after them."""
+                                                              version, assignor):
+    """3 subscribers split 6 partitions (eager or incremental cooperative rebalancing); one
+    leaves, two take over; committed offsets survive a broker restart and the group resumes
+    exactly after them."""
     java = java_cli[version]
     group = unique("g")
     create_topic(cbroker.bootstrap, topic_name, 6)
     produce_values(cbroker.bootstrap, topic_name, [f"a-{i}" for i in range(60)])
     r = java("group-rebalance", bootstrap=cbroker.bootstrap, topic=topic_name, group=group,
-             partitions=6, count=60, timeout_ms=90000)
+             partitions=6, count=60, timeout_ms=90000, assignor=assignor)
     assert len(r["phase1"]) == 3 and all(r["phase1"])
     assert sorted(p for m in r["phase2"] for p in m) == list(range(6))
     assert r["distinct"] == 60
@@ -78,7 +80,7 @@ def test_group_of_three_rebalances_then_resumes_after_restart(cbroker, java_cli,
     produce_values(cbroker.bootstrap, topic_name, [f"b-{i}" for i in range(12)])
     expected = sorted(pending + [f"b-{i}" for i in range(12)])
     again = java("consume-group", bootstrap=cbroker.bootstrap, topic=topic_name, group=group,
-                 count=len(expected), timeout_ms=30000)
+                 count=len(expected), timeout_ms=30000, assignor=assignor)
     assert sorted(rec["v"] for rec in again["records"]) == expected
     assert sum(again["committed"].values()) == 72
 

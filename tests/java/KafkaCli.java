@@ -142,6 +142,12 @@ public final class KafkaCli {
         p.put("heartbeat.interval.ms", "300");
         p.put("max.poll.interval.ms", "60000");
         p.put("fetch.max.wait.ms", "200");
+        if (a.containsKey("assignor")) {
+            String cls = a.get("assignor").equals("cooperative-sticky")
+                    ? "org.apache.kafka.clients.consumer.CooperativeStickyAssignor"
+                    : "org.apache.kafka.clients.consumer.RangeAssignor";
+            p.put("partition.assignment.strategy", cls);
+        }
         p.put("key.deserializer", StringDeserializer.class.getName());
         p.put("value.deserializer", StringDeserializer.class.getName());
         return p;
