@@ -186,6 +186,8 @@ class DeltaWAL:
         """Buffer one record; the future completes (with the offset) once it and every earlier
         record of stream_id are durable. In a plain thread it blocks while max_buffered_bytes
         are not yet durable; on an event loop thread it never blocks."""
+        if type(body) is not bytes:
+            body = _as_bytes_view(body)
         fut: cf.Future = cf.Future()
         size = RECORD_HEADER_SIZE + len(body)
         deadline = None
@@ -207,6 +209,8 @@ class DeltaWAL:
     async def append_async(self, body: bytes | memoryview, stream_id: int = 0) -> int:
         """append() for the event loop: waits for window room and durability without blocking."""
         loop = asyncio.get_running_loop()
+        if type(body) is not bytes:
+            body = _as_bytes_view(body)
         size = RECORD_HEADER_SIZE + len(body)
         crc = body_crc(body)
         while True:
@@ -558,6 +562,12 @@ class DeltaWAL:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _as_bytes_view(body) -> memoryview:
+    """A flat byte view, so len() counts bytes even for typed or multi-dimensional buffers."""
+    view = memoryview(body)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _set_many(items: list) -> None:

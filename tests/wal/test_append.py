@@ -251,3 +251,16 @@ def test_record_of_128_mib_round_trips(make_wal):
     assert [o for o, _ in recs] == [r.offset for r in rs]
     assert recs[0][1] == b"small-before" and recs[2][1] == b"small-after"
     assert hashlib.sha256(recs[1][1]).digest() == hashlib.sha256(big).digest()
+
+
+def test_any_buffer_is_stored_as_its_bytes(make_wal):
+    import array
+    w, _ = make_wal()
+    arr = array.array("i", range(1000))                  # len() 1000 items, 4000 bytes
+    rs = [w.append(arr), w.append(bytearray(b"ba")), w.append(memoryview(b"xyz")[1:])]
+    for r in rs:
+        r.future.result(10)
+    assert rs[0].next_offset - rs[0].offset == 24 + 4000
+    w.close()
+    _, recs = make_wal()
+    assert [b for _, b in recs] == [arr.tobytes(), b"ba", b"yz"]
