@@ -14,3 +14,20 @@ def test_s3_endpoint_restart_keeps_port(s3_endpoint):
     assert s3_endpoint.url == url
     s3.create_bucket(Bucket="harness2")
     assert "harness2" in [b["Name"] for b in s3.list_buckets()["Buckets"]]
+
+
+def test_broker_fixture_restarts_on_the_same_port(broker):
+    """stop() (SIGTERM, clean exit) and kill() both leave a broker that start() brings back
+    on the same address with the same data directory."""
+    from conftest import api_versions_roundtrip
+    address = broker.bootstrap
+    assert broker.running and api_versions_roundtrip(broker.host, broker.port)
+    broker.stop()
+    assert not broker.running and not api_versions_roundtrip(broker.host, broker.port)
+    broker.start()
+    assert broker.bootstrap == address and api_versions_roundtrip(broker.host, broker.port)
+    broker.kill()
+    assert not broker.running
+    broker.start()
+    assert broker.running and broker.data_dir.exists()
+    assert broker.log_text().count("===== start") == 3
