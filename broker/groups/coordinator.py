@@ -82,7 +82,7 @@ class GroupCoordinator:
         self.groups: dict[str, Group] = {}
         self.offsets: dict[str, dict[TopicPartition, CommittedOffset]] = {}
         self._closing = False
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Future[None]] = set()
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -153,19 +153,29 @@ class GroupCoordinator:
             [m.to_json() for m in group.members.values()],
         )
 
-    async def _persist(self, group: Group) -> None:
+    def _save_group(self, group: Group) -> asyncio.Future[None] | None:
+        """Snapshot the group now and queue the write now: the single store thread applies
+        snapshots in the order they were taken, so an older state never overwrites a newer one."""
         if self._store is None or self._executor is None or self._closing:
-            return
-        try:
-            await self._run(self._store.save_group, self._group_record(group))
-        except Exception:  # the group keeps working; only its restart state is stale
-            log.exception("could not persist group %s", group.group_id)
+            return None
+        fut = asyncio.get_running_loop().run_in_executor(
+            self._executor, self._store.save_group, self._group_record(group)
+        )
+        self._background.add(fut)
+        fut.add_done_callback(self._on_group_saved)
+        return fut
 
-    def _persist_soon(self, group: Group) -> None:
-        if self._executor is not None and not self._closing:
-            task = asyncio.get_running_loop().create_task(self._persist(group))
-            self._background.add(task)  # keep a reference until done (the loop holds weak ones)
-            task.add_done_callback(self._background.discard)
+    def _on_group_saved(self, fut: asyncio.Future[None]) -> None:
+        self._background.discard(fut)
+        if not fut.cancelled() and fut.exception() is not None:
+            # The group keeps working; only the state it would restart with is stale.
+            log.error("could not persist group state: %r", fut.exception())
+
+    async def _persist(self, group: Group) -> None:
+        """Persist and wait (SyncGroup answers only once the new generation is stored)."""
+        fut = self._save_group(group)
+        if fut is not None:
+            await asyncio.wait([fut])
 
     # ----------------------------------------------------------------- timers
     def _schedule_session(self, group: Group, member: Member) -> None:
@@ -244,7 +254,7 @@ class GroupCoordinator:
             group.state = S.EMPTY
             group.protocol_name = None
             group.leader_id = None
-            self._persist_soon(group)
+            self._save_group(group)
             return
         group.protocol_name = group.select_protocol()
         if group.leader_id not in group.members or not group.members[group.leader_id].awaiting_join:
