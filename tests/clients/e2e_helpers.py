@@ -1,9 +1,11 @@
 """Helpers for the end-to-end client tests: the Java CLI, topic set-up, group-of-three checks."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import threading
 import time
@@ -95,14 +97,25 @@ class JavaCli:
 
 
 def compile_java(version: str, classpath: str) -> str:
-    out = JAVA_CACHE / f"classes-{version}"
-    stamp = out / ".src-mtime"
-    mtime = str(JAVA_SRC.stat().st_mtime_ns)
-    if not (stamp.exists() and stamp.read_text() == mtime):
-        out.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["javac", "-nowarn", "-d", str(out), "-cp", classpath, str(JAVA_SRC)],
-                       check=True, capture_output=True, timeout=300)
-        stamp.write_text(mtime)
+    """javac KafkaCli.java against one kafka-clients version, once per source content.
+
+    The output directory is named after the source hash and filled atomically (compile to a
+    temporary directory, then rename), so concurrent pytest runs never see half a build.
+    """
+    digest = hashlib.sha1(JAVA_SRC.read_bytes()).hexdigest()[:12]
+    out = JAVA_CACHE / f"classes-{version}-{digest}"
+    if not (out / "KafkaCli.class").exists():
+        tmp = JAVA_CACHE / f"classes-{version}-{digest}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        proc = subprocess.run(["javac", "-nowarn", "-d", str(tmp), "-cp", classpath,
+                               str(JAVA_SRC)], capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"javac failed for kafka-clients {version}:\n{proc.stderr}")
+        try:
+            os.rename(tmp, out)
+        except OSError:            # another run finished first: use its identical build
+            shutil.rmtree(tmp, ignore_errors=True)
     return str(out) + os.pathsep + classpath
 
 
