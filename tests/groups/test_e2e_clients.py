@@ -57,13 +57,14 @@ def subscribed(consumer, topic: str):
 class PyConsumer(threading.Thread):
     """A kafka-python KafkaConsumer in its own thread (poll drives its rebalances)."""
 
-    def __init__(self, bootstrap: str, topic: str, group: str, seen: set[bytes], lock: threading.Lock) -> None:
+    def __init__(self, bootstrap: str, topic: str, group: str, seen: set[bytes], lock: threading.Lock,
+                 session_timeout_ms: int = 10_000) -> None:
         super().__init__(daemon=True)
         from kafka import KafkaConsumer
 
         self.consumer = KafkaConsumer(
             bootstrap_servers=bootstrap, group_id=group, auto_offset_reset="earliest",
-            enable_auto_commit=False, session_timeout_ms=6000, heartbeat_interval_ms=500,
+            enable_auto_commit=False, session_timeout_ms=session_timeout_ms, heartbeat_interval_ms=500,
             client_id=f"py-{uuid.uuid4().hex[:6]}",
         )
         subscribed(self.consumer, topic)
@@ -357,7 +358,9 @@ def test_active_group_rides_through_broker_restart(broker):
     create_topic(broker.bootstrap, topic, 2)
     produce(broker.bootstrap, topic, 2, [f"p{i}".encode() for i in range(10)])
     seen: set[bytes] = set()
-    consumer = PyConsumer(broker.bootstrap, topic, group, seen, threading.Lock())
+    # The restored member expires if it does not heartbeat within its session timeout of the
+    # coordinator starting: give a loaded machine room for the restart and the reconnect.
+    consumer = PyConsumer(broker.bootstrap, topic, group, seen, threading.Lock(), session_timeout_ms=45_000)
     consumer.start()
     try:
         wait_for(lambda: len(seen) == 10, "records before the restart")
