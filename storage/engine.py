@@ -446,14 +446,21 @@ class Engine(StreamStore):
         if sso:
             groups.append(("sso", sso))
         new: list[tuple[NewObject, str, str]] = []
-        for kind, recs in groups:
-            oid, key = await self.io(self.meta.prepare_object, kind, c.node_id)
-            data, _index, ranges = await self.io(encode_object, recs, c.object_block_bytes)
-            await self.io(self.store.put, key, data)
-            new.append((NewObject(oid, len(data), ranges), key, kind))
-        crash_point("before_commit")
-        if new:
-            await self.io(self.meta.commit_objects, [n for n, _, _ in new], [])
+        prepared: list[tuple[int, str]] = []
+        try:
+            for kind, recs in groups:
+                oid, key = await self.io(self.meta.prepare_object, kind, c.node_id)
+                prepared.append((oid, key))
+                data, _index, ranges = await self.io(encode_object, recs, c.object_block_bytes)
+                await self.io(self.store.put, key, data)
+                new.append((NewObject(oid, len(data), ranges), key, kind))
+            crash_point("before_commit")
+            if new:
+                await self.io(self.meta.commit_objects, [n for n, _, _ in new], [])
+        except Exception:
+            # never committed: delete them later (or at the next start, from their rows)
+            self.maintenance.forget_later(prepared)
+            raise
         crash_point("after_commit")
         added = []
         for obj, key, kind in new:

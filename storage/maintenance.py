@@ -36,6 +36,10 @@ class Maintenance:
         self.compactions = 0
         self.deleted_objects = 0
 
+    def forget_later(self, objects: list[tuple[int, str]]) -> None:
+        """Objects of a failed upload: delete their keys and rows on the next cleanup pass."""
+        self._doomed.extend(objects)
+
     async def delete_leftovers(self) -> None:
         """Remove what a crash left: prepared (never committed) and destroyed objects."""
         e = self.engine
@@ -69,7 +73,11 @@ class Maintenance:
         e = self.engine
         if self._doomed:
             doomed, self._doomed = self._doomed, []
-            await e.io(e.store.delete, [k for _, k in doomed])
+            try:
+                await e.io(e.store.delete, [k for _, k in doomed])
+            except Exception:
+                self._doomed.extend(doomed)       # store still down: next pass
+                raise
             await e.io(e.meta.forget_objects, [oid for oid, _ in doomed])
             self.deleted_objects += len(doomed)
         dead = [(oid, rs[0].key) for oid, rs in e.reader.objects.items()
