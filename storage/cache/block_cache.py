@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from ..objects.format import Record, decode_block
+from ..objects.format import CorruptObjectError, Record, decode_block
 
 READAHEAD_INITIAL = 512 << 10
 READAHEAD_STEP = 512 << 10
@@ -41,25 +41,25 @@ class BlockCache:
         self.used = 0
         self.readahead_max = readahead_max
         self._fetch = fetch
-        self._lru: OrderedDict[BlockKey, tuple[list[Record], int]] = OrderedDict()
+        self._lru: OrderedDict[BlockKey, memoryview] = OrderedDict()
         self._inflight: dict[BlockKey, asyncio.Future] = {}
         self.hits = 0
         self.misses = 0
         self.bytes_fetched = 0
 
-    def _put(self, key: BlockKey, records: list[Record], size: int) -> None:
+    def _put(self, key: BlockKey, data: memoryview) -> None:
         if key in self._lru:
             return
-        self._lru[key] = (records, size)
-        self.used += size
+        self._lru[key] = data
+        self.used += len(data)
         while self.used > self.capacity and len(self._lru) > 1:
-            _, (_, s) = self._lru.popitem(last=False)
-            self.used -= s
+            _, old = self._lru.popitem(last=False)
+            self.used -= len(old)
 
     def invalidate_object(self, key: str) -> None:
         """Drop every cached block of an object (deleted by compaction/retention)."""
         for k in [k for k in self._lru if k[0] == key]:
-            self.used -= self._lru.pop(k)[1]
+            self.used -= len(self._lru.pop(k))
 
     def clear(self) -> None:
         self._lru.clear()
@@ -69,19 +69,20 @@ class BlockCache:
                   ) -> list[Record]:
         """Records of block ``blocks[i]`` ((position, size), sorted, distinct) of object ``key``.
 
-        Raises CorruptObjectError (bad bytes) or the fetch's error (store down)."""
+        Blocks are cached as raw bytes and decoded (checksum included) when asked for, so a
+        large readahead costs the event loop nothing until the reader gets there. Raises
+        CorruptObjectError (bad bytes) or the fetch's error (store down)."""
         bkey = (key, blocks[i][0])
         hit = self._lru.get(bkey)
+        if hit is None:
+            fut = self._inflight.get(bkey)
+            if fut is not None:
+                await asyncio.shield(fut)
+                hit = self._lru.get(bkey)
         if hit is not None:
             self._lru.move_to_end(bkey)
             self.hits += 1
-            return hit[0]
-        fut = self._inflight.get(bkey)
-        if fut is not None:
-            await asyncio.shield(fut)
-            hit = self._lru.get(bkey)
-            if hit is not None:
-                return hit[0]
+            return decode_block(hit)
         self.misses += 1
         # grow the readahead on sequential misses, reset it on a jump
         pos0 = blocks[i][0]
@@ -96,40 +97,25 @@ class BlockCache:
             total += blocks[j][1]
             j += 1
         wanted = blocks[i:j]
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut = asyncio.get_running_loop().create_future()
         for pos, _ in wanted:
             self._inflight[(key, pos)] = fut
         start = wanted[0][0]
         end = wanted[-1][0] + wanted[-1][1]
         try:
-            data = await self._fetch(key, start, end)
+            data = memoryview(await self._fetch(key, start, end))
             self.bytes_fetched += len(data)
-            result = None
-            err: Exception | None = None
+            if len(data) != end - start:
+                raise CorruptObjectError(f"object {key} is shorter than its index says")
             for pos, size in wanted:
-                try:
-                    if pos + size - start > len(data):
-                        from ..objects.format import CorruptObjectError
-                        raise CorruptObjectError("object shorter than its index says")
-                    recs = decode_block(memoryview(data)[pos - start:pos - start + size])
-                except Exception as e:      # a bad block only fails reads of that block
-                    if pos == blocks[i][0]:
-                        err = e
-                    continue
-                self._put((key, pos), recs, size)
-                if pos == blocks[i][0]:
-                    result = recs
+                self._put((key, pos), data[pos - start:pos - start + size])
             ra.key, ra.next_position = key, end
-            if err is not None:
-                raise err
-            assert result is not None
             fut.set_result(None)
-            return result
+            return decode_block(data[:blocks[i][1]])
         except BaseException as e:
             if not fut.done():
                 fut.set_exception(e)
-                fut.exception()      # mark retrieved: waiters re-check and refetch
+                fut.exception()      # mark retrieved
             raise
         finally:
             for pos, _ in wanted:
