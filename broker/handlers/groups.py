@@ -28,14 +28,12 @@ def _coordinator(ctx: RequestContext) -> GroupCoordinator:
 
 
 def _client_host(ctx: RequestContext) -> str:
-    """Kafka reports client hosts as "/<ip>"."""
-    conn = ctx.conn
-    for attr in ("peer", "peername", "remote_addr", "address", "addr"):
-        value = getattr(conn, attr, None)
-        if value:
-            host = value[0] if isinstance(value, (tuple, list)) else str(value).rsplit(":", 1)[0]
-            return f"/{host}"
-    return ""
+    """Kafka reports client hosts as "/<ip>"; the connection knows its peer as "ip:port"."""
+    peer = getattr(ctx.conn, "peer", None)
+    if not peer:
+        return ""
+    host = peer[0] if isinstance(peer, (tuple, list)) else str(peer).rsplit(":", 1)[0]
+    return f"/{host}"
 
 
 def _client_id(ctx: RequestContext) -> str:

@@ -44,7 +44,7 @@ async def call(broker: Any, api_key: int, version: int, **fields: Any) -> Any:
     req.with_header(correlation_id=11, client_id="wire-test")
     frame = req.encode(version=version, header=True)
     header, parsed = parse_request(frame)
-    ctx = RequestContext(broker=broker, header=header, conn=SimpleNamespace(peer=("10.1.2.3", 4242)))
+    ctx = RequestContext(broker=broker, header=header, conn=SimpleNamespace(peer="10.1.2.3:4242"))
     resp = await HANDLERS[key](ctx, parsed)
     out = encode_response(header, resp)
     decoded = response_class(key).decode(out, version=version, header=True, framed=True)
