@@ -13,7 +13,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Protocol
-from urllib.parse import urlparse
+
+from ..metastore import sqlite_path as metastore_sqlite_path
 
 
 @dataclass(frozen=True)
@@ -77,16 +78,9 @@ CREATE TABLE IF NOT EXISTS kafka_group_metadata (
 
 
 def sqlite_path(db_path_or_url: str) -> str:
-    """Accept a plain path, ``sqlite:///relative`` / ``sqlite:////absolute`` or ``:memory:``."""
-    if db_path_or_url.startswith("sqlite:"):
-        parsed = urlparse(db_path_or_url)
-        path = parsed.path
-        # sqlite:///./data/meta.db -> path "/./data/meta.db"; sqlite:////abs -> "//abs"
-        if path.startswith("//"):
-            return path[1:]
-        return path[1:] if path.startswith("/") else path
+    """A plain path, or a metadata URL as the broker's metastore reads it (``sqlite:///...``)."""
     if "://" in db_path_or_url:
-        raise ValueError(f"unsupported group store URL {db_path_or_url!r} (only sqlite for now)")
+        return metastore_sqlite_path(db_path_or_url)
     return db_path_or_url
 
 
