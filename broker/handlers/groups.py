@@ -12,6 +12,7 @@ from typing import Any, Iterable
 from protocol import ErrorCode as E, response_class
 
 from ..groups import GroupCoordinator
+from ..partition import find_topic, find_topic_by_id, get_partition
 from .registry import RequestContext, handler
 
 log = logging.getLogger(__name__)
@@ -167,17 +168,14 @@ async def leave_group(ctx: RequestContext, req: Any) -> Any:
 
 
 # ------------------------------------------------------------------------- OffsetCommit
-def _topic_names_by_id(ctx: RequestContext) -> dict[Any, str]:
-    return {getattr(t, "topic_id", None): name for name, t in _topics(ctx).items()}
+def _partition_exists(ctx: RequestContext, topic: str | None, partition: int) -> bool:
+    return get_partition(find_topic(ctx.broker, topic), partition) is not None
 
 
-def _topics(ctx: RequestContext) -> dict[str, Any]:
-    return getattr(ctx.broker, "topics", None) or {}
-
-
-def _partition_exists(topics: dict[str, Any], topic: str, partition: int) -> bool:
-    t = topics.get(topic)
-    return t is not None and 0 <= partition < len(t.partitions)
+def _name_of(ctx: RequestContext, topic_id: Any) -> str | None:
+    """v10 addresses topics by id."""
+    topic = find_topic_by_id(ctx.broker, topic_id)
+    return topic.name if topic is not None else None
 
 
 @handler(OFFSET_COMMIT)
@@ -188,17 +186,15 @@ async def offset_commit(ctx: RequestContext, req: Any) -> Any:
     tcls, pcls = cls.OffsetCommitResponseTopic, cls.OffsetCommitResponseTopic.OffsetCommitResponsePartition
     v = ctx.version
     coord = _coordinator(ctx)
-    topics = _topics(ctx)
-    by_id = _topic_names_by_id(ctx) if v >= 10 else {}
     errors: dict[tuple[int, int], int] = {}  # (topic index, partition index in request) -> error
     valid: list[tuple[str, int, int, int, str | None]] = []
     valid_keys: list[tuple[int, int]] = []
     for ti, t in enumerate(req.topics or []):
-        name = by_id.get(t.topic_id) if v >= 10 else t.name
+        name = _name_of(ctx, t.topic_id) if v >= 10 else t.name
         for pi, p in enumerate(t.partitions or []):
             if name is None:
                 errors[(ti, pi)] = E.UNKNOWN_TOPIC_ID
-            elif not _partition_exists(topics, name, p.partition_index):
+            elif not _partition_exists(ctx, name, p.partition_index):
                 errors[(ti, pi)] = E.UNKNOWN_TOPIC_OR_PARTITION
             elif not coord.validate_metadata(p.committed_metadata):
                 errors[(ti, pi)] = E.OFFSET_METADATA_TOO_LARGE
@@ -234,14 +230,12 @@ def _fetch_group(
 ) -> list[tuple[str, Any, list[tuple[int, int, int, str, int]]]]:
     """[(topic name, topic id, [(partition, offset, leader epoch, metadata, error)])]."""
     coord = _coordinator(ctx)
-    by_id = _topic_names_by_id(ctx) if use_ids else {}
-    topics = _topics(ctx)
     if req_topics is None:
         wanted = None
     else:
         wanted, order = [], []
         for t in req_topics:
-            name = by_id.get(t.topic_id, "") if use_ids else t.name
+            name = (_name_of(ctx, t.topic_id) or "") if use_ids else t.name
             order.append(name)
             wanted.extend((name, p) for p in (t.partition_indexes or []))
     rows = coord.fetch_offsets(group_id, wanted)
@@ -254,7 +248,7 @@ def _fetch_group(
     if wanted is not None:
         for name in order:  # topics asked for with no partitions still get an entry
             out.setdefault(name, [])
-    return [(name, getattr(topics.get(name), "topic_id", None), parts) for name, parts in out.items()]
+    return [(name, getattr(find_topic(ctx.broker, name), "topic_id", None), parts) for name, parts in out.items()]
 
 
 @handler(OFFSET_FETCH)
@@ -361,9 +355,8 @@ async def offset_delete(ctx: RequestContext, req: Any) -> Any:
     """Refused per partition (GROUP_SUBSCRIBED_TO_TOPIC) while members consume the topic."""
     cls = response_class(OFFSET_DELETE)
     tcls, pcls = cls.OffsetDeleteResponseTopic, cls.OffsetDeleteResponseTopic.OffsetDeleteResponsePartition
-    topics = _topics(ctx)
     wanted = [(t.name, p.partition_index) for t in (req.topics or []) for p in (t.partitions or [])]
-    known = [tp for tp in wanted if _partition_exists(topics, *tp)]
+    known = [tp for tp in wanted if _partition_exists(ctx, *tp)]
     top, per = await _coordinator(ctx).delete_offsets(req.group_id, known)
     return cls(
         error_code=top,

@@ -274,3 +274,17 @@ async def test_offset_commit_and_fetch_zookeeper_era_versions(env, v):
     T = request_class(9).OffsetFetchRequestTopic
     f = await call_unadvertised(env, 9, 0, group_id="old-grp", topics=[T(name="t1", partition_indexes=[0])])
     assert [(p.committed_offset, p.metadata) for t in f.topics for p in t.partitions] == [(33, "m33")]
+
+
+async def test_offset_commit_and_fetch_by_topic_id_v10(env):
+    """v10 (topic ids) is not advertised yet; the handlers already map ids to names."""
+    T = request_class(8).OffsetCommitRequestTopic
+    P = T.OffsetCommitRequestPartition
+    r = await call_unadvertised(env, 8, 10, group_id="ids", generation_id_or_member_epoch=-1, member_id="",
+                                topics=[T(topic_id=TOPIC_ID, partitions=[P(partition_index=1, committed_offset=8)]),
+                                        T(topic_id=uuid.uuid4(), partitions=[P(partition_index=0, committed_offset=1)])])
+    assert [p.error_code for t in r.topics for p in t.partitions] == [0, E.UNKNOWN_TOPIC_ID]
+    G = request_class(9).OffsetFetchRequestGroup
+    GT = G.OffsetFetchRequestTopics
+    f = await call_unadvertised(env, 9, 10, groups=[G(group_id="ids", topics=[GT(topic_id=TOPIC_ID, partition_indexes=[1])])])
+    assert [(t.topic_id, p.committed_offset) for t in f.groups[0].topics for p in t.partitions] == [(TOPIC_ID, 8)]
