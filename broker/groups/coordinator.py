@@ -567,6 +567,8 @@ class GroupCoordinator:
         if group is None:
             if generation_id >= 0:
                 return E.ILLEGAL_GENERATION
+            if not offsets:
+                return E.NONE
             # Simple (assign-based) consumers keep offsets in a group nobody joins.
             group = self.groups[group_id] = Group(group_id)
         error = self._validate_commit(group, generation_id, member_id, instance_id)
