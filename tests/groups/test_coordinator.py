@@ -265,3 +265,16 @@ async def test_group_emptied_just_before_close_restarts_empty(tmp_path):
         assert s.state == "Empty" and s.members == []
     finally:
         await c2.close()
+
+
+async def test_initial_rebalance_delay_gathers_first_members(tmp_path):
+    """group.initial.rebalance.delay.ms: members arriving during the delay share generation 1."""
+    c = GroupCoordinator(str(tmp_path / "m.db"), min_session_timeout_ms=10, initial_rebalance_delay_ms=300)
+    await c.start()
+    try:
+        a, b = await asyncio.gather(join(c), join(c, client="b"))
+        assert a.generation_id == b.generation_id == 1
+        leader = a if a.leader_id == a.member_id else b
+        assert len(leader.members) == 2
+    finally:
+        await c.close()
