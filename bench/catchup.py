@@ -224,12 +224,15 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=2000, help="tail produce rate, msgs/s")
     ap.add_argument("--size", type=int, default=1024, help="tail message size, bytes")
     ap.add_argument("--skip-s3", action="store_true")
+    ap.add_argument("--cold-read-mbps", type=int, default=64,
+                    help="engine cold_read_bytes_per_s (MiB/s) during the latency phases; 0 = off")
     args = ap.parse_args()
     engine = ["--wal-capacity", str(512 << 20), "--log-cache-bytes", str(64 << 20),
               "--upload-threshold-bytes", str(16 << 20), "--upload-interval-s", "5",
               "--block-cache-bytes", str(64 << 20)]
+    latency_engine = engine + ["--cold-read-bytes-per-s", str(args.cold_read_mbps << 20)]
     d = tempfile.mkdtemp(prefix="s3k-bench-")
-    b = Broker(os.path.join(d, "data"), engine)
+    b = Broker(os.path.join(d, "data"), latency_engine)
     b.start()
     try:
         create_topic(b.bootstrap, "backlog")
@@ -257,7 +260,9 @@ def main() -> None:
     print(f"ratio p99 with/without: produce {rows[1][3] / rows[0][3]:.2f}x, "
           f"tail e2e {rows[1][5] / rows[0][5]:.2f}x (goal <= 1.2x)")
     cn, cmbps = loaded["catchup"]
-    print(f"catch-up reader during the tail load: {cmbps:.1f} MB/s ({cn} records)")
+    print(f"catch-up reader during the tail load: {cmbps:.1f} MB/s ({cn} records; engine cold-read "
+          f"cap {args.cold_read_mbps} MiB/s)")
+    engine += ["--cold-read-bytes-per-s", "0"]       # raw catch-up speed, no throttle
     catchup_only(engine, args, "file://")
     if not args.skip_s3:
         import boto3

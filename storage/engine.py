@@ -62,6 +62,10 @@ class EngineConfig:
     wal_sync_mode: str = "dsync"
     wal_flush_interval_s: float = 1 / 3000
     io_threads: int = 8                      # threads for object store / metadata calls
+    cold_read_bytes_per_s: int = 64 << 20    # cap on bytes/s served from objects (catch-up
+                                             # readers), so they cannot starve the tail; 0 = off
+    cold_read_max_bytes: int = 1 << 20       # most bytes one read serves from objects (smaller
+                                             # responses keep the event loop responsive)
 
     def resolved(self) -> "EngineConfig":
         """A copy with the data-dir derived defaults filled in."""
@@ -165,15 +169,18 @@ class EngineStream(Stream):
                 break
             first = eng.cache.first_offset(self.stream_id)
             if first is None or offset < first:
-                got = await eng.reader.read(self.stream_id, offset, max_bytes - size, limit,
+                budget = min(max_bytes - size, eng.config.cold_read_max_bytes or max_bytes)
+                got = await eng.reader.read(self.stream_id, offset, budget, limit,
                                             first_required=not out)
                 if got:
                     out.extend(got)
-                    size += sum(len(b.payload) for b in got)
+                    n = sum(len(b.payload) for b in got)
+                    size += n
+                    await eng.throttle_cold_read(n)
                     offset = got[-1].next_offset
                     first = eng.cache.first_offset(self.stream_id)
                     if first is None or offset < first:
-                        break           # max_bytes reached (or the cache holds nothing newer)
+                        break           # budget reached (or the cache holds nothing newer)
             got = eng.cache.read(self.stream_id, offset, max_bytes - size, self._confirmed,
                                  first_required=not out)
             if got:
@@ -223,6 +230,21 @@ class Engine(StreamStore):
         self._uploading = False
         self.maintenance: Any = None
         self.upload_errors = 0
+        self._cold_debt = 0.0
+        self._cold_at = time.monotonic()
+
+    async def throttle_cold_read(self, nbytes: int) -> None:
+        """Token bucket over bytes read from objects: a catch-up reader that runs ahead of
+        ``cold_read_bytes_per_s`` waits here (its own fetch only), leaving the loop to the tail."""
+        rate = self.config.cold_read_bytes_per_s
+        if rate <= 0:
+            return
+        now = time.monotonic()
+        self._cold_debt = max(0.0, self._cold_debt - (now - self._cold_at) * rate) + nbytes
+        self._cold_at = now
+        wait = (self._cold_debt - rate * 0.05) / rate      # allow a 50 ms burst
+        if wait > 0:
+            await asyncio.sleep(wait)
 
     async def io(self, fn: Callable, *args: Any) -> Any:
         """Run a blocking call (object store, metadata, WAL trim) on the IO threads."""
