@@ -3,6 +3,7 @@ at the engine's crash points loses no acknowledged record."""
 from __future__ import annotations
 
 import os
+import sqlite3
 import time
 
 import pytest
@@ -10,6 +11,15 @@ import pytest
 from broker_helpers import ENGINE_ARGS, check_log, consume_all, create_topic, produce, s3_url
 
 pytestmark = pytest.mark.e2e
+
+
+def _prepared_keys(data_dir) -> list[str]:
+    db = sqlite3.connect(data_dir / "meta.db")
+    try:
+        return [r[0] for r in db.execute(
+            "SELECT object_key FROM s3_objects WHERE state='prepared'")]
+    finally:
+        db.close()
 
 
 def _values(n: int, tag: str = "v") -> list[bytes]:
@@ -54,8 +64,14 @@ def test_kill9_at_crash_points(point, broker_factory) -> None:
         n += 1
     assert not b.running, "the crash point was reached"
     assert b.proc.returncode == 137
+    orphans = _prepared_keys(b.data_dir)
+    if point != "after_commit":
+        assert orphans and all((b.data_dir / "objects" / k).exists() for k in orphans), \
+            "the crash left uploaded but uncommitted objects"
     b.env = None
     b.start()
+    assert not any((b.data_dir / "objects" / k).exists() for k in orphans), \
+        "uncommitted objects are deleted at start"
     recs = consume_all(b.bootstrap, "c", timeout=60)
     check_log(recs, acked)
     # and the restarted broker keeps going
