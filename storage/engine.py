@@ -262,7 +262,10 @@ class Engine(StreamStore):
         self.store = await self.io(open_object_store, c.object_store)
         self.reader = ObjectReader(self.store, self.io, c.block_cache_bytes, c.readahead_max_bytes)
         self.maintenance = Maintenance(self)
-        await self.maintenance.delete_leftovers()
+        try:
+            await self.maintenance.delete_leftovers()
+        except Exception as e:          # store unreachable: the rows stay, next start retries
+            log.warning("could not delete leftover objects yet: %s", e)
         for m in await self.io(self.meta.streams):
             self.streams[m.stream_id] = EngineStream(self, m)
             self.cache.set_stream_state(m.stream_id, m.end_offset, m.start_offset)
@@ -318,6 +321,9 @@ class Engine(StreamStore):
         self.closing = True
         self._room.set()
         # one last upload so the next start has little to replay (best effort)
+        if self._loop is None or self.wal is None:
+            self._executor.shutdown(wait=False)
+            return
         try:
             await asyncio.wait_for(self._drain_uploads(), timeout=10)
         except (asyncio.TimeoutError, Exception) as e:  # the WAL still has it
@@ -329,10 +335,13 @@ class Engine(StreamStore):
                 await t
             except (asyncio.CancelledError, Exception):
                 pass
-        if self.wal is not None:
-            await self.io(self.wal.close)
-        await self.io(self.meta.close)
-        await self.io(self.store.close)
+        for closer in (getattr(self.wal, "close", None), getattr(getattr(self, "meta", None), "close", None),
+                       getattr(getattr(self, "store", None), "close", None)):
+            if closer is not None:
+                try:
+                    await self.io(closer)
+                except Exception as e:      # keep closing the rest
+                    log.warning("close: %s", e)
         self._executor.shutdown(wait=True)
 
     async def _drain_uploads(self) -> None:
