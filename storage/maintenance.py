@@ -98,8 +98,16 @@ class Maintenance:
         """One compaction round; returns the number of objects replaced."""
         e = self.engine
         c = e.config
-        cands = sorted((oid, rs) for oid, rs in e.reader.objects.items()
-                       if rs and (rs[0].kind == "sso" or rs[0].size < c.small_object_bytes))
+        ssos = [(oid, rs) for oid, rs in e.reader.objects.items() if rs and rs[0].kind == "sso"]
+        in_sso = {r.stream_id for _, rs in ssos for r in rs}
+        small: dict[int, list[tuple[int, list[ObjectRange]]]] = {}
+        for oid, rs in e.reader.objects.items():
+            if rs and rs[0].kind == "so" and rs[0].size < c.small_object_bytes:
+                small.setdefault(rs[0].stream_id, []).append((oid, rs))
+        # a lone small stream object is left alone unless new data of its stream arrived:
+        # otherwise every round would rewrite it
+        cands = sorted(ssos + [o for sid, objs in small.items()
+                               if len(objs) >= 2 or sid in in_sso for o in objs])
         if len(cands) < max(c.compaction_min_objects, 2):
             return 0
         picked: list[tuple[int, list[ObjectRange]]] = []
