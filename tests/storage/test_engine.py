@@ -212,3 +212,40 @@ async def test_full_cache_is_backpressure_not_loss(tmp_path) -> None:
         assert len(await read_all(s)) == acked + 200
     finally:
         await eng.close()
+
+
+async def test_full_wal_is_backpressure_not_loss(tmp_path) -> None:
+    cfg = small_config(tmp_path, object_store=f"mem://walbp-{tmp_path.name}",
+                       wal_capacity=256 << 10, log_cache_bytes=64 << 20)
+    eng = open_engine(cfg)
+    await eng.start()
+    real_put = eng.store.put
+    down = True
+
+    def put(key, data):
+        if down:
+            raise OSError("store down")
+        real_put(key, data)
+
+    eng.store.put = put
+    try:
+        s = await eng.create_stream()
+        acked = 0
+        with pytest.raises(RetriableStorageError):
+            for _ in range(5000):
+                await s.append(payload(s.stream_id, s.end_offset), s.end_offset, 1)
+                acked += 1
+        assert 0 < acked < 5000 and s.end_offset == acked
+        down = False
+        done = 0
+        while done < 1000:                          # the WAL drains through uploads
+            try:
+                await s.append(payload(s.stream_id, s.end_offset), s.end_offset, 1)
+                done += 1
+            except RetriableStorageError:
+                await asyncio.sleep(0.1)
+        await eng.flush()
+        eng.drop_caches()
+        assert len(await read_all(s)) == acked + 1000
+    finally:
+        await eng.close()
