@@ -1,0 +1,235 @@
+"""Client-level benchmarks through confluent-kafka (librdkafka), run against s3kafka and the mock.
+
+    python -m bench.clients [--seconds 8] [--sizes 100,1024,16384] [--skip-mock]
+
+Produce throughput (acks=all) per message size, consume throughput hot (LogCache) and cold
+(object store: the broker is restarted, which uploads and empties the LogCache), and produce
+latency p50/p99/p999 at fixed rates (a fraction of the measured maximum). The same runs go
+against librdkafka's mock cluster and are reported as s3kafka/mock ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from .common import BrokerProc, MockCluster, Result, create_topic, pct
+
+PRODUCER_CONF = {"acks": "all", "linger.ms": 5, "batch.size": 1 << 20, "batch.num.messages": 1_000_000,
+                 "queue.buffering.max.messages": 2_000_000, "queue.buffering.max.kbytes": 1 << 21,
+                 "message.max.bytes": 16 << 20, "enable.idempotence": False, "log_level": 2}
+
+
+def produce_throughput(bootstrap: str, topic: str, size: int, seconds: float,
+                       max_msgs: int = 50_000_000) -> dict[str, Any]:
+    """Produce `size`-byte messages for `seconds` as fast as the client goes; wait for all acks.
+
+    Throughput = acknowledged messages / (time to last ack). The time series comes from
+    librdkafka's statistics (messages handed to the broker), sampled every 0.5 s.
+    """
+    import json
+
+    from confluent_kafka import Producer
+    samples: list[tuple[float, int]] = []
+    t0 = time.monotonic()
+
+    def stats(js: str) -> None:
+        samples.append((time.monotonic() - t0, json.loads(js).get("txmsgs", 0)))
+
+    errors = [0]
+
+    def on_err(err: Any) -> None:
+        errors[0] += 1
+
+    p = Producer({**PRODUCER_CONF, "bootstrap.servers": bootstrap, "statistics.interval.ms": 500,
+                  "stats_cb": stats, "error_cb": on_err})
+    p.list_topics(topic, timeout=10)
+    value = b"x" * size
+    n = 0
+    t0 = time.monotonic()
+    end = t0 + seconds
+    produce = p.produce
+    while n < max_msgs:
+        try:
+            for _ in range(1000):
+                produce(topic, value, partition=0)
+            n += 1000
+        except BufferError:
+            p.poll(0.005)
+            if time.monotonic() >= end:
+                break
+            continue
+        p.poll(0)
+        if time.monotonic() >= end:
+            break
+    left = p.flush(120)
+    elapsed = time.monotonic() - t0
+    acked = n - left
+    series: list[tuple[float, float]] = []
+    prev_t, prev_n = 0.0, 0
+    for t, c in samples:
+        if t > prev_t:
+            series.append((t, (c - prev_n) * size / (t - prev_t) / 1e6))
+        prev_t, prev_n = t, c
+    return {"msgs": acked, "msgs_s": acked / elapsed, "mb_s": acked * size / elapsed / 1e6,
+            "series": series}
+
+
+def consume_throughput(bootstrap: str, topic: str, expected: int, timeout: float = 120) -> dict[str, Any]:
+    """Read up to `expected` messages of partition 0 from its log start (assign, no group)."""
+    from confluent_kafka import Consumer, TopicPartition
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{time.time_ns()}",
+                  "enable.auto.commit": False, "log_level": 2, "fetch.max.bytes": 64 << 20,
+                  "max.partition.fetch.bytes": 16 << 20, "queued.max.messages.kbytes": 1 << 20,
+                  "fetch.wait.max.ms": 100})
+    # the mock keeps only its last log segments: read from the log start, count what is there
+    low, high = c.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
+    expected = min(expected, high - low)
+    c.assign([TopicPartition(topic, 0, low)])
+    n = nbytes = 0
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    while n < expected and time.monotonic() < deadline:
+        for m in c.consume(num_messages=100_000, timeout=0.5):
+            if m.error() is None:
+                n += 1
+                nbytes += len(m.value())
+    elapsed = time.monotonic() - t0
+    c.close()
+    return {"msgs": n, "msgs_s": n / elapsed, "mb_s": nbytes / elapsed / 1e6}
+
+
+def produce_latency(bootstrap: str, topic: str, size: int, rate: float, seconds: float) -> dict[str, float]:
+    """Produce at a fixed rate (linger 0) and record send -> ack latency of every message (ms)."""
+    from confluent_kafka import Producer
+    p = Producer({**PRODUCER_CONF, "linger.ms": 0, "bootstrap.servers": bootstrap})
+    p.list_topics(topic, timeout=10)
+    lat: list[float] = []
+    now = time.perf_counter
+
+    def cb(err: Any, msg: Any, t: float = 0.0) -> None:
+        pass
+
+    value = b"y" * size
+    interval = 1.0 / rate
+    t0 = now()
+    sent = 0
+    while True:
+        t = now()
+        if t - t0 >= seconds:
+            break
+        due = int((t - t0) / interval) + 1
+        while sent < due:
+            ts = now()
+            p.produce(topic, value, partition=0,
+                      on_delivery=lambda err, msg, ts=ts: err is None and lat.append(now() - ts))
+            sent += 1
+        p.poll(0)
+        time.sleep(min(interval, 0.0005))
+    p.flush(60)
+    ms = [x * 1000 for x in lat[len(lat) // 10:]]  # skip warm-up
+    return {"rate": rate, "p50": pct(ms, 0.5), "p99": pct(ms, 0.99), "p999": pct(ms, 0.999),
+            "n": len(ms)}
+
+
+def run_target(bootstrap: str, sizes: list[int], seconds: float, restart=None,
+               lat_rates: list[float] | None = None, create: bool = True) -> dict[str, Any]:
+    """All client benchmarks against one target; `restart` (if given) makes the next read cold."""
+    out: dict[str, Any] = {"produce": {}, "series": {}}
+    topic_100 = None
+    for size in sizes:
+        topic = f"bench-p-{size}-{time.time_ns()}"
+        if create:  # the mock auto-creates topics on first use
+            create_topic(bootstrap, topic)
+        r = produce_throughput(bootstrap, topic, size, seconds)
+        out["produce"][size] = r
+        out["series"][size] = r["series"]
+        if topic_100 is None:
+            topic_100 = (topic, r["msgs"], size)
+    topic, count, size = topic_100  # consume the smallest-message topic
+    out["consume_size"] = size
+    out["hot"] = consume_throughput(bootstrap, topic, count)
+    if restart is not None:
+        bootstrap = restart()
+        out["cold"] = consume_throughput(bootstrap, topic, count)
+    # latency at fixed rates: half of the max rate of the first size (and a low rate)
+    size0 = sizes[0]
+    max_rate = out["produce"][size0]["msgs_s"]
+    rates = lat_rates or [min(max_rate * 0.5, 200_000), 1000]
+    out["latency"] = []
+    topic = f"bench-lat-{time.time_ns()}"
+    if create:
+        create_topic(bootstrap, topic)
+    for rate in rates:
+        out["latency"].append(produce_latency(bootstrap, topic, size0, rate, min(seconds, 5)))
+    out["bootstrap"] = bootstrap
+    return out
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def run(seconds: float = 8, sizes: list[int] | None = None, mock: bool = True,
+        broker_args: list[str] | None = None) -> list[Result]:
+    """Run the client benchmarks against a fresh broker and the mock; return result tables."""
+    sizes = sizes or [100, 1024, 16384]
+    broker = BrokerProc(broker_args).start()
+
+    def restart() -> str:
+        broker.stop()
+        broker.start()
+        return broker.bootstrap
+
+    try:
+        ours = run_target(broker.bootstrap, sizes, seconds, restart)
+    finally:
+        broker.close()
+    theirs = None
+    if mock:
+        with MockCluster() as m:
+            # same rates for the latency runs so the comparison is like for like
+            theirs = run_target(m.bootstrap, sizes, seconds, None,
+                                [r["rate"] for r in ours["latency"]], create=False)
+    prod = Result("Produce throughput, confluent-kafka, acks=all, 1 partition",
+                  ["msg size", "s3kafka msgs/s", "s3kafka MB/s", "mock msgs/s", "mock MB/s",
+                   "ratio s3kafka/mock"])
+    for size in sizes:
+        a = ours["produce"][size]
+        b = theirs["produce"][size] if theirs else {"msgs_s": float("nan"), "mb_s": float("nan")}
+        prod.rows.append([size, a["msgs_s"], a["mb_s"], b["msgs_s"], b["mb_s"],
+                          ratio(a["msgs_s"], b["msgs_s"])])
+        prod.series[f"s3kafka {size} B"] = ours["series"][size]
+        if theirs:
+            prod.series[f"mock {size} B"] = theirs["series"][size]
+    cons = Result(f"Consume throughput, confluent-kafka, {ours['consume_size']} B messages",
+                  ["read", "s3kafka msgs/s", "s3kafka MB/s", "mock msgs/s", "ratio s3kafka/mock"])
+    mh = theirs["hot"] if theirs else {"msgs_s": float("nan")}
+    for label, key in (("hot (LogCache)", "hot"), ("cold (object store, after restart)", "cold")):
+        a = ours[key]
+        cons.rows.append([label, a["msgs_s"], a["mb_s"], mh["msgs_s"], ratio(a["msgs_s"], mh["msgs_s"])])
+    lat = Result(f"Produce latency, confluent-kafka, {sizes[0]} B, acks=all, linger 0 (ms)",
+                 ["rate msgs/s", "s3kafka p50", "p99", "p999", "mock p50", "p99", "p999"])
+    for i, a in enumerate(ours["latency"]):
+        b = theirs["latency"][i] if theirs else {"p50": float("nan"), "p99": float("nan"),
+                                                 "p999": float("nan")}
+        lat.rows.append([a["rate"], a["p50"], a["p99"], a["p999"], b["p50"], b["p99"], b["p999"]])
+        lat.percentiles[f"s3kafka @{a['rate']:.0f}/s"] = {k: a[k] for k in ("p50", "p99", "p999")}
+        if theirs:
+            lat.percentiles[f"mock @{b['rate']:.0f}/s"] = {k: b[k] for k in ("p50", "p99", "p999")}
+    lat.notes.append("the first rate is half of the 100 B maximum produce rate measured above")
+    return [prod, cons, lat]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seconds", type=float, default=8)
+    ap.add_argument("--sizes", default="100,1024,16384")
+    ap.add_argument("--skip-mock", action="store_true")
+    a = ap.parse_args()
+    for r in run(a.seconds, [int(s) for s in a.sizes.split(",")], not a.skip_mock):
+        r.print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Raw-protocol load generator: pre-built 1 MiB record batches, acks=all, pipelined, several connections.
+
+    python -m bench.rawload [--seconds 10] [--connections 4] [--depth 8] [--batch-bytes 1048576]
+                            [--skip-mock] [--fetch]
+
+Every Produce request frame is built once; per request only the 12-byte prefix (size, api key,
+version, correlation id) is packed, and header + body go out in one ``writelines`` - so the
+client is not the bottleneck. Each connection writes to its own partition and keeps `depth`
+requests in flight. Reports MB/s, requests/s and request latency percentiles, against s3kafka
+and the librdkafka mock cluster. ``--fetch`` adds a raw Fetch loop over the data just written
+(records/s counted from batch headers, not decoded).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import struct
+import time
+from typing import Any
+
+from protocol import build_batch
+
+from .common import BrokerProc, MockCluster, Result, create_topic, pct
+
+_PREFIX = struct.Struct(">ihhi")
+_I32 = struct.Struct(">i")
+_I16 = struct.Struct(">h")
+CLIENT_ID = b"rawload"
+
+
+def _str(s: bytes) -> bytes:
+    return _I16.pack(len(s)) + s
+
+
+def produce_body(topic: str, partition: int, batch: bytes, acks: int = -1) -> bytes:
+    """Produce v3 body (after the header's correlation id): client id, txn id, acks, timeout, data."""
+    return (_str(CLIENT_ID) + _I16.pack(-1) + _I16.pack(acks) + _I32.pack(30000)
+            + _I32.pack(1) + _str(topic.encode()) + _I32.pack(1) + _I32.pack(partition)
+            + _I32.pack(len(batch)) + batch)
+
+
+def fetch_body(topic: str, partition: int, offset: int, max_bytes: int) -> bytes:
+    """Fetch v4 body: replica -1, max wait 0, min bytes 1, max bytes, isolation 0, one partition."""
+    return (_str(CLIENT_ID) + _I32.pack(-1) + _I32.pack(100) + _I32.pack(1) + _I32.pack(max_bytes)
+            + b"\x00" + _I32.pack(1) + _str(topic.encode()) + _I32.pack(1) + _I32.pack(partition)
+            + struct.pack(">q", offset) + _I32.pack(max_bytes))
+
+
+class _Conn(asyncio.Protocol):
+    """Client side framing: hands each response frame (after its length) to `on_frame`."""
+
+    def __init__(self, on_frame) -> None:
+        self.buf = bytearray()
+        self.on_frame = on_frame
+        self.closed = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        pos = 0
+        n = len(self.buf)
+        while n - pos >= 4:
+            (size,) = _I32.unpack_from(self.buf, pos)
+            if n - pos - 4 < size:
+                break
+            self.on_frame(bytes(self.buf[pos + 4:pos + 4 + size]))
+            pos += 4 + size
+        if pos:
+            del self.buf[:pos]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(exc)
+
+
+async def _produce_conn(host: str, port: int, topic: str, partition: int, batch: bytes, depth: int,
+                        end: float, stats: dict[str, Any]) -> None:
+    body = produce_body(topic, partition, batch)
+    frame_size = 8 + len(body)
+    err_pos = 4 + 4 + 2 + len(topic.encode()) + 4 + 4  # corr, n topics, name, n parts, partition
+    sent: dict[int, float] = {}
+    window = asyncio.Semaphore(depth)
+    loop = asyncio.get_running_loop()
+    now = time.perf_counter
+
+    def on_frame(frame: bytes) -> None:
+        (corr,) = _I32.unpack_from(frame, 0)
+        t = now()
+        stats["lat"].append(t - sent.pop(corr))
+        (err,) = _I16.unpack_from(frame, err_pos)
+        if err:
+            stats["errors"] += 1
+        else:
+            stats["bytes"] += len(batch)
+            stats["reqs"] += 1
+            stats["ts"].append((t, len(batch)))
+        window.release()
+
+    transport, proto = await loop.create_connection(lambda: _Conn(on_frame), host, port)
+    corr = 0
+    try:
+        while now() < end:
+            await window.acquire()
+            corr += 1
+            sent[corr] = now()
+            transport.writelines((_PREFIX.pack(frame_size, 0, 3, corr), body))
+        for _ in range(depth):  # drain
+            await asyncio.wait_for(window.acquire(), 60)
+    finally:
+        transport.close()
+
+
+async def _produce(host: str, port: int, topic: str, conns: int, depth: int, seconds: float,
+                   batch: bytes) -> dict[str, Any]:
+    stats: dict[str, Any] = {"bytes": 0, "reqs": 0, "errors": 0, "lat": [], "ts": []}
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    await asyncio.gather(*(_produce_conn(host, port, topic, i, batch, depth, end, stats)
+                           for i in range(conns)))
+    elapsed = time.perf_counter() - t0
+    stats["elapsed"] = elapsed
+    stats["t0"] = t0
+    return stats
+
+
+async def _fetch(host: str, port: int, topic: str, partitions: int, seconds: float,
+                 starts: list[int], max_bytes: int = 8 << 20) -> dict[str, Any]:
+    """One connection per partition, one Fetch in flight each, from offset 0 to the end."""
+    stats = {"bytes": 0, "records": 0, "reqs": 0}
+    loop = asyncio.get_running_loop()
+    end = time.perf_counter() + seconds
+
+    async def one(partition: int) -> None:
+        offset = starts[partition]
+        got: asyncio.Future | None = None
+
+        def on_frame(frame: bytes) -> None:
+            got.set_result(frame)  # type: ignore[union-attr]
+
+        transport, _ = await loop.create_connection(lambda: _Conn(on_frame), host, port)
+        try:
+            while time.perf_counter() < end:
+                body = fetch_body(topic, partition, offset, max_bytes)
+                got = loop.create_future()
+                transport.writelines((_PREFIX.pack(8 + len(body), 1, 4, 1), body))
+                frame = await got
+                # v4 response: corr, throttle, n topics, name, n parts, partition, error, hw,
+                # lso, aborted (array), records (bytes)
+                pos = 4 + 4 + 4 + 2 + len(topic.encode()) + 4 + 4
+                (err,) = _I16.unpack_from(frame, pos)
+                (hw,) = struct.unpack_from(">q", frame, pos + 2)
+                pos += 2 + 8 + 8
+                (naborted,) = _I32.unpack_from(frame, pos)
+                pos += 4 + max(naborted, 0) * 16
+                (rlen,) = _I32.unpack_from(frame, pos)
+                pos += 4
+                stop = pos + max(rlen, 0)
+                if err or rlen <= 0:
+                    if offset >= hw:
+                        return
+                    continue
+                while stop - pos >= 61:  # batch header: base offset, length ... record count
+                    base, = struct.unpack_from(">q", frame, pos)
+                    (blen,) = _I32.unpack_from(frame, pos + 8)
+                    if pos + 12 + blen > stop:
+                        break
+                    (count,) = _I32.unpack_from(frame, pos + 57)
+                    stats["records"] += count
+                    stats["bytes"] += 12 + blen
+                    offset = base + count  # whole batches only (no compaction gaps here)
+                    pos += 12 + blen
+                stats["reqs"] += 1
+                if offset >= hw:
+                    return
+        finally:
+            transport.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(p) for p in range(partitions)))
+    stats["elapsed"] = time.perf_counter() - t0
+    return stats
+
+
+def _run(coro_fn, *args) -> Any:
+    try:
+        import uvloop
+        return uvloop.run(coro_fn(*args))
+    except ImportError:  # pragma: no cover
+        return asyncio.run(coro_fn(*args))
+
+
+def make_batch(batch_bytes: int, record_bytes: int = 1000) -> bytes:
+    """One uncompressed v2 batch of about `batch_bytes` (records of `record_bytes` values)."""
+    n = max(1, batch_bytes // (record_bytes + 10))
+    return build_batch([(None, b"r" * record_bytes)] * n)
+
+
+def series_of(ts: list[tuple[float, int]], t0: float, step: float = 0.5) -> list[tuple[float, float]]:
+    """(time, MB/s) per `step` bucket from per-response (time, bytes) samples."""
+    buckets: dict[int, int] = {}
+    for t, b in ts:
+        k = int((t - t0) / step)
+        buckets[k] = buckets.get(k, 0) + b
+    return [((k + 1) * step, v / step / 1e6) for k, v in sorted(buckets.items())]
+
+
+def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: bytes,
+                 create: bool, fetch: bool) -> dict[str, Any]:
+    host, port = bootstrap.rsplit(":", 1)
+    topic = f"raw-{time.time_ns()}"
+    if create:
+        create_topic(bootstrap, topic, conns)
+    else:  # the mock auto-creates (with its default partition count) on Metadata
+        from confluent_kafka import Producer
+        p = Producer({"bootstrap.servers": bootstrap, "log_level": 2})
+        p.list_topics(topic, timeout=10)
+    st = _run(_produce, host, int(port), topic, conns, depth, seconds, batch)
+    ms = [x * 1000 for x in st["lat"]]
+    out = {"mb_s": st["bytes"] / st["elapsed"] / 1e6, "req_s": st["reqs"] / st["elapsed"],
+           "errors": st["errors"], "p50": pct(ms, 0.5), "p99": pct(ms, 0.99),
+           "p999": pct(ms, 0.999), "series": series_of(st["ts"], st["t0"])}
+    if fetch:
+        from confluent_kafka import Consumer, TopicPartition
+        c = Consumer({"bootstrap.servers": bootstrap, "group.id": "rawload", "log_level": 2})
+        # the mock keeps only its last segments: start each partition at its log start
+        starts = [c.get_watermark_offsets(TopicPartition(topic, i), timeout=10)[0] for i in range(conns)]
+        c.close()
+        ft = _run(_fetch, host, int(port), topic, conns, max(5.0, seconds), starts)
+        out["fetch_mb_s"] = ft["bytes"] / ft["elapsed"] / 1e6
+        out["fetch_rec_s"] = ft["records"] / ft["elapsed"]
+    return out
+
+
+def run(seconds: float = 10, conns: int = 4, depth: int = 8, batch_bytes: int = 1 << 20,
+        mock: bool = True, fetch: bool = True, broker_args: list[str] | None = None) -> list[Result]:
+    """Raw produce (and fetch) against a fresh broker and the mock; returns the result table."""
+    batch = make_batch(batch_bytes)
+    broker = BrokerProc(["--wal-capacity", str(4 << 30), *(broker_args or [])]).start()
+    try:
+        ours = bench_target(broker.bootstrap, seconds, conns, depth, batch, True, fetch)
+    finally:
+        broker.close()
+    theirs = None
+    if mock:
+        with MockCluster() as m:
+            theirs = bench_target(m.bootstrap, seconds, min(conns, 4), depth, batch, False, fetch)
+    nan = float("nan")
+    r = Result(f"Raw-protocol produce, {len(batch) >> 10} KiB batches, acks=all, {conns} connections x "
+               f"{depth} in flight", ["target", "MB/s", "requests/s", "p50 ms", "p99 ms", "p999 ms",
+                                      "errors", "fetch MB/s (hot)"])
+    for name, d in (("s3kafka", ours), ("mock", theirs)):
+        if d is None:
+            continue
+        r.rows.append([name, d["mb_s"], d["req_s"], d["p50"], d["p99"], d["p999"], d["errors"],
+                       d.get("fetch_mb_s", nan)])
+        r.series[f"{name} raw 1 MiB"] = d["series"]
+        r.percentiles[f"{name} raw 1 MiB"] = {k: d[k] for k in ("p50", "p99", "p999")}
+    if theirs:
+        def ratio(a: float, b: float) -> float:
+            return a / b if b else nan
+        r.notes.append(f"ratio s3kafka/mock produce: {ratio(ours['mb_s'], theirs['mb_s']):.2f}; fetch: "
+                       f"{ratio(ours.get('fetch_mb_s', nan), theirs.get('fetch_mb_s', nan)):.2f}")
+    return [r]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seconds", type=float, default=10)
+    ap.add_argument("--connections", type=int, default=4)
+    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--batch-bytes", type=int, default=1 << 20)
+    ap.add_argument("--skip-mock", action="store_true")
+    ap.add_argument("--fetch", action="store_true", default=True)
+    a = ap.parse_args()
+    for r in run(a.seconds, a.connections, a.depth, a.batch_bytes, not a.skip_mock, a.fetch):
+        r.print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""Smoke test: every benchmark's code path runs with tiny sizes and produces figures.
+
+Asserts that figures exist and are positive, never how fast they are (speed lives in bench/).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from bench import run_all
+
+
+@pytest.mark.timeout(280)
+def test_run_all_quick_writes_results_with_figures(tmp_path) -> None:
+    out = tmp_path / "RESULTS.md"
+    assert run_all.main(["--quick", "--out", str(out)]) == 0
+    text = out.read_text()
+    for title in ("Produce throughput, confluent-kafka", "Consume throughput", "Produce latency",
+                  "Raw-protocol produce", "Delta WAL", "Catch-up reads"):
+        assert title in text
+    assert "Traceback" not in text
+    # s3kafka rows carry real, positive numbers (the raw loadgen got acks without errors)
+    raw = re.search(r"\| s3kafka \| ([\d,.]+) \| ([\d,.]+) \|.*\| (\d+) \|", text)
+    assert raw and float(raw.group(1).replace(",", "")) > 0 and raw.group(3) == "0"
+    prod = re.search(r"\| 100 \| ([\d,.]+) \| ([\d,.]+) \| ([\d,.]+) \|", text)
+    assert prod and float(prod.group(1).replace(",", "")) > 0 and float(prod.group(3).replace(",", "")) > 0
+    try:  # plots need the `bench` extra (matplotlib); `make test` installs only `test`
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "quick-throughput.png").stat().st_size > 0
+    assert (tmp_path / "quick-latency.png").stat().st_size > 0
