@@ -62,13 +62,20 @@ class Member:
     """A kafka-python group member with quick session timeouts."""
 
     def __init__(self, bootstrap: str, group: str, topic: str) -> None:
-        self.c = KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=group,
-                               session_timeout_ms=6000, heartbeat_interval_ms=300,
+        self.c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group,
+                               session_timeout_ms=10000, heartbeat_interval_ms=300,
                                auto_offset_reset="earliest", enable_auto_commit=False,
                                fetch_max_wait_ms=200)
+        # Subscribe only once the topic's metadata is loaded: kafka-python 3.0.12 loses a
+        # rebalance that a metadata change triggers while poll() times out mid-join (the member
+        # never sends SyncGroup and expires); see tests/groups/test_e2e_clients.py.
+        deadline = time.monotonic() + 30
+        while not self.c.partitions_for_topic(topic) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.c.subscribe([topic])
 
     def poll_once(self) -> list[str]:
-        return [r.value.decode() for recs in self.c.poll(timeout_ms=200).values() for r in recs]
+        return [r.value.decode() for recs in self.c.poll(timeout_ms=1000).values() for r in recs]
 
     def assignment(self) -> set[int]:
         return {tp.partition for tp in self.c.assignment()}
