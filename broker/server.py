@@ -32,6 +32,9 @@ _CLOSE = object()          # marker in the response queue: close the connection 
 _NO_RESPONSE = object()    # acks=0 produce: nothing to write
 WRITE_HIGH_WATER = 8 << 20
 INITIAL_BUFFER = 64 << 10
+# a drained read buffer up to this size is kept: 1 MiB produce requests would otherwise regrow
+# it from 64 KiB (5 doublings, each copying) on every request
+KEEP_BUFFER = 2 << 20
 
 try:  # the zero-copy Fetch encoder, when the protocol package offers it
     from protocol.frames import encode_response_buffers as _encode_buffers
@@ -154,7 +157,7 @@ class Connection(asyncio.BufferedProtocol):
             self._dispatch(frame)
         if self._start == self._end:
             self._start = self._end = 0
-            if len(self._buf) > 4 * INITIAL_BUFFER:
+            if len(self._buf) > KEEP_BUFFER:
                 self._buf = bytearray(INITIAL_BUFFER)
         self._update_reading()
 
