@@ -74,8 +74,8 @@ def main() -> None:
         t.start()
         time.sleep(1)
         subprocess.run([spy, "record", "--native", "--pid", str(b.pid), "-r", str(a.rate), "-d",
-                        str(int(a.seconds)), "--format", "raw", "-o", raw_out, "--nonblocking"],
-                       check=False, capture_output=True)
+                        str(int(a.seconds)), "--format", "raw", "-o", raw_out],
+                       check=False)
         t.join()
     with open(raw_out) as f:
         collapsed = f.read()

@@ -191,7 +191,8 @@ def _run(coro_fn, *args) -> Any:
 def make_batch(batch_bytes: int, record_bytes: int = 1000) -> bytes:
     """One uncompressed v2 batch of about `batch_bytes` (records of `record_bytes` values)."""
     n = max(1, batch_bytes // (record_bytes + 10))
-    return build_batch([(None, b"r" * record_bytes)] * n)
+    # real producers set first/max timestamps; without them the broker must decode records
+    return build_batch([(None, b"r" * record_bytes)] * n, timestamp=int(time.time() * 1000))
 
 
 def series_of(ts: list[tuple[float, int]], t0: float, step: float = 0.5) -> list[tuple[float, float]]:
