@@ -120,7 +120,10 @@ class EngineStream(Stream):
             raise ValueError(f"append at {base_offset}, expected {self._end}")
         if count <= 0:
             raise ValueError("count must be positive")
-        body = WAL_RECORD.pack(self.stream_id, base_offset, count) + bytes(payload)
+        # one copy of the payload (header + payload concatenation would copy it twice)
+        body = bytearray(WAL_RECORD.size + len(payload))
+        WAL_RECORD.pack_into(body, 0, self.stream_id, base_offset, count)
+        body[WAL_RECORD.size:] = payload
         deadline = None
         while True:
             room = eng.cache.has_room(len(body) + 64)
