@@ -144,11 +144,11 @@ def run_target(bootstrap: str, sizes: list[int], seconds: float, restart=None,
         r = produce_throughput(bootstrap, topic, size, seconds)
         out["produce"][size] = r
         out["series"][size] = r["series"]
-        if topic_100 is None:
+        if topic_100 is None:  # hot: read the smallest-message topic back while in the LogCache
             topic_100 = (topic, r["msgs"], size)
-    topic, count, size = topic_100  # consume the smallest-message topic
+            out["hot"] = consume_throughput(bootstrap, topic, r["msgs"])
+    topic, count, size = topic_100
     out["consume_size"] = size
-    out["hot"] = consume_throughput(bootstrap, topic, count)
     if restart is not None:
         bootstrap = restart()
         out["cold"] = consume_throughput(bootstrap, topic, count)

@@ -7,8 +7,8 @@ Every Produce request frame is built once; per request only the 12-byte prefix (
 version, correlation id) is packed, and header + body go out in one ``writelines`` - so the
 client is not the bottleneck. Each connection writes to its own partition and keeps `depth`
 requests in flight. Reports MB/s, requests/s and request latency percentiles, against s3kafka
-and the librdkafka mock cluster. ``--fetch`` adds a raw Fetch loop over the data just written
-(records/s counted from batch headers, not decoded).
+and the librdkafka mock cluster. ``--fetch`` adds a raw Fetch loop over the last 256 MiB just
+written (still in the LogCache: hot; records/s counted from batch headers, not decoded).
 """
 from __future__ import annotations
 
@@ -26,6 +26,12 @@ _PREFIX = struct.Struct(">ihhi")
 _I32 = struct.Struct(">i")
 _I16 = struct.Struct(">h")
 CLIENT_ID = b"rawload"
+HOT_FETCH_BYTES = 256 << 20   # well inside the default 1 GiB LogCache
+
+
+def batch_records(batch: bytes) -> int:
+    """Record count from a v2 batch header."""
+    return _I32.unpack_from(batch, 57)[0]
 
 
 def _str(s: bytes) -> bytes:
@@ -222,8 +228,13 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
     if fetch:
         from confluent_kafka import Consumer, TopicPartition
         c = Consumer({"bootstrap.servers": bootstrap, "group.id": "rawload", "log_level": 2})
-        # the mock keeps only its last segments: start each partition at its log start
-        starts = [c.get_watermark_offsets(TopicPartition(topic, i), timeout=10)[0] for i in range(conns)]
+        # hot = the tail that is still in the LogCache: the last HOT_FETCH_BYTES of all partitions
+        # (the mock keeps only its last segments: never before the log start)
+        per_part = HOT_FETCH_BYTES // conns // len(batch) * batch_records(batch)
+        starts = []
+        for i in range(conns):
+            low, high = c.get_watermark_offsets(TopicPartition(topic, i), timeout=10)
+            starts.append(max(low, high - per_part))
         c.close()
         ft = _run(_fetch, host, int(port), topic, conns, max(5.0, seconds), starts)
         out["fetch_mb_s"] = ft["bytes"] / ft["elapsed"] / 1e6
