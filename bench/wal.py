@@ -25,15 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from storage.wal import DeltaWAL, OverCapacityError, WALConfig  # noqa: E402
 from storage.wal.device import Device, aligned_buffer  # noqa: E402
 from storage.wal.format import HEADER_AREA, RECORD_HEADER_SIZE, align_up  # noqa: E402
+from bench.common import pct  # noqa: E402
 
 SIZES = [1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
-
-
-def pct(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(p * len(values)))]
 
 
 def raw_write_mbps(path: str, capacity: int, sync_mode: str, write_size: int, threads: int,
