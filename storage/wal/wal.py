@@ -41,7 +41,7 @@ class AppendResult:
 
     offset: int
     next_offset: int
-    future: cf.Future
+    future: "cf.Future | asyncio.Future"   # asyncio.Future from append_loop()
 
 
 class DeltaWAL:
@@ -205,6 +205,20 @@ class DeltaWAL:
                 self._cond.wait(left)
             offset = self._reserve(body, stream_id, fut, crc)
         return AppendResult(offset, offset + size, fut)
+
+    def append_loop(self, body: bytes | memoryview, stream_id: int = 0) -> AppendResult:
+        """append() for code on a running event loop: the result's future is an asyncio.Future
+        of that loop, completed in batches (one cross-thread wake-up per drained batch rather than
+        one per record, and no concurrent.futures.Future to build). Never blocks; the caller
+        bounds what it buffers (the ring capacity still bounds everything)."""
+        loop = asyncio.get_running_loop()
+        if type(body) is not bytes:
+            body = _as_bytes_view(body)
+        crc = body_crc(body)
+        fut = loop.create_future()
+        with self._lock:
+            offset = self._reserve(body, stream_id, (loop, fut), crc)
+        return AppendResult(offset, offset + RECORD_HEADER_SIZE + len(body), fut)
 
     async def append_async(self, body: bytes | memoryview, stream_id: int = 0) -> int:
         """append() for the event loop: waits for window room and durability without blocking."""

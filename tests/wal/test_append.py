@@ -264,3 +264,33 @@ def test_any_buffer_is_stored_as_its_bytes(make_wal):
     w.close()
     _, recs = make_wal()
     assert [b for _, b in recs] == [arr.tobytes(), b"ba", b"yz"]
+
+
+async def test_append_loop_completes_loop_futures_in_order_per_stream(make_wal):
+    # the engine's path: asyncio futures of the calling loop, completed in batches, in order
+    w, _ = make_wal(capacity=16 << 20, block_soft_limit=4096, io_threads=4)
+    seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    rs = []
+    for i in range(600):
+        r = w.append_loop(os.urandom(100 + (i * 7919) % 9000), stream_id=i % 3)
+        assert isinstance(r.future, asyncio.Future)
+        r.future.add_done_callback(lambda f, s=i % 3: seen[s].append(f.result()))
+        rs.append(r)
+    assert await asyncio.gather(*[r.future for r in rs]) == [r.offset for r in rs]
+    await asyncio.sleep(0)                      # done callbacks run one loop turn later
+    for sid, offs in seen.items():
+        assert offs == sorted(offs) and len(offs) == 200
+    w.close()
+    _, recs = make_wal(capacity=16 << 20)
+    assert [o for o, _ in recs] == [r.offset for r in rs]
+
+
+async def test_append_loop_raises_over_capacity_and_when_closed(make_wal):
+    w, _ = make_wal(capacity=64 << 10)
+    with pytest.raises(OverCapacityError):
+        for _ in range(100):
+            await w.append_loop(b"x" * 4000).future
+            w.append_loop(b"y" * 4000)          # never trimmed: the ring fills up
+    w.close()
+    with pytest.raises(WALClosedError):
+        w.append_loop(b"z")
