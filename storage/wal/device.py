@@ -15,6 +15,7 @@ import os
 import stat
 import struct
 import threading
+import time
 
 from .errors import CapacityMismatchError, WALError
 from .format import ALIGN, align_up
@@ -96,6 +97,8 @@ class Device:
                 os.close(fd)
                 self._fd = os.open(self.path, self._flags(False))
                 self.direct = False
+            if self.direct and not self.is_block_device and size < self.capacity:
+                self._zero_fill(align_up(size))
         except BaseException:
             self.close()
             raise
@@ -123,6 +126,29 @@ class Device:
         os.fsync(self._fd)
         if size == 0:
             self.created = True
+
+    def _zero_fill(self, start: int) -> None:
+        """Write zeros over the newly reserved range once. fallocate leaves "unwritten" extents:
+        the first O_DSYNC write into each one converts it, which costs a journal commit per
+        write (measured: first lap 1.3 GB/s, p99 2.1 ms vs 2.1 GB/s, p99 0.8 ms later)."""
+        total = self.capacity - start
+        if total <= 0:
+            return
+        t0 = time.monotonic()
+        chunk = min(8 << 20, total)
+        buf = aligned_buffer(chunk)
+        try:
+            pos = start
+            while pos < self.capacity:
+                n = min(chunk, self.capacity - pos)
+                self._write_all(memoryview(buf)[:n], pos)
+                pos += n
+        finally:
+            buf.close()
+        os.fsync(self._fd)
+        took = time.monotonic() - t0
+        (log.info if took > 1 else log.debug)(
+            "WAL file %s: zero-filled %d MiB in %.1f s", self.path, total >> 20, took)
 
     def _probe_direct(self) -> bool:
         buf = aligned_buffer(ALIGN)

@@ -222,21 +222,25 @@ class DeltaWAL:
 
     async def append_async(self, body: bytes | memoryview, stream_id: int = 0) -> int:
         """append() for the event loop: waits for window room and durability without blocking."""
+        size = RECORD_HEADER_SIZE + len(body if type(body) is bytes else _as_bytes_view(body))
+        await self.wait_for_room(size)
+        return await self.append_loop(body, stream_id).future
+
+    def has_room(self, size: int) -> bool:
+        """True when a record of `size` bytes (header included) fits under max_buffered_bytes."""
+        return self._window_room(size)
+
+    async def wait_for_room(self, size: int) -> None:
+        """Wait (without blocking the loop) until fewer than max_buffered_bytes are waiting to
+        be durable, so an event-loop appender can bound its memory like a blocking append()."""
         loop = asyncio.get_running_loop()
-        if type(body) is not bytes:
-            body = _as_bytes_view(body)
-        size = RECORD_HEADER_SIZE + len(body)
-        crc = body_crc(body)
         while True:
             with self._lock:
-                if self._window_room(size):
-                    fut = loop.create_future()
-                    self._reserve(body, stream_id, (loop, fut), crc)
-                    break
+                if self._failed is not None or self._window_room(size):
+                    return
                 room = loop.create_future()
                 self._window_waiters.append((loop, room))
             await room
-        return await fut
 
     def _window_room(self, size: int) -> bool:
         """Bound buffered, not yet durable bytes: more does not speed up the device, it only
