@@ -23,7 +23,7 @@ from .config import WALConfig
 from .device import Device, aligned_buffer
 from .errors import (CapacityMismatchError, FencedError, OverCapacityError,
                      RecordTooLargeError, WALClosedError, WALError)
-from .format import (HEADER_AREA, HEADER_SLOT_SIZE, RECORD_HEADER_SIZE,
+from .format import (ALIGN, HEADER_AREA, HEADER_SLOT_SIZE, RECORD_HEADER_SIZE,
                      SHUTDOWN_CLEAN, SHUTDOWN_UNCLEAN, WALHeader, align_up, body_crc,
                      newest_header, pack_record_header)
 from .recovery import scan
@@ -31,11 +31,13 @@ from .recovery import scan
 log = logging.getLogger(__name__)
 
 WINDOW_SCALE_UNIT = 4 << 20
+_MASK = ALIGN - 1
+_ALIGN_DOWN = ~_MASK
 _IO_RETRIES = 5
 _IO_RETRY_DELAY_S = 0.1
 
 
-@dataclass
+@dataclass(slots=True)
 class AppendResult:
     """offset: logical offset of the record; next_offset: first offset after it."""
 
@@ -75,6 +77,8 @@ class DeltaWAL:
         self._queues: dict[int, collections.deque] = {}
         self._window_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._buffer_limit = min(config.window_max, config.max_buffered_bytes)
+        self._soft_limit = config.block_soft_limit
+        self._block_class = align_up(config.block_soft_limit)
         self._pool = BufferPool(max_bytes=config.buffer_pool_bytes)
         self._next_seal_at = 0.0
         self._bw_next = 0.0
@@ -248,16 +252,17 @@ class DeltaWAL:
         return self._inflight == 0 or self._inflight + size <= self._buffer_limit
 
     def _reserve(self, body, stream_id: int, waiter, crc: int) -> int:
-        """Place the record in the current block; caller holds the lock."""
+        """Place the record in the current block; caller holds the lock. The hot path of every
+        append: attribute lookups and calls are kept to a minimum (CPython cost is per record)."""
         if self._failed is not None:
             raise WALClosedError(f"WAL stopped after an IO error: {self._failed}")
         if not self._opened or self._closing:
             raise WALClosedError("WAL is not open")
         n = len(body)
         size = RECORD_HEADER_SIZE + n
-        if n > self.config.max_record_size or align_up(size) > self.ring_size:
-            raise RecordTooLargeError(f"record of {n} bytes exceeds the WAL limits")
         ring = self.ring_size
+        if n > self.config.max_record_size or (size + _MASK) & _ALIGN_DOWN > ring:
+            raise RecordTooLargeError(f"record of {n} bytes exceeds the WAL limits")
         blk = self._current
         if blk is not None and blk.used + size > blk.capacity:
             if blk.used:
@@ -268,46 +273,46 @@ class DeltaWAL:
             blk = None
         if blk is None:
             blk = self._new_block(size)
-        pos = blk.start + blk.used
+        at = blk.used
+        pos = blk.start + at
         if pos % ring + size > ring:                      # does not fit before the ring's end
             next_lap = (pos // ring + 1) * ring
-            if blk.used:
+            if at:
                 self._seal_locked()
                 blk = self._new_block(size, start=next_lap)
             else:
                 blk.start = next_lap
+            at = 0
             pos = blk.start
         # the block is written in whole 4 KiB pages: its zero padding must not reach the page
         # holding the (unaligned) trim offset one lap later
-        if align_up(pos + size) - self._trim > ring:     # nothing modified yet: just refuse
+        end = pos + size
+        if ((end + _MASK) & _ALIGN_DOWN) - self._trim > ring:   # nothing modified yet: refuse
             raise OverCapacityError(
-                f"WAL ring full: {pos + size - self._trim} bytes untrimmed > {ring}; "
+                f"WAL ring full: {end - self._trim} bytes untrimmed > {ring}; "
                 "upload and trim first")
         buf = blk.buf
-        at = blk.used
         pack_record_header(buf, at, n, pos, crc)
         buf[at + RECORD_HEADER_SIZE:at + size] = body
-        first = blk.used == 0
-        blk.used += size
+        blk.used = used = at + size
         blk.streams.add(stream_id)
         self._inflight += size
-        self._end = pos + size
-        self._cursor = blk.end
+        self._end = end
         q = self._queues.get(stream_id)
         if q is None:
             q = self._queues[stream_id] = collections.deque()
         q.append((blk, pos, waiter))
-        if blk.used >= self.config.block_soft_limit:
+        if used >= self._soft_limit:
             self._seal_locked()
             self._io_cond.notify()
-        elif first:
+        elif not at:
             self._io_cond.notify()
         return pos
 
     def _new_block(self, size: int, start: int | None = None) -> Block:
         scan_from = self._cursor
         begin = self._cursor if start is None else start
-        buf = self._pool.get(align_up(size), align_up(self.config.block_soft_limit))
+        buf = self._pool.get(align_up(size), self._block_class)
         blk = Block(begin, scan_from, buf)
         self._current = blk
         return blk
@@ -457,13 +462,18 @@ class DeltaWAL:
                 self._writing.remove(blk)
                 self._inflight -= blk.used
                 streams |= blk.streams
+            queues = self._queues
             for sid in streams:
-                q = self._queues.get(sid)
+                q = queues.get(sid)
+                if q is None:
+                    continue
+                popleft = q.popleft
+                append = done.append
                 while q and q[0][0].done:
-                    _b, offset, waiter = q.popleft()
-                    done.append((offset, waiter, None))
-                if q is not None and not q:
-                    del self._queues[sid]
+                    _b, offset, waiter = popleft()
+                    append((offset, waiter, None))
+                if not q:
+                    del queues[sid]
             for blk in group:
                 self._pool.put(blk.buf)
                 blk.buf = None  # type: ignore[assignment]
@@ -501,10 +511,19 @@ class DeltaWAL:
             q = self._completed
             while q:
                 by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+                items = None
+                last_loop = None
+                popleft = q.popleft
                 while q:
-                    offset, waiter, exc = q.popleft()
-                    if isinstance(waiter, tuple):
-                        by_loop.setdefault(waiter[0], []).append((waiter[1], offset, exc))
+                    offset, waiter, exc = popleft()
+                    if type(waiter) is tuple:
+                        loop = waiter[0]
+                        if loop is not last_loop:
+                            items = by_loop.get(loop)
+                            if items is None:
+                                items = by_loop[loop] = []
+                            last_loop = loop
+                        items.append((waiter[1], offset, exc))
                     elif not waiter.done():
                         try:
                             if exc is None:
@@ -513,8 +532,8 @@ class DeltaWAL:
                                 waiter.set_exception(exc)
                         except cf.InvalidStateError:
                             pass
-                for loop, items in by_loop.items():
-                    self._call_soon(loop, _set_many, items)
+                for loop, batch in by_loop.items():
+                    self._call_soon(loop, _set_many, batch)
 
     @staticmethod
     def _call_soon(loop: asyncio.AbstractEventLoop, fn, arg) -> None:
@@ -589,10 +608,10 @@ def _as_bytes_view(body) -> memoryview:
 
 
 def _set_many(items: list) -> None:
+    """Runs on the waiters' loop: resolve a batch of asyncio futures in order."""
     for fut, value, exc in items:
-        if fut.done():
-            continue
         if exc is None:
-            fut.set_result(value)
-        else:
+            if not fut.done():
+                fut.set_result(value)
+        elif not fut.done():
             fut.set_exception(exc)
