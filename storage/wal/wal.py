@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 WINDOW_SCALE_UNIT = 4 << 20
 _MASK = ALIGN - 1
+_DEFER_CRC_BYTES = 32 << 10        # bodies this large are checksummed by the IO thread
 _ALIGN_DOWN = ~_MASK
 _IO_RETRIES = 5
 _IO_RETRY_DELAY_S = 0.1
@@ -198,7 +199,9 @@ class DeltaWAL:
         # never block an event loop thread: there the buffered-bytes bound is not enforced
         # (append_async enforces it by awaiting); the ring capacity still bounds everything
         on_loop = asyncio._get_running_loop() is not None
-        crc = body_crc(body)                    # outside the lock: IO threads contend for it
+        # outside the lock (IO threads contend for it); large bodies are checksummed by the IO
+        # thread right before the write, on the other core, off the appender's critical path
+        crc = body_crc(body) if len(body) < _DEFER_CRC_BYTES else None
         with self._cond:
             while not on_loop and not self._window_room(size):
                 if deadline is None:
@@ -218,7 +221,7 @@ class DeltaWAL:
         loop = asyncio.get_running_loop()
         if type(body) is not bytes:
             body = _as_bytes_view(body)
-        crc = body_crc(body)
+        crc = body_crc(body) if len(body) < _DEFER_CRC_BYTES else None
         fut = loop.create_future()
         with self._lock:
             offset = self._reserve(body, stream_id, (loop, fut), crc)
@@ -251,7 +254,7 @@ class DeltaWAL:
         adds latency and memory (and fresh buffers cost page faults)."""
         return self._inflight == 0 or self._inflight + size <= self._buffer_limit
 
-    def _reserve(self, body, stream_id: int, waiter, crc: int) -> int:
+    def _reserve(self, body, stream_id: int, waiter, crc: int | None) -> int:
         """Place the record in the current block; caller holds the lock. The hot path of every
         append: attribute lookups and calls are kept to a minimum (CPython cost is per record)."""
         if self._failed is not None:
@@ -292,7 +295,10 @@ class DeltaWAL:
                 f"WAL ring full: {end - self._trim} bytes untrimmed > {ring}; "
                 "upload and trim first")
         buf = blk.buf
-        pack_record_header(buf, at, n, pos, crc)
+        if crc is None:                    # header packed by the IO thread (_seal_headers)
+            blk.deferred.append((at, n, pos))
+        else:
+            pack_record_header(buf, at, n, pos, crc)
         buf[at + RECORD_HEADER_SIZE:at + size] = body
         blk.used = used = at + size
         blk.streams.add(stream_id)
@@ -422,8 +428,22 @@ class DeltaWAL:
         if start > now:
             time.sleep(start - now)
 
+    @staticmethod
+    def _seal_headers(group: list[Block]) -> None:
+        """Checksum the large records whose header the appender left to us (crc32c releases
+        the GIL, so this runs in parallel with the appender) and pack their headers."""
+        for blk in group:
+            if not blk.deferred:
+                continue
+            with memoryview(blk.buf) as mv:
+                for at, n, pos in blk.deferred:
+                    start = at + RECORD_HEADER_SIZE
+                    pack_record_header(blk.buf, at, n, pos, body_crc(mv[start:start + n]))
+            blk.deferred.clear()
+
     def _write_group(self, group: list[Block]) -> None:
         assert self._device is not None
+        self._seal_headers(group)
         first = group[0]
         phys = HEADER_AREA + first.start % self.ring_size
         views = [memoryview(b.buf)[:align_up(b.used)] for b in group]
