@@ -2,7 +2,7 @@
 the producers and the tail consumers?
 
     python -m bench.catchup [--backlog-mb 200] [--seconds 15] [--rate 2000] [--size 1024]
-                            [--skip-s3]
+                            [--rounds 2] [--skip-s3] [--profile DIR]
 
 One broker (a subprocess, embedded defaults with a small LogCache so the backlog lives in the
 object store). It prints: produce throughput (the backlog load, as fast as one producer goes);
@@ -12,11 +12,18 @@ reads the whole backlog from offset 0; the ratio with/without; and the catch-up 
 file:// and from a moto S3 endpoint (moto in server mode on localhost). Producers and
 consumers are separate processes (confluent-kafka) so they do not share a GIL with each other.
 Goal: p99 latencies with the catch-up reader within 1.2x of those without it.
+
+The machine is shared and noisy, so the alone / with-catch-up phases alternate ``--rounds``
+times in one run (same broker, same tail load, same backlog); the ratio is reported per round
+and over the pooled samples. Each phase also prints the CPU share of every process (% of one
+core), since the clients and the broker share the cores. ``--profile DIR`` samples the broker
+with py-spy (non-blocking, so the latencies are not disturbed) during every phase.
 """
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import resource
 import os
 import shutil
 import socket
@@ -26,6 +33,26 @@ import time
 import urllib.request
 
 from bench.common import PY, REPO, free_port, pct  # noqa: E402
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(main thread, all threads) CPU seconds of a process, from /proc."""
+    def read(path: str) -> float:
+        try:
+            with open(path) as f:
+                fields = f.read().rpartition(")")[2].split()
+            return (int(fields[11]) + int(fields[12])) / TICKS
+        except (OSError, IndexError, ValueError):
+            return 0.0
+    return read(f"/proc/{pid}/task/{pid}/stat"), read(f"/proc/{pid}/stat")
+
+
+def cpu_share(t0: float) -> float:
+    """% of one core this process used since ``t0`` (all its threads, librdkafka's too)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return 100 * (r.ru_utime + r.ru_stime) / max(time.monotonic() - t0, 1e-3)
 
 
 class Broker:
@@ -86,6 +113,7 @@ def load_backlog(bootstrap: str, topic: str, total: int, size: int) -> float:
 
 def producer_proc(bootstrap: str, topic: str, rate: int, size: int, seconds: float, q) -> None:
     """Fixed-rate producer; reports (acked count, produce latencies)."""
+    t_start = time.monotonic()
     from confluent_kafka import Producer
     lat: list[float] = []
     p = Producer({"bootstrap.servers": bootstrap, "log_level": 2, "acks": "all", "linger.ms": 1})
@@ -106,11 +134,12 @@ def producer_proc(bootstrap: str, topic: str, rate: int, size: int, seconds: flo
         i += 1
         p.poll(0)
     p.flush(60)
-    q.put(("producer", len(lat), lat))
+    q.put(("producer", len(lat), lat, cpu_share(t_start)))
 
 
 def tail_proc(bootstrap: str, topic: str, seconds: float, q) -> None:
     """Tail consumer from the end; reports end-to-end latencies."""
+    t_start = time.monotonic()
     from confluent_kafka import Consumer, TopicPartition, OFFSET_END
     c = Consumer({"bootstrap.servers": bootstrap, "log_level": 2, "group.id": f"tail-{time.time_ns()}",
                   "fetch.wait.max.ms": 50, "enable.auto.commit": False})
@@ -122,12 +151,13 @@ def tail_proc(bootstrap: str, topic: str, seconds: float, q) -> None:
         if m is not None and not m.error():
             lat.append(time.time() - float(m.value()[:24]))
     c.close()
-    q.put(("tail", len(lat), lat))
+    q.put(("tail", len(lat), lat, cpu_share(t_start)))
 
 
 def catchup_proc(bootstrap: str, topic: str, seconds: float | None, q) -> None:
     """Read the topic from offset 0 as fast as possible (again and again until ``seconds``
     pass, if given); reports MB/s."""
+    t_start = time.monotonic()
     from confluent_kafka import Consumer, TopicPartition
     got = 0
     nbytes = 0
@@ -139,7 +169,7 @@ def catchup_proc(bootstrap: str, topic: str, seconds: float | None, q) -> None:
         nbytes += b
         if deadline is None or time.monotonic() >= deadline:
             break
-    q.put(("catchup", got, nbytes / (time.perf_counter() - t0) / 1e6))
+    q.put(("catchup", got, nbytes / (time.perf_counter() - t0) / 1e6, cpu_share(t_start)))
 
 
 def _catchup_pass(bootstrap: str, topic: str, deadline: float | None) -> tuple[int, int]:
@@ -160,7 +190,9 @@ def _catchup_pass(bootstrap: str, topic: str, deadline: float | None) -> tuple[i
     return got, nbytes
 
 
-def run_phase(b: Broker, args, with_catchup: bool) -> dict:
+def run_phase(b: Broker, args, with_catchup: bool, profile: str | None = None) -> dict:
+    """One phase: tail consumer + fixed-rate producer (+ the catch-up reader); returns each
+    client's (count, value) plus the CPU share (% of one core) of every process."""
     q = mp.Queue()
     procs = [mp.Process(target=tail_proc, args=(b.bootstrap, "tail", args.seconds + 3, q)),
              mp.Process(target=producer_proc,
@@ -170,14 +202,34 @@ def run_phase(b: Broker, args, with_catchup: bool) -> dict:
                                 args=(b.bootstrap, "backlog", args.seconds + 3, q)))
     procs[0].start()
     time.sleep(1.5)
+    assert b.proc is not None
+    spy = None
+    if profile:
+        spy = subprocess.Popen([os.path.join(os.path.dirname(PY), "py-spy"), "record",
+                                "--nonblocking", "--pid", str(b.proc.pid), "-r", "200",
+                                "-d", str(int(args.seconds)), "-f", "raw", "-o", profile],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    main0, all0 = cpu_seconds(b.proc.pid)
+    t0 = time.monotonic()
     for p in procs[1:]:
         p.start()
-    out = {}
+    out: dict = {}
+    cpu: dict[str, float] = {}
     for _ in procs:
-        name, n, val = q.get(timeout=args.seconds + 120)
+        name, n, val, used = q.get(timeout=args.seconds + 120)
         out[name] = (n, val)
+        cpu[name] = used
+        if name == "producer":     # the load ends with the producer: broker CPU up to here
+            main1, all1 = cpu_seconds(b.proc.pid)
+            wall = time.monotonic() - t0
     for p in procs:
         p.join(30)
+    if spy is not None:
+        spy.wait(60)
+    share = dict(cpu)
+    share["broker loop"] = 100 * (main1 - main0) / wall
+    share["broker other threads"] = 100 * ((all1 - all0) - (main1 - main0)) / wall
+    out["cpu"] = share
     return out
 
 
@@ -193,7 +245,7 @@ def catchup_only(extra: list[str], args, label: str) -> float:
         q = mp.Queue()
         p = mp.Process(target=catchup_proc, args=(b.bootstrap, "backlog", None, q))
         p.start()
-        _, n, mbps = q.get(timeout=600)
+        _, n, mbps, _cpu = q.get(timeout=600)
         p.join(30)
         print(f"catch-up read from {label}: {mbps:.1f} MB/s ({n} records, cold caches)")
         return mbps
@@ -208,17 +260,25 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=15)
     ap.add_argument("--rate", type=int, default=2000, help="tail produce rate, msgs/s")
     ap.add_argument("--size", type=int, default=1024, help="tail message size, bytes")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="alone / with-catch-up phase pairs, alternating, in one run")
     ap.add_argument("--skip-s3", action="store_true")
-    ap.add_argument("--cold-read-mbps", type=int, default=64,
-                    help="engine cold_read_bytes_per_s (MiB/s) during the latency phases; 0 = off")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="py-spy (raw collapsed stacks) of the broker during each phase")
+    ap.add_argument("--engine-arg", action="append", default=[],
+                    help="extra broker flag for the latency phases (repeat; e.g. "
+                         "--engine-arg=--cold-read-bytes-per-s=0)")
     args = ap.parse_args()
     engine = ["--wal-capacity", str(512 << 20), "--log-cache-bytes", str(64 << 20),
               "--upload-threshold-bytes", str(16 << 20), "--upload-interval-s", "5",
               "--block-cache-bytes", str(64 << 20)]
-    latency_engine = engine + ["--cold-read-bytes-per-s", str(args.cold_read_mbps << 20)]
+    latency_engine = engine + [a for e in args.engine_arg for a in e.split("=", 1)]
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     d = tempfile.mkdtemp(prefix="s3k-bench-")
     b = Broker(os.path.join(d, "data"), latency_engine)
     b.start()
+    phases: list[tuple[str, dict]] = []
     try:
         create_topic(b.bootstrap, "backlog")
         create_topic(b.bootstrap, "tail")
@@ -226,28 +286,59 @@ def main() -> None:
         print(f"produce throughput (one producer, 16 KiB records, acks=all): {mbps:.1f} MB/s")
         time.sleep(6)                     # let the upload interval pass: backlog in objects
         run_phase(b, argparse.Namespace(**{**vars(args), "seconds": 3}), False)   # warm-up
-        alone = run_phase(b, args, False)
-        loaded = run_phase(b, args, True)
+        for r in range(args.rounds):
+            for name, loaded in (("alone", False), ("with catch-up", True)):
+                prof = None
+                if args.profile:
+                    prof = os.path.join(args.profile, f"{'loaded' if loaded else 'alone'}-{r}.txt")
+                phases.append((name, run_phase(b, args, loaded, prof)))
     finally:
         b.stop()
         shutil.rmtree(d, ignore_errors=True)
-    rows = []
-    for name, res in (("alone", alone), ("with catch-up", loaded)):
+    print(f"tail load: {args.rate} msgs/s x {args.size} B for {args.seconds:.0f} s per phase; "
+          f"{args.rounds} rounds alternating; broker flags {' '.join(latency_engine[10:]) or '-'}")
+    print(f"{'phase':<14} {'acked/s':>8} {'prod p50':>9} {'prod p99':>9} {'e2e p50':>8} "
+          f"{'e2e p99':>8}   (ms)   catch-up MB/s | CPU % of a core: broker loop/other, "
+          "producer, tail, catch-up")
+    pooled: dict[str, tuple[list[float], list[float]]] = {}
+    p99s: list[tuple[float, float]] = []
+    for name, res in phases:
         n, plat = res["producer"]
         _, tlat = res["tail"]
-        rows.append((name, n / args.seconds, pct(plat, .5) * 1e3, pct(plat, .99) * 1e3,
-                     pct(tlat, .5) * 1e3, pct(tlat, .99) * 1e3))
-    print(f"tail load: {args.rate} msgs/s x {args.size} B for {args.seconds:.0f} s")
-    print(f"{'phase':<14} {'acked/s':>8} {'prod p50':>9} {'prod p99':>9} {'e2e p50':>8} "
-          f"{'e2e p99':>8}   (ms)")
-    for r in rows:
-        print(f"{r[0]:<14} {r[1]:8.0f} {r[2]:9.2f} {r[3]:9.2f} {r[4]:8.2f} {r[5]:8.2f}")
-    print(f"ratio p99 with/without: produce {rows[1][3] / rows[0][3]:.2f}x, "
-          f"tail e2e {rows[1][5] / rows[0][5]:.2f}x (goal <= 1.2x)")
-    cn, cmbps = loaded["catchup"]
-    print(f"catch-up reader during the tail load: {cmbps:.1f} MB/s ({cn} records; engine cold-read "
-          f"cap {args.cold_read_mbps} MiB/s)")
+        pl, tl = pooled.setdefault(name, ([], []))
+        pl.extend(plat)
+        tl.extend(tlat)
+        cu = f"{res['catchup'][1]:8.1f}" if "catchup" in res else f"{'-':>8}"
+        c = res["cpu"]
+        print(f"{name:<14} {n / args.seconds:8.0f} {pct(plat, .5) * 1e3:9.2f} "
+              f"{pct(plat, .99) * 1e3:9.2f} {pct(tlat, .5) * 1e3:8.2f} {pct(tlat, .99) * 1e3:8.2f}"
+              f"          {cu}      | {c['broker loop']:3.0f}/{c['broker other threads']:<3.0f} "
+              f"{c['producer']:4.0f} {c['tail']:4.0f} {c.get('catchup', 0):4.0f}")
+        if "catchup" in res:
+            prev = phases[len(p99s) * 2][1]
+            p99s.append((pct(plat, .99) / pct(prev["producer"][1], .99),
+                         pct(tlat, .99) / pct(prev["tail"][1], .99)))
+    print("ratio p99 with/without per round: " +
+          ", ".join(f"produce {a:.2f}x / e2e {b_:.2f}x" for a, b_ in p99s))
+    (pa, ta), (pl_, tl_) = pooled["alone"], pooled["with catch-up"]
+    print(f"ratio p99 with/without, pooled over the rounds: produce "
+          f"{pct(pl_, .99) / pct(pa, .99):.2f}x ({pct(pa, .99) * 1e3:.2f} -> "
+          f"{pct(pl_, .99) * 1e3:.2f} ms), tail e2e {pct(tl_, .99) / pct(ta, .99):.2f}x "
+          f"({pct(ta, .99) * 1e3:.2f} -> {pct(tl_, .99) * 1e3:.2f} ms) (goal <= 1.2x)")
+    cus = [res["catchup"] for _, res in phases if "catchup" in res]
+    print(f"catch-up reader during the tail load: "
+          f"{', '.join(f'{v:.1f}' for _, v in cus)} MB/s ({sum(n for n, _ in cus)} records)")
+    if args.profile:
+        from bench.profile import top
+        for f in sorted(os.listdir(args.profile)):
+            with open(os.path.join(args.profile, f)) as fh:
+                own, total = top(fh.read(), 12)
+            print(f"--- py-spy {f}: own time / total time, % of samples")
+            for (fo, po), (ft, pt) in zip(own, total):
+                print(f"{po:5.1f} {fo[:70]:<70} | {pt:5.1f} {ft[:70]}")
     engine += ["--cold-read-bytes-per-s", "0"]       # raw catch-up speed, no throttle
+    engine += [a for e in args.engine_arg for a in e.split("=", 1)
+               if not e.startswith("--cold-read-bytes-per-s")]
     catchup_only(engine, args, "file://")
     if not args.skip_s3:
         import boto3

@@ -129,7 +129,9 @@ class EngineStream(Stream):
             room = eng.cache.has_room(len(body) + 64)
             if room:
                 try:
-                    res = eng.wal.append(body, self.stream_id)
+                    # an asyncio future completed in batches by the WAL: no cross-thread
+                    # wake-up per record (append() would cost one self-pipe write each)
+                    res = eng.wal.append_loop(body, self.stream_id)
                     break
                 except eng.over_capacity_error:
                     eng.request_upload("wal full")
@@ -148,7 +150,7 @@ class EngineStream(Stream):
         eng.cache.add(entry)
         self._end = base_offset + count
         eng.note_wal(res.next_offset)
-        afut = asyncio.wrap_future(res.future)
+        afut = res.future
         afut.add_done_callback(functools.partial(self._durable, entry))
         try:
             await asyncio.shield(afut)
@@ -394,8 +396,14 @@ class Engine(StreamStore):
         c = self.config
         if self.cache.pending_bytes >= c.upload_threshold_bytes or \
                 self._wal_head - self._wal_trimmed > c.wal_capacity // 2 or \
-                self.cache.used > c.log_cache_bytes * 0.8:
+                self._cache_pressure():
             self._upload_wakeup.set()
+
+    def _cache_pressure(self) -> bool:
+        """Half the LogCache holds unuploaded data: upload before appends hit back-pressure.
+        (Counting evictable, already uploaded entries would keep a warm cache - which stays
+        ~90 % full - uploading a tiny object after every append.)"""
+        return self.cache.pending_bytes > self.config.log_cache_bytes // 2
 
     def request_upload(self, why: str) -> None:
         """Upload whatever is pending now (cache/WAL pressure, shutdown, tests)."""
@@ -433,7 +441,7 @@ class Engine(StreamStore):
                        or self.cache.pending_bytes >= c.upload_threshold_bytes
                        or time.monotonic() - self._last_upload >= c.upload_interval_s
                        or self._wal_head - self._wal_trimmed > c.wal_capacity // 2
-                       or self.cache.used > c.log_cache_bytes * 0.8)
+                       or self._cache_pressure())
                 if not due:
                     break
                 entries = self.cache.take_pending(c.upload_max_bytes)

@@ -38,14 +38,15 @@ class ObjectReader:
     # -- object map -------------------------------------------------------------------------
     def add(self, ranges: list[ObjectRange]) -> None:
         """Make committed ranges readable."""
-        touched = set()
         for r in ranges:
             self.objects.setdefault(r.object_id, []).append(r)
-            self._ranges.setdefault(r.stream_id, []).append(r)
-            touched.add(r.stream_id)
-        for sid in touched:
-            self._ranges[sid].sort(key=lambda r: r.start_offset)
-            self._starts[sid] = [r.start_offset for r in self._ranges[sid]]
+            # new ranges nearly always go at the end: an insert, not a re-sort of the whole
+            # (ever growing until compaction) list after every upload
+            rs = self._ranges.setdefault(r.stream_id, [])
+            starts = self._starts.setdefault(r.stream_id, [])
+            i = bisect.bisect_right(starts, r.start_offset)
+            rs.insert(i, r)
+            starts.insert(i, r.start_offset)
 
     def remove(self, object_ids: list[int]) -> None:
         """Forget objects (compacted away or deleted); their keys may vanish from the store."""
