@@ -1,6 +1,7 @@
 """Profile a broker under load with py-spy and print where its time goes.
 
     python -m bench.profile [--seconds 10] [--load raw|clients|fetch] [--out bench/profiles]
+                             [--batch-bytes N] [--idle]
 
 Starts a broker, drives it with the raw 1 MiB-batch produce load, a 100 B confluent-kafka
 producer, or raw fetches, while ``py-spy record --native`` samples the broker process. Writes
@@ -43,10 +44,10 @@ def top(collapsed: str, n: int = 15) -> tuple[list[tuple[str, float]], list[tupl
     return pct(own.most_common(n)), pct(total.most_common(n))
 
 
-def drive(load: str, bootstrap: str, seconds: float) -> None:
+def drive(load: str, bootstrap: str, seconds: float, batch_bytes: int = 1 << 20) -> None:
     """Run the chosen load against the broker for `seconds`."""
     if load == "raw":
-        rawload.bench_target(bootstrap, seconds, 4, 8, rawload.make_batch(1 << 20), True, False)
+        rawload.bench_target(bootstrap, seconds, 4, 8, rawload.make_batch(batch_bytes), True, False)
     elif load == "fetch":
         topic = f"pf-{time.time_ns()}"
         create_topic(bootstrap, topic)
@@ -65,16 +66,23 @@ def main() -> None:
     ap.add_argument("--load", default="raw", choices=["raw", "clients", "fetch"])
     ap.add_argument("--out", default=os.path.join(HERE, "profiles"))
     ap.add_argument("--rate", type=int, default=250)
+    ap.add_argument("--batch-bytes", type=int, default=1 << 20,
+                    help="raw load: bytes per Produce request (1024: per-request cost)")
+    ap.add_argument("--idle", action="store_true", help="also sample idle threads (py-spy --idle)")
+    ap.add_argument("--storage", default="engine", choices=["engine", "memory"],
+                    help="memory: profile the request path without WAL and object store")
     a = ap.parse_args()
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     os.makedirs(a.out, exist_ok=True)
-    with BrokerProc(["--wal-capacity", str(4 << 30)]) as b:
+    with BrokerProc(["--wal-capacity", str(4 << 30), "--storage", a.storage]) as b:
         raw_out = os.path.join(a.out, f"{a.load}.collapsed")
-        t = threading.Thread(target=drive, args=(a.load, b.bootstrap, a.seconds + 2))
+        t = threading.Thread(target=drive, args=(a.load, b.bootstrap, a.seconds + 2,
+                                                 a.batch_bytes))
         t.start()
         time.sleep(1)
         subprocess.run([spy, "record", "--native", "--pid", str(b.pid), "-r", str(a.rate), "-d",
-                        str(int(a.seconds)), "--format", "raw", "-o", raw_out],
+                        str(int(a.seconds)), "--format", "raw", "-o", raw_out,
+                        *(["--idle"] if a.idle else [])],
                        check=False)
         t.join()
     with open(raw_out) as f:

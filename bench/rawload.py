@@ -1,7 +1,7 @@
 """Raw-protocol load generator: pre-built 1 MiB record batches, acks=all, pipelined, several connections.
 
     python -m bench.rawload [--seconds 10] [--connections 4] [--depth 8] [--batch-bytes 1048576]
-                            [--skip-mock] [--fetch]
+                            [--skip-mock] [--no-fetch] [--broker-arg=ARG ...]
 
 Every Produce request frame is built once; per request only the 12-byte prefix (size, api key,
 version, correlation id) is packed, and header + body go out in one ``writelines`` - so the
@@ -282,8 +282,13 @@ def main() -> None:
     ap.add_argument("--batch-bytes", type=int, default=1 << 20)
     ap.add_argument("--skip-mock", action="store_true")
     ap.add_argument("--fetch", action="store_true", default=True)
+    ap.add_argument("--no-fetch", dest="fetch", action="store_false", help="produce only")
+    ap.add_argument("--broker-arg", action="append", default=[],
+                    help="extra broker argument, repeatable (e.g. --broker-arg=--storage "
+                         "--broker-arg=memory to time the request path without the WAL)")
     a = ap.parse_args()
-    for r in run(a.seconds, a.connections, a.depth, a.batch_bytes, not a.skip_mock, a.fetch):
+    for r in run(a.seconds, a.connections, a.depth, a.batch_bytes, not a.skip_mock, a.fetch,
+                 a.broker_arg):
         r.print()
 
 

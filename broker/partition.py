@@ -327,9 +327,12 @@ class Partition:
 
     # --- produce ---------------------------------------------------------------------------
     async def append(self, records: bytes | bytearray | memoryview | None,
-                     api_version: int = 9) -> AppendResult:
+                     api_version: int = 9, owned: bool = False) -> AppendResult:
         """Validate, assign offsets in place and append one produce payload durably.
 
+        ``owned``: ``records`` is a writable buffer nobody else reads or reuses (the server's
+        request frame), so offsets are written into it directly instead of into a copy; the
+        stream copies the payload into its WAL record anyway.
         Returns when the payload is durable (acks=1/all); the caller decides whether to answer.
         Errors are returned as Kafka error codes, never raised."""
         res = AppendResult(log_start_offset=self.log_start_offset)
@@ -341,7 +344,7 @@ class Partition:
             res.message = "empty records"
             return res
         try:
-            buf, views = self._prepare(records)
+            buf, views = self._prepare(records, owned)
         except protocol.CorruptRecordError as e:
             res.error, res.message = ErrorCode.CORRUPT_MESSAGE, str(e)
             return res
@@ -475,15 +478,16 @@ class Partition:
             size, max_ts, end = self._index_pending.pop(b)
             idx.add(b, size, max_ts, end)
 
-    def _prepare(self, records: bytes | bytearray | memoryview
-                 ) -> tuple[bytearray, list[tuple[int, Any]]]:
+    def _prepare(self, records: bytes | bytearray | memoryview, owned: bool = False
+                 ) -> tuple[bytearray | memoryview, list[tuple[int, Any]]]:
         """A writable buffer of v2 batches plus (position, header view) of each batch."""
         mv = memoryview(records)
         if mv.nbytes > 16 and mv[16] < 2:
-            buf = bytearray(protocol.convert_legacy(mv))
+            buf: bytearray | memoryview = bytearray(protocol.convert_legacy(mv))
+        elif owned and not mv.readonly and mv.contiguous and mv.format == "B":
+            buf = mv  # offsets go straight into the request frame: no copy
         else:
-            # one copy: the request frame may be a reused receive buffer, the stored payload
-            # must own its bytes (the log cache keeps it)
+            # a caller's buffer is not ours to change: one copy
             buf = bytearray(mv)
         views = []
         for view in protocol.iter_batches(buf):

@@ -117,8 +117,6 @@ def parse_request(frame: memoryview | bytes) -> tuple[RequestHeader, Any]:
     if not lo <= header.api_version <= hi:
         raise UnsupportedVersionError(header)
     if header.api_key == PRODUCE_KEY:
-        from .produce_fast import parse_produce_body
-
         return header, parse_produce_body(frame, pos, header)
     body = decode_body(header.api_key, header.api_version, frame, pos, header)
     return header, body
@@ -165,8 +163,11 @@ def encode_response(header: RequestHeader, response_obj: Any) -> bytes:
     """Full response frame: length prefix, response header of the right version, body.
 
     Fetch responses may carry ``records`` as a list of buffers (see
-    :func:`encode_response_buffers`, which avoids even the final join).
+    :func:`encode_response_buffers`, which avoids even the final join). A body that is already
+    encoded (bytes, e.g. from :func:`encode_produce_response`) is framed as it is.
     """
+    if isinstance(response_obj, (bytes, bytearray, memoryview)):
+        return b"".join(encode_response_parts(header, [response_obj]))
     if header.api_key == 1:
         from .fetch_fast import encode_fetch_response
 
@@ -223,8 +224,11 @@ def encode_response_buffers(header: RequestHeader, response_obj: Any) -> list[
     """Like :func:`encode_response` but as a list of buffers for ``transport.writelines``.
 
     Fetch responses go through the zero-copy encoder: record payloads (bytes,
-    memoryviews or lists of them in ``records``) are not copied.
+    memoryviews or lists of them in ``records``) are not copied. Pre-encoded bodies (bytes)
+    are framed without a copy.
     """
+    if isinstance(response_obj, (bytes, bytearray, memoryview)):
+        return encode_response_parts(header, [response_obj])
     if header.api_key == 1:
         from .fetch_fast import encode_fetch_response
 
@@ -264,3 +268,7 @@ def parse_response(api_key: int, api_version: int, frame: memoryview | bytes) ->
             f"{cls.__name__} v{api_version}: {len(frame) - end} bytes left over", header)
     _finish_decoded(obj, api_version)
     return correlation_id, obj
+
+
+# at the end: produce_fast imports the readers defined above
+from .produce_fast import parse_produce_body  # noqa: E402

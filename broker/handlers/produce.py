@@ -1,7 +1,12 @@
 """Produce (api key 0): append record batches to partitions, answer per acks.
 
 acks=0 gets no response at all; acks=1 and acks=-1 (all; one replica here) are answered once
-the append is durable in the WAL. Partitions of one request are appended concurrently.
+the append is durable in the WAL. Partitions of one request are appended concurrently (a
+request for a single partition, the common case, is appended without an extra task).
+
+The request's ``records`` are views into the request frame, which the server hands over as an
+owned buffer: the partition writes offsets into it in place (no copy). The answer is encoded
+directly (``protocol.produce_fast.encode_produce_response``), not through the generic codec.
 """
 from __future__ import annotations
 
@@ -9,8 +14,8 @@ import asyncio
 import logging
 from typing import Any
 
-import protocol
 from protocol import ErrorCode
+from protocol.produce_fast import encode_produce_response
 
 from ..partition import AppendResult, find_topic_by_id, get_partition, topic_for_produce
 from .registry import RequestContext, handler
@@ -20,13 +25,14 @@ log = logging.getLogger(__name__)
 PRODUCE = 0
 
 
-async def _append(ctx: RequestContext, topic: Any, index: int, records: Any,
-                  version: int) -> AppendResult:
+async def _append(topic: Any, index: int, records: Any, version: int) -> AppendResult:
     partition = get_partition(topic, index)
     if partition is None:
         return AppendResult(error=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION)
+    # a writable view is the server's request frame: the partition may write into it
+    owned = isinstance(records, memoryview) and not records.readonly
     try:
-        return await partition.append(records, version)
+        return await partition.append(records, version, owned=owned)
     except Exception:  # noqa: BLE001 - malformed input must not kill the connection
         log.exception("produce failed topic=%s partition=%d", partition.topic, index)
         return AppendResult(error=ErrorCode.CORRUPT_MESSAGE, message="invalid record batch")
@@ -34,53 +40,66 @@ async def _append(ctx: RequestContext, topic: Any, index: int, records: Any,
 
 @handler(PRODUCE)
 async def handle_produce(ctx: RequestContext, req: Any) -> Any:
-    """Append every partition's records; None (no response) for acks=0."""
+    """Append every partition's records; the encoded body, or None (no response) for acks=0."""
     version = ctx.version
     acks = req.acks
-    Resp = protocol.response_class(PRODUCE)
-    TopicResp = Resp.TopicProduceResponse
-    PartResp = TopicResp.PartitionProduceResponse
+    refused: AppendResult | None = None
+    if acks not in (-1, 0, 1):
+        refused = AppendResult(error=ErrorCode.INVALID_REQUIRED_ACKS)
+    elif getattr(req, "transactional_id", None):
+        refused = AppendResult(error=ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+                               message="transactions are not supported")
 
-    jobs: list[tuple[int, int, asyncio.Future[AppendResult] | AppendResult]] = []
-    topics_out: list[tuple[Any, Any]] = []
-    for t_idx, td in enumerate(req.topic_data or []):
+    # (topic key for the answer, [(partition index, result or pending append)])
+    plan: list[tuple[Any, list[tuple[int, Any]]]] = []
+    pending = 0
+    for td in req.topic_data or []:
         if version >= 13:
             topic = find_topic_by_id(ctx.broker, td.topic_id)
             unknown = ErrorCode.UNKNOWN_TOPIC_ID
+            key = td.topic_id
         else:
             topic = await topic_for_produce(ctx.broker, td.name)
             unknown = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
-        topics_out.append((td, topic))
+            key = td.name
+        jobs: list[tuple[int, Any]] = []
         for pd in td.partition_data or []:
-            if acks not in (-1, 0, 1):
-                res: Any = AppendResult(error=ErrorCode.INVALID_REQUIRED_ACKS)
-            elif getattr(req, "transactional_id", None):
-                res = AppendResult(error=ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
-                                   message="transactions are not supported")
+            if refused is not None:
+                jobs.append((pd.index, refused))
             elif topic is None:
-                res = AppendResult(error=unknown)
+                jobs.append((pd.index, AppendResult(error=unknown)))
             else:
-                res = asyncio.ensure_future(_append(ctx, topic, pd.index, pd.records, version))
-            jobs.append((t_idx, pd.index, res))
+                jobs.append((pd.index, (topic, pd.records)))
+                pending += 1
+        plan.append((key, jobs))
 
-    results: dict[tuple[int, int], AppendResult] = {}
-    for t_idx, index, job in jobs:
-        results[(t_idx, index)] = await job if isinstance(job, asyncio.Future) else job
+    if pending == 1:  # one partition: append in this task
+        for _, jobs in plan:
+            for i, (index, job) in enumerate(jobs):
+                if isinstance(job, tuple):
+                    jobs[i] = (index, await _append(job[0], index, job[1], version))
+    elif pending > 1:  # several: concurrently, answered in request order
+        for _, jobs in plan:
+            for i, (index, job) in enumerate(jobs):
+                if isinstance(job, tuple):
+                    jobs[i] = (index, asyncio.ensure_future(
+                        _append(job[0], index, job[1], version)))
+        for _, jobs in plan:
+            for i, (index, job) in enumerate(jobs):
+                if isinstance(job, asyncio.Future):
+                    jobs[i] = (index, await job)
 
     if acks == 0:
         return None
-    responses = []
-    for t_idx, (td, topic) in enumerate(topics_out):
+    topics = []
+    for key, jobs in plan:
         parts = []
-        for pd in td.partition_data or []:
-            r = results[(t_idx, pd.index)]
-            parts.append(PartResp(index=pd.index, error_code=int(r.error),
-                                  base_offset=r.base_offset if not r.error else -1,
-                                  log_append_time_ms=r.log_append_time,
-                                  log_start_offset=r.log_start_offset,
-                                  record_errors=[], error_message=r.message if r.error else None))
-        if version >= 13:
-            responses.append(TopicResp(topic_id=td.topic_id, partition_responses=parts))
-        else:
-            responses.append(TopicResp(name=td.name, partition_responses=parts))
-    return Resp(version=version, responses=responses, throttle_time_ms=0)
+        for index, r in jobs:
+            if r.error:
+                parts.append((index, int(r.error), -1, r.log_append_time, r.log_start_offset,
+                              r.message))
+            else:
+                parts.append((index, 0, r.base_offset, r.log_append_time, r.log_start_offset,
+                              None))
+        topics.append((key, parts))
+    return encode_produce_response(version, topics)  # bytes: framed as it is

@@ -356,3 +356,34 @@ async def test_mutated_batches_never_raise(tmp_path):
     res = await p.read(0, 1 << 30)
     assert sum(h.last_offset_delta + 1 for b in res.batches for h in batch_headers(b.payload)) \
         == accepted
+
+
+async def test_owned_frame_gets_offsets_in_place_and_foreign_buffers_stay_untouched(tmp_path):
+    """owned=True (the server's request frame) writes the offset into the given buffer - no
+    copy; a caller's buffer (owned=False, the default) is never changed."""
+    p, *_ = await open_partition(tmp_path)
+    await p.append(make_batch([b"first"]))
+    foreign = bytearray(make_batch([b"a", b"b"]))
+    before = bytes(foreign)
+    r = await p.append(memoryview(foreign))
+    assert (r.error, r.base_offset) == (0, 1)
+    assert bytes(foreign) == before
+    frame = bytearray(b"hdr" + make_batch([b"c"]))
+    r = await p.append(memoryview(frame)[3:], owned=True)
+    assert (r.error, r.base_offset) == (0, 3)
+    assert batch_headers(bytes(frame[3:]))[0].base_offset == 3
+    # read-only views are copied even when called owned
+    ro = make_batch([b"d"])
+    r = await p.append(memoryview(ro), owned=True)
+    assert (r.error, r.base_offset) == (0, 4) and batch_headers(ro)[0].base_offset == 0
+    assert [(o, v) for o, _, v in await read_all(p)] == [
+        (0, b"first"), (1, b"a"), (2, b"b"), (3, b"c"), (4, b"d")]
+
+
+async def test_owned_corrupt_batch_is_rejected(tmp_path):
+    p, *_ = await open_partition(tmp_path)
+    frame = bytearray(make_batch([b"payload" * 50]))
+    frame[-4] ^= 0x01
+    r = await p.append(memoryview(frame), owned=True)
+    assert r.error == ErrorCode.CORRUPT_MESSAGE
+    assert p.high_watermark == 0

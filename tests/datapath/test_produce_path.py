@@ -1,0 +1,152 @@
+"""The produce hot path over a real socket: pipelined requests answered in order, large frames
+received straight into their own buffer (also when they arrive in pieces), offsets written
+into the owned request frame, CRC checks still applied on that path."""
+from __future__ import annotations
+
+import socket
+import struct
+import time
+import uuid
+
+import pytest
+
+from kafka.protocol.producer import ProduceRequest, ProduceResponse
+
+from .batches import make_batch, read_records
+from .wire import WireClient
+
+pytestmark = pytest.mark.e2e
+
+E_NONE, E_CORRUPT, E_UNKNOWN = 0, 2, 3
+
+
+def _topic() -> str:
+    return "pp-" + uuid.uuid4().hex[:10]
+
+
+def _frame(topic: str, records: bytes, corr: int, version: int = 9, partition: int = 0,
+           acks: int = -1) -> bytes:
+    TD = ProduceRequest.TopicProduceData
+    req = ProduceRequest(transactional_id=None, acks=acks, timeout_ms=30000,
+                         topic_data=[TD(name=topic, partition_data=[
+                             TD.PartitionProduceData(index=partition, records=records)])])
+    req.with_header(correlation_id=corr, client_id="produce-path-tests")
+    return bytes(req.encode(version=version, header=True, framed=True))
+
+
+def _read_response(c: WireClient, version: int = 9) -> tuple[int, object]:
+    (size,) = struct.unpack(">i", c._exact(4))
+    resp = ProduceResponse.decode(c._exact(size), version=version, header=True)
+    return resp.header.correlation_id, resp.responses[0].partition_responses[0]
+
+
+def _corrupt(batch: bytes) -> bytes:
+    raw = bytearray(batch)
+    raw[-3] ^= 0x5A  # inside the records: only the CRC-32C can tell
+    return bytes(raw)
+
+
+@pytest.fixture
+def client(module_broker):
+    with WireClient(module_broker.host, module_broker.port) as c:
+        yield c
+
+
+def test_pipelined_mixed_requests_answered_in_order(client):
+    """Kafka clients keep up to 5 requests in flight; here 40 (small, large, corrupt, unknown
+    partition) are sent before reading anything: every answer comes back in request order."""
+    t = _topic()
+    client.create_topic(t)
+    plan = []  # (correlation id, expected error, values)
+    out = bytearray()
+    for i in range(40):
+        corr = 1000 + i
+        if i % 10 == 3:  # large: a frame received into its own buffer
+            values = [bytes([i]) * 100_000, bytes([i + 1]) * 150_000]
+        else:
+            values = [f"m{i}-{k}".encode() for k in range(3)]
+        batch = make_batch(values)
+        if i % 10 == 7:
+            out += _frame(t, _corrupt(batch), corr)
+            plan.append((corr, E_CORRUPT, None))
+        elif i % 13 == 5:
+            out += _frame(t, batch, corr, partition=9)
+            plan.append((corr, E_UNKNOWN, None))
+        else:
+            out += _frame(t, batch, corr)
+            plan.append((corr, E_NONE, values))
+    client.sock.sendall(out)
+    expected_offset = 0
+    stored = []
+    for corr, err, values in plan:
+        got_corr, part = _read_response(client)
+        assert got_corr == corr
+        assert part.error_code == err
+        if err == E_NONE:
+            assert part.base_offset == expected_offset
+            expected_offset += len(values)
+            stored.extend(values)
+        else:
+            assert part.base_offset == -1
+    fetched = []
+    offset = 0
+    while offset < expected_offset:
+        recs = read_records(client.fetch(t, offset, partition_max_bytes=50 << 20).records)
+        assert recs
+        fetched.extend(recs)
+        offset = recs[-1][0] + 1
+    assert [o for o, _, _ in fetched] == list(range(expected_offset))
+    assert [v for _, _, v in fetched] == stored
+
+
+def test_large_frame_arriving_in_pieces(module_broker):
+    """A 1 MiB request whose bytes trickle in (length prefix split too) lands intact; the
+    request after it on the same connection is framed correctly."""
+    t = _topic()
+    values = [bytes(range(256)) * 1000 + bytes([k]) for k in range(4)]
+    big = _frame(t, make_batch(values), 7)
+    small = _frame(t, make_batch([b"after"]), 8)
+    with WireClient(module_broker.host, module_broker.port) as c:
+        c.create_topic(t)
+        c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        cuts = [2, 3, 100, 70_000, 300_000, len(big) - 1]
+        prev = 0
+        for cut in cuts:
+            c.sock.sendall(big[prev:cut])
+            time.sleep(0.02)  # pacing only, so the broker sees partial frames
+            prev = cut
+        c.sock.sendall(big[prev:] + small)
+        corr, part = _read_response(c)
+        assert (corr, part.error_code, part.base_offset) == (7, E_NONE, 0)
+        corr, part = _read_response(c)
+        assert (corr, part.error_code, part.base_offset) == (8, E_NONE, 4)
+        recs = read_records(c.fetch(t, 0).records)
+        assert [v for _, _, v in recs] == values + [b"after"]
+
+
+def test_corrupt_large_batch_rejected_and_connection_kept(client):
+    t = _topic()
+    client.create_topic(t)
+    bad = _corrupt(make_batch([b"z" * 400_000]))
+    client.sock.sendall(_frame(t, bad, 1))
+    assert _read_response(client)[1].error_code == E_CORRUPT
+    good = make_batch([b"g" * 400_000])
+    client.sock.sendall(_frame(t, good, 2))
+    corr, part = _read_response(client)
+    assert (corr, part.error_code, part.base_offset) == (2, E_NONE, 0)
+    assert client.fetch(t, 0).high_watermark == 1
+
+
+@pytest.mark.parametrize("acks", [0, 1])
+def test_large_acks0_and_acks1_pipelined(client, acks):
+    """acks=0 requests get no answer but keep their place: the next acked answer still
+    matches its own correlation id."""
+    t = _topic()
+    client.create_topic(t)
+    batch = make_batch([b"q" * 200_000])
+    client.sock.sendall(_frame(t, batch, 1, acks=acks) + _frame(t, batch, 2, acks=-1))
+    if acks:
+        corr, part = _read_response(client)
+        assert (corr, part.base_offset) == (1, 0)
+    corr, part = _read_response(client)
+    assert (corr, part.error_code, part.base_offset) == (2, E_NONE, 1)
