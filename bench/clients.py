@@ -1,6 +1,7 @@
 """Client-level benchmarks through confluent-kafka (librdkafka), run against s3kafka and the mock.
 
     python -m bench.clients [--seconds 8] [--sizes 100,1024,16384] [--skip-mock]
+    python -m bench.clients --latency-only [--rates 1000,30000] [--seconds 5]   (s3kafka only)
 
 Produce throughput (acks=all) per message size, consume throughput hot (LogCache) and cold
 (object store: the broker is restarted, which uploads and empties the LogCache), and produce
@@ -244,13 +245,37 @@ def run(seconds: float = 8, sizes: list[int] | None = None, mock: bool = True,
     return [prod, cons, lat]
 
 
+def latency_only(rates: list[float], size: int, seconds: float,
+                 broker_args: list[str] | None = None) -> Result:
+    """Produce latency at fixed rates against a fresh broker (quick before/after checks)."""
+    broker = BrokerProc(broker_args).start()
+    try:
+        topic = f"bench-lat-{time.time_ns()}"
+        create_topic(broker.bootstrap, topic)
+        rows = [produce_latency(broker.bootstrap, topic, size, rate, seconds) for rate in rates]
+    finally:
+        broker.close()
+    lat = Result(f"Produce latency, confluent-kafka, {size} B, acks=all, linger 0 (ms)",
+                 ["rate msgs/s", "p50", "p99", "p999", "acked"])
+    for a in rows:
+        lat.rows.append([a["rate"], a["p50"], a["p99"], a["p999"], a["n"]])
+    return lat
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seconds", type=float, default=8)
     ap.add_argument("--sizes", default="100,1024,16384")
     ap.add_argument("--skip-mock", action="store_true")
+    ap.add_argument("--latency-only", action="store_true",
+                    help="only the fixed-rate latency runs (first size, --rates)")
+    ap.add_argument("--rates", default="1000,30000")
     a = ap.parse_args()
-    for r in run(a.seconds, [int(s) for s in a.sizes.split(",")], not a.skip_mock):
+    sizes = [int(s) for s in a.sizes.split(",")]
+    if a.latency_only:
+        latency_only([float(r) for r in a.rates.split(",")], sizes[0], a.seconds).print()
+        return
+    for r in run(a.seconds, sizes, not a.skip_mock):
         r.print()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import struct
 import time
 from typing import Any
@@ -95,6 +96,8 @@ async def _produce_conn(host: str, port: int, topic: str, partition: int, batch:
         (err,) = _I16.unpack_from(frame, err_pos)
         if err:
             stats["errors"] += 1
+            codes = stats.setdefault("error_codes", {})
+            codes[err] = codes.get(err, 0) + 1
         else:
             stats["bytes"] += len(batch)
             stats["reqs"] += 1
@@ -210,8 +213,20 @@ def series_of(ts: list[tuple[float, int]], t0: float, step: float = 0.5) -> list
     return [((k + 1) * step, v / step / 1e6) for k, v in sorted(buckets.items())]
 
 
+def process_cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of process ``pid`` (all threads) from /proc; NaN if unknown."""
+    if pid is None:
+        return float("nan")
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: bytes,
-                 create: bool, fetch: bool) -> dict[str, Any]:
+                 create: bool, fetch: bool, pid: int | None = None) -> dict[str, Any]:
     host, port = bootstrap.rsplit(":", 1)
     topic = f"raw-{time.time_ns()}"
     if create:
@@ -220,10 +235,14 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
         from confluent_kafka import Producer
         p = Producer({"bootstrap.servers": bootstrap, "log_level": 2})
         p.list_topics(topic, timeout=10)
+    cpu0 = process_cpu_s(pid)
     st = _run(_produce, host, int(port), topic, conns, depth, seconds, batch)
+    cpu = process_cpu_s(pid) - cpu0
     ms = [x * 1000 for x in st["lat"]]
     out = {"mb_s": st["bytes"] / st["elapsed"] / 1e6, "req_s": st["reqs"] / st["elapsed"],
-           "errors": st["errors"], "p50": pct(ms, 0.5), "p99": pct(ms, 0.99),
+           # broker CPU (all threads) per acknowledged request: robust to a busy machine
+           "cpu_us_req": cpu / max(st["reqs"], 1) * 1e6,
+           "errors": st["errors"], "error_codes": st.get("error_codes", {}), "p50": pct(ms, 0.5), "p99": pct(ms, 0.99),
            "p999": pct(ms, 0.999), "series": series_of(st["ts"], st["t0"])}
     if fetch:
         from confluent_kafka import Consumer, TopicPartition
@@ -248,7 +267,8 @@ def run(seconds: float = 10, conns: int = 4, depth: int = 8, batch_bytes: int = 
     batch = make_batch(batch_bytes)
     broker = BrokerProc(["--wal-capacity", str(4 << 30), *(broker_args or [])]).start()
     try:
-        ours = bench_target(broker.bootstrap, seconds, conns, depth, batch, True, fetch)
+        ours = bench_target(broker.bootstrap, seconds, conns, depth, batch, True, fetch,
+                            broker.pid)
     finally:
         broker.close()
     theirs = None
@@ -257,15 +277,19 @@ def run(seconds: float = 10, conns: int = 4, depth: int = 8, batch_bytes: int = 
             theirs = bench_target(m.bootstrap, seconds, min(conns, 4), depth, batch, False, fetch)
     nan = float("nan")
     r = Result(f"Raw-protocol produce, {len(batch) >> 10} KiB batches, acks=all, {conns} connections x "
-               f"{depth} in flight", ["target", "MB/s", "requests/s", "p50 ms", "p99 ms", "p999 ms",
+               f"{depth} in flight", ["target", "MB/s", "requests/s", "p50 ms", "p99 ms", "p999 ms", "broker CPU us/req",
                                       "errors", "fetch MB/s (hot)"])
     for name, d in (("s3kafka", ours), ("mock", theirs)):
         if d is None:
             continue
-        r.rows.append([name, d["mb_s"], d["req_s"], d["p50"], d["p99"], d["p999"], d["errors"],
+        r.rows.append([name, d["mb_s"], d["req_s"], d["p50"], d["p99"], d["p999"],
+                       d.get("cpu_us_req", nan), d["errors"],
                        d.get("fetch_mb_s", nan)])
         r.series[f"{name} raw 1 MiB"] = d["series"]
         r.percentiles[f"{name} raw 1 MiB"] = {k: d[k] for k in ("p50", "p99", "p999")}
+    for name, d in (("s3kafka", ours), ("mock", theirs)):
+        if d is not None and d.get("error_codes"):
+            r.notes.append(f"{name} error responses by Kafka error code: {d['error_codes']}")
     if theirs:
         def ratio(a: float, b: float) -> float:
             return a / b if b else nan

@@ -99,89 +99,82 @@ def parse_produce_body(buf: memoryview, pos: int, header: RequestHeader) -> Any:
         raise
 
 
+def _length(buf: memoryview, pos: int, flexible: bool, wide: bool) -> tuple[int, int]:
+    """A string/bytes/array length: compact (uvarint - 1) when flexible, else int16/int32."""
+    if flexible:
+        n, pos = read_uvarint(buf, pos)
+        return n - 1, pos
+    if wide:
+        return _I32.unpack_from(buf, pos)[0], pos + 4
+    return _I16.unpack_from(buf, pos)[0], pos + 2
+
+
+def _string(buf: memoryview, pos: int, flexible: bool, header: RequestHeader,
+            nullable: bool) -> tuple[str | None, int]:
+    n, pos = _length(buf, pos, flexible, False)
+    if n < 0:
+        if not nullable:
+            raise MalformedRequestError("null string in Produce request", header)
+        return None, pos
+    if pos + n > len(buf):
+        raise MalformedRequestError("truncated Produce request", header)
+    try:
+        return str(buf[pos:pos + n], "utf-8"), pos + n
+    except UnicodeDecodeError:
+        raise MalformedRequestError("bad utf-8 in Produce request", header) from None
+
+
 def _parse(buf: memoryview, pos: int, header: RequestHeader) -> Any:
+    """Straight-line walk of the envelope (no closures: this runs once per request)."""
     version = header.api_version
     flexible = version >= 9
     end = len(buf)
-
-    def need(n: int) -> None:
-        if pos + n > end:
-            raise MalformedRequestError("truncated Produce request", header)
-
-    def read_string(nullable: bool) -> str | None:
-        nonlocal pos
-        if flexible:
-            n, pos = read_uvarint(buf, pos)
-            n -= 1
-        else:
-            need(2)
-            (n,) = _I16.unpack_from(buf, pos)
-            pos += 2
-        if n < 0:
-            if not nullable:
-                raise MalformedRequestError("null string in Produce request", header)
-            return None
-        need(n)
-        try:
-            s = bytes(buf[pos:pos + n]).decode("utf-8")
-        except UnicodeDecodeError:
-            raise MalformedRequestError("bad utf-8 in Produce request", header) from None
-        pos += n
-        return s
-
-    def read_count() -> int:
-        nonlocal pos
-        if flexible:
-            n, pos = read_uvarint(buf, pos)
-            n -= 1
-        else:
-            need(4)
-            (n,) = _I32.unpack_from(buf, pos)
-            pos += 4
-        if n < 0 or n > end - pos:  # each element takes at least one byte
-            raise MalformedRequestError(f"bad array length {n} in Produce request", header)
-        return n
-
-    transactional_id = read_string(True) if version >= 3 else None
-    need(6)
-    acks, timeout_ms = _ACKS_TIMEOUT.unpack_from(buf, pos)
-    pos += 6
-    topics = []
-    for _ in range(read_count()):
-        if version >= 13:
-            need(16)
-            topic_id = uuid.UUID(bytes=bytes(buf[pos:pos + 16]))
-            pos += 16
-            name = None
-        else:
-            name = read_string(False)
-            topic_id = None
-        parts = []
-        for _ in range(read_count()):
-            need(4)
-            (index,) = _I32.unpack_from(buf, pos)
-            pos += 4
-            if flexible:
-                n, pos = read_uvarint(buf, pos)
-                n -= 1
+    try:
+        transactional_id = None
+        if version >= 3:
+            transactional_id, pos = _string(buf, pos, flexible, header, True)
+        acks, timeout_ms = _ACKS_TIMEOUT.unpack_from(buf, pos)
+        pos += 6
+        n_topics, pos = _length(buf, pos, flexible, True)
+        if n_topics < 0 or n_topics > end - pos:  # each element takes at least one byte
+            raise MalformedRequestError(f"bad array length {n_topics} in Produce request",
+                                        header)
+        topics = []
+        for _ in range(n_topics):
+            if version >= 13:
+                if pos + 16 > end:
+                    raise MalformedRequestError("truncated Produce request", header)
+                topic_id: uuid.UUID | None = uuid.UUID(bytes=bytes(buf[pos:pos + 16]))
+                pos += 16
+                name = None
             else:
-                need(4)
-                (n,) = _I32.unpack_from(buf, pos)
-                pos += 4
-            if n < 0:
-                records = None
-            else:
-                need(n)
-                records = buf[pos:pos + n]
-                pos += n
+                name, pos = _string(buf, pos, flexible, header, False)
+                topic_id = None
+            n_parts, pos = _length(buf, pos, flexible, True)
+            if n_parts < 0 or n_parts > end - pos:
+                raise MalformedRequestError(f"bad array length {n_parts} in Produce request",
+                                            header)
+            parts = []
+            for _ in range(n_parts):
+                (index,) = _I32.unpack_from(buf, pos)
+                n, pos = _length(buf, pos + 4, flexible, True)
+                if n < 0:
+                    records = None
+                else:
+                    if pos + n > end:
+                        raise MalformedRequestError("truncated Produce request", header)
+                    records = buf[pos:pos + n]
+                    pos += n
+                if flexible:
+                    _, pos = read_tagged_fields(buf, pos)
+                parts.append(PartitionProduceData(index, records))
             if flexible:
                 _, pos = read_tagged_fields(buf, pos)
-            parts.append(PartitionProduceData(index, records))
+            topics.append(TopicProduceData(name, topic_id, parts))
         if flexible:
             _, pos = read_tagged_fields(buf, pos)
-        topics.append(TopicProduceData(name, topic_id, parts))
-    if flexible:
-        _, pos = read_tagged_fields(buf, pos)
+    except struct.error:
+        raise MalformedRequestError("truncated Produce request", header) from None
     return FastProduceRequest(version, transactional_id, acks, timeout_ms, topics)
 
 
@@ -194,7 +187,7 @@ def _uvarint(n: int) -> bytes:
     return bytes(out)
 
 
-def _string(s: str | None, flexible: bool) -> bytes:
+def _put_string(s: str | None, flexible: bool) -> bytes:
     if s is None:
         return b"\x00" if flexible else b"\xff\xff"
     raw = s.encode("utf-8")
@@ -227,7 +220,7 @@ def encode_produce_response(version: int,
             tid = key if isinstance(key, uuid.UUID) else uuid.UUID(int=0)
             out.append(tid.bytes)
         else:
-            out.append(_string(key if isinstance(key, str) else None, flexible))
+            out.append(_put_string(key if isinstance(key, str) else None, flexible))
         out.append(_count(len(parts), flexible))
         for index, error, base, append_time, start, message in parts:
             if version >= 5:
@@ -238,7 +231,7 @@ def encode_produce_response(version: int,
                 out.append(_PART_V0.pack(index, error, base))
             if version >= 8:
                 out.append(_count(0, flexible))  # record errors
-                out.append(_string(message, flexible))
+                out.append(_put_string(message, flexible))
             if flexible:
                 out.append(b"\x00")  # partition tagged fields
         if flexible:
