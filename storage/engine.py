@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from .cache.log_cache import CacheEntry, LogCache
+from .cold_reads import ColdReadPacer
 from .crash import crash_point
 from .metastore import MetaStore, NewObject, ObjectRange, StreamMeta, open_metastore
 from .objects.format import Record, encode_object
@@ -64,8 +65,12 @@ class EngineConfig:
     io_threads: int = 8                      # threads for object store / metadata calls
     cold_read_bytes_per_s: int = 64 << 20    # cap on bytes/s served from objects (catch-up
                                              # readers), so they cannot starve the tail; 0 = off
-    cold_read_max_bytes: int = 1 << 20       # most bytes one read serves from objects (smaller
-                                             # responses keep the event loop responsive)
+    cold_read_min_bytes_per_s: int = 16 << 20  # floor of the adaptive cold-read rate
+    cold_read_lag_target_ms: float = 1.0     # mean event-loop lag (per 100 ms) above which the
+                                             # cold-read rate is cut (AIMD, cold_reads.py);
+                                             # 0 = fixed rate
+    cold_read_max_bytes: int = 256 << 10     # most bytes one read serves from objects (short
+                                             # loop slices: hot requests never wait long)
 
     def resolved(self) -> "EngineConfig":
         """A copy with the data-dir derived defaults filled in."""
@@ -175,13 +180,14 @@ class EngineStream(Stream):
             first = eng.cache.first_offset(self.stream_id)
             if first is None or offset < first:
                 budget = min(max_bytes - size, eng.config.cold_read_max_bytes or max_bytes)
+                await asyncio.sleep(0)      # hot work already queued on the loop goes first
                 got = await eng.reader.read(self.stream_id, offset, budget, limit,
                                             first_required=not out)
                 if got:
                     out.extend(got)
                     n = sum(len(b.payload) for b in got)
                     size += n
-                    await eng.throttle_cold_read(n)
+                    await eng.cold_pacer.pace(n)
                     offset = got[-1].next_offset
                     first = eng.cache.first_offset(self.stream_id)
                     if first is None or offset < first:
@@ -235,21 +241,9 @@ class Engine(StreamStore):
         self._uploading = False
         self.maintenance: Any = None
         self.upload_errors = 0
-        self._cold_debt = 0.0
-        self._cold_at = time.monotonic()
-
-    async def throttle_cold_read(self, nbytes: int) -> None:
-        """Token bucket over bytes read from objects: a catch-up reader that runs ahead of
-        ``cold_read_bytes_per_s`` waits here (its own fetch only), leaving the loop to the tail."""
-        rate = self.config.cold_read_bytes_per_s
-        if rate <= 0:
-            return
-        now = time.monotonic()
-        self._cold_debt = max(0.0, self._cold_debt - (now - self._cold_at) * rate) + nbytes
-        self._cold_at = now
-        wait = (self._cold_debt - rate * 0.05) / rate      # allow a 50 ms burst
-        if wait > 0:
-            await asyncio.sleep(wait)
+        c = self.config
+        self.cold_pacer = ColdReadPacer(c.cold_read_bytes_per_s, c.cold_read_min_bytes_per_s,
+                                        c.cold_read_lag_target_ms / 1000)
 
     async def io(self, fn: Callable, *args: Any) -> Any:
         """Run a blocking call (object store, metadata, WAL trim) on the IO threads."""
@@ -285,6 +279,7 @@ class Engine(StreamStore):
         self._recover(recovered)
         self._tasks = [asyncio.create_task(self._upload_loop(), name="s3kafka-uploader"),
                        asyncio.create_task(self.maintenance.run(), name="s3kafka-maintenance")]
+        self.cold_pacer.start()
         if self.cache.pending:
             self.request_upload("recovery")
         elif recovered:
@@ -333,6 +328,7 @@ class Engine(StreamStore):
             await asyncio.wait_for(self._drain_uploads(), timeout=10)
         except (asyncio.TimeoutError, Exception) as e:  # the WAL still has it
             log.warning("final upload skipped: %s", e)
+        await self.cold_pacer.stop()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

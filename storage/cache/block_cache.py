@@ -41,36 +41,50 @@ class BlockCache:
         self.used = 0
         self.readahead_max = readahead_max
         self._fetch = fetch
-        self._lru: OrderedDict[BlockKey, memoryview] = OrderedDict()
+        # raw bytes until first read, then the decoded records (checked once, not per hit)
+        self._lru: OrderedDict[BlockKey, memoryview | list[Record]] = OrderedDict()
+        self._sizes: dict[BlockKey, int] = {}
         self._inflight: dict[BlockKey, asyncio.Future] = {}
         self.hits = 0
         self.misses = 0
         self.bytes_fetched = 0
 
-    def _put(self, key: BlockKey, data: memoryview) -> None:
+    def _put(self, key: BlockKey, data: memoryview | list[Record], size: int) -> None:
         if key in self._lru:
             return
         self._lru[key] = data
-        self.used += len(data)
+        self._sizes[key] = size
+        self.used += size
         while self.used > self.capacity and len(self._lru) > 1:
-            _, old = self._lru.popitem(last=False)
-            self.used -= len(old)
+            old, _ = self._lru.popitem(last=False)
+            self.used -= self._sizes.pop(old)
+
+    def _decoded(self, key: BlockKey, data: memoryview | list[Record]) -> list[Record]:
+        if isinstance(data, list):
+            return data
+        records = decode_block(data)
+        if key in self._lru:
+            self._lru[key] = records            # same bytes (views), same size
+        return records
 
     def invalidate_object(self, key: str) -> None:
         """Drop every cached block of an object (deleted by compaction/retention)."""
         for k in [k for k in self._lru if k[0] == key]:
-            self.used -= len(self._lru.pop(k))
+            del self._lru[k]
+            self.used -= self._sizes.pop(k)
 
     def clear(self) -> None:
         self._lru.clear()
+        self._sizes.clear()
         self.used = 0
 
     async def get(self, key: str, blocks: list[tuple[int, int]], i: int, ra: Readahead
                   ) -> list[Record]:
         """Records of block ``blocks[i]`` ((position, size), sorted, distinct) of object ``key``.
 
-        Blocks are cached as raw bytes and decoded (checksum included) when asked for, so a
-        large readahead costs the event loop nothing until the reader gets there. Raises
+        Blocks are cached as raw bytes and decoded (checksum included) when first asked for,
+        so a large readahead costs the event loop nothing until the reader gets there; the
+        decoded records replace the bytes, so later hits cost no checksum. Raises
         CorruptObjectError (bad bytes) or the fetch's error (store down)."""
         bkey = (key, blocks[i][0])
         hit = self._lru.get(bkey)
@@ -82,7 +96,7 @@ class BlockCache:
         if hit is not None:
             self._lru.move_to_end(bkey)
             self.hits += 1
-            return decode_block(hit)
+            return self._decoded(bkey, hit)
         self.misses += 1
         # grow the readahead on sequential misses, reset it on a jump
         pos0 = blocks[i][0]
@@ -108,10 +122,10 @@ class BlockCache:
             if len(data) != end - start:
                 raise CorruptObjectError(f"object {key} is shorter than its index says")
             for pos, size in wanted:
-                self._put((key, pos), data[pos - start:pos - start + size])
+                self._put((key, pos), data[pos - start:pos - start + size], size)
             ra.key, ra.next_position = key, end
             fut.set_result(None)
-            return decode_block(data[:blocks[i][1]])
+            return self._decoded(bkey, data[:blocks[i][1]])
         except BaseException as e:
             if not fut.done():
                 fut.set_exception(e)

@@ -1,0 +1,127 @@
+"""Pacing of cold reads (bytes served from objects) so catch-up readers cannot starve the tail.
+
+Producers, tail consumers and catch-up consumers share one event loop (and, on a small machine,
+the same cores). A catch-up reader asks for as much as it can get; every byte it is served costs
+loop time (BlockCache, response building, the socket copy) that hot requests then wait behind.
+``ColdReadPacer`` is a token bucket whose rate adapts to how late the event loop is: a probe task
+sleeps a few milliseconds at a time and measures how much later than asked it wakes up. When the
+mean lag over a window (100 ms) passes ``lag_target_s`` (hot work is queueing, or the machine is
+short of CPU) the rate is cut multiplicatively; while the loop is on time it grows back
+additively up to ``max_rate`` (AIMD, as TCP does with congestion). A mean over a window, not
+single samples: one late wake-up is scheduler noise (timers fire up to ~1 ms late on an idle
+loop), a late window is a busy loop. A floor (``min_rate``) keeps catch-up readers moving.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+
+class ColdReadPacer:
+    """Adaptive token bucket for cold-read bytes; the rate follows the event loop's lag."""
+
+    DECREASE = 0.5            # rate multiplier when the loop is late
+    WINDOW_S = 0.1            # lag samples are averaged over this long; one decision each
+    RAMP_S = 2.0              # time to grow from 0 to max_rate while the loop is on time
+    BURST_S = 0.05            # bytes the bucket may run ahead, in seconds of the current rate
+
+    def __init__(self, max_rate: float, min_rate: float = 0.0, lag_target_s: float = 0.0,
+                 probe_interval_s: float = 0.005,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_rate = float(max_rate)            # 0 = unlimited (no pacing at all)
+        self.min_rate = float(min(min_rate, max_rate)) if max_rate > 0 else 0.0
+        self.lag_target_s = lag_target_s           # 0 = fixed rate (no adaptation)
+        self.probe_interval_s = probe_interval_s
+        self.rate = self.max_rate
+        self._clock = clock
+        self._debt = 0.0
+        self._debt_at = clock()
+        self._window_start = clock()
+        self._window_sum = 0.0
+        self._window_n = 0
+        self._task: asyncio.Task | None = None
+        self.lag_s = 0.0                           # the latest lag sample
+        self.window_lag_s = 0.0                    # the latest window's mean lag
+        self.cuts = 0
+        self.bytes = 0
+
+    @property
+    def adaptive(self) -> bool:
+        return self.max_rate > 0 and self.lag_target_s > 0
+
+    # -- rate control -----------------------------------------------------------------------
+    def note_lag(self, lag_s: float) -> None:
+        """Feed one lag sample; once per window, cut the rate if the window's mean lag passed
+        the target, else let it grow by the window's share of the ramp."""
+        self.lag_s = lag_s
+        if not self.adaptive:
+            return
+        self._window_sum += lag_s
+        self._window_n += 1
+        now = self._clock()
+        elapsed = now - self._window_start
+        if elapsed < self.WINDOW_S:
+            return
+        mean = self._window_sum / self._window_n
+        self._window_start = now
+        self._window_sum = 0.0
+        self._window_n = 0
+        self.window_lag_s = mean
+        if mean > self.lag_target_s:
+            self.cuts += 1
+            self.rate = max(self.min_rate, self.rate * self.DECREASE)
+        else:
+            self.rate = min(self.max_rate, self.rate + self.max_rate * elapsed / self.RAMP_S)
+
+    def delay_for(self, nbytes: int) -> float:
+        """Account ``nbytes`` served; seconds the reader should wait to stay under the rate."""
+        self.bytes += nbytes
+        if self.max_rate <= 0:
+            return 0.0
+        now = self._clock()
+        rate = max(self.rate, 1.0)
+        self._debt = max(0.0, self._debt - (now - self._debt_at) * rate) + nbytes
+        self._debt_at = now
+        return max(0.0, (self._debt - rate * self.BURST_S) / rate)
+
+    async def pace(self, nbytes: int) -> None:
+        """Wait (this reader only) until ``nbytes`` fit under the current rate."""
+        wait = self.delay_for(nbytes)
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+    # -- lag probe --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the lag probe on the running loop (only when adapting)."""
+        if self.adaptive and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._probe(),
+                                                                name="s3kafka-cold-pacer")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _probe(self) -> None:
+        interval = self.probe_interval_s
+        report_at = time.monotonic() + 60
+        cuts = 0
+        while True:
+            t0 = time.perf_counter()          # loop.time() is whole milliseconds under uvloop
+            await asyncio.sleep(interval)
+            self.note_lag(max(0.0, time.perf_counter() - t0 - interval))
+            if time.monotonic() >= report_at:
+                report_at += 60
+                if self.cuts != cuts:
+                    log.info("cold reads paced: %d rate cuts in the last minute, rate now "
+                             "%.1f MiB/s, %.0f MiB served so far", self.cuts - cuts,
+                             self.rate / (1 << 20), self.bytes / (1 << 20))
+                    cuts = self.cuts

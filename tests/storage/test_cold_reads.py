@@ -1,0 +1,87 @@
+"""ColdReadPacer: the adaptive cold-read rate (AIMD on event-loop lag), with a fake clock."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from storage.cold_reads import ColdReadPacer
+
+MiB = 1 << 20
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def feed(p: ColdReadPacer, clock: Clock, lag: float, seconds: float, step: float = 0.005) -> None:
+    """Lag samples every ``step`` for ``seconds`` (what the probe task does on a real loop)."""
+    for _ in range(round(seconds / step)):
+        clock.t += step
+        p.note_lag(lag)
+
+
+def test_late_loop_cuts_rate_to_floor_and_on_time_loop_ramps_back() -> None:
+    clock = Clock()
+    p = ColdReadPacer(64 * MiB, 16 * MiB, lag_target_s=0.001, clock=clock)
+    assert p.rate == 64 * MiB
+    feed(p, clock, 0.004, 0.11)                      # one late window: halved
+    assert p.rate == 32 * MiB and p.cuts == 1
+    feed(p, clock, 0.004, 1.0)                       # stays late: down to the floor, not below
+    assert p.rate == 16 * MiB
+    feed(p, clock, 0.0002, 0.5)                      # on time again: grows additively ...
+    assert 16 * MiB < p.rate < 64 * MiB
+    feed(p, clock, 0.0002, 3.0)                      # ... up to the cap, not beyond
+    assert p.rate == 64 * MiB
+
+
+def test_single_late_sample_is_noise_not_a_signal() -> None:
+    clock = Clock()
+    p = ColdReadPacer(64 * MiB, 16 * MiB, lag_target_s=0.001, clock=clock)
+    for _ in range(20):                              # one 3 ms hiccup in each 100 ms window
+        p.note_lag(0.003)
+        feed(p, clock, 0.0001, 0.1)
+    assert p.cuts == 0 and p.rate == 64 * MiB
+
+
+def test_fixed_rate_and_unlimited_modes() -> None:
+    clock = Clock()
+    fixed = ColdReadPacer(10 * MiB, 1 * MiB, lag_target_s=0.0, clock=clock)
+    feed(fixed, clock, 0.5, 1.0)
+    assert not fixed.adaptive and fixed.rate == 10 * MiB
+    off = ColdReadPacer(0, 0, lag_target_s=0.001, clock=clock)
+    assert not off.adaptive and off.delay_for(1 << 30) == 0
+
+
+def test_delay_keeps_bytes_under_the_rate() -> None:
+    clock = Clock()
+    p = ColdReadPacer(10 * MiB, 10 * MiB, lag_target_s=0.0, clock=clock)
+    burst = int(10 * MiB * ColdReadPacer.BURST_S)
+    assert p.delay_for(burst) == 0                   # a short burst passes
+    wait = p.delay_for(5 * MiB)
+    assert abs(wait - 0.5) < 1e-6                    # 5 MiB more at 10 MiB/s
+    clock.t += wait                                  # the reader slept it off
+    assert p.delay_for(0) <= 1e-6
+    clock.t += 10.0                                  # idle time does not bank credit
+    assert p.delay_for(burst) == 0 and p.delay_for(MiB) > 0
+
+
+async def test_probe_runs_on_the_loop_and_stops() -> None:
+    p = ColdReadPacer(64 * MiB, 16 * MiB, lag_target_s=0.001, probe_interval_s=0.001)
+    p.start()
+    loop_blocked = asyncio.Event()
+
+    async def hog() -> None:                         # a loop that is late on every wake-up
+        for _ in range(300):
+            await asyncio.sleep(0)
+            t = time.perf_counter()
+            while time.perf_counter() - t < 0.003:
+                sum(range(1000))
+        loop_blocked.set()
+    await hog()
+    await p.stop()
+    assert loop_blocked.is_set()
+    assert p.cuts >= 1 and p.rate < 64 * MiB
