@@ -1,4 +1,5 @@
-"""Helpers for the end-to-end client tests: the Java CLI, topic set-up, group-of-three checks."""
+"""Helpers for the end-to-end client tests: the Java CLI, topic set-up, group-of-three checks
+and the resume-after-restart check every client runs."""
 from __future__ import annotations
 
 import hashlib
@@ -12,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -29,9 +30,6 @@ CLIENT_BROKER_ARGS = ["--group-min-session-timeout-ms", "1000",
 def unique(prefix: str) -> str:
     """A topic/group name no other test in a shared broker uses."""
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
-
 
 
 def create_topic(bootstrap: str, name: str, partitions: int = 1) -> None:
@@ -117,9 +115,6 @@ def compile_java(version: str, classpath: str) -> str:
         except OSError:            # another run finished first: use its identical build
             shutil.rmtree(tmp, ignore_errors=True)
     return str(out) + os.pathsep + classpath
-
-
-
 
 
 # -- group of three -----------------------------------------------------------------------------
@@ -238,3 +233,43 @@ def pending_values(bootstrap: str, group: str, topic: str, partitions: int) -> l
         return out
     finally:
         c.close()
+
+
+def resume_after_restart(broker: Any, group: str, topic: str, consume: Callable[[int], list[str]],
+                         partitions: int = 6, produced: int = 60, more: int = 12) -> None:
+    """Committed offsets survive a broker restart: after it, the group must receive exactly the
+    records at or after its commits plus ``more`` new ones. ``consume(count)`` joins the group
+    again (with the client under test) and returns the values it received."""
+    pending = pending_values(broker.bootstrap, group, topic, partitions)
+    assert len(pending) < produced, "the group committed nothing"
+    broker.restart()
+    new = [f"b-{i}" for i in range(more)]
+    produce_values(broker.bootstrap, topic, new)
+    expected = sorted(pending + new)
+    assert sorted(consume(len(expected))) == expected
+
+
+def poll_member(member: Member, count: int, timeout: float = 30) -> list[str]:
+    """Values one member receives until ``count`` arrived (one poll more: anything beyond would
+    be a duplicate); then it commits and leaves."""
+    got: list[str] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while len(got) < count and time.monotonic() < deadline:
+            got += member.poll_once()
+        got += member.poll_once()
+    finally:
+        member.close()
+    return got
+
+
+def group_of_three_then_resume(broker: Any, topic: str, member: Callable[[str], Member]) -> None:
+    """The group scenario every client library runs against a 6-partition topic: three
+    ``member(group)`` split it, one leaves, two take over, then the group resumes from its
+    committed offsets after a broker restart."""
+    group = unique("g")
+    values = [f"a-{i}" for i in range(60)]
+    produce_values(broker.bootstrap, topic, values)
+    run = run_group_of_three(lambda i: member(group), 6, set(values))
+    assert len(run.phase1) == 3 and len(run.phase2) == 2
+    resume_after_restart(broker, group, topic, lambda count: poll_member(member(group), count))

@@ -12,7 +12,8 @@ from aiokafka.admin.records_to_delete import RecordsToDelete
 from aiokafka.errors import TopicAlreadyExistsError
 from aiokafka.structs import OffsetAndMetadata
 
-from clients.e2e_helpers import ACKS, CODECS, pending_values, produce_values, run_group_of_three, unique
+from clients.e2e_helpers import (ACKS, CODECS, group_of_three_then_resume, produce_values,
+                                 unique)
 
 pytestmark = pytest.mark.e2e
 N = 20
@@ -97,35 +98,13 @@ class Member:
 
 
 async def test_group_of_three_rebalances_then_resumes_after_restart(cbroker, topic_name):
-    group = unique("g")
     admin = AIOKafkaAdminClient(bootstrap_servers=cbroker.bootstrap)
     await admin.start()
     await admin.create_topics([NewTopic(topic_name, 6, 1)])
     await admin.close()
-    produce_values(cbroker.bootstrap, topic_name, [f"a-{i}" for i in range(60)])
     # the members run in threads with their own loops; keep this loop free meanwhile
-    run = await asyncio.to_thread(
-        run_group_of_three, lambda i: Member(cbroker.bootstrap, group, topic_name), 6,
-        {f"a-{i}" for i in range(60)})
-    assert len(run.phase1) == 3 and len(run.phase2) == 2
-
-    pending = pending_values(cbroker.bootstrap, group, topic_name, 6)
-    assert len(pending) < 60, "the group committed nothing"
-    await asyncio.to_thread(cbroker.restart)
-    produce_values(cbroker.bootstrap, topic_name, [f"b-{i}" for i in range(12)])
-    expected = sorted(pending + [f"b-{i}" for i in range(12)])
-
-    def resume() -> list[str]:
-        m = Member(cbroker.bootstrap, group, topic_name)
-        got: list[str] = []
-        deadline = time.monotonic() + 30
-        while len(got) < len(expected) and time.monotonic() < deadline:
-            got += m.poll_once()
-        got += m.poll_once()
-        m.close()
-        return got
-    got = await asyncio.to_thread(resume)
-    assert sorted(got) == expected
+    await asyncio.to_thread(group_of_three_then_resume, cbroker, topic_name,
+                            lambda group: Member(cbroker.bootstrap, group, topic_name))
 
 
 async def test_admin_operations(cbroker, topic_name):

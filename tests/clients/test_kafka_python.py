@@ -10,7 +10,8 @@ from kafka.admin import (ConfigResource, ConfigResourceType, KafkaAdminClient, N
 from kafka.errors import TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
-from clients.e2e_helpers import ACKS, CODECS, pending_values, produce_values, run_group_of_three, unique
+from clients.e2e_helpers import (ACKS, CODECS, group_of_three_then_resume, produce_values,
+                                 unique)
 
 pytestmark = pytest.mark.e2e
 N = 20
@@ -87,28 +88,11 @@ class Member:
 
 
 def test_group_of_three_rebalances_then_resumes_after_restart(cbroker, topic_name):
-    group = unique("g")
     admin = KafkaAdminClient(bootstrap_servers=cbroker.bootstrap)
     admin.create_topics([NewTopic(topic_name, 6, 1)])
     admin.close()
-    produce_values(cbroker.bootstrap, topic_name, [f"a-{i}" for i in range(60)])
-    run = run_group_of_three(lambda i: Member(cbroker.bootstrap, group, topic_name), 6,
-                             {f"a-{i}" for i in range(60)})
-    assert len(run.phase1) == 3 and len(run.phase2) == 2
-
-    pending = pending_values(cbroker.bootstrap, group, topic_name, 6)
-    assert len(pending) < 60, "the group committed nothing"
-    cbroker.restart()
-    produce_values(cbroker.bootstrap, topic_name, [f"b-{i}" for i in range(12)])
-    expected = sorted(pending + [f"b-{i}" for i in range(12)])
-    m = Member(cbroker.bootstrap, group, topic_name)
-    got: list[str] = []
-    deadline = time.monotonic() + 30
-    while len(got) < len(expected) and time.monotonic() < deadline:
-        got += m.poll_once()
-    got += m.poll_once()
-    m.close()
-    assert sorted(got) == expected
+    group_of_three_then_resume(cbroker, topic_name,
+                               lambda group: Member(cbroker.bootstrap, group, topic_name))
 
 
 def test_admin_operations(cbroker, topic_name):

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from clients.e2e_helpers import ACKS, CODECS, create_topic, pending_values, produce_values, run_group_of_three, unique
+from clients.e2e_helpers import (ACKS, CODECS, create_topic, group_of_three_then_resume,
+                                 produce_values)
 
 KCAT = shutil.which("kcat") or shutil.which("kafkacat")
 pytestmark = [pytest.mark.e2e,
@@ -92,26 +93,9 @@ class KcatMember:
 
 
 def test_group_of_three_rebalances_then_resumes_after_restart(cbroker, topic_name):
-    group = unique("g")
     create_topic(cbroker.bootstrap, topic_name, 6)
-    produce_values(cbroker.bootstrap, topic_name, [f"a-{i}" for i in range(60)])
-    run = run_group_of_three(lambda i: KcatMember(cbroker.bootstrap, group, topic_name), 6,
-                             {f"a-{i}" for i in range(60)})
-    assert len(run.phase1) == 3 and len(run.phase2) == 2
-
-    pending = pending_values(cbroker.bootstrap, group, topic_name, 6)
-    assert len(pending) < 60, "the group committed nothing"
-    cbroker.restart()
-    produce_values(cbroker.bootstrap, topic_name, [f"b-{i}" for i in range(12)])
-    expected = sorted(pending + [f"b-{i}" for i in range(12)])
-    m = KcatMember(cbroker.bootstrap, group, topic_name)
-    got: list[str] = []
-    deadline = time.monotonic() + 30
-    while len(got) < len(expected) and time.monotonic() < deadline:
-        got += m.poll_once()
-    got += m.poll_once()
-    m.close()
-    assert sorted(got) == expected
+    group_of_three_then_resume(cbroker, topic_name,
+                               lambda group: KcatMember(cbroker.bootstrap, group, topic_name))
 
 
 def test_metadata_and_offset_queries(cbroker, topic_name):
