@@ -10,7 +10,6 @@ import os
 import pathlib
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
+
+from datapath.wire import api_versions_roundtrip
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CACHE = REPO / "tests" / ".cache"
@@ -36,39 +37,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def api_versions_roundtrip(host: str, port: int, timeout: float = 2.0) -> bool:
-    """Send ApiVersions v0 and check a well-formed, error-free answer with our correlation id.
-
-    A port that accepts is not enough: the broker must also decode and answer requests.
-    """
-    correlation_id = 0x5EED
-    client_id = b"s3kafka-tests"
-    body = struct.pack(">hhih", 18, 0, correlation_id, len(client_id)) + client_id
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as s:
-            s.settimeout(timeout)
-            s.sendall(struct.pack(">i", len(body)) + body)
-            head = _recv_exact(s, 4)
-            (size,) = struct.unpack(">i", head)
-            if size < 6 or size > 1 << 20:
-                return False
-            resp = _recv_exact(s, size)
-    except OSError:
-        return False
-    corr, error_code = struct.unpack_from(">ih", resp, 0)
-    return corr == correlation_id and error_code == 0
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed by peer")
-        buf += chunk
-    return bytes(buf)
 
 
 def _has_flag(args: Sequence[str], flag: str) -> bool:

@@ -5,6 +5,7 @@ import socket
 import struct
 from typing import Any
 
+from datapath.wire import recv_exact, recv_frame
 from protocol import is_flexible, request_class
 from protocol.frames import parse_response
 
@@ -35,17 +36,10 @@ class Wire:
         self.sock.sendall(data)
 
     def recv_exact(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("closed by broker")
-            buf += chunk
-        return bytes(buf)
+        return recv_exact(self.sock, n)
 
     def recv_frame(self) -> bytes:
-        (size,) = struct.unpack(">i", self.recv_exact(4))
-        return self.recv_exact(size)
+        return recv_frame(self.sock)
 
     def call(self, api_key: int, version: int, correlation_id: int = 1, **fields: Any) -> Any:
         self.send(encode_request(api_key, version, correlation_id, request(api_key, version,

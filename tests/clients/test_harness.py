@@ -19,7 +19,7 @@ def test_s3_endpoint_restart_keeps_port(s3_endpoint):
 def test_broker_fixture_restarts_on_the_same_port(broker):
     """stop() (SIGTERM, clean exit) and kill() both leave a broker that start() brings back
     on the same address with the same data directory."""
-    from conftest import api_versions_roundtrip
+    from datapath.wire import api_versions_roundtrip
     address = broker.bootstrap
     assert broker.running and api_versions_roundtrip(broker.host, broker.port)
     broker.stop()

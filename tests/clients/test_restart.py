@@ -7,55 +7,22 @@ offsets instead of being appended again.
 """
 from __future__ import annotations
 
-import socket
-import struct
 import time
 
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
-from kafka.protocol.producer import InitProducerIdRequest, InitProducerIdResponse
-from kafka.protocol.producer import ProduceRequest, ProduceResponse
 from kafka.record import MemoryRecordsBuilder
 from kafka.structs import OffsetAndMetadata
 
 from clients.e2e_helpers import CLIENT_BROKER_ARGS
+from datapath.wire import WireClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.parametrize("hard", [False, True],
                                                        ids=["sigterm", "kill9"])]
 PRODUCE_VERSION = 9          # flexible encoding, what current clients send
 INIT_PID_VERSION = 4
 NONE, OUT_OF_ORDER_SEQUENCE_NUMBER = 0, 45
-
-
-class RawClient:
-    """Kafka requests over a plain socket, encoded by kafka-python's protocol classes: full
-    control over what is (re)sent, unlike a client library that hides retries."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.sock = socket.create_connection((host, port), timeout=30)
-        self.correlation_id = 0
-
-    def call(self, request, response_class, version: int):
-        self.correlation_id += 1
-        request.with_header(correlation_id=self.correlation_id, client_id="raw-restart-test")
-        self.sock.sendall(request.encode(version=version, header=True, framed=True))
-        (size,) = struct.unpack(">i", self._recv(4))
-        resp = response_class.decode(self._recv(size), version=version, header=True)
-        assert resp.header.correlation_id == self.correlation_id
-        return resp
-
-    def _recv(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("broker closed the connection")
-            buf += chunk
-        return bytes(buf)
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def idempotent_batch(pid: int, epoch: int, seq: int, values: list[bytes]) -> bytes:
@@ -68,22 +35,10 @@ def idempotent_batch(pid: int, epoch: int, seq: int, values: list[bytes]) -> byt
     return bytes(b.buffer())
 
 
-def produce(client: RawClient, topic: str, batch: bytes) -> tuple[int, int]:
+def produce(client: WireClient, topic: str, batch: bytes) -> tuple[int, int]:
     """Send one batch to partition 0 with acks=all; return (error_code, base_offset)."""
-    req = ProduceRequest(transactional_id=None, acks=-1, timeout_ms=30000, topic_data=[
-        ProduceRequest.TopicProduceData(name=topic, partition_data=[
-            ProduceRequest.TopicProduceData.PartitionProduceData(index=0, records=batch)])])
-    resp = client.call(req, ProduceResponse, PRODUCE_VERSION)
-    part = resp.responses[0].partition_responses[0]
+    part = client.produce(topic, batch, partition=0, acks=-1, version=PRODUCE_VERSION)
     return part.error_code, part.base_offset
-
-
-def restart(broker, hard: bool) -> None:
-    if hard:
-        broker.kill()
-    else:
-        broker.stop()
-    broker.start()
 
 
 def consume_all(bootstrap: str, topic: str, partitions: int, expected: int) -> list:
@@ -113,21 +68,18 @@ def test_retried_batch_after_restart_is_deduplicated(broker_factory, hard):
     admin.create_topics([NewTopic(topic, 1, 1)])
     admin.close()
 
-    raw = RawClient(broker.host, broker.port)
-    init = raw.call(InitProducerIdRequest(transactional_id=None, transaction_timeout_ms=60000,
-                                          producer_id=-1, producer_epoch=-1),
-                    InitProducerIdResponse, INIT_PID_VERSION)
-    assert init.error_code == NONE
-    pid, epoch = init.producer_id, init.producer_epoch
+    # raw requests: full control over what is (re)sent, unlike a client library that hides retries
+    raw = WireClient(broker.host, broker.port, timeout=30, client_id="raw-restart-test")
+    pid, epoch = raw.init_producer_id(INIT_PID_VERSION)
     first = idempotent_batch(pid, epoch, 0, [b"a0", b"a1", b"a2", b"a3", b"a4"])
     second = idempotent_batch(pid, epoch, 5, [b"b0", b"b1", b"b2"])
     assert produce(raw, topic, first) == (NONE, 0)
     assert produce(raw, topic, second) == (NONE, 5)
     raw.close()
 
-    restart(broker, hard)
+    broker.restart(hard=hard)
 
-    raw = RawClient(broker.host, broker.port)
+    raw = WireClient(broker.host, broker.port, timeout=30, client_id="raw-restart-test")
     # the client never saw the acks (say), so it retries the identical batches
     assert produce(raw, topic, second) == (NONE, 5)
     assert produce(raw, topic, first) == (NONE, 0)
@@ -170,7 +122,7 @@ def test_restart_keeps_records_offsets_topics_and_commits(broker_factory, hard):
     c.commit({tp: OffsetAndMetadata(o, "meta", -1) for tp, o in committed.items()})
     c.close()
 
-    restart(broker, hard)
+    broker.restart(hard=hard)
 
     admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
     try:
@@ -293,7 +245,7 @@ def test_restart_with_s3_object_store(broker_factory, s3_endpoint, hard):
         time.sleep(0.1)
     assert s3.list_objects_v2(Bucket=bucket).get("KeyCount"), "nothing was uploaded to S3"
 
-    restart(broker, hard)
+    broker.restart(hard=hard)
 
     recs = consume_all(broker.bootstrap, "s3topic", 1, len(acked))
     assert {r.offset: r.value for r in recs} == acked and len(recs) == len(acked)

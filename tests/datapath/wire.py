@@ -2,11 +2,11 @@
 
 Real clients hide the fields these tests check (base offsets of duplicates, error codes,
 KIP-74 sizes), so requests are built with kafka-python's message classes and sent over a plain
-socket.
+socket. The socket helpers below (one exact read, one length-prefixed frame, one request on a
+fresh connection) are the ones every raw-socket test in tests/ uses.
 """
 from __future__ import annotations
 
-import itertools
 import socket
 import struct
 import uuid
@@ -19,14 +19,83 @@ from kafka.protocol.metadata import MetadataRequest, MetadataResponse
 from kafka.protocol.producer import (InitProducerIdRequest, InitProducerIdResponse,
                                      ProduceRequest, ProduceResponse)
 
+MAX_FRAME = 1 << 30
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes; ConnectionError when the broker closes the connection first."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("broker closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket, max_size: int = MAX_FRAME) -> bytes:
+    """One response frame without its 4-byte length prefix; ValueError for a length outside
+    0..max_size (a broker bug, reported instead of reading garbage forever)."""
+    (size,) = struct.unpack(">i", recv_exact(sock, 4))
+    if not 0 <= size <= max_size:
+        raise ValueError(f"response frame length {size} outside 0..{max_size}")
+    return recv_exact(sock, size)
+
+
+def framed(body: bytes) -> bytes:
+    """``body`` with its 4-byte big-endian length prefix."""
+    return struct.pack(">i", len(body)) + body
+
+
+def roundtrip(host: str, port: int, body: bytes, timeout: float,
+              max_size: int = MAX_FRAME) -> bytes:
+    """Send one request (``body`` = header + payload, unframed) on a fresh connection and return
+    the response frame. Raises OSError (connection) or ValueError (frame length)."""
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.settimeout(timeout)
+        s.sendall(framed(body))
+        return recv_frame(s, max_size)
+
+
+def api_versions_roundtrip(host: str, port: int, timeout: float = 2.0) -> bool:
+    """Send ApiVersions v0 and check a well-formed, error-free answer with our correlation id.
+
+    A port that accepts is not enough: the broker must also decode and answer requests. The
+    answer is checked from its first bytes, not with the protocol package under test.
+    """
+    correlation_id = 0x5EED
+    client_id = b"s3kafka-tests"
+    body = struct.pack(">hhih", 18, 0, correlation_id, len(client_id)) + client_id
+    try:
+        resp = roundtrip(host, port, body, timeout, max_size=1 << 20)
+    except (OSError, ValueError):
+        return False
+    if len(resp) < 6:
+        return False
+    corr, error_code = struct.unpack_from(">ih", resp, 0)
+    return corr == correlation_id and error_code == 0
+
 
 class WireClient:
     """One connection; ``call`` sends a request and returns the decoded response."""
 
-    def __init__(self, host: str, port: int, timeout: float = 60.0) -> None:
-        self.sock = socket.create_connection((host, port), timeout=timeout)
-        self.sock.settimeout(timeout)
-        self._corr = itertools.count(1)
+    def __init__(self, host: str, port: int, timeout: float = 60.0,
+                 client_id: str = "datapath-tests") -> None:
+        self.addr = (host, port)
+        self.timeout = timeout
+        self.client_id = client_id
+        self.correlation_id = 0          # of the last request sent
+        self.sock = self._connect()
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection(self.addr, timeout=self.timeout)
+        sock.settimeout(self.timeout)
+        return sock
+
+    def reconnect(self) -> None:
+        """A fresh connection (after the broker closed this one on purpose)."""
+        self.close()
+        self.sock = self._connect()
 
     def close(self) -> None:
         self.sock.close()
@@ -38,15 +107,17 @@ class WireClient:
         self.close()
 
     def send(self, req: Any, version: int) -> int:
-        corr = next(self._corr)
-        req.with_header(correlation_id=corr, client_id="datapath-tests")
+        self.correlation_id += 1
+        corr = self.correlation_id
+        req.with_header(correlation_id=corr, client_id=self.client_id)
         self.sock.sendall(req.encode(version=version, header=True, framed=True))
         return corr
 
+    def recv_frame(self, max_size: int = MAX_FRAME) -> bytes:
+        return recv_frame(self.sock, max_size)
+
     def recv(self, resp_cls: Any, version: int, corr: int) -> Any:
-        (size,) = struct.unpack(">i", self._exact(4))
-        data = self._exact(size)
-        resp = resp_cls.decode(data, version=version, header=True)
+        resp = resp_cls.decode(self.recv_frame(), version=version, header=True)
         assert resp.header.correlation_id == corr
         return resp
 
@@ -54,13 +125,7 @@ class WireClient:
         return self.recv(resp_cls, version, self.send(req, version))
 
     def _exact(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("broker closed the connection")
-            buf += chunk
-        return bytes(buf)
+        return recv_exact(self.sock, n)
 
     # --- conveniences ---------------------------------------------------------------------
     def create_topic(self, name: str, partitions: int = 1,

@@ -7,12 +7,12 @@ version (decoded strictly: every byte consumed) carrying our correlation id.
 """
 from __future__ import annotations
 
-import socket
 import struct
 
 import pytest
 
 import protocol
+from datapath.wire import WireClient, framed
 from protocol.examples import sample_message
 
 TIMEOUT_S = 30.0
@@ -25,50 +25,19 @@ def module_broker(module_broker_factory):
     return module_broker_factory(SMALL_WAL)
 
 
-class WireClient:
-    """A raw Kafka client connection: one request, one response, no pipelining."""
+def connect(broker) -> WireClient:
+    return WireClient(broker.host, broker.port, timeout=TIMEOUT_S, client_id="api-coverage")
 
-    def __init__(self, host: str, port: int) -> None:
-        self.addr = (host, port)
-        self.sock: socket.socket | None = None
-        self.correlation_id = 100
 
-    def connect(self) -> None:
-        self.close()
-        self.sock = socket.create_connection(self.addr, timeout=TIMEOUT_S)
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-
-    def _recv_exact(self, n: int) -> bytes:
-        assert self.sock is not None
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("broker closed the connection")
-            buf += chunk
-        return bytes(buf)
-
-    def call(self, request, version: int) -> tuple[int, object]:
-        """Send ``request`` at ``version``; return (correlation id, decoded response)."""
-        if self.sock is None:
-            self.connect()
-        self.correlation_id += 1
-        request.with_header(correlation_id=self.correlation_id, client_id="api-coverage")
-        frame = bytes(request.encode(version=version, header=True, framed=True))
-        assert self.sock is not None
-        self.sock.sendall(frame)
-        (size,) = struct.unpack(">i", self._recv_exact(4))
-        assert 4 <= size < 64 << 20
-        body = self._recv_exact(size)
-        return protocol.parse_response(request.API_KEY, version, body)
+def call(client: WireClient, request, version: int) -> tuple[int, object]:
+    """Send ``request`` at ``version``; return (correlation id, response decoded strictly by our
+    own protocol package: every byte consumed)."""
+    client.send(request, version)
+    return protocol.parse_response(request.API_KEY, version, client.recv_frame(64 << 20))
 
 
 def advertised(client: WireClient) -> dict[int, tuple[int, int]]:
-    _, resp = client.call(sample_message(protocol.request_class(18), 0, fill=False), 0)
+    _, resp = call(client, sample_message(protocol.request_class(18), 0, fill=False), 0)
     assert resp.error_code == 0
     return {k.api_key: (k.min_version, k.max_version) for k in resp.api_keys}
 
@@ -89,7 +58,7 @@ def make_request(api_key: int, version: int, fill: bool):
 
 @pytest.mark.parametrize("fill", [False, True], ids=["minimal", "filled"])
 def test_every_advertised_version_is_answered(module_broker, fill: bool) -> None:
-    client = WireClient(module_broker.host, module_broker.port)
+    client = connect(module_broker)
     try:
         ranges = advertised(client)
         assert ranges == protocol.SUPPORTED_APIS
@@ -98,10 +67,10 @@ def test_every_advertised_version_is_answered(module_broker, fill: bool) -> None
             for version in range(lo, hi + 1):
                 req = make_request(api_key, version, fill)
                 try:
-                    corr, resp = client.call(req, version)
+                    corr, resp = call(client, req, version)
                 except Exception as exc:  # collected: one report lists every gap
                     failures.append(f"{protocol.api_name(api_key)} v{version}: {exc!r}")
-                    client.connect()
+                    client.reconnect()
                     continue
                 if corr != client.correlation_id or resp.version != version:
                     failures.append(f"{protocol.api_name(api_key)} v{version}: corr {corr} "
@@ -113,15 +82,12 @@ def test_every_advertised_version_is_answered(module_broker, fill: bool) -> None
 
 
 def test_unsupported_versions_get_answers_not_crashes(module_broker) -> None:
-    client = WireClient(module_broker.host, module_broker.port)
+    client = connect(module_broker)
     try:
         # ApiVersions of a future version: v0 body with UNSUPPORTED_VERSION and our ranges
-        client.connect()
-        assert client.sock is not None
         frame = struct.pack(">hhih", 18, 99, 4242, 3) + b"new" + b"\x00" + b"\x00"
-        client.sock.sendall(struct.pack(">i", len(frame)) + frame)
-        (size,) = struct.unpack(">i", client._recv_exact(4))
-        corr, resp = protocol.parse_response(18, 99, client._recv_exact(size))
+        client.sock.sendall(framed(frame))
+        corr, resp = protocol.parse_response(18, 99, client.recv_frame())
         assert corr == 4242 and resp.error_code == protocol.ErrorCode.UNSUPPORTED_VERSION
         assert {k.api_key for k in resp.api_keys} >= {18}
         # the connection stays usable afterwards
@@ -141,7 +107,7 @@ def test_random_well_formed_requests_are_all_answered(module_broker) -> None:
     rng = random.Random(4711)
     records = [protocol.build_batch([(b"k", b"v")] * 3, timestamp=1000),
                protocol.build_batch([(b"k", b"v")], compression=protocol.GZIP)]
-    client = WireClient(module_broker.host, module_broker.port)
+    client = connect(module_broker)
     failures: list[str] = []
     try:
         for _ in range(3000):
@@ -152,11 +118,11 @@ def test_random_well_formed_requests_are_all_answered(module_broker) -> None:
             if key == 0 and req.acks == 0:
                 req.acks = 1  # acks=0 has no response by design
             try:
-                corr, resp = client.call(req, version)
+                corr, resp = call(client, req, version)
                 assert corr == client.correlation_id and resp.version == version
             except Exception as exc:
                 failures.append(f"{protocol.api_name(key)} v{version}: {exc!r} for {req!r:.400}")
-                client.connect()
+                client.reconnect()
     finally:
         client.close()
     assert not failures, "\n".join(failures[:20])

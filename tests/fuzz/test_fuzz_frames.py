@@ -20,6 +20,7 @@ import time
 import pytest
 
 import protocol
+from datapath.wire import api_versions_roundtrip, framed, roundtrip
 from protocol.examples import sample_message
 
 SEED = 20261121
@@ -95,10 +96,6 @@ class GoodClient(threading.Thread):
         self.rounds += 1
 
 
-def _frame(body: bytes) -> bytes:
-    return struct.pack(">i", len(body)) + body
-
-
 def _valid_request(rng: random.Random, exclude: set[int] = frozenset()) -> tuple[int, bytes]:
     key = rng.choice([k for k in protocol.SUPPORTED_APIS if k not in exclude])
     lo, hi = protocol.SUPPORTED_APIS[key]
@@ -130,7 +127,7 @@ def _fuzz_frame(rng: random.Random) -> tuple[bytes, bool]:
     """(bytes to send, close the connection afterwards)."""
     kind = rng.randrange(9)
     if kind == 0:  # pure garbage with a right length prefix
-        return _frame(rng.randbytes(rng.randint(0, 300))), False
+        return framed(rng.randbytes(rng.randint(0, 300))), False
     if kind == 1:  # truncated: the prefix promises more than is sent, then hang up
         _, body = _valid_request(rng)
         return struct.pack(">i", len(body) + rng.randint(1, 5000)) + body, True
@@ -139,25 +136,25 @@ def _fuzz_frame(rng: random.Random) -> tuple[bytes, bool]:
         return struct.pack(">i", size) + rng.randbytes(rng.randint(0, 64)), True
     if kind == 3:  # unknown api key
         key = rng.choice([4, 5, 6, 7, 17, 24, 27, 50, 68, 76, 999, 32767, -1])
-        return _frame(struct.pack(">hhih", key, 0, 1, 1) + b"f" + rng.randbytes(20)), False
+        return framed(struct.pack(">hhih", key, 0, 1, 1) + b"f" + rng.randbytes(20)), False
     if kind == 4:  # known api, version out of range
         key = rng.choice(list(protocol.SUPPORTED_APIS))
         version = rng.choice([-1, -32768, 32767, protocol.SUPPORTED_APIS[key][1] + 1])
-        return _frame(struct.pack(">hhih", key, version, 2, 1) + b"f" + rng.randbytes(30)), False
+        return framed(struct.pack(">hhih", key, version, 2, 1) + b"f" + rng.randbytes(30)), False
     if kind == 5:  # bit flips in a valid request
         _, body = _valid_request(rng, NOT_MUTATED)
         buf = bytearray(body)
         for _ in range(rng.randint(1, 6)):
             buf[rng.randrange(len(buf))] ^= 1 << rng.randrange(8)
-        return _frame(bytes(buf)), False
+        return framed(bytes(buf)), False
     if kind == 6:  # valid request cut short (consistent prefix)
         _, body = _valid_request(rng, NOT_MUTATED)
-        return _frame(body[:rng.randrange(len(body))]), False
+        return framed(body[:rng.randrange(len(body))]), False
     if kind == 7:  # valid request with trailing junk
         _, body = _valid_request(rng, NOT_MUTATED)
-        return _frame(body + rng.randbytes(rng.randint(1, 50))), False
+        return framed(body + rng.randbytes(rng.randint(1, 50))), False
     # frames shorter than a request header
-    return _frame(rng.randbytes(rng.randint(0, 8))), False
+    return framed(rng.randbytes(rng.randint(0, 8))), False
 
 
 class FuzzConnection:
@@ -199,40 +196,14 @@ class FuzzConnection:
                 self.sock = None
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return bytes(buf)
-
-
 def _check_corrupt_produce_refused(host: str, port: int, rng: random.Random, legacy: bool) -> None:
     body = _corrupt_produce(rng, legacy)
     version = struct.unpack_from(">h", body, 2)[0]
-    with socket.create_connection((host, port), timeout=30) as s:
-        s.sendall(_frame(body))
-        (size,) = struct.unpack(">i", _recv_exact(s, 4))
-        corr, resp = protocol.parse_response(0, version, _recv_exact(s, size))
+    corr, resp = protocol.parse_response(0, version, roundtrip(host, port, body, timeout=30))
     assert corr == 777
     (topic,) = resp.responses
     (part,) = topic.partition_responses
     assert part.error_code == protocol.ErrorCode.CORRUPT_MESSAGE, part
-
-
-def api_versions_roundtrip(host: str, port: int, timeout: float = 10) -> bool:
-    """The broker still answers ApiVersions v0 with no error on a fresh connection."""
-    frame = struct.pack(">hhih", 18, 0, 4321, 4) + b"live"
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as s:
-            s.sendall(_frame(frame))
-            (size,) = struct.unpack(">i", _recv_exact(s, 4))
-            corr, resp = protocol.parse_response(18, 0, _recv_exact(s, size))
-    except (OSError, protocol.ProtocolError):
-        return False
-    return corr == 4321 and resp.error_code == 0
 
 
 def test_fuzzed_frames_never_kill_the_broker(broker_factory) -> None:
