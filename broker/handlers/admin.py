@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from protocol import ErrorCode, response_class
@@ -261,12 +262,14 @@ def _non_topic_error(broker: Any, res: Any) -> tuple[int, str]:
     return ErrorCode.INVALID_REQUEST, f"unsupported resource type {res.resource_type}"
 
 
-@handler(ALTER_CONFIGS)
-async def alter_configs(ctx: RequestContext, req: Any) -> Any:
-    """Legacy AlterConfigs: the given set replaces every override of the topic."""
+async def _alter_topic_configs(ctx: RequestContext, req: Any, api_key: int,
+                               new_overrides: Callable[[Any, Topic, Any], dict[str, str]]) -> Any:
+    """The loop both AlterConfigs APIs share: per resource, find the topic, compute its new
+    overrides with ``new_overrides(mgr, topic, resource)``, store them unless validate_only,
+    and answer an error code per resource."""
     broker = ctx.broker
     mgr = broker.topic_manager
-    cls = response_class(ALTER_CONFIGS)
+    cls = response_class(api_key)
     rcls = cls.AlterConfigsResourceResponse
     out = []
     for res in req.resources:
@@ -278,11 +281,7 @@ async def alter_configs(ctx: RequestContext, req: Any) -> Any:
             if topic is None:
                 raise TopicError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
                                  f"unknown topic {res.resource_name!r}")
-            new: dict[str, str] = {}
-            for c in res.configs:
-                if c.value is None:
-                    continue
-                new[c.name] = validate_config(c.name, c.value)
+            new = new_overrides(mgr, topic, res)
             if not req.validate_only:
                 await mgr.set_overrides(topic, new)
         except Exception as exc:  # noqa: BLE001
@@ -290,62 +289,59 @@ async def alter_configs(ctx: RequestContext, req: Any) -> Any:
         out.append(rcls(error_code=err, error_message=msg, resource_type=res.resource_type,
                         resource_name=res.resource_name))
     return cls(version=ctx.version, throttle_time_ms=0, responses=out)
+
+
+def _replaced_overrides(mgr: Any, topic: Topic, res: Any) -> dict[str, str]:
+    """Legacy AlterConfigs: the given set (null values dropped) replaces every override."""
+    return {c.name: validate_config(c.name, c.value) for c in res.configs if c.value is not None}
+
+
+@handler(ALTER_CONFIGS)
+async def alter_configs(ctx: RequestContext, req: Any) -> Any:
+    """Legacy AlterConfigs: the given set replaces every override of the topic."""
+    return await _alter_topic_configs(ctx, req, ALTER_CONFIGS, _replaced_overrides)
 
 
 def _split_list(value: str) -> list[str]:
     return [x.strip() for x in value.split(",") if x.strip()]
 
 
+def _incremental_overrides(mgr: Any, topic: Topic, res: Any) -> dict[str, str]:
+    """SET/DELETE/APPEND/SUBTRACT applied in order to a copy of the topic's overrides."""
+    seen = [c.name for c in res.configs]
+    if len(seen) != len(set(seen)):
+        raise TopicError(ErrorCode.INVALID_REQUEST, "a config appears more than once")
+    new = dict(topic.overrides)
+    for c in res.configs:
+        d = TOPIC_CONFIGS.get(c.name)
+        if d is None:
+            raise TopicError(ErrorCode.INVALID_CONFIG, f"unknown topic config {c.name!r}")
+        op = c.config_operation
+        if op == OP_SET:
+            new[c.name] = validate_config(c.name, c.value)
+        elif op == OP_DELETE:
+            new.pop(c.name, None)
+        elif op in (OP_APPEND, OP_SUBTRACT):
+            if d.type != LIST:
+                raise TopicError(ErrorCode.INVALID_CONFIG,
+                                 f"{c.name} is not a list; cannot APPEND/SUBTRACT")
+            current = _split_list(mgr.effective(new)[c.name])
+            items = _split_list(c.value or "")
+            if op == OP_APPEND:
+                merged = current + [x for x in items if x not in current]
+            else:
+                merged = [x for x in current if x not in items]
+            if merged or d.check is None:
+                new[c.name] = validate_config(c.name, ",".join(merged))
+            else:
+                raise TopicError(ErrorCode.INVALID_CONFIG, f"{c.name} cannot be empty")
+        else:
+            raise TopicError(ErrorCode.INVALID_REQUEST, f"unknown operation {op}")
+    return new
+
+
 @handler(INCREMENTAL_ALTER_CONFIGS)
 async def incremental_alter_configs(ctx: RequestContext, req: Any) -> Any:
     """SET/DELETE/APPEND/SUBTRACT applied in order to a copy; stored only if all are valid."""
-    broker = ctx.broker
-    mgr = broker.topic_manager
-    cls = response_class(INCREMENTAL_ALTER_CONFIGS)
-    rcls = cls.AlterConfigsResourceResponse
-    out = []
-    for res in req.resources:
-        err, msg = ErrorCode.NONE, None
-        try:
-            if res.resource_type != RESOURCE_TOPIC:
-                raise TopicError(*_non_topic_error(broker, res))
-            topic = broker.topics.get(res.resource_name)
-            if topic is None:
-                raise TopicError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
-                                 f"unknown topic {res.resource_name!r}")
-            seen = [c.name for c in res.configs]
-            if len(seen) != len(set(seen)):
-                raise TopicError(ErrorCode.INVALID_REQUEST, "a config appears more than once")
-            new = dict(topic.overrides)
-            for c in res.configs:
-                d = TOPIC_CONFIGS.get(c.name)
-                if d is None:
-                    raise TopicError(ErrorCode.INVALID_CONFIG, f"unknown topic config {c.name!r}")
-                op = c.config_operation
-                if op == OP_SET:
-                    new[c.name] = validate_config(c.name, c.value)
-                elif op == OP_DELETE:
-                    new.pop(c.name, None)
-                elif op in (OP_APPEND, OP_SUBTRACT):
-                    if d.type != LIST:
-                        raise TopicError(ErrorCode.INVALID_CONFIG,
-                                         f"{c.name} is not a list; cannot APPEND/SUBTRACT")
-                    current = _split_list(mgr.effective(new)[c.name])
-                    items = _split_list(c.value or "")
-                    if op == OP_APPEND:
-                        merged = current + [x for x in items if x not in current]
-                    else:
-                        merged = [x for x in current if x not in items]
-                    if merged or d.check is None:
-                        new[c.name] = validate_config(c.name, ",".join(merged))
-                    else:
-                        raise TopicError(ErrorCode.INVALID_CONFIG, f"{c.name} cannot be empty")
-                else:
-                    raise TopicError(ErrorCode.INVALID_REQUEST, f"unknown operation {op}")
-            if not req.validate_only:
-                await mgr.set_overrides(topic, new)
-        except Exception as exc:  # noqa: BLE001
-            err, msg = _err(exc)
-        out.append(rcls(error_code=err, error_message=msg, resource_type=res.resource_type,
-                        resource_name=res.resource_name))
-    return cls(version=ctx.version, throttle_time_ms=0, responses=out)
+    return await _alter_topic_configs(ctx, req, INCREMENTAL_ALTER_CONFIGS,
+                                      _incremental_overrides)

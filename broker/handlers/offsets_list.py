@@ -13,7 +13,8 @@ from typing import Any
 import protocol
 from protocol import ErrorCode
 
-from ..partition import Partition, find_topic, get_partition
+from ..partition import Partition
+from .per_partition import answer_partitions
 from .registry import RequestContext, handler
 
 log = logging.getLogger(__name__)
@@ -48,33 +49,25 @@ async def handle_list_offsets(ctx: RequestContext, req: Any) -> Any:
     TopicResp = Resp.ListOffsetsTopicResponse
     PartResp = TopicResp.ListOffsetsPartitionResponse
     read_committed = version >= 2 and getattr(req, "isolation_level", 0) == READ_COMMITTED
-    topics = []
-    for t in req.topics or []:
-        topic = find_topic(ctx.broker, t.name)
-        parts = []
-        for p in t.partitions or []:
-            partition = get_partition(topic, p.partition_index)
-            if partition is None:
-                parts.append(PartResp(partition_index=p.partition_index,
-                                      error_code=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
-                                      timestamp=-1, offset=-1, leader_epoch=-1,
-                                      old_style_offsets=[]))
-                continue
-            try:
-                err, off, ts = await lookup(partition, p.timestamp, read_committed)
-            except Exception:  # noqa: BLE001 - a broken partition answers an error, not a crash
-                log.exception("list offsets failed topic=%s partition=%d", t.name,
-                              p.partition_index)
-                err, off, ts = ErrorCode.KAFKA_STORAGE_ERROR, -1, -1
-            if version == 0:
-                # v0 (0.8/0.9 clients) answers a list of offsets; one is what clients use
-                wanted = getattr(p, "max_num_offsets", 1) or 0
-                parts.append(PartResp(partition_index=p.partition_index, error_code=int(err),
-                                      old_style_offsets=[off] if off >= 0 and wanted > 0
-                                      else []))
-                continue
-            parts.append(PartResp(partition_index=p.partition_index, error_code=int(err),
-                                  timestamp=ts, offset=off,
-                                  leader_epoch=0 if off >= 0 and not err else -1))
-        topics.append(TopicResp(name=t.name, partitions=parts))
+
+    async def answer(name: str, p: Any, partition: Partition | None) -> Any:
+        if partition is None:
+            return PartResp(partition_index=p.partition_index,
+                            error_code=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
+                            timestamp=-1, offset=-1, leader_epoch=-1, old_style_offsets=[])
+        try:
+            err, off, ts = await lookup(partition, p.timestamp, read_committed)
+        except Exception:  # noqa: BLE001 - a broken partition answers an error, not a crash
+            log.exception("list offsets failed topic=%s partition=%d", name, p.partition_index)
+            err, off, ts = ErrorCode.KAFKA_STORAGE_ERROR, -1, -1
+        if version == 0:
+            # v0 (0.8/0.9 clients) answers a list of offsets; one is what clients use
+            wanted = getattr(p, "max_num_offsets", 1) or 0
+            return PartResp(partition_index=p.partition_index, error_code=int(err),
+                            old_style_offsets=[off] if off >= 0 and wanted > 0 else [])
+        return PartResp(partition_index=p.partition_index, error_code=int(err),
+                        timestamp=ts, offset=off, leader_epoch=0 if off >= 0 and not err else -1)
+
+    topics = await answer_partitions(ctx.broker, req.topics, answer,
+                                     lambda name, parts: TopicResp(name=name, partitions=parts))
     return Resp(version=version, throttle_time_ms=0, topics=topics)

@@ -14,8 +14,9 @@ from typing import Any
 import protocol
 from protocol import ErrorCode
 
-from ..partition import find_topic, get_partition
+from ..partition import Partition
 from ..producer_state import producer_store_for
+from .per_partition import answer_partitions
 from .registry import RequestContext, handler
 
 log = logging.getLogger(__name__)
@@ -48,22 +49,18 @@ async def handle_describe_producers(ctx: RequestContext, req: Any) -> Any:
     TopicResp = Resp.TopicResponse
     PartResp = TopicResp.PartitionResponse
     State = PartResp.ProducerState
-    topics = []
-    for t in req.topics or []:
-        topic = find_topic(ctx.broker, t.name)
-        parts = []
-        for index in t.partition_indexes or []:
-            partition = get_partition(topic, index)
-            if partition is None:
-                parts.append(PartResp(partition_index=index,
-                                      error_code=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
-                                      error_message=None, active_producers=[]))
-                continue
-            active = [State(producer_id=pid, producer_epoch=epoch, last_sequence=seq,
-                            last_timestamp=ts, coordinator_epoch=-1,
-                            current_txn_start_offset=-1)
-                      for pid, epoch, seq, ts, _first in partition.producer_rows()]
-            parts.append(PartResp(partition_index=index, error_code=0, error_message=None,
-                                  active_producers=active))
-        topics.append(TopicResp(name=t.name, partitions=parts))
+
+    async def answer(name: str, index: int, partition: Partition | None) -> Any:
+        if partition is None:
+            return PartResp(partition_index=index, error_code=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
+                            error_message=None, active_producers=[])
+        active = [State(producer_id=pid, producer_epoch=epoch, last_sequence=seq,
+                        last_timestamp=ts, coordinator_epoch=-1, current_txn_start_offset=-1)
+                  for pid, epoch, seq, ts, _first in partition.producer_rows()]
+        return PartResp(partition_index=index, error_code=0, error_message=None,
+                        active_producers=active)
+
+    topics = await answer_partitions(ctx.broker, req.topics, answer,
+                                     lambda name, parts: TopicResp(name=name, partitions=parts),
+                                     partitions_field="partition_indexes", index_field=None)
     return Resp(version=ctx.version, throttle_time_ms=0, topics=topics)
