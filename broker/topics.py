@@ -316,20 +316,9 @@ class TopicManager:
                 raise TopicError(ErrorCode.TOPIC_ALREADY_EXISTS, f"topic {name!r} already exists")
             topic = Topic(name, uuid.uuid4(), configs=self.effective(overrides),
                           overrides=dict(overrides))
-            streams = [await self.broker.store.create_stream() for _ in range(count)]
-            topic.stream_ids = [s.stream_id for s in streams]
-            try:
-                await asyncio.to_thread(self.meta.create_topic, TopicRecord(
-                    name, topic.topic_id, dict(overrides), list(topic.stream_ids)))
-            except Exception:
-                for sid in topic.stream_ids:
-                    await self._drop_stream(sid)
-                raise
-            from .partition import Partition  # noqa: PLC0415
-
-            for i, s in enumerate(streams):
-                topic.partitions.append(await Partition.open(
-                    self.broker, name, topic.topic_id, i, s, topic.configs))
+            topic.stream_ids = await self._open_new_partitions(
+                topic, count, lambda ids: self.meta.create_topic(TopicRecord(
+                    name, topic.topic_id, dict(overrides), list(ids))))
             self.topics[name] = topic
             log.info("topic created topic=%s id=%s partitions=%d configs=%s", name,
                      topic.topic_id, count, overrides)
@@ -365,6 +354,27 @@ class TopicManager:
                 await self._drop_stream(sid)
             log.info("topic deleted topic=%s id=%s", name, topic.topic_id)
 
+    async def _open_new_partitions(self, topic: Topic, count: int,
+                                   record: Callable[[list[int]], None]) -> list[int]:
+        """Append ``count`` partitions to ``topic``: streams first, then ``record(stream ids)``
+        (one metadata transaction, run in a thread; the streams are dropped again if it fails),
+        then the partitions are opened. Returns the new stream ids."""
+        streams = [await self.broker.store.create_stream() for _ in range(count)]
+        ids = [s.stream_id for s in streams]
+        try:
+            await asyncio.to_thread(record, ids)
+        except Exception:
+            for sid in ids:
+                await self._drop_stream(sid)
+            raise
+        from .partition import Partition  # noqa: PLC0415
+
+        first = len(topic.partitions)
+        for i, s in enumerate(streams):
+            topic.partitions.append(await Partition.open(
+                self.broker, topic.name, topic.topic_id, first + i, s, topic.configs))
+        return ids
+
     async def _drop_stream(self, stream_id: int) -> None:
         try:
             await self.broker.store.delete_stream(stream_id)
@@ -399,19 +409,8 @@ class TopicManager:
         async with self._lock:
             topic = self.check_add_partitions(name, count, None)
             have = len(topic.partitions)
-            streams = [await self.broker.store.create_stream() for _ in range(count - have)]
-            ids = [s.stream_id for s in streams]
-            try:
-                await asyncio.to_thread(self.meta.add_partitions, name, have, ids)
-            except Exception:
-                for sid in ids:
-                    await self._drop_stream(sid)
-                raise
-            from .partition import Partition  # noqa: PLC0415
-
-            for i, s in enumerate(streams):
-                topic.partitions.append(await Partition.open(
-                    self.broker, name, topic.topic_id, have + i, s, topic.configs))
+            ids = await self._open_new_partitions(
+                topic, count - have, lambda ids: self.meta.add_partitions(name, have, ids))
             topic.stream_ids.extend(ids)
             log.info("partitions added topic=%s partitions=%d->%d", name, have, count)
 

@@ -9,6 +9,7 @@ from typing import Any
 from protocol import ErrorCode, response_class
 from storage.stream import StorageError
 
+from ..partition import find_topic_by_id
 from ..topics import (BOOLEAN, INT, LIST, LONG, SOURCE_DEFAULT, SOURCE_STATIC_BROKER,
                       SOURCE_TOPIC, STRING, TOPIC_CONFIGS, Topic, TopicError, validate_config)
 from .registry import RequestContext, handler
@@ -32,6 +33,13 @@ def _err(exc: Exception) -> tuple[int, str]:
     return ErrorCode.UNKNOWN_SERVER_ERROR, str(exc) or type(exc).__name__
 
 
+def _check_named_once(names: list[str], name: str) -> None:
+    """A topic named twice in one request is refused (for both mentions), as Kafka does."""
+    if names.count(name) > 1:
+        raise TopicError(ErrorCode.INVALID_REQUEST,
+                         f"topic {name!r} appears more than once in the request")
+
+
 # ---- CreateTopics ---------------------------------------------------------------------
 @handler(CREATE_TOPICS)
 async def create_topics(ctx: RequestContext, req: Any) -> Any:
@@ -47,9 +55,7 @@ async def create_topics(ctx: RequestContext, req: Any) -> Any:
         topic: Topic | None = None
         count = -1
         try:
-            if names.count(t.name) > 1:
-                raise TopicError(ErrorCode.INVALID_REQUEST,
-                                 f"topic {t.name!r} appears more than once in the request")
+            _check_named_once(names, t.name)
             configs: dict[str, str | None] = {}
             for c in t.configs or []:
                 configs[c.name] = c.value
@@ -92,7 +98,7 @@ async def delete_topics(ctx: RequestContext, req: Any) -> Any:
     for name, tid in wanted:
         err, msg = ErrorCode.NONE, None
         if name is None and tid not in (None, ZERO_UUID):
-            topic = next((x for x in broker.topics.values() if x.topic_id == tid), None)
+            topic = find_topic_by_id(broker, tid)
             if topic is None:
                 err, msg = ErrorCode.UNKNOWN_TOPIC_ID, f"unknown topic id {tid}"
             else:
@@ -130,9 +136,7 @@ async def create_partitions(ctx: RequestContext, req: Any) -> Any:
     results = []
     for t in req.topics:
         try:
-            if names.count(t.name) > 1:
-                raise TopicError(ErrorCode.INVALID_REQUEST,
-                                 f"topic {t.name!r} appears more than once in the request")
+            _check_named_once(names, t.name)
             assignments = None if t.assignments is None else [list(a.broker_ids)
                                                               for a in t.assignments]
             mgr.check_add_partitions(t.name, t.count, assignments)

@@ -7,6 +7,7 @@ from typing import Any
 
 from protocol import ErrorCode, response_class
 
+from ..partition import find_topic_by_id
 from ..topics import Topic, TopicError, validate_topic_name
 from .registry import RequestContext, handler
 
@@ -73,7 +74,7 @@ async def metadata(ctx: RequestContext, req: Any) -> Any:
             name = getattr(t, "name", None)
             tid = getattr(t, "topic_id", None) if v >= 10 else None
             if name is None and tid not in (None, ZERO_UUID):
-                topic = next((x for x in broker.topics.values() if x.topic_id == tid), None)
+                topic = find_topic_by_id(broker, tid)
                 if topic is None:
                     topics_out.append(tcls(error_code=ErrorCode.UNKNOWN_TOPIC_ID, name=None,
                                            topic_id=tid, is_internal=False, partitions=[],
