@@ -370,12 +370,9 @@ class GroupCoordinator:
             member_id, instance_id, client_id, client_host, session_timeout_ms, rebalance_timeout_ms,
             protocol_type, [(n, bytes(m)) for n, m in protocols],
         )
-        fut = member.join_future = asyncio.get_running_loop().create_future()
         group.add_member(member)
         self._schedule_session(group, member)
-        self._prepare_rebalance(group, f"new member {member_id} joined")
-        self._maybe_complete_join(group)
-        return await fut
+        return await self._join_rebalance(group, member, f"new member {member_id} joined")
 
     async def _rejoin_known(
         self, group: Group, member: Member, session_timeout_ms: int, rebalance_timeout_ms: int,
@@ -394,11 +391,8 @@ class GroupCoordinator:
         member.protocols = [(n, bytes(m)) for n, m in protocols]
         if member.awaiting_join:  # a duplicate JoinGroup supersedes the parked one
             member.complete_join(JoinResult(E.UNKNOWN_MEMBER_ID, member.member_id))
-        fut = member.join_future = asyncio.get_running_loop().create_future()
         self._schedule_session(group, member)
-        self._prepare_rebalance(group, f"member {member.member_id} rejoined")
-        self._maybe_complete_join(group)
-        return await fut
+        return await self._join_rebalance(group, member, f"member {member.member_id} rejoined")
 
     def _current_join_result(self, group: Group, member: Member) -> JoinResult:
         members = []
@@ -442,8 +436,13 @@ class GroupCoordinator:
                     E.NONE, new_id, group.generation_id, group.protocol_type, group.protocol_name,
                     old_leader or "", [],
                 )
-        fut = old.join_future = asyncio.get_running_loop().create_future()
-        self._prepare_rebalance(group, f"static member {instance_id} rejoined")
+        return await self._join_rebalance(group, old, f"static member {instance_id} rejoined")
+
+    async def _join_rebalance(self, group: Group, member: Member, reason: str) -> JoinResult:
+        """Park ``member``'s JoinGroup until the rebalance it starts (or joins) completes: the
+        answer comes from _maybe_complete_join, now or when the last member has rejoined."""
+        fut = member.join_future = asyncio.get_running_loop().create_future()
+        self._prepare_rebalance(group, reason)
         self._maybe_complete_join(group)
         return await fut
 
