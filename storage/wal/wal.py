@@ -16,7 +16,9 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator, Union
+
+import crc32c
 
 from .block import Block, BufferPool
 from .config import WALConfig
@@ -29,6 +31,9 @@ from .format import (ALIGN, HEADER_AREA, HEADER_SLOT_SIZE, RECORD_HEADER_SIZE,
 from .recovery import scan
 
 log = logging.getLogger(__name__)
+
+# a record body: one buffer, or a tuple/list of buffers whose concatenation is the body
+Body = Union[bytes, bytearray, memoryview, "tuple[Any, ...]", "list[Any]"]
 
 WINDOW_SCALE_UNIT = 4 << 20
 _MASK = ALIGN - 1
@@ -187,21 +192,18 @@ class DeltaWAL:
             buf.close()
 
     # -- append ----------------------------------------------------------------------------
-    def append(self, body: bytes | memoryview, stream_id: int = 0) -> AppendResult:
+    def append(self, body: Body, stream_id: int = 0) -> AppendResult:
         """Buffer one record; the future completes (with the offset) once it and every earlier
         record of stream_id are durable. In a plain thread it blocks while max_buffered_bytes
-        are not yet durable; on an event loop thread it never blocks."""
-        if type(body) is not bytes:
-            body = _as_bytes_view(body)
+        are not yet durable; on an event loop thread it never blocks. `body` is one buffer or
+        a tuple of buffers whose concatenation is the record (copied once, into the block)."""
+        body, n, crc = _prepare(body)
         fut: cf.Future = cf.Future()
-        size = RECORD_HEADER_SIZE + len(body)
+        size = RECORD_HEADER_SIZE + n
         deadline = None
         # never block an event loop thread: there the buffered-bytes bound is not enforced
         # (append_async enforces it by awaiting); the ring capacity still bounds everything
         on_loop = asyncio._get_running_loop() is not None
-        # outside the lock (IO threads contend for it); large bodies are checksummed by the IO
-        # thread right before the write, on the other core, off the appender's critical path
-        crc = body_crc(body) if len(body) < _DEFER_CRC_BYTES else None
         with self._cond:
             while not on_loop and not self._window_room(size):
                 if deadline is None:
@@ -210,27 +212,24 @@ class DeltaWAL:
                 if left <= 0:
                     raise WALError("append timed out waiting for the sliding window")
                 self._cond.wait(left)
-            offset = self._reserve(body, stream_id, fut, crc)
+            offset = self._reserve(body, n, stream_id, fut, crc)
         return AppendResult(offset, offset + size, fut)
 
-    def append_loop(self, body: bytes | memoryview, stream_id: int = 0) -> AppendResult:
+    def append_loop(self, body: Body, stream_id: int = 0) -> AppendResult:
         """append() for code on a running event loop: the result's future is an asyncio.Future
         of that loop, completed in batches (one cross-thread wake-up per drained batch rather than
         one per record, and no concurrent.futures.Future to build). Never blocks; the caller
         bounds what it buffers (the ring capacity still bounds everything)."""
         loop = asyncio.get_running_loop()
-        if type(body) is not bytes:
-            body = _as_bytes_view(body)
-        crc = body_crc(body) if len(body) < _DEFER_CRC_BYTES else None
+        body, n, crc = _prepare(body)
         fut = loop.create_future()
         with self._lock:
-            offset = self._reserve(body, stream_id, (loop, fut), crc)
-        return AppendResult(offset, offset + RECORD_HEADER_SIZE + len(body), fut)
+            offset = self._reserve(body, n, stream_id, (loop, fut), crc)
+        return AppendResult(offset, offset + RECORD_HEADER_SIZE + n, fut)
 
-    async def append_async(self, body: bytes | memoryview, stream_id: int = 0) -> int:
+    async def append_async(self, body: Body, stream_id: int = 0) -> int:
         """append() for the event loop: waits for window room and durability without blocking."""
-        size = RECORD_HEADER_SIZE + len(body if type(body) is bytes else _as_bytes_view(body))
-        await self.wait_for_room(size)
+        await self.wait_for_room(RECORD_HEADER_SIZE + _length(body))
         return await self.append_loop(body, stream_id).future
 
     def has_room(self, size: int) -> bool:
@@ -254,14 +253,13 @@ class DeltaWAL:
         adds latency and memory (and fresh buffers cost page faults)."""
         return self._inflight == 0 or self._inflight + size <= self._buffer_limit
 
-    def _reserve(self, body, stream_id: int, waiter, crc: int | None) -> int:
+    def _reserve(self, body, n: int, stream_id: int, waiter, crc: int | None) -> int:
         """Place the record in the current block; caller holds the lock. The hot path of every
         append: attribute lookups and calls are kept to a minimum (CPython cost is per record)."""
         if self._failed is not None:
             raise WALClosedError(f"WAL stopped after an IO error: {self._failed}")
         if not self._opened or self._closing:
             raise WALClosedError("WAL is not open")
-        n = len(body)
         size = RECORD_HEADER_SIZE + n
         ring = self.ring_size
         if n > self.config.max_record_size or (size + _MASK) & _ALIGN_DOWN > ring:
@@ -299,7 +297,14 @@ class DeltaWAL:
             blk.deferred.append((at, n, pos))
         else:
             pack_record_header(buf, at, n, pos, crc)
-        buf[at + RECORD_HEADER_SIZE:at + size] = body
+        if type(body) is tuple:
+            o = at + RECORD_HEADER_SIZE
+            for part in body:
+                k = len(part)
+                buf[o:o + k] = part
+                o += k
+        else:
+            buf[at + RECORD_HEADER_SIZE:at + size] = body
         blk.used = used = at + size
         blk.streams.add(stream_id)
         self._inflight += size
@@ -619,6 +624,35 @@ class DeltaWAL:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _prepare(body) -> tuple:
+    """(body, length, crc or None): flat byte views, parts kept as a tuple; bodies of
+    _DEFER_CRC_BYTES and more get their CRC from the IO thread (None here)."""
+    if type(body) is bytes:
+        n = len(body)
+        return body, n, (body_crc(body) if n < _DEFER_CRC_BYTES else None)
+    if isinstance(body, (tuple, list)):
+        parts = tuple(p if type(p) is bytes else _as_bytes_view(p) for p in body)
+        n = sum(len(p) for p in parts)
+        crc = None
+        if n < _DEFER_CRC_BYTES:
+            crc = 0
+            for p in parts:
+                crc = crc32c.crc32c(p, crc)
+        return parts, n, crc
+    body = _as_bytes_view(body)
+    n = len(body)
+    return body, n, (body_crc(body) if n < _DEFER_CRC_BYTES else None)
+
+
+def _length(body) -> int:
+    """Body length in bytes, without checksumming it."""
+    if type(body) is bytes:
+        return len(body)
+    if isinstance(body, (tuple, list)):
+        return sum(len(p) if type(p) is bytes else len(_as_bytes_view(p)) for p in body)
+    return len(_as_bytes_view(body))
 
 
 def _as_bytes_view(body) -> memoryview:

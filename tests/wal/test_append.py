@@ -322,3 +322,23 @@ def test_large_records_checksummed_by_io_threads_recover_byte_for_byte(make_wal)
     _, recs = make_wal(capacity=32 << 20)
     assert bodies[3] not in [b for _, b in recs]
     assert [b for _, b in recs][:3] == bodies[:3]
+
+
+async def test_body_given_as_parts_is_stored_as_their_concatenation(make_wal):
+    # the engine appends (framing header, payload view) without joining them first
+    w, _ = make_wal(capacity=16 << 20)
+    payload = bytearray(os.urandom(100_000))
+    cases = [(b"head", memoryview(payload)[:10]),            # small: CRC by the appender
+             [b"h" * 24, memoryview(payload)],                # large: CRC by the IO thread
+             (b"", b"only"),
+             (memoryview(payload)[5:40_000], b"tail")]
+    rs = [w.append_loop(c, stream_id=1) for c in cases[:2]]
+    rs.append(w.append(cases[2], stream_id=2))
+    offs = [await r.future for r in rs[:2]] + [rs[2].future.result(10)]
+    offs.append(await w.append_async(cases[3], stream_id=1))
+    expect = [b"".join(bytes(p) for p in c) for c in cases]
+    assert rs[0].next_offset - rs[0].offset == RECORD_HEADER_SIZE + len(expect[0])
+    w.close()
+    _, recs = make_wal(capacity=16 << 20)
+    assert [b for _, b in recs] == expect
+    assert [o for o, _ in recs] == offs
