@@ -1,8 +1,9 @@
 """Catch-up read benchmark: does a consumer reading a large backlog from the object store slow
 the producers and the tail consumers?
 
-    python -m bench.catchup [--backlog-mb 200] [--seconds 15] [--rate 2000] [--size 1024]
-                            [--rounds 2] [--skip-s3] [--profile DIR]
+    python -m bench.catchup [--backlog-mb 200] [--rate 2000] [--size 1024] [--windows 16]
+                            [--window 4] [--mode interleaved|phases] [--seconds 15] [--rounds 2]
+                            [--skip-s3] [--profile DIR] [--engine-arg=--flag=value ...]
 
 One broker (a subprocess, embedded defaults with a small LogCache so the backlog lives in the
 object store). It prints: produce throughput (the backlog load, as fast as one producer goes);
@@ -13,11 +14,15 @@ file:// and from a moto S3 endpoint (moto in server mode on localhost). Producer
 consumers are separate processes (confluent-kafka) so they do not share a GIL with each other.
 Goal: p99 latencies with the catch-up reader within 1.2x of those without it.
 
-The machine is shared and noisy, so the alone / with-catch-up phases alternate ``--rounds``
-times in one run (same broker, same tail load, same backlog); the ratio is reported per round
-and over the pooled samples. Each phase also prints the CPU share of every process (% of one
-core), since the clients and the broker share the cores. ``--profile DIR`` samples the broker
-with py-spy (non-blocking, so the latencies are not disturbed) during every phase.
+The machine is shared and noisy, so by default (``--mode interleaved``) the producer, the tail
+consumer and the catch-up reader run for one long experiment and the catch-up reader is paused
+and resumed in alternating windows (``--windows`` x ``--window`` s); each latency sample is
+classed by its send time, so noise from other processes lands on both classes alike. The ratio
+is reported pooled and per window pair (median and range). ``--mode phases`` runs separate
+alone / loaded phases (``--rounds`` pairs) instead. The CPU share of every process (% of one
+core) is printed too, since clients and broker share the cores. ``--profile DIR`` samples the
+broker with py-spy (non-blocking, so latencies are not disturbed). ``--engine-arg`` passes
+broker flags (e.g. ``--engine-arg=--cold-read-lag-target-ms=0``).
 """
 from __future__ import annotations
 
@@ -115,13 +120,14 @@ def producer_proc(bootstrap: str, topic: str, rate: int, size: int, seconds: flo
     """Fixed-rate producer; reports (acked count, produce latencies)."""
     t_start = time.monotonic()
     from confluent_kafka import Producer
-    lat: list[float] = []
+    lat: list[tuple[float, float]] = []
     p = Producer({"bootstrap.servers": bootstrap, "log_level": 2, "acks": "all", "linger.ms": 1})
     pad = os.urandom(size - 24)
 
     def cb(err, msg) -> None:
         if err is None:
-            lat.append(time.time() - float(msg.value()[:24]))
+            sent = float(msg.value()[:24])
+            lat.append((sent, time.time() - sent))
     start = time.time()
     i = 0
     while time.time() - start < seconds:
@@ -144,12 +150,13 @@ def tail_proc(bootstrap: str, topic: str, seconds: float, q) -> None:
     c = Consumer({"bootstrap.servers": bootstrap, "log_level": 2, "group.id": f"tail-{time.time_ns()}",
                   "fetch.wait.max.ms": 50, "enable.auto.commit": False})
     c.assign([TopicPartition(topic, 0, OFFSET_END)])
-    lat: list[float] = []
+    lat: list[tuple[float, float]] = []
     end = time.time() + seconds
     while time.time() < end:
         m = c.poll(0.1)
         if m is not None and not m.error():
-            lat.append(time.time() - float(m.value()[:24]))
+            sent = float(m.value()[:24])
+            lat.append((sent, time.time() - sent))
     c.close()
     q.put(("tail", len(lat), lat, cpu_share(t_start)))
 
@@ -158,7 +165,6 @@ def catchup_proc(bootstrap: str, topic: str, seconds: float | None, q) -> None:
     """Read the topic from offset 0 as fast as possible (again and again until ``seconds``
     pass, if given); reports MB/s."""
     t_start = time.monotonic()
-    from confluent_kafka import Consumer, TopicPartition
     got = 0
     nbytes = 0
     t0 = time.perf_counter()
@@ -170,6 +176,51 @@ def catchup_proc(bootstrap: str, topic: str, seconds: float | None, q) -> None:
         if deadline is None or time.monotonic() >= deadline:
             break
     q.put(("catchup", got, nbytes / (time.perf_counter() - t0) / 1e6, cpu_share(t_start)))
+
+
+def gated_catchup_proc(bootstrap: str, topic: str, seconds: float, gate, q) -> None:
+    """Read the topic from offset 0 over and over (one consumer, re-assigned to 0 at the end)
+    while ``gate`` is set; paused (no fetches) while it is clear. Reports MB/s while on."""
+    t_start = time.monotonic()
+    from confluent_kafka import Consumer, TopicPartition
+    c = Consumer({"bootstrap.servers": bootstrap, "log_level": 2, "group.id": f"cu-{time.time_ns()}",
+                  "enable.auto.commit": False, "fetch.max.bytes": 32 << 20,
+                  "max.partition.fetch.bytes": 8 << 20, "queued.max.messages.kbytes": 32 << 10})
+    low, high = c.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
+    tp = TopicPartition(topic, 0, 0)
+    c.assign([tp])
+    c.pause([tp])
+    on = False
+    on_time = 0.0
+    on_since = 0.0
+    nbytes = got = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        want = gate.is_set()
+        if want != on:
+            now = time.monotonic()
+            if want:
+                c.resume([TopicPartition(topic, 0)])
+                on_since = now
+            else:
+                c.pause([TopicPartition(topic, 0)])
+                on_time += now - on_since
+            on = want
+        if not on:
+            c.consume(1000, 0.02)          # serves callbacks; paused: returns nothing
+            continue
+        for m in c.consume(1000, 0.05):
+            if m.error():
+                continue
+            got += 1
+            nbytes += len(m)
+            if m.offset() >= high - 1:     # the end: start over from 0
+                c.assign([TopicPartition(topic, 0, 0)])
+                break
+    if on:
+        on_time += time.monotonic() - on_since
+    c.close()
+    q.put(("catchup", got, nbytes / max(on_time, 1e-3) / 1e6, cpu_share(t_start)))
 
 
 def _catchup_pass(bootstrap: str, topic: str, deadline: float | None) -> tuple[int, int]:
@@ -217,7 +268,7 @@ def run_phase(b: Broker, args, with_catchup: bool, profile: str | None = None) -
     cpu: dict[str, float] = {}
     for _ in procs:
         name, n, val, used = q.get(timeout=args.seconds + 120)
-        out[name] = (n, val)
+        out[name] = (n, [x[1] for x in val] if name != "catchup" else val)
         cpu[name] = used
         if name == "producer":     # the load ends with the producer: broker CPU up to here
             main1, all1 = cpu_seconds(b.proc.pid)
@@ -231,6 +282,112 @@ def run_phase(b: Broker, args, with_catchup: bool, profile: str | None = None) -
     share["broker other threads"] = 100 * ((all1 - all0) - (main1 - main0)) / wall
     out["cpu"] = share
     return out
+
+
+def run_interleaved(b: Broker, args) -> dict:
+    """Producer, tail consumer and catch-up reader run for the whole experiment; the catch-up
+    reader is switched on and off in alternating ``--window`` second windows (off first).
+    Every latency sample is classed by its send time; the first ``--settle`` seconds of a
+    window are left out (the switch is still taking effect). External noise on a shared machine
+    lands on both classes alike, which separate phases cannot promise."""
+    import threading
+    q = mp.Queue()
+    gate = mp.Event()
+    total = args.windows * args.window
+    procs = [mp.Process(target=tail_proc, args=(b.bootstrap, "tail", total + 4.5, q)),
+             mp.Process(target=producer_proc,
+                        args=(b.bootstrap, "tail", args.rate, args.size, total + 1, q)),
+             mp.Process(target=gated_catchup_proc,
+                        args=(b.bootstrap, "backlog", total + 1.5, gate, q))]
+    procs[0].start()
+    time.sleep(1.5)
+    assert b.proc is not None
+    for p in procs[1:]:
+        p.start()
+    t0 = time.time() + 1.0                 # windows start once the producer runs
+    spy = None
+    if args.profile:
+        spy = subprocess.Popen([os.path.join(os.path.dirname(PY), "py-spy"), "record",
+                                "--nonblocking", "--pid", str(b.proc.pid), "-r", "200",
+                                "-d", str(int(total)), "-f", "raw", "-o",
+                                os.path.join(args.profile, "interleaved.txt")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def toggle() -> None:
+        for k in range(args.windows):
+            time.sleep(max(0.0, t0 + k * args.window - time.time()))
+            gate.set() if k % 2 else gate.clear()
+        time.sleep(max(0.0, t0 + total - time.time()))
+        gate.clear()
+    th = threading.Thread(target=toggle, daemon=True)
+    th.start()
+    main0, all0 = cpu_seconds(b.proc.pid)
+    w0 = time.monotonic()
+    out: dict = {}
+    cpu: dict[str, float] = {}
+    for _ in procs:
+        name, n, val, used = q.get(timeout=total + 180)
+        out[name] = (n, val)
+        cpu[name] = used
+        if name == "producer":
+            main1, all1 = cpu_seconds(b.proc.pid)
+            wall = time.monotonic() - w0
+    for p in procs:
+        p.join(30)
+    th.join(5)
+    if spy is not None:
+        spy.wait(60)
+    cpu["broker loop"] = 100 * (main1 - main0) / wall
+    cpu["broker other threads"] = 100 * ((all1 - all0) - (main1 - main0)) / wall
+    out["cpu"] = cpu
+    classes: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for name in ("producer", "tail"):
+        for sent, lat in out[name][1]:
+            k, into = divmod(sent - t0, args.window)
+            if k < 0 or k >= args.windows or into < args.settle:
+                continue
+            classes.setdefault(("on" if int(k) % 2 else "off", int(k) // 2), {}) \
+                .setdefault(name, []).append(lat)
+    out["classes"] = classes
+    return out
+
+
+def report_interleaved(res: dict, args) -> None:
+    cls = res["classes"]
+    print(f"{'windows':<22} {'samples':>8} {'prod p50':>9} {'prod p99':>9} {'e2e p50':>8} "
+          f"{'e2e p99':>8}   (ms)")
+    pooled = {"off": {"producer": [], "tail": []}, "on": {"producer": [], "tail": []}}
+    pairs = []
+    for pair in range(args.windows // 2):
+        for state in ("off", "on"):
+            d = cls.get((state, pair), {})
+            for name in ("producer", "tail"):
+                pooled[state][name].extend(d.get(name, []))
+        off, on = cls.get(("off", pair), {}), cls.get(("on", pair), {})
+        if off.get("producer") and on.get("producer") and off.get("tail") and on.get("tail"):
+            pairs.append((pct(on["producer"], .99) / pct(off["producer"], .99),
+                          pct(on["tail"], .99) / pct(off["tail"], .99)))
+    rows = {}
+    for state, label in (("off", "alone (reader paused)"), ("on", "with catch-up")):
+        pl, tl = pooled[state]["producer"], pooled[state]["tail"]
+        rows[state] = (pct(pl, .99), pct(tl, .99))
+        print(f"{label:<22} {len(pl):8d} {pct(pl, .5) * 1e3:9.2f} {pct(pl, .99) * 1e3:9.2f} "
+              f"{pct(tl, .5) * 1e3:8.2f} {pct(tl, .99) * 1e3:8.2f}")
+    pr = rows["on"][0] / rows["off"][0]
+    tr = rows["on"][1] / rows["off"][1]
+    print(f"ratio p99 with/without (pooled): produce {pr:.2f}x, tail e2e {tr:.2f}x (goal <= 1.2x)")
+    if pairs:
+        ps = sorted(a for a, _ in pairs)
+        ts = sorted(b_ for _, b_ in pairs)
+        print(f"per window pair p99 ratio: produce median {ps[len(ps) // 2]:.2f}x "
+              f"(range {ps[0]:.2f}-{ps[-1]:.2f}), tail e2e median {ts[len(ts) // 2]:.2f}x "
+              f"(range {ts[0]:.2f}-{ts[-1]:.2f}) over {len(pairs)} pairs")
+    n, mbps = res["catchup"]
+    c = res["cpu"]
+    print(f"catch-up reader while on: {mbps:.1f} MB/s ({n} records)")
+    print(f"CPU % of one core over the run: broker loop {c['broker loop']:.0f}, broker other "
+          f"threads {c['broker other threads']:.0f}, producer {c['producer']:.0f}, tail "
+          f"{c['tail']:.0f}, catch-up {c['catchup']:.0f}")
 
 
 def catchup_only(extra: list[str], args, label: str) -> float:
@@ -260,8 +417,15 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=15)
     ap.add_argument("--rate", type=int, default=2000, help="tail produce rate, msgs/s")
     ap.add_argument("--size", type=int, default=1024, help="tail message size, bytes")
+    ap.add_argument("--mode", choices=("interleaved", "phases"), default="interleaved",
+                    help="interleaved: one long run, the catch-up reader switched on/off in "
+                         "alternating windows; phases: separate alone / loaded phases")
+    ap.add_argument("--windows", type=int, default=16, help="interleaved: number of windows")
+    ap.add_argument("--window", type=float, default=4.0, help="interleaved: window seconds")
+    ap.add_argument("--settle", type=float, default=0.5,
+                    help="interleaved: seconds left out at the start of each window")
     ap.add_argument("--rounds", type=int, default=2,
-                    help="alone / with-catch-up phase pairs, alternating, in one run")
+                    help="phases: alone / with-catch-up phase pairs, alternating, in one run")
     ap.add_argument("--skip-s3", action="store_true")
     ap.add_argument("--profile", metavar="DIR",
                     help="py-spy (raw collapsed stacks) of the broker during each phase")
@@ -286,7 +450,9 @@ def main() -> None:
         print(f"produce throughput (one producer, 16 KiB records, acks=all): {mbps:.1f} MB/s")
         time.sleep(6)                     # let the upload interval pass: backlog in objects
         run_phase(b, argparse.Namespace(**{**vars(args), "seconds": 3}), False)   # warm-up
-        for r in range(args.rounds):
+        if args.mode == "interleaved":
+            inter = run_interleaved(b, args)
+        for r in range(args.rounds if args.mode == "phases" else 0):
             for name, loaded in (("alone", False), ("with catch-up", True)):
                 prof = None
                 if args.profile:
@@ -295,39 +461,30 @@ def main() -> None:
     finally:
         b.stop()
         shutil.rmtree(d, ignore_errors=True)
-    print(f"tail load: {args.rate} msgs/s x {args.size} B for {args.seconds:.0f} s per phase; "
-          f"{args.rounds} rounds alternating; broker flags {' '.join(latency_engine[10:]) or '-'}")
-    print(f"{'phase':<14} {'acked/s':>8} {'prod p50':>9} {'prod p99':>9} {'e2e p50':>8} "
-          f"{'e2e p99':>8}   (ms)   catch-up MB/s | CPU % of a core: broker loop/other, "
-          "producer, tail, catch-up")
-    pooled: dict[str, tuple[list[float], list[float]]] = {}
-    p99s: list[tuple[float, float]] = []
-    for name, res in phases:
-        n, plat = res["producer"]
-        _, tlat = res["tail"]
-        pl, tl = pooled.setdefault(name, ([], []))
-        pl.extend(plat)
-        tl.extend(tlat)
-        cu = f"{res['catchup'][1]:8.1f}" if "catchup" in res else f"{'-':>8}"
-        c = res["cpu"]
-        print(f"{name:<14} {n / args.seconds:8.0f} {pct(plat, .5) * 1e3:9.2f} "
-              f"{pct(plat, .99) * 1e3:9.2f} {pct(tlat, .5) * 1e3:8.2f} {pct(tlat, .99) * 1e3:8.2f}"
-              f"          {cu}      | {c['broker loop']:3.0f}/{c['broker other threads']:<3.0f} "
-              f"{c['producer']:4.0f} {c['tail']:4.0f} {c.get('catchup', 0):4.0f}")
-        if "catchup" in res:
-            prev = phases[len(p99s) * 2][1]
-            p99s.append((pct(plat, .99) / pct(prev["producer"][1], .99),
-                         pct(tlat, .99) / pct(prev["tail"][1], .99)))
-    print("ratio p99 with/without per round: " +
-          ", ".join(f"produce {a:.2f}x / e2e {b_:.2f}x" for a, b_ in p99s))
-    (pa, ta), (pl_, tl_) = pooled["alone"], pooled["with catch-up"]
-    print(f"ratio p99 with/without, pooled over the rounds: produce "
-          f"{pct(pl_, .99) / pct(pa, .99):.2f}x ({pct(pa, .99) * 1e3:.2f} -> "
-          f"{pct(pl_, .99) * 1e3:.2f} ms), tail e2e {pct(tl_, .99) / pct(ta, .99):.2f}x "
-          f"({pct(ta, .99) * 1e3:.2f} -> {pct(tl_, .99) * 1e3:.2f} ms) (goal <= 1.2x)")
-    cus = [res["catchup"] for _, res in phases if "catchup" in res]
-    print(f"catch-up reader during the tail load: "
-          f"{', '.join(f'{v:.1f}' for _, v in cus)} MB/s ({sum(n for n, _ in cus)} records)")
+    flags = ' '.join(latency_engine[10:]) or '-'
+    if args.mode == "interleaved":
+        print(f"tail load: {args.rate} msgs/s x {args.size} B; {args.windows} windows of "
+              f"{args.window:.0f} s, catch-up reader off/on alternating (first {args.settle} s "
+              f"of each window left out); broker flags {flags}")
+    else:
+        print(f"tail load: {args.rate} msgs/s x {args.size} B for {args.seconds:.0f} s per phase; "
+              f"{args.rounds} rounds alternating; broker flags {flags}")
+    try:
+        from storage.engine import EngineConfig
+        dflt = EngineConfig()
+        print("engine cold-read defaults: " + ", ".join(
+            f"{k}={getattr(dflt, k)}" for k in ("cold_read_bytes_per_s", "cold_read_min_bytes_per_s",
+                                                "cold_read_lag_target_ms", "cold_read_max_bytes")
+            if hasattr(dflt, k)))
+    except ImportError:
+        pass
+    print("catch-up reader: one confluent-kafka consumer process from offset 0 (again and again), "
+          "consume(1000) batches, counting value bytes; normal OS priority")
+    if args.mode == "interleaved":
+        report_interleaved(inter, args)
+        phases = []
+    else:
+        report_phases(phases, args)
     if args.profile:
         from bench.profile import top
         for f in sorted(os.listdir(args.profile)):
@@ -363,6 +520,40 @@ def main() -> None:
         finally:
             moto.terminate()
             moto.wait(10)
+
+
+def report_phases(phases: list, args) -> None:
+    print(f"{'phase':<14} {'acked/s':>8} {'prod p50':>9} {'prod p99':>9} {'e2e p50':>8} "
+          f"{'e2e p99':>8}   (ms)   catch-up MB/s | CPU % of a core: broker loop/other, "
+          "producer, tail, catch-up")
+    pooled: dict[str, tuple[list[float], list[float]]] = {}
+    p99s: list[tuple[float, float]] = []
+    for name, res in phases:
+        n, plat = res["producer"]
+        _, tlat = res["tail"]
+        pl, tl = pooled.setdefault(name, ([], []))
+        pl.extend(plat)
+        tl.extend(tlat)
+        cu = f"{res['catchup'][1]:8.1f}" if "catchup" in res else f"{'-':>8}"
+        c = res["cpu"]
+        print(f"{name:<14} {n / args.seconds:8.0f} {pct(plat, .5) * 1e3:9.2f} "
+              f"{pct(plat, .99) * 1e3:9.2f} {pct(tlat, .5) * 1e3:8.2f} {pct(tlat, .99) * 1e3:8.2f}"
+              f"          {cu}      | {c['broker loop']:3.0f}/{c['broker other threads']:<3.0f} "
+              f"{c['producer']:4.0f} {c['tail']:4.0f} {c.get('catchup', 0):4.0f}")
+        if "catchup" in res:
+            prev = phases[len(p99s) * 2][1]
+            p99s.append((pct(plat, .99) / pct(prev["producer"][1], .99),
+                         pct(tlat, .99) / pct(prev["tail"][1], .99)))
+    print("ratio p99 with/without per round: " +
+          ", ".join(f"produce {a:.2f}x / e2e {b_:.2f}x" for a, b_ in p99s))
+    (pa, ta), (pl_, tl_) = pooled["alone"], pooled["with catch-up"]
+    print(f"ratio p99 with/without, pooled over the rounds: produce "
+          f"{pct(pl_, .99) / pct(pa, .99):.2f}x ({pct(pa, .99) * 1e3:.2f} -> "
+          f"{pct(pl_, .99) * 1e3:.2f} ms), tail e2e {pct(tl_, .99) / pct(ta, .99):.2f}x "
+          f"({pct(ta, .99) * 1e3:.2f} -> {pct(tl_, .99) * 1e3:.2f} ms) (goal <= 1.2x)")
+    cus = [res["catchup"] for _, res in phases if "catchup" in res]
+    print(f"catch-up reader during the tail load: "
+          f"{', '.join(f'{v:.1f}' for _, v in cus)} MB/s ({sum(n for n, _ in cus)} records)")
 
 
 if __name__ == "__main__":
