@@ -54,6 +54,13 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return read(f"/proc/{pid}/task/{pid}/stat"), read(f"/proc/{pid}/stat")
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds all processes of the machine used so far (every core), from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v[:8]) - v[3] - v[4]) / TICKS          # all but idle and iowait
+
+
 def cpu_share(t0: float) -> float:
     """% of one core this process used since ``t0`` (all its threads, librdkafka's too)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -313,11 +320,29 @@ def run_interleaved(b: Broker, args) -> dict:
                                 os.path.join(args.profile, "interleaved.txt")],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
+    pids = {"broker loop": b.proc.pid, "producer": procs[1].pid, "tail": procs[0].pid,
+            "catch-up": procs[2].pid}
+    snaps: list[dict[str, float]] = []
+
+    def snap() -> dict[str, float]:
+        out = {}
+        for k, pid in pids.items():
+            main_s, all_s = cpu_seconds(pid)
+            if k == "broker loop":
+                out[k] = main_s
+                out["broker other"] = all_s - main_s
+            else:
+                out[k] = all_s
+        out["whole machine"] = machine_busy_seconds()
+        return out
+
     def toggle() -> None:
         for k in range(args.windows):
             time.sleep(max(0.0, t0 + k * args.window - time.time()))
             gate.set() if k % 2 else gate.clear()
+            snaps.append(snap())
         time.sleep(max(0.0, t0 + total - time.time()))
+        snaps.append(snap())
         gate.clear()
     th = threading.Thread(target=toggle, daemon=True)
     th.start()
@@ -340,6 +365,14 @@ def run_interleaved(b: Broker, args) -> dict:
     cpu["broker loop"] = 100 * (main1 - main0) / wall
     cpu["broker other threads"] = 100 * ((all1 - all0) - (main1 - main0)) / wall
     out["cpu"] = cpu
+    per_state: dict[str, dict[str, float]] = {"off": {}, "on": {}}
+    for k in range(len(snaps) - 1):
+        st = per_state["on" if k % 2 else "off"]
+        for name, v in snaps[k + 1].items():
+            st[name] = st.get(name, 0.0) + v - snaps[k][name]
+    on_time = args.window * (args.windows // 2)
+    out["cpu_windows"] = {st: {n: 100 * v / on_time for n, v in d.items()}
+                          for st, d in per_state.items()}
     classes: dict[tuple[str, int], dict[str, list[float]]] = {}
     for name in ("producer", "tail"):
         for sent, lat in out[name][1]:
@@ -383,11 +416,13 @@ def report_interleaved(res: dict, args) -> None:
               f"(range {ps[0]:.2f}-{ps[-1]:.2f}), tail e2e median {ts[len(ts) // 2]:.2f}x "
               f"(range {ts[0]:.2f}-{ts[-1]:.2f}) over {len(pairs)} pairs")
     n, mbps = res["catchup"]
-    c = res["cpu"]
     print(f"catch-up reader while on: {mbps:.1f} MB/s ({n} records)")
-    print(f"CPU % of one core over the run: broker loop {c['broker loop']:.0f}, broker other "
-          f"threads {c['broker other threads']:.0f}, producer {c['producer']:.0f}, tail "
-          f"{c['tail']:.0f}, catch-up {c['catchup']:.0f}")
+    cw = res.get("cpu_windows", {})
+    for st, label in (("off", "reader paused"), ("on", "with catch-up")):
+        d = cw.get(st, {})
+        if d:
+            print(f"CPU % of one core, {label:<13}: " + ", ".join(
+                f"{n} {v:.0f}" for n, v in d.items()) + f" (of {100 * (os.cpu_count() or 1)})")
 
 
 def catchup_only(extra: list[str], args, label: str) -> float:
@@ -420,7 +455,9 @@ def main() -> None:
     ap.add_argument("--mode", choices=("interleaved", "phases"), default="interleaved",
                     help="interleaved: one long run, the catch-up reader switched on/off in "
                          "alternating windows; phases: separate alone / loaded phases")
-    ap.add_argument("--windows", type=int, default=16, help="interleaved: number of windows")
+    ap.add_argument("--windows", type=int, default=None,
+                    help="interleaved: number of windows (default: each state gets 2 x "
+                         "--seconds in total, like two rounds of phases)")
     ap.add_argument("--window", type=float, default=4.0, help="interleaved: window seconds")
     ap.add_argument("--settle", type=float, default=0.5,
                     help="interleaved: seconds left out at the start of each window")
@@ -433,6 +470,9 @@ def main() -> None:
                     help="extra broker flag for the latency phases (repeat; e.g. "
                          "--engine-arg=--cold-read-bytes-per-s=0)")
     args = ap.parse_args()
+    if args.windows is None:
+        args.windows = 2 * max(1, round(2 * args.seconds / args.window))
+    args.windows += args.windows % 2
     engine = ["--wal-capacity", str(512 << 20), "--log-cache-bytes", str(64 << 20),
               "--upload-threshold-bytes", str(16 << 20), "--upload-interval-s", "5",
               "--block-cache-bytes", str(64 << 20)]
