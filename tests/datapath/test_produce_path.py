@@ -174,3 +174,33 @@ def test_reused_frame_buffers_never_mix_payloads(client):
         fetched.extend(v for _, _, v in recs)
         offset = recs[-1][0] + 1
     assert fetched == sent
+
+
+def test_reading_paused_at_max_inflight_with_large_frames(broker_factory):
+    """With --max-inflight-requests 2 reading pauses while two requests are unanswered, also
+    in the middle of large frames received in place: 12 pipelined 200 KB requests still all
+    land, in order."""
+    b = broker_factory(["--wal-capacity", str(256 << 20), "--max-inflight-requests", "2"])
+    t = _topic()
+    with WireClient(b.host, b.port) as c:
+        c.create_topic(t)
+        values = [bytes([i]) * 200_000 for i in range(12)]
+        c.sock.sendall(b"".join(_frame(t, make_batch([v]), 40 + i) for i, v in enumerate(values)))
+        for i in range(12):
+            corr, part = _read_response(c)
+            assert (corr, part.error_code, part.base_offset) == (40 + i, E_NONE, i)
+        got = []
+        while len(got) < 12:
+            got.extend(v for _, _, v in read_records(c.fetch(t, len(got)).records))
+        assert got == values
+
+
+def test_client_gone_in_the_middle_of_a_large_frame(client, module_broker):
+    """Half a 1 MiB frame, then the client disconnects: the broker drops it and serves others."""
+    t = _topic()
+    client.create_topic(t)
+    frame = _frame(t, make_batch([b"h" * (1 << 20)]), 3)
+    with socket.create_connection((module_broker.host, module_broker.port)) as s:
+        s.sendall(frame[:len(frame) // 2])
+    r = client.produce(t, make_batch([b"still here"]))
+    assert (r.error_code, r.base_offset) == (E_NONE, 0)
