@@ -77,29 +77,35 @@ class StreamRange:
 
 
 def encode_object(records: Iterable[Record], block_size: int = DEFAULT_BLOCK_SIZE
-                  ) -> tuple[bytes, list[IndexEntry], list[StreamRange]]:
+                  ) -> tuple[bytearray, list[IndexEntry], list[StreamRange]]:
     """Serialise records (already sorted by stream, offset) into one object.
 
     Returns the object bytes, its index and the per-stream ranges it covers. A block is closed
-    once it passes ``block_size``; a block never splits a record."""
+    once it passes ``block_size``; a block never splits a record. Every payload is copied
+    exactly once, straight into the object buffer (a block's header is written in place once
+    its length and checksum are known): this runs in an IO thread but holds the GIL while it
+    copies, so each extra copy is taken from the event loop."""
     out = bytearray()
     index: list[IndexEntry] = []
     ranges: dict[int, StreamRange] = {}
-    block = bytearray()
+    block_pos = -1                      # where the open block's header sits in ``out``
     block_records = 0
     runs: list[list[int]] = []          # [stream, start, end, count] within the current block
+    hdr = BLOCK_HEADER.size
 
     def close_block() -> None:
-        nonlocal block, block_records, runs, out
+        nonlocal block_pos, block_records, runs
         if not block_records:
             return
-        pos = len(out)
-        out += BLOCK_HEADER.pack(BLOCK_MAGIC, 0, block_records, len(block), crc32c.crc32c(block))
-        out += block
+        pos = block_pos
+        length = len(out) - pos - hdr
+        with memoryview(out) as mv, mv[pos + hdr:] as body:
+            crc = crc32c.crc32c(body)
+        BLOCK_HEADER.pack_into(out, pos, BLOCK_MAGIC, 0, block_records, length, crc)
         size = len(out) - pos
         for sid, start, end, cnt in runs:
             index.append(IndexEntry(sid, start, end, cnt, pos, size))
-        block = bytearray()
+        block_pos = -1
         block_records = 0
         runs = []
 
@@ -108,9 +114,12 @@ def encode_object(records: Iterable[Record], block_size: int = DEFAULT_BLOCK_SIZ
         if last is not None and (r.stream_id, r.base_offset) < last:
             raise ValueError("records must be sorted by stream and offset")
         last = (r.stream_id, r.base_offset)
-        block += RECORD_HEADER.pack(RECORD_MAGIC, r.stream_id, 0, r.base_offset, r.count - 1,
-                                    len(r.payload))
-        block += r.payload
+        if block_pos < 0:
+            block_pos = len(out)
+            out += bytes(hdr)           # filled in by close_block
+        out += RECORD_HEADER.pack(RECORD_MAGIC, r.stream_id, 0, r.base_offset, r.count - 1,
+                                  len(r.payload))
+        out += r.payload
         block_records += 1
         if runs and runs[-1][0] == r.stream_id:
             runs[-1][2] = r.end_offset
@@ -122,7 +131,7 @@ def encode_object(records: Iterable[Record], block_size: int = DEFAULT_BLOCK_SIZ
             ranges[r.stream_id] = StreamRange(r.stream_id, r.base_offset, r.end_offset)
         else:
             rng.end_offset = r.end_offset
-        if len(block) >= block_size:
+        if len(out) - block_pos - hdr >= block_size:
             close_block()
     close_block()
     index_pos = len(out)
@@ -132,7 +141,7 @@ def encode_object(records: Iterable[Record], block_size: int = DEFAULT_BLOCK_SIZ
     out += index_bytes
     out += FOOTER.pack(index_pos, len(index_bytes), crc32c.crc32c(index_bytes), bytes(24),
                        FOOTER_MAGIC)
-    return bytes(out), index, list(ranges.values())
+    return out, index, list(ranges.values())
 
 
 def decode_footer(tail: bytes | memoryview, object_size: int) -> tuple[int, int, int]:
