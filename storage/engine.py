@@ -125,18 +125,20 @@ class EngineStream(Stream):
             raise ValueError(f"append at {base_offset}, expected {self._end}")
         if count <= 0:
             raise ValueError("count must be positive")
-        # one copy of the payload (header + payload concatenation would copy it twice)
-        body = bytearray(WAL_RECORD.size + len(payload))
-        WAL_RECORD.pack_into(body, 0, self.stream_id, base_offset, count)
-        body[WAL_RECORD.size:] = payload
+        # The WAL copies (header, payload) straight into its block: the only copy of the
+        # payload. The LogCache keeps the caller's buffer itself, which the caller hands over
+        # (Partition.append passes a buffer nobody else changes: CONTRACTS, produce path).
+        payload = payload if type(payload) is bytes else memoryview(payload).cast("B")
+        header = WAL_RECORD.pack(self.stream_id, base_offset, count)
+        size = WAL_RECORD.size + len(payload)
         deadline = None
         while True:
-            room = eng.cache.has_room(len(body) + 64)
+            room = eng.cache.has_room(size + 64)
             if room:
                 try:
                     # an asyncio future completed in batches by the WAL: no cross-thread
                     # wake-up per record (append() would cost one self-pipe write each)
-                    res = eng.wal.append_loop(body, self.stream_id)
+                    res = eng.wal.append_loop((header, payload), self.stream_id)
                     break
                 except eng.over_capacity_error:
                     eng.request_upload("wal full")
@@ -150,8 +152,8 @@ class EngineStream(Stream):
             await eng.wait_for_room(deadline - now)
             if base_offset != self._end or self.deleted:
                 raise RetriableStorageError("stream moved on while waiting for room; retry")
-        entry = CacheEntry(self.stream_id, base_offset, count,
-                           memoryview(body)[WAL_RECORD.size:], res.offset, res.next_offset)
+        entry = CacheEntry(self.stream_id, base_offset, count, payload, res.offset,
+                           res.next_offset)
         eng.cache.add(entry)
         self._end = base_offset + count
         eng.note_wal(res.next_offset)
