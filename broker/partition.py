@@ -331,8 +331,9 @@ class Partition:
         """Validate, assign offsets in place and append one produce payload durably.
 
         ``owned``: ``records`` is a writable buffer nobody else reads or reuses (the server's
-        request frame), so offsets are written into it directly instead of into a copy; the
-        stream copies the payload into its WAL record anyway.
+        request frame), so offsets are written into it directly instead of into a copy. The
+        stream may keep the buffer it is given (the engine's LogCache does): an owned frame
+        is then held by the cache, a caller's buffer is copied first.
         Returns when the payload is durable (acks=1/all); the caller decides whether to answer.
         Errors are returned as Kafka error codes, never raised."""
         res = AppendResult(log_start_offset=self.log_start_offset)

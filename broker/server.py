@@ -50,7 +50,6 @@ DIRECT_FRAME_MAX = 16 << 20
 # in all (a fresh bytearray is zero-filled and page-faulted: ~7 % of broker CPU at 1 MiB)
 FRAME_POOL_BYTES = 32 << 20
 FRAME_POOL_MAX_FRAME = 4 << 20
-FRAME_POOL_ROUND = 128 << 10
 # young-generation GC threshold: a request allocates a few dozen containers, and Python's
 # default (700) ran a collection every few requests
 GC_GEN0_THRESHOLD = 20_000
@@ -348,7 +347,10 @@ class FramePool:
 
     A frame is only taken back when nothing can still see it: the caller checked that no
     other reference to the bytearray exists, and here a resize probe fails while any
-    memoryview of it (a request's ``records``, a cache entry) is alive."""
+    memoryview of it (a request's ``records``, a cache entry) is alive. Since the engine's
+    LogCache keeps the produced payload's buffer itself, produce frames stored by the engine
+    stay with the cache and are not reused; the pool serves stores that copy (memory
+    storage) and frames of other large requests."""
 
     def __init__(self, max_bytes: int = FRAME_POOL_BYTES) -> None:
         self.max_bytes = max_bytes
@@ -370,11 +372,9 @@ class FramePool:
                 elif n < size:
                     buf.extend(bytes(size - n))
                 return buf
-        # allocated with headroom so that slightly larger frames fit it when it comes back
-        cap = (size // FRAME_POOL_ROUND + 1) * FRAME_POOL_ROUND
-        buf = bytearray(cap)
-        del buf[size:]  # within half the allocation: only the length changes
-        return buf
+        # exact size: the LogCache may keep the frame (it holds the payload view), and
+        # headroom would be memory it does not account for
+        return bytearray(size)
 
     def give(self, buf: bytearray) -> None:
         """Keep ``buf`` for reuse if it is unshared and the pool has room."""

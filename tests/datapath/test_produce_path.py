@@ -4,7 +4,6 @@ into the owned request frame, CRC checks still applied on that path."""
 from __future__ import annotations
 
 import socket
-import struct
 import time
 import uuid
 
@@ -35,8 +34,7 @@ def _frame(topic: str, records: bytes, corr: int, version: int = 9, partition: i
 
 
 def _read_response(c: WireClient, version: int = 9) -> tuple[int, object]:
-    (size,) = struct.unpack(">i", c._exact(4))
-    resp = ProduceResponse.decode(c._exact(size), version=version, header=True)
+    resp = ProduceResponse.decode(c.recv_frame(), version=version, header=True)
     return resp.header.correlation_id, resp.responses[0].partition_responses[0]
 
 
