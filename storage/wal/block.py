@@ -10,7 +10,7 @@ from .format import align_up
 class Block:
     """Records packed back to back in an aligned buffer; `start` is the logical offset."""
 
-    __slots__ = ("start", "scan_from", "buf", "used", "streams", "done", "sealed", "deferred")
+    __slots__ = ("start", "scan_from", "buf", "used", "streams", "done", "sealed")
 
     def __init__(self, start: int, scan_from: int, buf: mmap.mmap) -> None:
         self.start = start
@@ -20,7 +20,6 @@ class Block:
         self.streams: set[int] = set()
         self.done = False
         self.sealed = False
-        self.deferred: list[tuple[int, int, int]] = []   # (at, body length, offset): header to pack
 
     @property
     def capacity(self) -> int:

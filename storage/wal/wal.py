@@ -37,7 +37,6 @@ Body = Union[bytes, bytearray, memoryview, "tuple[Any, ...]", "list[Any]"]
 
 WINDOW_SCALE_UNIT = 4 << 20
 _MASK = ALIGN - 1
-_DEFER_CRC_BYTES = 32 << 10        # bodies this large are checksummed by the IO thread
 _ALIGN_DOWN = ~_MASK
 _IO_RETRIES = 5
 _IO_RETRY_DELAY_S = 0.1
@@ -253,7 +252,7 @@ class DeltaWAL:
         adds latency and memory (and fresh buffers cost page faults)."""
         return self._inflight == 0 or self._inflight + size <= self._buffer_limit
 
-    def _reserve(self, body, n: int, stream_id: int, waiter, crc: int | None) -> int:
+    def _reserve(self, body, n: int, stream_id: int, waiter, crc: int) -> int:
         """Place the record in the current block; caller holds the lock. The hot path of every
         append: attribute lookups and calls are kept to a minimum (CPython cost is per record)."""
         if self._failed is not None:
@@ -293,10 +292,7 @@ class DeltaWAL:
                 f"WAL ring full: {end - self._trim} bytes untrimmed > {ring}; "
                 "upload and trim first")
         buf = blk.buf
-        if crc is None:                    # header packed by the IO thread (_seal_headers)
-            blk.deferred.append((at, n, pos))
-        else:
-            pack_record_header(buf, at, n, pos, crc)
+        pack_record_header(buf, at, n, pos, crc)
         if type(body) is tuple:
             o = at + RECORD_HEADER_SIZE
             for part in body:
@@ -433,22 +429,8 @@ class DeltaWAL:
         if start > now:
             time.sleep(start - now)
 
-    @staticmethod
-    def _seal_headers(group: list[Block]) -> None:
-        """Checksum the large records whose header the appender left to us (crc32c releases
-        the GIL, so this runs in parallel with the appender) and pack their headers."""
-        for blk in group:
-            if not blk.deferred:
-                continue
-            with memoryview(blk.buf) as mv:
-                for at, n, pos in blk.deferred:
-                    start = at + RECORD_HEADER_SIZE
-                    pack_record_header(blk.buf, at, n, pos, body_crc(mv[start:start + n]))
-            blk.deferred.clear()
-
     def _write_group(self, group: list[Block]) -> None:
         assert self._device is not None
-        self._seal_headers(group)
         first = group[0]
         phys = HEADER_AREA + first.start % self.ring_size
         views = [memoryview(b.buf)[:align_up(b.used)] for b in group]
@@ -627,23 +609,18 @@ class DeltaWAL:
 
 
 def _prepare(body) -> tuple:
-    """(body, length, crc or None): flat byte views, parts kept as a tuple; bodies of
-    _DEFER_CRC_BYTES and more get their CRC from the IO thread (None here)."""
+    """(body, length, crc): flat byte views, parts kept as a tuple, CRC-32C computed here, on
+    the appender's thread outside the WAL lock (crc32c drops the GIL for bytes)."""
     if type(body) is bytes:
-        n = len(body)
-        return body, n, (body_crc(body) if n < _DEFER_CRC_BYTES else None)
+        return body, len(body), body_crc(body)
     if isinstance(body, (tuple, list)):
         parts = tuple(p if type(p) is bytes else _as_bytes_view(p) for p in body)
-        n = sum(len(p) for p in parts)
-        crc = None
-        if n < _DEFER_CRC_BYTES:
-            crc = 0
-            for p in parts:
-                crc = crc32c.crc32c(p, crc)
-        return parts, n, crc
+        crc = 0
+        for p in parts:
+            crc = crc32c.crc32c(p, crc)
+        return parts, sum(len(p) for p in parts), crc
     body = _as_bytes_view(body)
-    n = len(body)
-    return body, n, (body_crc(body) if n < _DEFER_CRC_BYTES else None)
+    return body, len(body), body_crc(body)
 
 
 def _length(body) -> int:
