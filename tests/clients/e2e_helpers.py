@@ -123,6 +123,9 @@ class Member(Protocol):
     def poll_once(self) -> list[str]: ...          # values received
     def assignment(self) -> set[int]: ...          # partitions currently owned
     def close(self) -> None: ...                   # commit and leave the group
+    # optional: ``drain() -> list[str]``, values the member delivered while closing (a
+    # consumer process may print records after its last poll; their offsets are committed
+    # on close, so nobody else will receive them)
 
 
 @dataclass
@@ -162,7 +165,9 @@ def run_group_of_three(make_member: Callable[[int], Member], partitions: int,
                         assigned[i] = set(a)
             finally:
                 m.close()
+                late = m.drain() if hasattr(m, "drain") else []
                 with lock:
+                    run.seen.update(late)
                     assigned[i] = set()
         except BaseException as e:  # reported in the main thread
             errors.append(e)

@@ -56,7 +56,8 @@ class KcatMember:
         self.values: queue.Queue[str] = queue.Queue()
         self.assigned: set[int] = set()
         self.stderr: list[str] = []
-        threading.Thread(target=self._read_out, daemon=True).start()
+        self._out_reader = threading.Thread(target=self._read_out, daemon=True)
+        self._out_reader.start()
         threading.Thread(target=self._read_err, daemon=True).start()
 
     def _read_out(self) -> None:
@@ -90,6 +91,17 @@ class KcatMember:
         """SIGTERM: kcat closes the consumer, which commits its offsets and leaves the group."""
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(30)
+
+    def drain(self) -> list[str]:
+        """Everything kcat printed up to its exit and not yet taken by poll_once: records it
+        delivered (and committed on close) after the last poll."""
+        self._out_reader.join(10)
+        out: list[str] = []
+        while True:
+            try:
+                out.append(self.values.get_nowait())
+            except queue.Empty:
+                return out
 
 
 def test_group_of_three_rebalances_then_resumes_after_restart(cbroker, topic_name):
