@@ -10,11 +10,25 @@ short of CPU) the rate is cut multiplicatively; while the loop is on time it gro
 additively up to ``max_rate`` (AIMD, as TCP does with congestion). A mean over a window, not
 single samples: one late wake-up is scheduler noise (timers fire up to ~1 ms late on an idle
 loop), a late window is a busy loop. A floor (``min_rate``) keeps catch-up readers moving.
+
+Loop lag alone misses most of what a catch-up reader costs the tail: no single cold step blocks
+the loop for long, the cost is many short slices plus CPU and GIL taken from the threads that
+complete hot requests, and uvloop's timers only resolve whole milliseconds. So the pacer also
+treats cold reads as scavenger traffic (in the spirit of LEDBAT, RFC 6817): the engine reports
+the latency of every hot append (append -> durable, seen on the loop); per span of windows with
+enough samples, the 90th percentile is compared with a baseline, the median p90 of recent spans
+during which no cold byte was served. A span with cold reads whose p90 passes the baseline by
+``hot_tolerance`` is a late window, like a lagging loop. While a reader keeps reading, the pacer
+pauses cold reads for one short span now and then (``CLEAN_EVERY_S``) so that the baseline
+follows the hot load instead of going stale. With no hot traffic there is no signal and catch-up
+runs at the cap.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import statistics
 import time
 from typing import Callable
 
@@ -28,13 +42,27 @@ class ColdReadPacer:
     WINDOW_S = 0.1            # lag samples are averaged over this long; one decision each
     RAMP_S = 2.0              # time to grow from 0 to max_rate while the loop is on time
     BURST_S = 0.05            # bytes the bucket may run ahead, in seconds of the current rate
+    HOT_MIN_SAMPLES = 10      # hot latencies a span needs before its p90 means anything
+    HOT_SLACK_S = 0.00003     # absolute slack on top of the tolerance (microsecond jitter)
+    BASE_SPANS = 15           # the baseline is the median p90 of this many recent clean spans
+    CLEAN_EVERY_S = 1.0       # while cold reads go on, pause them this often for a clean span
+    PAUSE_S = 0.15            # ... for this long at the most
 
     def __init__(self, max_rate: float, min_rate: float = 0.0, lag_target_s: float = 0.0,
                  probe_interval_s: float = 0.005,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 hot_tolerance: float = 0.0) -> None:
         self.max_rate = float(max_rate)            # 0 = unlimited (no pacing at all)
         self.min_rate = float(min(min_rate, max_rate)) if max_rate > 0 else 0.0
         self.lag_target_s = lag_target_s           # 0 = fixed rate (no adaptation)
+        self.hot_tolerance = hot_tolerance         # 0 = hot latencies are not a signal
+        self._hot: list[float] = []                # hot latencies of the current span
+        self._span_cold = False                    # cold bytes were served during the span
+        self._clean: collections.deque[float] = collections.deque(maxlen=self.BASE_SPANS)
+        self._last_clean = clock()
+        self._pause_until = 0.0
+        self.hot_p90_s = 0.0                       # the latest span's p90 (for logs, tests)
+        self.pauses = 0
         self.probe_interval_s = probe_interval_s
         self.rate = self.max_rate
         self._clock = clock
@@ -51,7 +79,43 @@ class ColdReadPacer:
 
     @property
     def adaptive(self) -> bool:
-        return self.max_rate > 0 and self.lag_target_s > 0
+        return self.max_rate > 0 and (self.lag_target_s > 0 or self.hot_tolerance > 0)
+
+    @property
+    def baseline_s(self) -> float | None:
+        """Median hot p90 of recent spans without cold reads; None before the first."""
+        return statistics.median(self._clean) if self._clean else None
+
+    def note_hot(self, latency_s: float) -> None:
+        """One hot request's latency (the engine: append -> durable, seen on the loop)."""
+        self._hot.append(latency_s)
+
+    def _hot_late(self, now: float) -> bool:
+        """Close the hot span when it holds enough samples; True when cold reads ran during
+        it and its p90 passed the clean baseline by more than the tolerance."""
+        hot = self._hot
+        if self.hot_tolerance <= 0 or len(hot) < self.HOT_MIN_SAMPLES:
+            if len(hot) > 50 * self.HOT_MIN_SAMPLES:   # tolerance off: do not grow forever
+                hot.clear()
+            return False
+        hot.sort()
+        p90 = hot[(len(hot) * 9) // 10]
+        self.hot_p90_s = p90
+        cold = self._span_cold
+        self._hot = []
+        self._span_cold = False
+        if not cold:
+            self._clean.append(p90)
+            self._last_clean = now
+            return False
+        base = self.baseline_s
+        late = base is not None and p90 > base * (1 + self.hot_tolerance) + self.HOT_SLACK_S
+        if now - self._last_clean >= self.CLEAN_EVERY_S and now >= self._pause_until:
+            # a clean span now and then keeps the baseline current (the hot load changes)
+            self._pause_until = now + self.PAUSE_S
+            self._last_clean = now
+            self.pauses += 1
+        return late
 
     # -- rate control -----------------------------------------------------------------------
     def note_lag(self, lag_s: float) -> None:
@@ -71,7 +135,8 @@ class ColdReadPacer:
         self._window_sum = 0.0
         self._window_n = 0
         self.window_lag_s = mean
-        if mean > self.lag_target_s:
+        hot_late = self._hot_late(now)
+        if (self.lag_target_s > 0 and mean > self.lag_target_s) or hot_late:
             self.cuts += 1
             self.rate = max(self.min_rate, self.rate * self.DECREASE)
         else:
@@ -83,16 +148,25 @@ class ColdReadPacer:
         if self.max_rate <= 0:
             return 0.0
         now = self._clock()
+        if nbytes:
+            self._span_cold = True
         rate = max(self.rate, 1.0)
         self._debt = max(0.0, self._debt - (now - self._debt_at) * rate) + nbytes
         self._debt_at = now
-        return max(0.0, (self._debt - rate * self.BURST_S) / rate)
+        return max(0.0, (self._debt - rate * self.BURST_S) / rate, self._pause_until - now)
 
     async def pace(self, nbytes: int) -> None:
         """Wait (this reader only) until ``nbytes`` fit under the current rate."""
         wait = self.delay_for(nbytes)
         if wait > 0:
             await asyncio.sleep(wait)
+
+    async def admit(self) -> None:
+        """Wait out a pause (a clean span for the baseline) before serving cold bytes."""
+        if self._pause_until:
+            wait = self._pause_until - self._clock()
+            if wait > 0:
+                await asyncio.sleep(wait)
 
     # -- lag probe --------------------------------------------------------------------------
     def start(self) -> None:

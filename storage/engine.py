@@ -69,6 +69,9 @@ class EngineConfig:
     cold_read_lag_target_ms: float = 1.0     # mean event-loop lag (per 100 ms) above which the
                                              # cold-read rate is cut (AIMD, cold_reads.py);
                                              # 0 = fixed rate
+    cold_read_hot_tolerance: float = 0.05    # the cold-read rate is also cut while hot appends'
+                                             # p90 latency is this much above its baseline
+                                             # without cold reads (cold_reads.py); 0 = off
     cold_read_max_bytes: int = 256 << 10     # most bytes one read serves from objects (short
                                              # loop slices: hot requests never wait long)
 
@@ -111,8 +114,10 @@ class EngineStream(Stream):
     def confirmed_offset(self) -> int:
         return self._confirmed
 
-    def _durable(self, entry: CacheEntry, fut: asyncio.Future) -> None:
+    def _durable(self, entry: CacheEntry, t0: float, fut: asyncio.Future) -> None:
         entry.durable = True        # even on a WAL error: the bytes still go to the object store
+        # the hot path's latency as the loop sees it: what cold reads must not stretch
+        self._engine.cold_pacer.note_hot(time.perf_counter() - t0)
         if not fut.cancelled() and fut.exception() is None and entry.next_offset > self._confirmed:
             self._confirmed = entry.next_offset
         self._engine._maybe_upload()
@@ -138,6 +143,7 @@ class EngineStream(Stream):
                 try:
                     # an asyncio future completed in batches by the WAL: no cross-thread
                     # wake-up per record (append() would cost one self-pipe write each)
+                    t0 = time.perf_counter()
                     res = eng.wal.append_loop((header, payload), self.stream_id)
                     break
                 except eng.over_capacity_error:
@@ -158,7 +164,7 @@ class EngineStream(Stream):
         self._end = base_offset + count
         eng.note_wal(res.next_offset)
         afut = res.future
-        afut.add_done_callback(functools.partial(self._durable, entry))
+        afut.add_done_callback(functools.partial(self._durable, entry, t0))
         try:
             await asyncio.shield(afut)
         except asyncio.CancelledError:
@@ -183,6 +189,7 @@ class EngineStream(Stream):
             if first is None or offset < first:
                 budget = min(max_bytes - size, eng.config.cold_read_max_bytes or max_bytes)
                 await asyncio.sleep(0)      # hot work already queued on the loop goes first
+                await eng.cold_pacer.admit()  # no cold bytes during a baseline pause
                 got = await eng.reader.read(self.stream_id, offset, budget, limit,
                                             first_required=not out)
                 if got:
@@ -245,7 +252,8 @@ class Engine(StreamStore):
         self.upload_errors = 0
         c = self.config
         self.cold_pacer = ColdReadPacer(c.cold_read_bytes_per_s, c.cold_read_min_bytes_per_s,
-                                        c.cold_read_lag_target_ms / 1000)
+                                        c.cold_read_lag_target_ms / 1000,
+                                        hot_tolerance=c.cold_read_hot_tolerance)
 
     async def io(self, fn: Callable, *args: Any) -> Any:
         """Run a blocking call (object store, metadata, WAL trim) on the IO threads."""

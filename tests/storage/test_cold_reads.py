@@ -85,3 +85,70 @@ async def test_probe_runs_on_the_loop_and_stops() -> None:
     await p.stop()
     assert loop_blocked.is_set()
     assert p.cuts >= 1 and p.rate < 64 * MiB
+
+
+def run_spans(p: ColdReadPacer, clock: Clock, hot: float, seconds: float, cold: int = 0,
+              step: float = 0.005) -> float:
+    """Every ``step``: one hot request of latency ``hot``, ``cold`` bytes served by a catch-up
+    reader (unless the pacer asks it to wait), an on-time lag sample. Returns the smallest
+    rate seen."""
+    lowest = p.rate
+    for _ in range(round(seconds / step)):
+        clock.t += step
+        p.note_hot(hot)
+        if cold and p.delay_for(0) == 0:
+            p.delay_for(cold)
+        p.note_lag(0.0)
+        lowest = min(lowest, p.rate)
+    return lowest
+
+
+def test_hot_latency_rise_during_cold_reads_cuts_the_rate_and_recovers() -> None:
+    clock = Clock()
+    p = ColdReadPacer(64 * MiB, 16 * MiB, lag_target_s=0.001, clock=clock, hot_tolerance=0.1)
+    run_spans(p, clock, 0.0002, 1.0)                 # no cold reads: the baseline is learnt
+    assert p.baseline_s == 0.0002 and p.rate == 64 * MiB and p.cuts == 0
+    lowest = run_spans(p, clock, 0.0003, 0.5, cold=64 << 10)   # +50 % while catch-up reads
+    assert p.cuts >= 2 and lowest == 16 * MiB
+    run_spans(p, clock, 0.0002, 3.0, cold=64 << 10)  # the hot path is back to its baseline
+    assert p.rate == 64 * MiB
+
+
+def test_hot_latency_within_tolerance_or_without_cold_reads_is_no_signal() -> None:
+    clock = Clock()
+    p = ColdReadPacer(64 * MiB, 16 * MiB, lag_target_s=0.001, clock=clock, hot_tolerance=0.1)
+    run_spans(p, clock, 0.0002, 1.0)
+    run_spans(p, clock, 0.000215, 1.0, cold=64 << 10)   # +7.5 %: under the tolerance
+    assert p.cuts == 0 and p.rate == 64 * MiB
+    run_spans(p, clock, 0.0009, 1.0)                 # slower hot path, no cold reads: the
+    assert p.cuts == 0                               # baseline follows, nothing is cut
+    assert p.baseline_s == 0.0009
+
+
+def test_tolerance_off_ignores_hot_latency() -> None:
+    clock = Clock()
+    p = ColdReadPacer(64 * MiB, 16 * MiB, lag_target_s=0.001, clock=clock)
+    run_spans(p, clock, 0.0002, 1.0)
+    run_spans(p, clock, 0.005, 1.0, cold=64 << 10)
+    assert p.cuts == 0 and p.baseline_s is None
+
+
+async def test_continuous_cold_reads_pause_for_a_clean_span_now_and_then() -> None:
+    """A reader that never stops would leave the baseline stale: the pacer pauses cold reads
+    for a short span about once a second, and that span becomes a baseline sample."""
+    clock = Clock()
+    p = ColdReadPacer(64 * MiB, 16 * MiB, lag_target_s=0.001, clock=clock, hot_tolerance=0.1)
+    run_spans(p, clock, 0.0002, 1.0)
+    clean_before = len(p._clean)
+    run_spans(p, clock, 0.0002, 3.0, cold=16 << 10)
+    assert p.pauses >= 2
+    assert len(p._clean) > clean_before              # spans during pauses were clean
+    run_spans(p, clock, 0.0002, ColdReadPacer.CLEAN_EVERY_S, cold=16 << 10)
+    while p._pause_until <= clock.t:                 # reach the next pause
+        run_spans(p, clock, 0.0002, 0.005, cold=16 << 10)
+    assert p.delay_for(0) > 0                        # readers wait it out ...
+    real = ColdReadPacer(64 * MiB, 16 * MiB, hot_tolerance=0.1)
+    real._pause_until = time.monotonic() + 0.05
+    t0 = time.monotonic()
+    await real.admit()                               # ... also before reading
+    assert time.monotonic() - t0 >= 0.04
