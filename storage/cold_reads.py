@@ -56,6 +56,8 @@ class ColdReadPacer:
         self.min_rate = float(min(min_rate, max_rate)) if max_rate > 0 else 0.0
         self.lag_target_s = lag_target_s           # 0 = fixed rate (no adaptation)
         self.hot_tolerance = hot_tolerance         # 0 = hot latencies are not a signal
+        # samples are kept only while the probe task that consumes them runs (max_rate > 0)
+        self._hot_on = self.max_rate > 0 and hot_tolerance > 0
         self._hot: list[float] = []                # hot latencies of the current span
         self._span_cold = False                    # cold bytes were served during the span
         self._clean: collections.deque[float] = collections.deque(maxlen=self.BASE_SPANS)
@@ -88,15 +90,14 @@ class ColdReadPacer:
 
     def note_hot(self, latency_s: float) -> None:
         """One hot request's latency (the engine: append -> durable, seen on the loop)."""
-        self._hot.append(latency_s)
+        if self._hot_on:
+            self._hot.append(latency_s)
 
     def _hot_late(self, now: float) -> bool:
         """Close the hot span when it holds enough samples; True when cold reads ran during
         it and its p90 passed the clean baseline by more than the tolerance."""
         hot = self._hot
-        if self.hot_tolerance <= 0 or len(hot) < self.HOT_MIN_SAMPLES:
-            if len(hot) > 50 * self.HOT_MIN_SAMPLES:   # tolerance off: do not grow forever
-                hot.clear()
+        if len(hot) < self.HOT_MIN_SAMPLES:
             return False
         hot.sort()
         p90 = hot[(len(hot) * 9) // 10]

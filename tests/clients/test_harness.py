@@ -1,4 +1,5 @@
-"""The shared harness itself: the moto S3 fixture keeps its port across stop/start."""
+"""The shared harness itself: the moto S3 fixture keeps its port across stop/start, the broker
+fixture restarts on its address, the group-of-three run counts what members deliver."""
 import time
 
 import boto3
@@ -33,7 +34,6 @@ def test_broker_fixture_restarts_on_the_same_port(broker):
     broker.start()
     assert broker.running and broker.data_dir.exists()
     assert broker.log_text().count("===== start") == 3
-
 
 
 class _ScriptedMember:

@@ -133,6 +133,16 @@ def test_tolerance_off_ignores_hot_latency() -> None:
     assert p.cuts == 0 and p.baseline_s is None
 
 
+def test_hot_samples_are_not_kept_when_nothing_consumes_them() -> None:
+    """Every durable append reports its latency: with pacing off (unlimited cold reads, no
+    probe task) or the hot signal off, nothing may pile up on that hot path."""
+    for p in (ColdReadPacer(0, 0, lag_target_s=0.001, hot_tolerance=0.05),
+              ColdReadPacer(64 * MiB, 16 * MiB, lag_target_s=0.001)):
+        for _ in range(10_000):
+            p.note_hot(0.0002)
+        assert len(p._hot) == 0
+
+
 async def test_continuous_cold_reads_pause_for_a_clean_span_now_and_then() -> None:
     """A reader that never stops would leave the baseline stale: the pacer pauses cold reads
     for a short span about once a second, and that span becomes a baseline sample."""
