@@ -1,20 +1,31 @@
 """Delta WAL benchmark: append throughput/latency against the raw O_DIRECT speed of the same device.
 
     python -m bench.wal [--path FILE_OR_DEVICE] [--capacity BYTES] [--sync dsync|fdatasync|none]
-                        [--bytes N] [--sizes 1024,16384,...]
+                        [--bytes N] [--sizes 1024,16384,...] [--rounds 3] [--caller loop|thread]
 
 For each record size it prints appended MB/s, records/s, device writes/s (IOPS), p50/p99 append
 latency (append() call -> durable future) at full speed and at half of that speed, the raw
-O_DIRECT sequential write MB/s of the same device measured in the same run right before and
-after the WAL run (the WAL's largest write size, same sync mode, same queue depth as the WAL's
-IO threads),
-and the ratio WAL/raw. The half-speed run paces appends at half the full-speed MB/s. A last
-table shows what each durability mode costs (256 KiB throughput, 4 KiB paced latency).
+O_DIRECT sequential write MB/s of the same device (the WAL's largest write size, same sync mode,
+same queue depth as the WAL's IO threads), and the ratio WAL/raw.
+
+The device's own speed drifts by +-20 % within seconds on these machines, so one raw figure
+taken minutes away from the WAL's says little. Each size therefore runs ``--rounds`` WAL runs
+alternating with raw runs (raw, WAL, raw, WAL, ..., raw); every WAL run is divided by the mean
+of the raw runs right before and after it, and the median of those ratios is printed with its
+range. The MB/s columns are medians over the rounds.
+
+The half-speed run paces appends at half the full-speed MB/s. Right after it, the device alone
+is driven at the same MB/s (256 KiB writes, one every 256 KiB/rate seconds, up to the WAL's IO
+threads in flight) and its own p50/p99 write latency is printed as ``dev p99``: where the device
+itself stalls at that load (host write-back on a VM disk), no WAL on it can answer faster.
+A last table shows what each durability mode costs (256 KiB throughput, 4 KiB paced latency).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import queue
+import statistics
 import sys
 import tempfile
 import threading
@@ -62,6 +73,48 @@ def raw_write_mbps(path: str, capacity: int, sync_mode: str, write_size: int, th
     for b in bufs:
         b.close()
     return nwrites * write_size / dt / 1e6
+
+
+def paced_device_latency(path: str, capacity: int, sync_mode: str, rate: float, total: int,
+                          threads: int, write_size: int = 256 << 10) -> tuple[float, float]:
+    """(p50, p99) ms of the device alone, written sequentially at ``rate`` B/s in
+    ``write_size`` writes with up to ``threads`` in flight: the floor under the WAL's latency
+    at that load. Latency counts from each write's due time (a queued write waits too)."""
+    dev = Device(path, capacity, sync_mode)
+    ring = capacity - HEADER_AREA
+    n = max(50, int(total // write_size))
+    interval = write_size / rate
+    buf = aligned_buffer(write_size)
+    buf.write(os.urandom(write_size))
+    lat: list[float] = []
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+
+    def worker() -> None:
+        while True:
+            item = todo.get()
+            if item is None:
+                return
+            i, due = item
+            dev.write(buf, HEADER_AREA + (i * write_size) % (ring - ring % write_size))
+            lat.append(time.perf_counter() - due)
+
+    ts = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    t0 = time.perf_counter()
+    for i in range(n):
+        due = t0 + i * interval
+        wait = due - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        todo.put((i, due))
+    for _ in ts:
+        todo.put(None)
+    for t in ts:
+        t.join()
+    dev.close()
+    buf.close()
+    return pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
 
 
 def run_wal(cfg: WALConfig, size: int, total: int, rate: float | None) -> dict:
@@ -188,6 +241,8 @@ def main() -> None:
     ap.add_argument("--caller", default="loop", choices=["loop", "thread"],
                     help="loop: append_loop() from a uvloop event loop, as the engine calls the "
                          "WAL; thread: blocking append() from a plain thread")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="WAL runs per size, each between two raw runs (ratio = median)")
     args = ap.parse_args()
     run = run_wal_loop if args.caller == "loop" else run_wal
     tmp = None
@@ -200,7 +255,8 @@ def main() -> None:
     print(f"device {path}  capacity {args.capacity >> 20} MiB  sync {args.sync}  "
           f"io_threads {cfg0.io_threads}  block {cfg0.block_soft_limit >> 10} KiB  caller {args.caller}")
     hdr = (f"{'record':>8} {'MB/s':>8} {'rec/s':>9} {'IOPS':>7} {'p50 ms':>7} {'p99 ms':>7} | "
-           f"{'half MB/s':>9} {'p50 ms':>7} {'p99 ms':>7} | {'raw MB/s':>8} {'ratio':>6}")
+           f"{'half MB/s':>9} {'p50 ms':>7} {'p99 ms':>7} {'dev p99':>7} | {'raw MB/s':>8} "
+           f"{'ratio':>6} {'range':>9}")
     print(hdr)
     try:
         for size in [int(s) for s in args.sizes.split(",")]:
@@ -209,17 +265,29 @@ def main() -> None:
             total = min(total, args.capacity // 2) if size < 64 << 10 else total
             # the largest write the WAL issues (blocks are merged up to max_write_bytes)
             wsize = max(cfg0.max_write_bytes, align_up(size + RECORD_HEADER_SIZE))
-            # raw right before and right after the WAL run: the machines are noisy (+-30 %)
-            raw1 = raw_write_mbps(path, args.capacity, args.sync, wsize, cfg0.io_threads, total)
-            full = run(WALConfig(**base), size, total, None)
-            raw2 = raw_write_mbps(path, args.capacity, args.sync, wsize, cfg0.io_threads, total)
-            raw = (raw1 + raw2) / 2
-            half = run(WALConfig(**base), size, total // 2, full["mbps"] * 1e6 / 2)
+
+            def raw_run() -> float:
+                return raw_write_mbps(path, args.capacity, args.sync, wsize, cfg0.io_threads,
+                                      total)
+            raws = [raw_run()]
+            fulls: list[dict] = []
+            ratios: list[float] = []
+            for _ in range(max(1, args.rounds)):
+                fulls.append(run(WALConfig(**base), size, total, None))
+                raws.append(raw_run())
+                ratios.append(fulls[-1]["mbps"] / ((raws[-2] + raws[-1]) / 2))
+            full = {k: statistics.median(f[k] for f in fulls) for k in fulls[0]}
+            raw = statistics.median(raws)
+            rate = full["mbps"] * 1e6 / 2
+            half = run(WALConfig(**base), size, total // 2, rate)
+            _dev_p50, dev_p99 = paced_device_latency(path, args.capacity, args.sync, rate,
+                                                     total // 2, cfg0.io_threads)
             print(f"{size >> 10:>6}Ki {full['mbps']:>8.0f} {full['rps']:>9.0f} "
                   f"{full['iops']:>7.0f} "
                   f"{full['p50']:>7.2f} {full['p99']:>7.2f} | {half['mbps']:>9.0f} "
-                  f"{half['p50']:>7.2f} {half['p99']:>7.2f} | {raw:>8.0f} "
-                  f"{full['mbps'] / raw:>6.2f}", flush=True)
+                  f"{half['p50']:>7.2f} {half['p99']:>7.2f} {dev_p99:>7.2f} | {raw:>8.0f} "
+                  f"{statistics.median(ratios):>6.2f} {min(ratios):>4.2f}-{max(ratios):<4.2f}",
+                  flush=True)
         print("durability modes (cost of the barrier after each block write):")
         print(f"{'sync_mode':>10} {'256Ki MB/s':>10} | {'4Ki paced p50 ms':>16} {'p99 ms':>7}")
         for mode in ("none", "dsync", "fdatasync"):
