@@ -49,8 +49,13 @@ class ObjectStore(abc.ABC):
         """Release clients/connections."""
 
 
+# Objects are written to their file in pieces of this size, each made durable before the next:
+# see FileObjectStore.put.
+FILE_WRITE_CHUNK = 1 << 20
+
+
 class FileObjectStore(ObjectStore):
-    """Objects as files under a directory; put writes a temp file, fsyncs, then renames."""
+    """Objects as files under a directory; put writes a temp file durably, then renames."""
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
@@ -63,21 +68,40 @@ class FileObjectStore(ObjectStore):
         return os.path.join(self.root, key)
 
     def put(self, key: str, data: bytes | memoryview) -> None:
+        """Write ``data`` under a temp name, make it durable, rename it into place and make the
+        rename durable (the engine trims the WAL once the object's commit returns).
+
+        The file is written in FILE_WRITE_CHUNK pieces, each followed by fdatasync. One
+        write of a whole object (10+ MB) and one fsync make the kernel write it back in a
+        single burst that the device serves ahead of the WAL's O_DSYNC writes on the same
+        disk: measured here, every upload stalled WAL writes for 20-45 ms (the produce p99
+        of every client). With 1 MiB pieces no more than ~1 MiB of upload data is queued in
+        front of a WAL write (WAL 4 KiB writes during uploads: max 2.4-4 ms instead of 21-25
+        ms), and the upload itself finished sooner (13-15 ms instead of 34-45 ms for 10.7
+        MB), bench/HISTORY.md."""
         path = self._path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        view = memoryview(data).cast("B")
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                for at in range(0, len(view), FILE_WRITE_CHUNK):
+                    _write_all(fd, view[at:at + FILE_WRITE_CHUNK])
+                    os.fdatasync(fd)         # the size too: fdatasync covers what reads need
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
+            _fsync_dir(parent)
         except OSError as e:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
             raise ObjectStoreError(str(e)) from e
+        finally:
+            view.release()
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         try:
@@ -112,6 +136,22 @@ class FileObjectStore(ObjectStore):
                 if key.startswith(prefix):
                     out.append(key)
         return sorted(out)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    """os.write until every byte is written (a write may be short)."""
+    while len(view):
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename in ``path`` durable (the directory entry lives in the directory)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class MemObjectStore(ObjectStore):
