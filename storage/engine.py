@@ -24,7 +24,8 @@ from .cache.log_cache import CacheEntry, LogCache
 from .cold_reads import ColdReadPacer
 from .crash import crash_point
 from .metastore import MetaStore, NewObject, ObjectRange, StreamMeta, open_metastore
-from .objects.format import Record, encode_object
+from .loop_slices import encode_object_in_slices
+from .objects.format import Record
 from .objects.store import ObjectStore, open_object_store
 from .reader import ObjectReader
 from .stream import (Batch, OffsetOutOfRange, RetriableStorageError, StorageError, Stream,
@@ -499,7 +500,7 @@ class Engine(StreamStore):
             for kind, recs in groups:
                 oid, key = await self.io(self.meta.prepare_object, kind, c.node_id)
                 prepared.append((oid, key))
-                data, _index, ranges = await self.io(encode_object, recs, c.object_block_bytes)
+                data, _index, ranges = await encode_object_in_slices(recs, c.object_block_bytes)
                 await self.io(self.store.put, key, data)
                 new.append((NewObject(oid, len(data), ranges), key, kind))
             crash_point("before_commit")

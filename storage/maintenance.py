@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from .crash import crash_point
 from .metastore import NewObject, ObjectRange
-from .objects.format import CorruptObjectError, Record, decode_object, encode_object
+from .loop_slices import encode_object_in_slices
+from .objects.format import CorruptObjectError, Record, decode_object
 from .objects.store import ObjectStoreError
 
 if TYPE_CHECKING:
@@ -148,7 +149,7 @@ class Maintenance:
         new: list[tuple[NewObject, str]] = []
         for run in runs:
             oid, key = await e.io(e.meta.prepare_object, "so", c.node_id)
-            data, _index, ranges = await e.io(encode_object, run, c.object_block_bytes)
+            data, _index, ranges = await encode_object_in_slices(run, c.object_block_bytes)
             await e.io(e.store.put, key, data)
             new.append((NewObject(oid, len(data), ranges), key))
         crash_point("during_compaction")
