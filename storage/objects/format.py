@@ -90,7 +90,8 @@ class ObjectEncoder:
     GIL for the whole object."""
 
     def __init__(self, records: list[Record], block_size: int = DEFAULT_BLOCK_SIZE) -> None:
-        self.records = records
+        """Sizes the object for ``records``; add() must then be given exactly these, in order
+        (finish() checks that the sizes agree)."""
         self.block_size = block_size
         self.out = _zeroed_buffer(_object_size(records, block_size))
         self.index: list[IndexEntry] = []
