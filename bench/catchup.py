@@ -119,11 +119,13 @@ def create_topic(bootstrap: str, topic: str) -> None:
         f.result(30)
 
 
-def load_backlog(bootstrap: str, topic: str, total: int, size: int) -> float:
-    """Produce ``total`` bytes as fast as possible; returns MB/s acknowledged."""
+def load_backlog(bootstrap: str, topic: str, total: int, size: int,
+                 batch_bytes: int = 1 << 20) -> float:
+    """Produce ``total`` bytes as fast as possible in batches of up to ``batch_bytes``;
+    returns MB/s acknowledged."""
     from confluent_kafka import Producer
     p = Producer({"bootstrap.servers": bootstrap, "log_level": 2, "acks": "all", "linger.ms": 5,
-                  "batch.size": 1 << 20, "queue.buffering.max.kbytes": 256 << 10})
+                  "batch.size": batch_bytes, "queue.buffering.max.kbytes": 256 << 10})
     value = os.urandom(size)
     n = total // size
     t0 = time.perf_counter()
@@ -504,6 +506,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2,
                     help="phases: alone / with-catch-up phase pairs, alternating, in one run")
     ap.add_argument("--skip-s3", action="store_true")
+    ap.add_argument("--backlog-batch-bytes", type=int, default=1 << 20,
+                    help="producer batch.size of the backlog: a cold read returns at least one "
+                         "whole batch, so this bounds the catch-up answers from below")
     ap.add_argument("--catchup-nice", type=int, default=0,
                     help="interleaved: run the catch-up reader process at this nice value "
                          "(e.g. 19: its CPU stands for a client on another machine)")
@@ -534,7 +539,8 @@ def main() -> None:
     try:
         create_topic(b.bootstrap, "backlog")
         create_topic(b.bootstrap, "tail")
-        mbps = load_backlog(b.bootstrap, "backlog", args.backlog_mb << 20, 16 << 10)
+        mbps = load_backlog(b.bootstrap, "backlog", args.backlog_mb << 20, 16 << 10,
+                            args.backlog_batch_bytes)
         print(f"produce throughput (one producer, 16 KiB records, acks=all): {mbps:.1f} MB/s")
         time.sleep(6)                     # let the upload interval pass: backlog in objects
         run_phase(b, argparse.Namespace(**{**vars(args), "seconds": 3}), False)   # warm-up
