@@ -24,11 +24,6 @@ async def encode_object_in_slices(records: list[Record], block_size: int = DEFAU
                                   ) -> tuple[Buffer, list[IndexEntry], list[StreamRange]]:
     """encode_object() on the running loop, yielding to other callbacks every ``slice_s``."""
     enc = ObjectEncoder(records, block_size)
-    clock = time.perf_counter
-    until = clock() + slice_s
-    for r in records:
-        enc.add(r)
-        if clock() >= until:
-            await asyncio.sleep(0)
-            until = clock() + slice_s
+    while not enc.encode(until=time.perf_counter() + slice_s):
+        await asyncio.sleep(0)
     return enc.finish()

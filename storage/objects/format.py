@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import mmap
 import struct
+import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, NamedTuple, Union
+from typing import Callable, Iterable, Iterator, NamedTuple, Union
 
 import crc32c
 
@@ -80,20 +81,20 @@ class StreamRange:
 
 
 class ObjectEncoder:
-    """Serialises records (sorted by stream, offset) into one object, one record per add().
+    """Serialises records (sorted by stream, offset) into one object, in steps (encode()).
 
     The object's exact size is computed from the payload lengths before anything is copied,
     so the buffer is allocated once and every payload is copied exactly once, straight to its
     place: a growing buffer would be reallocated (and copied whole, measured 5 ms for a
-    40 MiB object) now and then. Adding records one by one lets the engine encode on the event
+    40 MiB object) now and then. Encoding in steps lets the engine encode on the event
     loop in short slices (storage/loop_slices.py) instead of in a thread that would hold the
     GIL for the whole object."""
 
     def __init__(self, records: list[Record], block_size: int = DEFAULT_BLOCK_SIZE) -> None:
-        """Sizes the object for ``records``; add() must then be given exactly these, in order
-        (finish() checks that the sizes agree)."""
         self.block_size = block_size
         self.out = _zeroed_buffer(_object_size(records, block_size))
+        self._records = records
+        self._next = 0                      # records[_next:] are still to be added
         self.index: list[IndexEntry] = []
         self._ranges: dict[int, StreamRange] = {}
         self._at = 0                        # write cursor in ``out``
@@ -102,7 +103,19 @@ class ObjectEncoder:
         self._runs: list[list[int]] = []    # [stream, start, end, count] within the open block
         self._last: tuple[int, int] | None = None
 
-    def add(self, r: Record) -> None:
+    def encode(self, until: float | None = None, clock: Callable[[], float] = time.perf_counter
+               ) -> bool:
+        """Add the remaining records, or (with ``until``) at least one and then stop once
+        ``clock()`` reaches it; True when every record is in."""
+        records, add = self._records, self._add
+        while self._next < len(records):
+            add(records[self._next])
+            self._next += 1
+            if until is not None and clock() >= until:
+                break
+        return self._next >= len(records)
+
+    def _add(self, r: Record) -> None:
         """Copy one record into its block (closing the block once it passes block_size)."""
         key = (r.stream_id, r.base_offset)
         if self._last is not None and key < self._last:
@@ -152,6 +165,8 @@ class ObjectEncoder:
 
     def finish(self) -> tuple[Buffer, list[IndexEntry], list[StreamRange]]:
         """Close the last block, append the index and the footer; (object, index, ranges)."""
+        if self._next < len(self._records):
+            raise AssertionError("finish() before encode() added every record")
         self._close_block()
         index_pos = self._at
         index_bytes = b"".join(INDEX_ENTRY.pack(e.stream_id, e.start_offset,
@@ -207,10 +222,8 @@ def encode_object(records: Iterable[Record], block_size: int = DEFAULT_BLOCK_SIZ
     Returns the object bytes, its index and the per-stream ranges it covers. A block is closed
     once it passes ``block_size``; a block never splits a record. Every payload is copied
     exactly once, straight into the object buffer (ObjectEncoder)."""
-    records = list(records)
-    enc = ObjectEncoder(records, block_size)
-    for r in records:
-        enc.add(r)
+    enc = ObjectEncoder(list(records), block_size)
+    enc.encode()
     return enc.finish()
 
 
