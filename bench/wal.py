@@ -16,7 +16,7 @@ range. The MB/s columns are medians over the rounds.
 
 The half-speed run paces appends at half the full-speed MB/s. Right after it, the device alone
 is driven at the same MB/s (256 KiB writes, one every 256 KiB/rate seconds, up to the WAL's IO
-threads in flight) and its own p50/p99 write latency is printed as ``dev p99``: where the device
+threads in flight) and its own p99 write latency is printed as ``dev p99``: where the device
 itself stalls at that load (host write-back on a VM disk), no WAL on it can answer faster.
 A last table shows what each durability mode costs (256 KiB throughput, 4 KiB paced latency).
 """
@@ -76,8 +76,8 @@ def raw_write_mbps(path: str, capacity: int, sync_mode: str, write_size: int, th
 
 
 def paced_device_latency(path: str, capacity: int, sync_mode: str, rate: float, total: int,
-                          threads: int, write_size: int = 256 << 10) -> tuple[float, float]:
-    """(p50, p99) ms of the device alone, written sequentially at ``rate`` B/s in
+                          threads: int, write_size: int = 256 << 10) -> float:
+    """p99 ms of the device alone, written sequentially at ``rate`` B/s in
     ``write_size`` writes with up to ``threads`` in flight: the floor under the WAL's latency
     at that load. Latency counts from each write's due time (a queued write waits too)."""
     dev = Device(path, capacity, sync_mode)
@@ -114,7 +114,7 @@ def paced_device_latency(path: str, capacity: int, sync_mode: str, rate: float, 
         t.join()
     dev.close()
     buf.close()
-    return pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
+    return pct(lat, 0.99) * 1e3
 
 
 def run_wal(cfg: WALConfig, size: int, total: int, rate: float | None) -> dict:
@@ -280,8 +280,8 @@ def main() -> None:
             raw = statistics.median(raws)
             rate = full["mbps"] * 1e6 / 2
             half = run(WALConfig(**base), size, total // 2, rate)
-            _dev_p50, dev_p99 = paced_device_latency(path, args.capacity, args.sync, rate,
-                                                     total // 2, cfg0.io_threads)
+            dev_p99 = paced_device_latency(path, args.capacity, args.sync, rate, total // 2,
+                                           cfg0.io_threads)
             print(f"{size >> 10:>6}Ki {full['mbps']:>8.0f} {full['rps']:>9.0f} "
                   f"{full['iops']:>7.0f} "
                   f"{full['p50']:>7.2f} {full['p99']:>7.2f} | {half['mbps']:>9.0f} "
