@@ -28,6 +28,7 @@ from .loop_slices import encode_object_in_slices
 from .objects.format import Record
 from .objects.store import ObjectStore, open_object_store
 from .reader import ObjectReader
+from .thread_priority import background_executor
 from .stream import (Batch, OffsetOutOfRange, RetriableStorageError, StorageError, Stream,
                      StreamStore)
 
@@ -75,6 +76,12 @@ class EngineConfig:
                                              # without cold reads (cold_reads.py); 0 = off
     cold_read_max_bytes: int = 256 << 10     # most bytes one read serves from objects (short
                                              # loop slices: hot requests never wait long)
+    cold_read_threads: int = 2               # threads for object reads of the cold path
+    cold_read_nice: int = 19                 # their nice value (and SCHED_BATCH): a large read
+                                             # never preempts the event loop
+    cold_read_io_class: str = "idle"         # their I/O class ("idle" or "be"): cold reads
+                                             # never queue ahead of WAL writes on one disk
+                                             # (thread_priority.py)
 
     def resolved(self) -> "EngineConfig":
         """A copy with the data-dir derived defaults filled in."""
@@ -240,6 +247,12 @@ class Engine(StreamStore):
         self.reader: ObjectReader
         self._executor = concurrent.futures.ThreadPoolExecutor(
             self.config.io_threads, thread_name_prefix="s3kafka-io")
+        # cold reads (catch-up consumers) run on their own threads, low in CPU and I/O
+        # priority: a multi-megabyte read never preempts the event loop or queues ahead of
+        # a WAL write (thread_priority.py)
+        self._cold_executor = background_executor(self.config.cold_read_threads,
+                                                  "s3kafka-cold", self.config.cold_read_nice,
+                                                  self.config.cold_read_io_class)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._upload_wakeup = asyncio.Event()
         self._room = asyncio.Event()
@@ -260,6 +273,10 @@ class Engine(StreamStore):
         """Run a blocking call (object store, metadata, WAL trim) on the IO threads."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    async def cold_io(self, fn: Callable, *args: Any) -> Any:
+        """Run an object read for the cold path on the low-priority threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._cold_executor, fn, *args)
+
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         from .wal import DeltaWAL, OverCapacityError, WALConfig
@@ -270,7 +287,8 @@ class Engine(StreamStore):
         self.over_capacity_error = OverCapacityError
         self.meta = await self.io(open_metastore, c.metadata_url)
         self.store = await self.io(open_object_store, c.object_store)
-        self.reader = ObjectReader(self.store, self.io, c.block_cache_bytes, c.readahead_max_bytes)
+        self.reader = ObjectReader(self.store, self.cold_io, c.block_cache_bytes,
+                                   c.readahead_max_bytes)
         self.maintenance = Maintenance(self)
         try:
             await self.maintenance.delete_leftovers()
@@ -334,6 +352,7 @@ class Engine(StreamStore):
         # one last upload so the next start has little to replay (best effort)
         if self._loop is None or self.wal is None:
             self._executor.shutdown(wait=False)
+            self._cold_executor.shutdown(wait=False)
             return
         try:
             await asyncio.wait_for(self._drain_uploads(), timeout=10)
@@ -355,6 +374,7 @@ class Engine(StreamStore):
                 except Exception as e:      # keep closing the rest
                     log.warning("close: %s", e)
         self._executor.shutdown(wait=True)
+        self._cold_executor.shutdown(wait=True)
 
     async def _drain_uploads(self) -> None:
         while self.cache.pending or self._uploading:

@@ -187,7 +187,7 @@ def _zeroed_buffer(size: int) -> Buffer:
     zeroed by the kernel when first written, spread over the encoding; bytearray(size) zeroes
     them all at once (measured 5 ms for 10 MiB, an event-loop stall when encoding on the loop)."""
     if size >= MMAP_FROM:
-        return mmap.mmap(-1, size)
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
     return bytearray(size)
 
 

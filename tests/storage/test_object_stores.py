@@ -96,3 +96,44 @@ def test_file_store_writes_in_durable_pieces_and_syncs_the_rename(tmp_path, monk
     kinds = [k for k, _ in calls]
     assert kinds == ["write", "fdatasync"] * 3 + ["fsync-dir"]
     assert [n for k, n in calls if k == "write"] == [chunk, chunk, 12345]
+
+
+def test_file_store_reads_large_ranges_in_pieces_without_readahead(tmp_path, monkeypatch) -> None:
+    """A large ranged get asks the kernel for at most FILE_READ_CHUNK per call, with kernel
+    readahead off for the range, so a WAL write on the same disk never queues behind more
+    than one piece of a cold read; the bytes are the same for every range."""
+    from storage.objects import store as store_mod
+    chunk = store_mod.FILE_READ_CHUNK
+    s = open_object_store(f"file://{tmp_path}/o")
+    data = os.urandom(3 * chunk + 4321)
+    s.put("big", data)
+    asked: list[int] = []
+    advice: list[int] = []
+    real_preadv, real_pread, real_fadvise = os.preadv, os.pread, os.posix_fadvise
+
+    def preadv(fd, buffers, offset):
+        asked.append(sum(len(b) for b in buffers))
+        return real_preadv(fd, buffers, offset)
+
+    def pread(fd, n, offset):
+        asked.append(n)
+        return real_pread(fd, n, offset)
+
+    def fadvise(fd, offset, length, how):
+        advice.append(how)
+        real_fadvise(fd, offset, length, how)
+
+    monkeypatch.setattr(store_mod.os, "preadv", preadv)
+    monkeypatch.setattr(store_mod.os, "pread", pread)
+    monkeypatch.setattr(store_mod.os, "posix_fadvise", fadvise)
+    for start, end in [(0, None), (1, len(data) - 1), (chunk - 7, 2 * chunk + 9), (5, 50),
+                       (len(data) - 10, len(data))]:
+        asked.clear()
+        got = s.get("big", start, end)
+        assert bytes(got) == data[start:end]
+        assert asked and max(asked) <= chunk
+    assert advice and set(advice) == {os.POSIX_FADV_RANDOM}
+    # past the end: the bytes that exist (the reader compares the length with the index)
+    assert bytes(s.get("big", len(data) - 100, len(data) + 5 * chunk)) == data[-100:]
+    with pytest.raises(ObjectNotFound):
+        s.get("missing", 0, 2 * chunk)

@@ -1,0 +1,107 @@
+"""Cold-read threads run below the event loop in CPU and I/O priority, and only they do."""
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import threading
+
+import pytest
+
+from storage.engine import open_engine
+from storage.thread_priority import IO_CLASSES, background_executor, io_class_of
+
+from storage_helpers import fill, read_all, small_config
+
+linux_ioprio = pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64", "i686")
+                                  or not hasattr(os, "sched_getscheduler"),
+                                  reason="ioprio syscall numbers known for Linux x86/arm only")
+
+
+def _priorities() -> tuple[int, int, str]:
+    tid = threading.get_native_id()
+    return os.getpriority(os.PRIO_PROCESS, tid), os.sched_getscheduler(0), io_class_of(tid)
+
+
+@linux_ioprio
+def test_background_executor_threads_are_lowered_and_only_they() -> None:
+    before = _priorities()
+    pool = background_executor(2, "t-low", 19, "idle")
+    try:
+        nice, policy, io = pool.submit(_priorities).result(10)
+    finally:
+        pool.shutdown(wait=True)
+    assert nice == 19
+    assert policy == os.SCHED_BATCH
+    assert io == "idle"
+    assert _priorities() == before, "the calling thread keeps its priorities"
+    # a thread started later by the same process is not affected either
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(_priorities()))
+    t.start()
+    t.join()
+    assert out == [before]
+
+
+def test_unknown_io_class_is_refused() -> None:
+    with pytest.raises(ValueError, match="I/O class"):
+        background_executor(1, "t", 19, "realtime")
+    assert set(IO_CLASSES) == {"be", "idle"}
+
+
+@linux_ioprio
+async def test_engine_cold_reads_run_on_low_priority_threads(tmp_path) -> None:
+    """Object reads of the cold path run on the cold threads (nice 19, SCHED_BATCH, idle
+    I/O); uploads keep the normal IO threads, and the WAL's threads stay untouched."""
+    eng = open_engine(small_config(tmp_path))
+    await eng.start()
+    seen: dict[str, set] = {"get": set(), "put": set()}
+    store = eng.store
+    real_get, real_put = store.get, store.put
+
+    def get(*a, **kw):
+        seen["get"].add((threading.current_thread().name,) + _priorities())
+        return real_get(*a, **kw)
+
+    def put(*a, **kw):
+        seen["put"].add((threading.current_thread().name,) + _priorities())
+        return real_put(*a, **kw)
+
+    store.get, store.put = get, put
+    try:
+        s = await eng.create_stream()
+        await fill(s, 200)
+        await eng.flush()
+        eng.drop_caches()
+        assert len(await read_all(s)) == 200
+        assert seen["get"] and seen["put"]
+        for name, nice, policy, io in seen["get"]:
+            assert name.startswith("s3kafka-cold")
+            assert (nice, policy, io) == (19, os.SCHED_BATCH, "idle")
+        for name, nice, policy, io in seen["put"]:
+            assert name.startswith("s3kafka-io") and policy != os.SCHED_BATCH and io != "idle"
+        wal_threads = [t for t in threading.enumerate() if t.name.startswith("wal-io")]
+        assert wal_threads
+        for t in wal_threads:
+            assert os.getpriority(os.PRIO_PROCESS, t.native_id) == 0
+            assert io_class_of(t.native_id) != "idle"
+    finally:
+        store.get, store.put = real_get, real_put
+        await eng.close()
+
+
+async def test_cold_read_io_class_can_be_left_alone(tmp_path) -> None:
+    eng = open_engine(small_config(tmp_path, cold_read_io_class="", cold_read_nice=5))
+    await eng.start()
+    try:
+        s = await eng.create_stream()
+        await fill(s, 50)
+        await eng.flush()
+        eng.drop_caches()
+        got = await asyncio.get_running_loop().run_in_executor(eng._cold_executor, _priorities)
+        assert got[0] == 5
+        if platform.machine() in ("x86_64", "aarch64"):
+            assert got[2] != "idle"
+        assert len(await read_all(s)) == 50
+    finally:
+        await eng.close()
