@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             r.print()
         results += rs
     if "wal" not in skip:
-        args = ["--bytes", str(8 << 20), "--sizes", "65536", "--capacity", str(256 << 20)] if q \
+        args = ["--bytes", str(8 << 20), "--sizes", "65536", "--capacity", str(256 << 20),
+                "--rounds", "1", "--half-seconds", "0.5"] if q \
             else ["--bytes", str(256 << 20)]
         sections.append("## Delta WAL (bench/wal.py)\n```\n"
                         + run_owner_bench("bench.wal", args, 120 if q else 300) + "\n```")

@@ -1,7 +1,8 @@
 """Delta WAL benchmark: append throughput/latency against the raw O_DIRECT speed of the same device.
 
     python -m bench.wal [--path FILE_OR_DEVICE] [--capacity BYTES] [--sync dsync|fdatasync|none]
-                        [--bytes N] [--sizes 1024,16384,...] [--rounds 3] [--caller loop|thread]
+                        [--bytes N] [--sizes 1024,16384,...] [--rounds 3] [--half-seconds 3]
+                        [--caller loop|thread]
 
 For each record size it prints appended MB/s, records/s, device writes/s (IOPS), p50/p99 append
 latency (append() call -> durable future) at full speed and at half of that speed, the raw
@@ -14,10 +15,17 @@ alternating with raw runs (raw, WAL, raw, WAL, ..., raw); every WAL run is divid
 of the raw runs right before and after it, and the median of those ratios is printed with its
 range. The MB/s columns are medians over the rounds.
 
-The half-speed run paces appends at half the full-speed MB/s. Right after it, the device alone
-is driven at the same MB/s (256 KiB writes, one every 256 KiB/rate seconds, up to the WAL's IO
-threads in flight) and its own p99 write latency is printed as ``dev p99``: where the device
-itself stalls at that load (host write-back on a VM disk), no WAL on it can answer faster.
+The half-speed runs pace appends at half the full-speed MB/s for ``--half-seconds`` each
+(``--rounds`` of them; median p50/p99 and the p99 range are printed): a p99 over a fraction of
+a second is just the one device hiccup that happened to fall into it. The loop caller gets its
+records the way a broker's loop gets requests: a pacing thread wakes every 0.2 ms and hands
+the loop what is due (asyncio.sleep() cannot: uvloop timers fire in whole milliseconds, so
+1 GB/s came in 1 MB bursts). Both callers trim from another thread once a quarter of the ring
+is in use, as the engine does after uploads. After each half-speed run the device alone is
+driven at the same MB/s (256 KiB writes, one every 256 KiB/rate seconds, up to the WAL's IO
+threads in flight) and the median of its p99 write latency is printed as ``dev p99``: where
+the device itself stalls at that load (host write-back on a VM disk), no WAL on it can answer
+faster.
 A last table shows what each durability mode costs (256 KiB throughput, 4 KiB paced latency).
 """
 from __future__ import annotations
@@ -39,6 +47,7 @@ from storage.wal.format import HEADER_AREA, RECORD_HEADER_SIZE, align_up  # noqa
 from bench.common import pct  # noqa: E402
 
 SIZES = [1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
+PACE_TICK_S = 0.0002          # the paced loop caller's arrival granularity
 
 
 def raw_write_mbps(path: str, capacity: int, sync_mode: str, write_size: int, threads: int,
@@ -139,12 +148,19 @@ def run_wal(cfg: WALConfig, size: int, total: int, rate: float | None) -> dict:
 
     t_start = time.perf_counter()
     interval = size / rate if rate else 0.0
+    trim_after = cfg.capacity // 4
+    trimmer = None
     for i in range(n):
         if rate:
             due = t_start + i * interval
             now = time.perf_counter()
             if due > now:
                 time.sleep(due - now)        # never spin: a spinning producer holds the GIL
+        if (trimmer is None or not trimmer.is_alive()) and \
+                wal.end_offset - wal.trim_offset > trim_after:
+            # as the engine does after each upload: trim from another thread, early
+            trimmer = threading.Thread(target=wal.trim, args=(wal.confirmed_offset,))
+            trimmer.start()
         while True:
             try:
                 t0 = time.perf_counter()
@@ -186,6 +202,9 @@ def run_wal_loop(cfg: WALConfig, size: int, total: int, rate: float | None) -> d
         done = loop.create_future()
         rec = RECORD_HEADER_SIZE + size
         writes_before = wal_writes(wal)
+        trim_after = cfg.capacity // 4
+        trimming = None
+        trims: list[int] = []
 
         def cb(i: int, t0: float, _f) -> None:
             t1 = time.perf_counter()
@@ -195,20 +214,47 @@ def run_wal_loop(cfg: WALConfig, size: int, total: int, rate: float | None) -> d
                 done.set_result(t1)
 
         t_start = t0 = time.perf_counter()
-        interval = size / rate if rate else 0.0
         yielded = t_start
+        allowed = [n]
+        wake = asyncio.Event()
+        stop = threading.Event()
+        if rate:
+            # Arrivals as a broker's loop sees them: a thread wakes every PACE_TICK_S and
+            # hands the loop the records due by then, as epoll hands it the requests that
+            # arrived. (asyncio.sleep() cannot pace this: uvloop timers fire in whole
+            # milliseconds, so 1 GB/s came as 1 MB bursts, each queueing behind itself.)
+            allowed[0] = 0
+
+            def release(k: int) -> None:
+                allowed[0] = k
+                wake.set()
+
+            def pacer() -> None:
+                while not stop.is_set():
+                    time.sleep(PACE_TICK_S)
+                    k = min(n, int((time.perf_counter() - t_start) * rate / size) + 1)
+                    loop.call_soon_threadsafe(release, k)
+                    if k >= n:
+                        return
+            threading.Thread(target=pacer, daemon=True).start()
         for i in range(n):
-            if rate:
-                due = t_start + i * interval
-                now = time.perf_counter()
-                if due > now:
-                    await asyncio.sleep(due - now)
-                    yielded = due
+            while i >= allowed[0]:
+                wake.clear()
+                await wake.wait()
+                yielded = time.perf_counter()
             if t0 - yielded > 0.0002:
                 # a broker's loop turns between requests: let completions run (a loop that
                 # never yields would measure its own starvation, not the WAL)
                 await asyncio.sleep(0)
                 yielded = time.perf_counter()
+            if trimming is None and wal.end_offset - wal.trim_offset > trim_after:
+                # as the engine does after each upload: trim from another thread, long
+                # before the ring is full (a full ring would stall appends)
+                trimming = loop.run_in_executor(None, wal.trim, wal.confirmed_offset)
+                trimming.add_done_callback(lambda _f: trims.append(1))
+            elif trimming is not None and trims:
+                trimming = None
+                trims.clear()
             if not wal.has_room(rec):
                 await wal.wait_for_room(rec)
             while True:
@@ -221,6 +267,7 @@ def run_wal_loop(cfg: WALConfig, size: int, total: int, rate: float | None) -> d
                     await asyncio.sleep(0.0002)
             r.future.add_done_callback(functools.partial(cb, i, t0))
         t_end = await asyncio.wait_for(done, 120)
+        stop.set()
         elapsed = t_end - t_start
         writes = wal_writes(wal) - writes_before
         wal.close()
@@ -242,7 +289,10 @@ def main() -> None:
                     help="loop: append_loop() from a uvloop event loop, as the engine calls the "
                          "WAL; thread: blocking append() from a plain thread")
     ap.add_argument("--rounds", type=int, default=3,
-                    help="WAL runs per size, each between two raw runs (ratio = median)")
+                    help="WAL runs per size, each between two raw runs (ratio = median); as "
+                         "many half-speed runs, each followed by the device alone")
+    ap.add_argument("--half-seconds", type=float, default=3.0,
+                    help="length of each half-speed run (and of the device-alone run)")
     args = ap.parse_args()
     run = run_wal_loop if args.caller == "loop" else run_wal
     tmp = None
@@ -255,7 +305,8 @@ def main() -> None:
     print(f"device {path}  capacity {args.capacity >> 20} MiB  sync {args.sync}  "
           f"io_threads {cfg0.io_threads}  block {cfg0.block_soft_limit >> 10} KiB  caller {args.caller}")
     hdr = (f"{'record':>8} {'MB/s':>8} {'rec/s':>9} {'IOPS':>7} {'p50 ms':>7} {'p99 ms':>7} | "
-           f"{'half MB/s':>9} {'p50 ms':>7} {'p99 ms':>7} {'dev p99':>7} | {'raw MB/s':>8} "
+           f"{'half MB/s':>9} {'p50 ms':>7} {'p99 ms':>7} {'p99 range':>11} {'dev p99':>7} | "
+           f"{'raw MB/s':>8} "
            f"{'ratio':>6} {'range':>9}")
     print(hdr)
     try:
@@ -279,13 +330,23 @@ def main() -> None:
             full = {k: statistics.median(f[k] for f in fulls) for k in fulls[0]}
             raw = statistics.median(raws)
             rate = full["mbps"] * 1e6 / 2
-            half = run(WALConfig(**base), size, total // 2, rate)
-            dev_p99 = paced_device_latency(path, args.capacity, args.sync, rate, total // 2,
-                                           cfg0.io_threads)
+            # p99 over a fraction of a second is the worst device hiccup of that moment:
+            # runs of --half-seconds, alternating with the device alone at the same rate
+            halves: list[dict] = []
+            devs: list[float] = []
+            half_bytes = int(rate * args.half_seconds)
+            for _ in range(max(1, args.rounds)):
+                halves.append(run(WALConfig(**base), size, half_bytes, rate))
+                devs.append(paced_device_latency(path, args.capacity, args.sync, rate,
+                                                 half_bytes, cfg0.io_threads))
+            half = {k: statistics.median(h[k] for h in halves) for k in halves[0]}
+            half_p99s = [h["p99"] for h in halves]
+            dev_p99 = statistics.median(devs)
             print(f"{size >> 10:>6}Ki {full['mbps']:>8.0f} {full['rps']:>9.0f} "
                   f"{full['iops']:>7.0f} "
                   f"{full['p50']:>7.2f} {full['p99']:>7.2f} | {half['mbps']:>9.0f} "
-                  f"{half['p50']:>7.2f} {half['p99']:>7.2f} {dev_p99:>7.2f} | {raw:>8.0f} "
+                  f"{half['p50']:>7.2f} {half['p99']:>7.2f} "
+                  f"{min(half_p99s):>5.2f}-{max(half_p99s):<5.2f} {dev_p99:>7.2f} | {raw:>8.0f} "
                   f"{statistics.median(ratios):>6.2f} {min(ratios):>4.2f}-{max(ratios):<4.2f}",
                   flush=True)
         print("durability modes (cost of the barrier after each block write):")
