@@ -203,8 +203,7 @@ def run_wal_loop(cfg: WALConfig, size: int, total: int, rate: float | None) -> d
         rec = RECORD_HEADER_SIZE + size
         writes_before = wal_writes(wal)
         trim_after = cfg.capacity // 4
-        trimming = None
-        trims: list[int] = []
+        trimming: asyncio.Future | None = None
 
         def cb(i: int, t0: float, _f) -> None:
             t1 = time.perf_counter()
@@ -247,14 +246,13 @@ def run_wal_loop(cfg: WALConfig, size: int, total: int, rate: float | None) -> d
                 # never yields would measure its own starvation, not the WAL)
                 await asyncio.sleep(0)
                 yielded = time.perf_counter()
+            if trimming is not None and trimming.done():
+                trimming.result()                # a failed trim fails the run
+                trimming = None
             if trimming is None and wal.end_offset - wal.trim_offset > trim_after:
                 # as the engine does after each upload: trim from another thread, long
                 # before the ring is full (a full ring would stall appends)
                 trimming = loop.run_in_executor(None, wal.trim, wal.confirmed_offset)
-                trimming.add_done_callback(lambda _f: trims.append(1))
-            elif trimming is not None and trims:
-                trimming = None
-                trims.clear()
             if not wal.has_room(rec):
                 await wal.wait_for_room(rec)
             while True:

@@ -65,8 +65,8 @@ def io_class_of(tid: int | None = None) -> str:
 
 def lower_current_thread(nice: int, io_class: str = "") -> None:
     """Give the calling thread ``nice``, SCHED_BATCH and (if given) the I/O class
-    ``io_class``. Best effort: what the system refuses is logged once at debug level and
-    the thread keeps what it had."""
+    ``io_class``. Best effort: what the system refuses is logged at debug level and the
+    thread keeps what it had."""
     tid = threading.get_native_id()
     try:
         if os.getpriority(os.PRIO_PROCESS, tid) < nice:

@@ -64,6 +64,8 @@ def test_topic_default_flag_is_repeatable():
     (["serve", "--log-level", "chatty"], {}),
     (["serve", "--topic-default", "retention.ms=soon"], {}),
     (["serve", "--topic-default", "no.such.config=1"], {}),
+    (["serve", "--cold-read-io-class", "realtime"], {}),
+    (["serve", "--wal-sync-mode", "sometimes"], {}),
 ])
 def test_bad_values_are_rejected(argv, env):
     with pytest.raises(ValueError):
