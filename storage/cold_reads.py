@@ -47,6 +47,8 @@ class ColdReadPacer:
     BASE_SPANS = 15           # the baseline is the median p90 of this many recent clean spans
     CLEAN_EVERY_S = 1.0       # while cold reads go on, pause them this often for a clean span
     PAUSE_S = 0.15            # ... for this long at the most
+    HOT_ACTIVE_S = 1.0        # appends this recent mean producers are active
+    RATE_WINDOW_S = 1.0       # the append rate is measured over windows this long
 
     def __init__(self, max_rate: float, min_rate: float = 0.0, lag_target_s: float = 0.0,
                  probe_interval_s: float = 0.005,
@@ -78,6 +80,10 @@ class ColdReadPacer:
         self.window_lag_s = 0.0                    # the latest window's mean lag
         self.cuts = 0
         self.bytes = 0
+        self._hot_at = float("-inf")               # last hot append (clock)
+        self.hot_rate = 0.0                        # append bytes/s over the last window
+        self._rate_bytes = 0
+        self._rate_start = clock()
 
     @property
     def adaptive(self) -> bool:
@@ -88,10 +94,24 @@ class ColdReadPacer:
         """Median hot p90 of recent spans without cold reads; None before the first."""
         return statistics.median(self._clean) if self._clean else None
 
-    def note_hot(self, latency_s: float) -> None:
-        """One hot request's latency (the engine: append -> durable, seen on the loop)."""
+    def note_hot(self, latency_s: float, nbytes: int = 0) -> None:
+        """One hot request's latency (the engine: append -> durable, seen on the loop) and its
+        size: the append rate is the floor of paced catch-up reads from the LogCache."""
         if self._hot_on:
             self._hot.append(latency_s)
+        if self.max_rate > 0:
+            now = self._clock()
+            self._hot_at = now
+            self._rate_bytes += nbytes
+            elapsed = now - self._rate_start
+            if elapsed >= self.RATE_WINDOW_S:
+                self.hot_rate = self._rate_bytes / elapsed
+                self._rate_bytes = 0
+                self._rate_start = now
+
+    def hot_active(self) -> bool:
+        """Hot appends happened within the last HOT_ACTIVE_S (something to protect)."""
+        return self.max_rate > 0 and self._clock() - self._hot_at < self.HOT_ACTIVE_S
 
     def _hot_late(self, now: float) -> bool:
         """Close the hot span when it holds enough samples; True when cold reads ran during
@@ -143,22 +163,23 @@ class ColdReadPacer:
         else:
             self.rate = min(self.max_rate, self.rate + self.max_rate * elapsed / self.RAMP_S)
 
-    def delay_for(self, nbytes: int) -> float:
-        """Account ``nbytes`` served; seconds the reader should wait to stay under the rate."""
+    def delay_for(self, nbytes: int, min_rate: float = 0.0) -> float:
+        """Account ``nbytes`` served; seconds the reader should wait to stay under the rate
+        (or under ``min_rate``, when that is higher)."""
         self.bytes += nbytes
         if self.max_rate <= 0:
             return 0.0
         now = self._clock()
         if nbytes:
             self._span_cold = True
-        rate = max(self.rate, 1.0)
+        rate = max(self.rate, min_rate, 1.0)
         self._debt = max(0.0, self._debt - (now - self._debt_at) * rate) + nbytes
         self._debt_at = now
         return max(0.0, (self._debt - rate * self.BURST_S) / rate, self._pause_until - now)
 
-    async def pace(self, nbytes: int) -> None:
+    async def pace(self, nbytes: int, min_rate: float = 0.0) -> None:
         """Wait (this reader only) until ``nbytes`` fit under the current rate."""
-        wait = self.delay_for(nbytes)
+        wait = self.delay_for(nbytes, min_rate)
         if wait > 0:
             await asyncio.sleep(wait)
 

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 WAL_RECORD = struct.Struct(">qqi")          # stream id, base offset, count; then the payload
 WAL_RECORD_HEADER = 24                      # the WAL's own per-record header (offset arithmetic)
+CATCHUP_GAIN = 1.5                          # a paced catch-up reader gets >= this x the append rate
 
 
 @dataclass
@@ -76,6 +77,10 @@ class EngineConfig:
                                              # without cold reads (cold_reads.py); 0 = off
     cold_read_max_bytes: int = 256 << 10     # most bytes one read serves from objects (short
                                              # loop slices: hot requests never wait long)
+    catchup_age_s: float = 2.0               # reads from the LogCache of data appended longer
+                                             # ago than this, while producers append, are paced
+                                             # like cold reads (at least 1.5x the append rate);
+                                             # 0 = never
     cold_read_threads: int = 2               # threads for object reads of the cold path
     cold_read_nice: int = 19                 # their nice value (and SCHED_BATCH): a large read
                                              # never preempts the event loop
@@ -125,7 +130,7 @@ class EngineStream(Stream):
     def _durable(self, entry: CacheEntry, t0: float, fut: asyncio.Future) -> None:
         entry.durable = True        # even on a WAL error: the bytes still go to the object store
         # the hot path's latency as the loop sees it: what cold reads must not stretch
-        self._engine.cold_pacer.note_hot(time.perf_counter() - t0)
+        self._engine.cold_pacer.note_hot(time.perf_counter() - t0, len(entry.payload))
         if not fut.cancelled() and fut.exception() is None and entry.next_offset > self._confirmed:
             self._confirmed = entry.next_offset
         self._engine._maybe_upload()
@@ -167,7 +172,7 @@ class EngineStream(Stream):
             if base_offset != self._end or self.deleted:
                 raise RetriableStorageError("stream moved on while waiting for room; retry")
         entry = CacheEntry(self.stream_id, base_offset, count, payload, res.offset,
-                           res.next_offset)
+                           res.next_offset, added=t0)
         eng.cache.add(entry)
         self._end = base_offset + count
         eng.note_wal(res.next_offset)
@@ -209,10 +214,22 @@ class EngineStream(Stream):
                     first = eng.cache.first_offset(self.stream_id)
                     if first is None or offset < first:
                         break           # budget reached (or the cache holds nothing newer)
-            got = eng.cache.read(self.stream_id, offset, max_bytes - size, self._confirmed,
+            budget = max_bytes - size
+            lagging = self._lagging(offset)
+            if lagging:
+                # a catch-up reader whose backlog is still in memory: the same scavenger
+                # pacing as cold reads, but never slower than the producers (it must gain)
+                budget = min(budget, eng.config.cold_read_max_bytes or budget)
+                await asyncio.sleep(0)
+                await eng.cold_pacer.admit()
+            got = eng.cache.read(self.stream_id, offset, budget, self._confirmed,
                                  first_required=not out)
             if got:
                 out.extend(got)
+                if lagging:
+                    pacer = eng.cold_pacer
+                    await pacer.pace(sum(len(b.payload) for b in got),
+                                     min_rate=pacer.hot_rate * CATCHUP_GAIN)
                 break
             if eng.cache.first_offset(self.stream_id) is None or \
                     offset >= eng.cache.first_offset(self.stream_id):
@@ -222,6 +239,17 @@ class EngineStream(Stream):
             raise StorageError(f"stream {self.stream_id}: offset {offset} is neither cached nor "
                                "in any object")
         return out
+
+    def _lagging(self, offset: int) -> bool:
+        """A read at ``offset`` is catch-up traffic: its data was appended more than
+        catchup_age_s ago while producers are appending now (without hot traffic nothing
+        needs protecting and catch-up runs unpaced)."""
+        eng = self._engine
+        age = eng.config.catchup_age_s
+        if age <= 0 or not eng.cold_pacer.hot_active():
+            return False
+        added = eng.cache.added_at(self.stream_id, offset)
+        return added is not None and time.perf_counter() - added > age
 
     async def trim(self, new_start_offset: int) -> None:
         new_start = min(new_start_offset, self._end)

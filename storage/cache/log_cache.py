@@ -19,10 +19,11 @@ class CacheEntry:
     """One appended payload plus where it sits in the WAL."""
 
     __slots__ = ("stream_id", "base_offset", "count", "payload", "wal_offset", "wal_next",
-                 "durable", "size")
+                 "durable", "size", "added")
 
     def __init__(self, stream_id: int, base_offset: int, count: int, payload: bytes,
-                 wal_offset: int = -1, wal_next: int = -1, durable: bool = False) -> None:
+                 wal_offset: int = -1, wal_next: int = -1, durable: bool = False,
+                 added: float = 0.0) -> None:
         self.stream_id = stream_id
         self.base_offset = base_offset
         self.count = count
@@ -31,6 +32,7 @@ class CacheEntry:
         self.wal_next = wal_next
         self.durable = durable
         self.size = len(payload) + 64
+        self.added = added          # time.perf_counter() at the append (0: recovered)
 
     @property
     def next_offset(self) -> int:
@@ -172,6 +174,18 @@ class LogCache:
         if sc is None or sc.head >= len(sc.entries):
             return None
         return sc.entries[sc.head].base_offset
+
+    def added_at(self, stream_id: int, offset: int) -> float | None:
+        """When the cached entry holding ``offset`` was appended (perf_counter), None if it
+        is not cached: how far behind the tail a reader at ``offset`` is, in time."""
+        sc = self._streams.get(stream_id)
+        if sc is None or sc.head >= len(sc.entries):
+            return None
+        i = max(bisect.bisect_right(sc.bases, offset, lo=sc.head) - 1, sc.head)
+        e = sc.entries[i]
+        if e.base_offset > offset or e.next_offset <= offset:
+            return None
+        return e.added
 
     def read(self, stream_id: int, offset: int, max_bytes: int, limit: int,
              first_required: bool) -> list[Batch]:

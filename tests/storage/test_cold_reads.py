@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from storage.cold_reads import ColdReadPacer
 
 MiB = 1 << 20
@@ -162,3 +164,24 @@ async def test_continuous_cold_reads_pause_for_a_clean_span_now_and_then() -> No
     t0 = time.monotonic()
     await real.admit()                               # ... also before reading
     assert time.monotonic() - t0 >= 0.04
+
+
+def test_append_rate_and_hot_activity_set_a_floor_for_catch_up() -> None:
+    """note_hot measures the append rate (per RATE_WINDOW_S) and when producers were last
+    active; a caller may ask for at least some rate (the LogCache catch-up floor)."""
+    clock = Clock()
+    p = ColdReadPacer(1 * MiB, 1 * MiB, lag_target_s=0.0, clock=clock)
+    assert not p.hot_active() and p.hot_rate == 0.0
+    for _ in range(100):                           # 10 MiB appended over 1 s
+        clock.t += 0.01
+        p.note_hot(0.0005, MiB // 10)
+    assert p.hot_active()
+    assert p.hot_rate == pytest.approx(10 * MiB, rel=0.02)
+    slow = p.delay_for(4 * MiB)                    # under the 1 MiB/s cap
+    fast = p.delay_for(4 * MiB, min_rate=1.5 * p.hot_rate)
+    assert slow > 3.0 and fast < slow / 5
+    clock.t += p.HOT_ACTIVE_S + 0.01
+    assert not p.hot_active()
+    off = ColdReadPacer(0, 0, clock=clock)          # pacing off: never "active"
+    off.note_hot(0.001, 1000)
+    assert not off.hot_active()

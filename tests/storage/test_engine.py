@@ -249,3 +249,55 @@ async def test_full_wal_is_backpressure_not_loss(tmp_path) -> None:
         assert len(await read_all(s)) == acked + 1000
     finally:
         await eng.close()
+
+
+async def test_catch_up_from_the_log_cache_is_paced_only_while_producers_append(tmp_path) -> None:
+    """A reader of data older than catchup_age_s that still sits in the LogCache is paced like a
+    cold reader (bytes go through the pacer, answers are cut to cold_read_max_bytes) while
+    another stream is being appended to; a tail reader is not, and with no producers active
+    nothing is paced. The bytes read are the same either way."""
+    eng = open_engine(small_config(tmp_path, log_cache_bytes=16 << 20, catchup_age_s=0.5,
+                                   cold_read_bytes_per_s=64 << 20, cold_read_min_bytes_per_s=64 << 20,
+                                   cold_read_lag_target_ms=0, cold_read_hot_tolerance=0,
+                                   cold_read_max_bytes=4 << 10, upload_threshold_bytes=64 << 20,
+                                   upload_interval_s=3600))
+    await eng.start()
+    try:
+        pacer = eng.cold_pacer
+        pacer.HOT_ACTIVE_S = 0.2
+        old, hot = await eng.create_stream(), await eng.create_stream()
+        await fill(old, 40)                      # 200 records of 300 B, 5 per batch
+        expected = [(b.base_offset, bytes(b.payload)) for b in await read_all(old)]
+        await asyncio.sleep(0.6)                 # old data, and nobody appending any more
+        assert not pacer.hot_active()
+        before = pacer.bytes
+        assert [(b.base_offset, bytes(b.payload)) for b in await read_all(old)] == expected
+        assert pacer.bytes == before, "no producers: catch-up from memory runs unpaced"
+
+        stop = asyncio.Event()
+
+        async def produce() -> None:
+            n = 0
+            while not stop.is_set():
+                await hot.append(payload(hot.stream_id, n, 100), n, 1)
+                n += 1
+                await asyncio.sleep(0.005)
+        task = asyncio.create_task(produce())
+        try:
+            while not pacer.hot_active():
+                await asyncio.sleep(0.01)
+            before = pacer.bytes
+            first = await old.read(0, 1 << 20)
+            assert sum(len(b.payload) for b in first) <= 4 << 10, "cut like a cold read"
+            got = await read_all(old)
+            assert [(b.base_offset, bytes(b.payload)) for b in got] == expected
+            assert pacer.bytes - before >= sum(len(p) for _, p in expected)
+            # the tail of the stream being appended to is fresh: not catch-up
+            before = pacer.bytes
+            tail = await hot.read(max(hot.confirmed_offset - 1, 0), 1 << 20)
+            assert tail and pacer.bytes == before
+        finally:
+            stop.set()
+            await task
+    finally:
+        await eng.close()
