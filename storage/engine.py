@@ -200,9 +200,7 @@ class EngineStream(Stream):
                 break
             first = eng.cache.first_offset(self.stream_id)
             if first is None or offset < first:
-                budget = min(max_bytes - size, eng.config.cold_read_max_bytes or max_bytes)
-                await asyncio.sleep(0)      # hot work already queued on the loop goes first
-                await eng.cold_pacer.admit()  # no cold bytes during a baseline pause
+                budget = await self._scavenger_budget(max_bytes - size)
                 got = await eng.reader.read(self.stream_id, offset, budget, limit,
                                             first_required=not out)
                 if got:
@@ -219,9 +217,7 @@ class EngineStream(Stream):
             if lagging:
                 # a catch-up reader whose backlog is still in memory: the same scavenger
                 # pacing as cold reads, but never slower than the producers (it must gain)
-                budget = min(budget, eng.config.cold_read_max_bytes or budget)
-                await asyncio.sleep(0)
-                await eng.cold_pacer.admit()
+                budget = await self._scavenger_budget(budget)
             got = eng.cache.read(self.stream_id, offset, budget, self._confirmed,
                                  first_required=not out)
             if got:
@@ -239,6 +235,15 @@ class EngineStream(Stream):
             raise StorageError(f"stream {self.stream_id}: offset {offset} is neither cached nor "
                                "in any object")
         return out
+
+    async def _scavenger_budget(self, remaining: int) -> int:
+        """Bytes a catch-up read (cold, or lagging in the LogCache) may serve now: hot work
+        already queued on the loop goes first, no catch-up bytes during a baseline pause,
+        and at most cold_read_max_bytes per read."""
+        eng = self._engine
+        await asyncio.sleep(0)
+        await eng.cold_pacer.admit()
+        return min(remaining, eng.config.cold_read_max_bytes or remaining)
 
     def _lagging(self, offset: int) -> bool:
         """A read at ``offset`` is catch-up traffic: its data was appended more than

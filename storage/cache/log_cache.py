@@ -51,6 +51,11 @@ class _StreamCache:
         self.committed = 0          # offsets below are in the object store
         self.start = 0              # offsets below were trimmed away
 
+    def index(self, offset: int) -> int:
+        """Index of the entry holding ``offset`` (or the first one after it; ``head`` when
+        ``offset`` is older than everything cached)."""
+        return max(bisect.bisect_right(self.bases, offset, lo=self.head) - 1, self.head)
+
     def pop_front(self) -> None:
         self.head += 1
         if self.head >= 1024 and self.head * 2 >= len(self.entries):
@@ -181,7 +186,7 @@ class LogCache:
         sc = self._streams.get(stream_id)
         if sc is None or sc.head >= len(sc.entries):
             return None
-        i = max(bisect.bisect_right(sc.bases, offset, lo=sc.head) - 1, sc.head)
+        i = sc.index(offset)
         e = sc.entries[i]
         if e.base_offset > offset or e.next_offset <= offset:
             return None
@@ -194,7 +199,7 @@ class LogCache:
         out: list[Batch] = []
         if sc is None:
             return out
-        i = max(bisect.bisect_right(sc.bases, offset, lo=sc.head) - 1, sc.head)
+        i = sc.index(offset)
         size = 0
         n = len(sc.entries)
         while i < n:
