@@ -32,8 +32,8 @@ class ObjectReader:
         self._readers: OrderedDict[tuple[int, int], Readahead] = OrderedDict()
         self.block_cache = BlockCache(block_cache_bytes, self._fetch, readahead_max)
 
-    async def _fetch(self, key: str, start: int, end: int) -> bytes:
-        return await self._io(self.store.get, key, start, end)
+    async def _fetch(self, key: str, ranges: list[tuple[int, int]]) -> list:
+        return await self._io(self.store.get_ranges, key, ranges)
 
     # -- object map -------------------------------------------------------------------------
     def add(self, ranges: list[ObjectRange]) -> None:

@@ -1,7 +1,8 @@
 """BlockCache: decoded data blocks of objects for cold reads, LRU, bounded, with readahead.
 
-A miss fetches the wanted block and, in the same ranged GET, the following blocks of the
-object up to the reader's readahead size; the size starts at 512 KiB and grows by 512 KiB on
+A miss fetches the wanted block and, in the same store call (one ranged GET on S3, one read
+per block from files: ObjectStore.get_ranges), the stream's following blocks of the object
+up to the reader's readahead size; the size starts at 512 KiB and grows by 512 KiB on
 each sequential miss up to 32 MiB, so a catch-up consumer quickly moves to large GETs while a
 random reader stays cheap. Concurrent misses for a block already being fetched wait for that
 fetch instead of issuing another. It is a separate pool from the LogCache, so cold reads can
@@ -21,7 +22,8 @@ READAHEAD_STEP = 512 << 10
 READAHEAD_MAX = 32 << 20
 
 BlockKey = tuple[str, int]                      # (object key, block position)
-Fetch = Callable[[str, int, int], Awaitable[bytes]]  # (key, start, end) -> bytes
+# (key, [(position, size), ...]) -> one buffer per block (ObjectStore.get_ranges)
+Fetch = Callable[[str, list[tuple[int, int]]], Awaitable[list]]
 
 
 @dataclass
@@ -114,18 +116,17 @@ class BlockCache:
         fut = asyncio.get_running_loop().create_future()
         for pos, _ in wanted:
             self._inflight[(key, pos)] = fut
-        start = wanted[0][0]
         end = wanted[-1][0] + wanted[-1][1]
         try:
-            data = memoryview(await self._fetch(key, start, end))
-            self.bytes_fetched += len(data)
-            if len(data) != end - start:
+            parts = [memoryview(p) for p in await self._fetch(key, wanted)]
+            self.bytes_fetched += sum(len(p) for p in parts)
+            if len(parts) != len(wanted) or any(len(p) != n for p, (_, n) in zip(parts, wanted)):
                 raise CorruptObjectError(f"object {key} is shorter than its index says")
-            for pos, size in wanted:
-                self._put((key, pos), data[pos - start:pos - start + size], size)
+            for (pos, size), part in zip(wanted, parts):
+                self._put((key, pos), part, size)
             ra.key, ra.next_position = key, end
             fut.set_result(None)
-            return self._decoded(bkey, data[:blocks[i][1]])
+            return self._decoded(bkey, parts[0])
         except BaseException as e:
             if not fut.done():
                 fut.set_exception(e)

@@ -34,6 +34,17 @@ class ObjectStore(abc.ABC):
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | memoryview:
         """Bytes [start, end) of an object (end None = to the end): a bytes-like object."""
 
+    def get_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes | memoryview]:
+        """Several (position, size) ranges of one object, sorted and not overlapping, one
+        buffer each (the BlockCache: one per data block of a stream). A range past the end of
+        the object comes back short or empty; callers check lengths. Default: one ranged get
+        from the first range to the end of the last, sliced without copying."""
+        if not ranges:
+            return []
+        start = ranges[0][0]
+        data = memoryview(self.get(key, start, ranges[-1][0] + ranges[-1][1]))
+        return [data[pos - start:pos - start + n] for pos, n in ranges]
+
     @abc.abstractmethod
     def size(self, key: str) -> int:
         """Object length in bytes."""
@@ -55,6 +66,21 @@ class ObjectStore(abc.ABC):
 FILE_WRITE_CHUNK = 1 << 20
 # ... and read in pieces of this size (see FileObjectStore.get).
 FILE_READ_CHUNK = 1 << 20
+
+
+def _read_range(fd: int, start: int, n: int) -> bytes | memoryview:
+    """Bytes [start, start + n) of an open file: one pread up to FILE_READ_CHUNK, else an
+    anonymous private mmap filled a piece at a time (see FileObjectStore.get)."""
+    if n <= FILE_READ_CHUNK:
+        return os.pread(fd, n, start)
+    buf = memoryview(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE))
+    got = 0
+    while got < n:
+        r = os.preadv(fd, [buf[got:got + FILE_READ_CHUNK]], start + got)
+        if r == 0:
+            break                     # the file is shorter: callers check the length
+        got += r
+    return buf[:got] if got < n else buf
 
 
 class FileObjectStore(ObjectStore):
@@ -131,16 +157,37 @@ class FileObjectStore(ObjectStore):
             n = max(end - start, 0)
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, start, n, os.POSIX_FADV_RANDOM)
-            if n <= FILE_READ_CHUNK:
-                return os.pread(fd, n, start)
-            buf = memoryview(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE))
-            got = 0
-            while got < n:
-                r = os.preadv(fd, [buf[got:got + FILE_READ_CHUNK]], start + got)
-                if r == 0:
-                    break                     # the file is shorter: callers check the length
-                got += r
-            return buf[:got] if got < n else buf
+            return _read_range(fd, start, n)
+        except OSError as e:
+            raise ObjectStoreError(str(e)) from e
+        finally:
+            os.close(fd)
+
+    def get_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes | memoryview]:
+        """One read, and one malloc'd ``bytes``, per range (a data block, <= 1 MiB) instead of
+        one large mmap sliced: a 32 MiB readahead buffer was unmapped on the event loop when
+        the BlockCache dropped its last block (0.6 ms per 32 MiB here) and its pages were
+        faulted in fresh on every read, while block-sized buffers come from and go back to the
+        allocator's heap. Catch-up bench, interleaved pairs: produce p99 ratio 1.18 / 1.25
+        with 32 MiB buffers, 1.08 / 1.13 with reads of at most 1 MiB (bench/HISTORY.md)."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError as e:
+            raise ObjectNotFound(key) from e
+        except OSError as e:
+            raise ObjectStoreError(str(e)) from e
+        try:
+            if ranges and hasattr(os, "posix_fadvise"):
+                first = ranges[0][0]
+                os.posix_fadvise(fd, first, ranges[-1][0] + ranges[-1][1] - first,
+                                 os.POSIX_FADV_RANDOM)
+            out: list[bytes | memoryview] = []
+            for pos, n in ranges:
+                part = _read_range(fd, pos, n)
+                out.append(part)
+                if len(part) < n:
+                    break                     # past the end: the caller sees a short answer
+            return out
         except OSError as e:
             raise ObjectStoreError(str(e)) from e
         finally:

@@ -20,10 +20,10 @@ async def test_readahead_grows_and_merges_concurrent_misses() -> None:
     data, blocks = _object()
     calls: list[tuple[int, int]] = []
 
-    async def fetch(key: str, start: int, end: int) -> bytes:
-        calls.append((start, end))
+    async def fetch(key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        calls.append((ranges[0][0], ranges[-1][0] + ranges[-1][1]))
         await asyncio.sleep(0.01)
-        return data[start:end]
+        return [data[p:p + n] for p, n in ranges]
 
     bc = BlockCache(64 << 20, fetch)
     ra = Readahead()
@@ -44,8 +44,8 @@ async def test_readahead_grows_and_merges_concurrent_misses() -> None:
 async def test_block_cache_is_bounded() -> None:
     data, blocks = _object()
 
-    async def fetch(key: str, start: int, end: int) -> bytes:
-        return data[start:end]
+    async def fetch(key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        return [data[p:p + n] for p, n in ranges]
 
     bc = BlockCache(100 << 10, fetch, readahead_max=64 << 10)
     ra = Readahead()

@@ -137,3 +137,45 @@ def test_file_store_reads_large_ranges_in_pieces_without_readahead(tmp_path, mon
     assert bytes(s.get("big", len(data) - 100, len(data) + 5 * chunk)) == data[-100:]
     with pytest.raises(ObjectNotFound):
         s.get("missing", 0, 2 * chunk)
+
+
+def test_get_ranges_returns_one_buffer_per_range(store) -> None:
+    """get_ranges (the BlockCache's read of a stream's blocks) answers each range with its own
+    bytes, gaps skipped, the same on every store; a range past the end comes back short."""
+    data = os.urandom(300_000)
+    store.put("o", data)
+    ranges = [(0, 1000), (1000, 4096), (70_000, 100_000), (250_000, 50_000)]
+    got = store.get_ranges("o", ranges)
+    assert [bytes(g) for g in got] == [data[p:p + n] for p, n in ranges]
+    assert store.get_ranges("o", []) == []
+    short = store.get_ranges("o", [(290_000, 10_000), (300_000, 10)])
+    assert bytes(short[0]) == data[290_000:]
+    assert all(not bytes(g) for g in short[1:])
+    with pytest.raises(ObjectNotFound):
+        store.get_ranges("missing", [(0, 10)])
+
+
+def test_file_store_reads_blocks_into_their_own_heap_buffers(tmp_path, monkeypatch) -> None:
+    """From files, each block-sized range is one pread into a malloc'd bytes (no large mmap
+    that the event loop would unmap when the cache drops the last block of a readahead)."""
+    from storage.objects import store as store_mod
+    s = open_object_store(f"file://{tmp_path}/o")
+    data = os.urandom(8 << 20)
+    s.put("big", data)
+    asked: list[tuple[int, int]] = []
+    real_pread = os.pread
+
+    def pread(fd, n, offset):
+        asked.append((offset, n))
+        return real_pread(fd, n, offset)
+
+    def no_mmap(*a, **kw):
+        raise AssertionError("block-sized ranges must not be read into an mmap")
+
+    monkeypatch.setattr(store_mod.os, "pread", pread)
+    monkeypatch.setattr(store_mod.mmap, "mmap", no_mmap)
+    ranges = [(i * (600 << 10), 512 << 10) for i in range(12)]
+    got = s.get_ranges("big", ranges)
+    assert asked == ranges
+    assert all(type(g) is bytes for g in got)
+    assert [g for g in got] == [data[p:p + n] for p, n in ranges]

@@ -57,17 +57,21 @@ async def test_engine_cold_reads_run_on_low_priority_threads(tmp_path) -> None:
     await eng.start()
     seen: dict[str, set] = {"get": set(), "put": set()}
     store = eng.store
-    real_get, real_put = store.get, store.put
+    real_get, real_ranges, real_put = store.get, store.get_ranges, store.put
 
     def get(*a, **kw):
         seen["get"].add((threading.current_thread().name,) + _priorities())
         return real_get(*a, **kw)
 
+    def get_ranges(*a, **kw):
+        seen["get"].add((threading.current_thread().name,) + _priorities())
+        return real_ranges(*a, **kw)
+
     def put(*a, **kw):
         seen["put"].add((threading.current_thread().name,) + _priorities())
         return real_put(*a, **kw)
 
-    store.get, store.put = get, put
+    store.get, store.get_ranges, store.put = get, get_ranges, put
     try:
         s = await eng.create_stream()
         await fill(s, 200)
@@ -86,7 +90,7 @@ async def test_engine_cold_reads_run_on_low_priority_threads(tmp_path) -> None:
             assert os.getpriority(os.PRIO_PROCESS, t.native_id) == 0
             assert io_class_of(t.native_id) != "idle"
     finally:
-        store.get, store.put = real_get, real_put
+        store.get, store.get_ranges, store.put = real_get, real_ranges, real_put
         await eng.close()
 
 
