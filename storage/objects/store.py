@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import mmap
 import os
 import threading
 import uuid
+from typing import Iterator
 from urllib.parse import urlsplit
 
 
@@ -145,38 +147,21 @@ class FileObjectStore(ObjectStore):
         for it before the next: a WAL write waits behind one piece at most. The mmap keeps a
         large buffer from being zero-filled up front while the GIL is held (see
         format._zeroed_buffer); pages are filled by the kernel inside the read calls."""
-        try:
-            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError as e:
-            raise ObjectNotFound(key) from e
-        except OSError as e:
-            raise ObjectStoreError(str(e)) from e
-        try:
+        with self._reading(key) as fd:
             if end is None:
                 end = os.fstat(fd).st_size
             n = max(end - start, 0)
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, start, n, os.POSIX_FADV_RANDOM)
             return _read_range(fd, start, n)
-        except OSError as e:
-            raise ObjectStoreError(str(e)) from e
-        finally:
-            os.close(fd)
 
     def get_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes | memoryview]:
         """One read, and one malloc'd ``bytes``, per range (a data block, <= 1 MiB) instead of
         one large mmap sliced: a 32 MiB readahead buffer was unmapped on the event loop when
-        the BlockCache dropped its last block (0.6 ms per 32 MiB here) and its pages were
-        faulted in fresh on every read, while block-sized buffers come from and go back to the
-        allocator's heap. Catch-up bench, interleaved pairs: produce p99 ratio 1.18 / 1.25
-        with 32 MiB buffers, 1.08 / 1.13 with reads of at most 1 MiB (bench/HISTORY.md)."""
-        try:
-            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError as e:
-            raise ObjectNotFound(key) from e
-        except OSError as e:
-            raise ObjectStoreError(str(e)) from e
-        try:
+        the BlockCache evicted its last block (inserts that evicted one took up to 0.4-0.7 ms,
+        with per-block buffers at most 0.15 ms), and its pages were faulted in fresh on every
+        read, while block-sized buffers come from and go back to the allocator's heap."""
+        with self._reading(key) as fd:
             if ranges and hasattr(os, "posix_fadvise"):
                 first = ranges[0][0]
                 os.posix_fadvise(fd, first, ranges[-1][0] + ranges[-1][1] - first,
@@ -188,6 +173,19 @@ class FileObjectStore(ObjectStore):
                 if len(part) < n:
                     break                     # past the end: the caller sees a short answer
             return out
+
+    @contextlib.contextmanager
+    def _reading(self, key: str) -> Iterator[int]:
+        """An fd of the object's file; a missing file is ObjectNotFound, any other OS error
+        (opening or reading) ObjectStoreError."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError as e:
+            raise ObjectNotFound(key) from e
+        except OSError as e:
+            raise ObjectStoreError(str(e)) from e
+        try:
+            yield fd
         except OSError as e:
             raise ObjectStoreError(str(e)) from e
         finally:
