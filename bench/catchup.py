@@ -141,8 +141,11 @@ def load_backlog(bootstrap: str, topic: str, total: int, size: int,
     return n * size / (time.perf_counter() - t0) / 1e6
 
 
-def producer_proc(bootstrap: str, topic: str, rate: int, size: int, seconds: float, q) -> None:
+def producer_proc(bootstrap: str, topic: str, rate: int, size: int, seconds: float, q,
+                  nice: int = 0) -> None:
     """Fixed-rate producer; reports (acked count, produce latencies)."""
+    if nice:
+        os.nice(nice)
     t_start = time.monotonic()
     from confluent_kafka import Producer
     lat: list[tuple[float, float]] = []
@@ -171,8 +174,10 @@ def producer_proc(bootstrap: str, topic: str, rate: int, size: int, seconds: flo
     q.put(("producer", len(lat), lat, cpu_share(t_start)))
 
 
-def tail_proc(bootstrap: str, topic: str, seconds: float, q) -> None:
+def tail_proc(bootstrap: str, topic: str, seconds: float, q, nice: int = 0) -> None:
     """Tail consumer from the end; reports end-to-end latencies."""
+    if nice:
+        os.nice(nice)
     t_start = time.monotonic()
     from confluent_kafka import Consumer, TopicPartition, OFFSET_END
     c = Consumer({"bootstrap.servers": bootstrap, "log_level": 2, "group.id": f"tail-{time.time_ns()}",
@@ -326,11 +331,13 @@ def run_interleaved(b: Broker, args) -> dict:
     q = mp.Queue()
     gate = mp.Event()
     total = args.windows * args.window
-    procs = [mp.Process(target=tail_proc, args=(b.bootstrap, "tail", total + 4.5, q)),
+    cn = args.clients_nice
+    procs = [mp.Process(target=tail_proc, args=(b.bootstrap, "tail", total + 4.5, q, cn)),
              mp.Process(target=producer_proc,
-                        args=(b.bootstrap, "tail", args.rate, args.size, total + 1, q)),
+                        args=(b.bootstrap, "tail", args.rate, args.size, total + 1, q, cn)),
              mp.Process(target=gated_catchup_proc,
-                        args=(b.bootstrap, "backlog", total + 1.5, gate, q, args.catchup_nice))]
+                        args=(b.bootstrap, "backlog", total + 1.5, gate, q,
+                              args.catchup_nice or cn))]
     procs[0].start()
     time.sleep(1.5)
     assert b.proc is not None
@@ -512,6 +519,11 @@ def main() -> None:
     ap.add_argument("--catchup-nice", type=int, default=0,
                     help="interleaved: run the catch-up reader process at this nice value "
                          "(e.g. 19: its CPU stands for a client on another machine)")
+    ap.add_argument("--clients-nice", type=int, default=0,
+                    help="interleaved: run all three client processes (producer, tail consumer, "
+                         "catch-up reader) at this nice value, so the broker has its two cores "
+                         "first, as on its own host; the catch-up client's CPU then no longer "
+                         "counts against the broker")
     ap.add_argument("--profile", metavar="DIR",
                     help="py-spy (raw collapsed stacks) of the broker during each phase")
     ap.add_argument("--engine-arg", action="append", default=[],
@@ -575,7 +587,10 @@ def main() -> None:
         pass
     print("catch-up reader: one confluent-kafka consumer process from offset 0 (again and again), "
           "consume(1000) batches, counting value bytes; "
-          + (f"nice {args.catchup_nice}" if args.catchup_nice else "normal OS priority"))
+          + (f"nice {args.catchup_nice or args.clients_nice}"
+             if args.catchup_nice or args.clients_nice else "normal OS priority")
+          + (f"; producer and tail consumer at nice {args.clients_nice}"
+             if args.clients_nice else ""))
     if args.mode == "interleaved":
         report_interleaved(inter, args)
         phases = []
