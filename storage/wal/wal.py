@@ -359,9 +359,9 @@ class DeltaWAL:
 
         The first eager_writes threads do this whenever a block is sealed; the spare ones
         sleep on their own condition and write only while sealed blocks back up to a full
-        merged write. Every thread woken costs the event loop a GIL hand-off: with four
-        threads all eager, idle ones woken for nothing, 64 KiB records at half speed had
-        p50/p99 1.36/3.72 ms, with two threads 0.62/2.56 ms, while full speed needs 3-4."""
+        merged write. Every thread woken costs the event loop a GIL hand-off: with all four
+        threads eager, 64 KiB records at half speed had p50 1.22-1.45 ms and p99 3.5-17 ms,
+        with two eager and two spare 0.58-0.69 and 2.0-2.3 ms; full speed needs all four."""
         interval = self.config.flush_interval_s
         cond = self._spare_cond if spare else self._io_cond
         while True:
@@ -393,7 +393,7 @@ class DeltaWAL:
                     if (not spare and cur is not None and cur.used and not self._pending
                             and not self._timing):
                         # one thread times the seal; the idle rest sleep until notified
-                        # (every idle thread waking at each deadline cost 0.5 ms of p50)
+                        # (each wake-up takes the GIL from the loop)
                         timeout = self._next_seal_at - now
                         if timeout <= 0:
                             continue
