@@ -65,6 +65,8 @@ class EngineConfig:
     backpressure_timeout_s: float = 5.0      # append waits this long for cache/WAL room
     wal_sync_mode: str = "dsync"
     wal_flush_interval_s: float = 1 / 3000
+    wal_io_engine: str = "aio"               # "aio": the event loop writes the WAL with native
+                                             # AIO; "threads": IO threads do (docs/wal.md)
     io_threads: int = 8                      # threads for object store / metadata calls
     cold_read_bytes_per_s: int = 64 << 20    # cap on bytes/s served from objects (catch-up
                                              # readers), so they cannot starve the tail; 0 = off
@@ -335,8 +337,10 @@ class Engine(StreamStore):
         self.reader.add(await self.io(self.meta.ranges))
         self.wal = DeltaWAL(WALConfig(path=c.wal_path, capacity=c.wal_capacity, node_id=c.node_id,
                                       sync_mode=c.wal_sync_mode,
-                                      flush_interval_s=c.wal_flush_interval_s))
+                                      flush_interval_s=c.wal_flush_interval_s,
+                                      io_engine=c.wal_io_engine))
         recovered = await self.io(lambda: list(self.wal.open()))
+        self.wal.attach_loop()
         self._wal_trimmed = self.wal.trim_offset
         self._recover(recovered)
         self._tasks = [asyncio.create_task(self._upload_loop(), name="s3kafka-uploader"),

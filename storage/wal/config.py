@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SYNC_MODES = ("dsync", "fdatasync", "none")
+IO_ENGINES = ("aio", "threads")
 
 
 @dataclass
@@ -15,6 +16,11 @@ class WALConfig:
     block_soft_limit: int = 256 << 10       # a block is sealed once it holds this many bytes
     flush_interval_s: float = 1 / 3000      # minimum gap between sealed blocks (IOPS budget)
     io_threads: int = 4                     # writes in flight (queue depth)
+    # "aio": once attach_loop() is called, that event loop submits writes with Linux native
+    # AIO and reaps them from an eventfd (no IO threads, no GIL hand-offs per write); before
+    # that, and with "threads", io_threads threads write. Falls back to threads when native
+    # AIO is unavailable or O_DIRECT was refused (buffered AIO would block the loop).
+    io_engine: str = "aio"
     # writes started as soon as a block is sealed; the other IO threads join only while sealed
     # blocks back up to max_write_bytes (a device falling behind). Fewer parallel small writes
     # at moderate load: fewer thread wake-ups competing with the loop, larger merged writes.
@@ -41,6 +47,8 @@ class WALConfig:
             raise ValueError("wal capacity must be a multiple of 4096 and at least 16 KiB")
         if self.sync_mode not in SYNC_MODES:
             raise ValueError(f"sync_mode must be one of {SYNC_MODES}")
+        if self.io_engine not in IO_ENGINES:
+            raise ValueError(f"io_engine must be one of {IO_ENGINES}")
         if self.io_threads < 1:
             raise ValueError("io_threads must be >= 1")
         if self.eager_writes < 1:

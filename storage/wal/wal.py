@@ -25,6 +25,7 @@ from .config import WALConfig
 from .device import Device, aligned_buffer
 from .errors import (CapacityMismatchError, FencedError, OverCapacityError,
                      RecordTooLargeError, WALClosedError, WALError)
+from .loop_driver import LoopDriver
 from .format import (ALIGN, HEADER_AREA, HEADER_SLOT_SIZE, RECORD_HEADER_SIZE,
                      SHUTDOWN_CLEAN, SHUTDOWN_UNCLEAN, WALHeader, align_up, body_crc,
                      newest_header, pack_record_header)
@@ -94,6 +95,8 @@ class DeltaWAL:
         self._bw_next = 0.0
         self._bw_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self._driver: LoopDriver | None = None   # set by attach_loop(): AIO on an event loop
+        self._handover = False                   # IO threads exit: the loop driver takes over
         self.direct_io = True
         self.stats = {"writes": 0, "block_writes": 0, "bytes_written": 0, "header_writes": 0}
 
@@ -196,6 +199,35 @@ class DeltaWAL:
         finally:
             buf.close()
 
+    def attach_loop(self) -> bool:
+        """Let the running event loop write this WAL with native AIO (io_engine "aio"):
+        call it on the loop's thread after open(), as the engine does. The IO threads finish
+        their writes and exit; from then on the loop seals, submits and completes. Returns
+        False (threads keep writing) when AIO is off, unavailable or O_DIRECT was refused."""
+        loop = asyncio.get_running_loop()
+        if self._driver is not None:
+            return self._driver.loop is loop
+        if not self._opened or self._closing or self._closed:
+            raise WALClosedError("WAL is not open")
+        if self.config.io_engine != "aio" or not self.direct_io:
+            return False
+        try:
+            driver = LoopDriver(self, loop)
+        except OSError as e:
+            log.warning("WAL: native AIO unavailable, IO threads write instead: %s", e)
+            return False
+        with self._cond:
+            self._handover = True
+            self._io_cond.notify_all()
+            self._spare_cond.notify_all()
+        for t in self._threads:              # idle threads leave at once, busy ones after
+            t.join()                         # their write (well under a millisecond here)
+        self._threads = []
+        with self._cond:
+            self._driver = driver
+        driver.kick()
+        return True
+
     # -- append ----------------------------------------------------------------------------
     def append(self, body: Body, stream_id: int = 0) -> AppendResult:
         """Buffer one record; the future completes (with the offset) once it and every earlier
@@ -218,6 +250,8 @@ class DeltaWAL:
                     raise WALError("append timed out waiting for the sliding window")
                 self._cond.wait(left)
             offset = self._reserve(body, n, stream_id, fut, crc)
+        if self._driver is not None:
+            self._driver.kick_soon()
         return AppendResult(offset, offset + size, fut)
 
     def append_loop(self, body: Body, stream_id: int = 0) -> AppendResult:
@@ -230,6 +264,12 @@ class DeltaWAL:
         fut = loop.create_future()
         with self._lock:
             offset = self._reserve(body, n, stream_id, (loop, fut), crc)
+        driver = self._driver
+        if driver is not None:
+            if self._pending and driver.on_loop():
+                driver.kick()                     # a block sealed by size: write it now
+            else:
+                driver.kick_soon()
         return AppendResult(offset, offset + RECORD_HEADER_SIZE + n, fut)
 
     async def append_async(self, body: Body, stream_id: int = 0) -> int:
@@ -367,7 +407,7 @@ class DeltaWAL:
         while True:
             with cond:
                 while True:
-                    if self._failed is not None:
+                    if self._failed is not None or self._handover:
                         return
                     now = time.monotonic()
                     cur = self._current
@@ -584,6 +624,9 @@ class DeltaWAL:
 
     @staticmethod
     def _call_soon(loop: asyncio.AbstractEventLoop, fn, arg) -> None:
+        if asyncio._get_running_loop() is loop:
+            fn(arg)                   # on that loop already (AIO completions): no wake-up
+            return
         try:
             loop.call_soon_threadsafe(fn, arg)
         except RuntimeError:
@@ -612,6 +655,8 @@ class DeltaWAL:
         with self._cond:
             self._seal_locked()
             self._io_cond.notify()
+        if self._driver is not None:
+            self._driver.kick_soon()
 
     def close(self) -> None:
         """Wait for in-flight writes, then write a clean-shutdown header."""
@@ -628,6 +673,8 @@ class DeltaWAL:
             self._cond.notify_all()
         for t in self._threads:
             t.join()
+        if self._driver is not None:
+            self._close_driver(self._driver)
         with self._cond:
             self._closed = True
         try:
@@ -641,6 +688,28 @@ class DeltaWAL:
                 self._pool.close()
             assert self._device is not None
             self._device.close()
+
+    def _close_driver(self, driver: LoopDriver) -> None:
+        """Finish every write before the clean-shutdown header: the loop does it while it
+        runs on another thread; otherwise (closing on the loop itself, or the loop stopped)
+        this thread submits and reaps until nothing is left."""
+        deadline = time.monotonic() + max(30.0, self.config.append_timeout_s)
+        try:
+            if not driver.on_loop() and driver.loop.is_running():
+                driver.kick_soon()
+                with self._cond:
+                    while self._failed is None and (
+                            self._writing or self._pending
+                            or (self._current is not None and self._current.used)):
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cond.wait(min(left, 0.05))
+                        driver.kick_soon()
+            driver.detach_from_thread()
+            driver.drain_sync(deadline)
+        finally:
+            driver.close()
 
     def __enter__(self) -> "DeltaWAL":
         return self

@@ -6,6 +6,7 @@ per stream, with nothing corrupt or never appended.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import select
@@ -33,10 +34,11 @@ def parse_body(body: bytes) -> tuple[int, int]:
 
 
 def run_writer_until_killed(path: str, capacity: int, seed: int, sync_mode: str,
-                            starts: list[int], rng: random.Random) -> list[str]:
+                            starts: list[int], rng: random.Random,
+                            engine: str = "threads") -> list[str]:
     """Start the writer, SIGKILL it after a random time under load, return its complete lines."""
     proc = subprocess.Popen([sys.executable, WRITER, path, str(capacity), str(seed), sync_mode,
-                             ",".join(map(str, starts))], stdout=subprocess.PIPE,
+                             ",".join(map(str, starts)), engine], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     data = bytearray()
     fd = proc.stdout.fileno()
@@ -70,7 +72,8 @@ def run_writer_until_killed(path: str, capacity: int, seed: int, sync_mode: str,
     return lines[:-1]                                   # drop a possibly partial last line
 
 
-def crash_loop(path: str, capacity: int, rounds: int, seed: int, sync_mode: str = "dsync"):
+def crash_loop(path: str, capacity: int, rounds: int, seed: int, sync_mode: str = "dsync",
+               engine: str = "threads"):
     rng = random.Random(seed)
     # (stream, seq) -> offset of every record that must survive until trimmed
     must: dict[tuple[int, int], int] = {}
@@ -80,7 +83,7 @@ def crash_loop(path: str, capacity: int, rounds: int, seed: int, sync_mode: str 
     trim_intent = 0       # trim() called, maybe durable
     for rnd in range(rounds):
         lines = run_writer_until_killed(path, capacity, rng.randrange(1 << 30), sync_mode,
-                                        starts, rng)
+                                        starts, rng, engine)
         for line in lines:
             parts = line.split()
             if parts[0] == "A":
@@ -126,8 +129,12 @@ def crash_loop(path: str, capacity: int, rounds: int, seed: int, sync_mode: str 
     return total_acked
 
 
-def test_crash_loop_on_file(tmp_path):
-    crash_loop(str(tmp_path / "wal"), 8 << 20, rounds=15, seed=1)
+ENGINES = pytest.mark.parametrize("engine", ["threads", "aio"])
+
+
+@ENGINES
+def test_crash_loop_on_file(tmp_path, engine):
+    crash_loop(str(tmp_path / "wal"), 8 << 20, rounds=15, seed=1, engine=engine)
 
 
 @pytest.fixture
@@ -148,8 +155,9 @@ def loop_device(tmp_path):
         subprocess.run(["losetup", "-d", dev], check=False)
 
 
-def test_crash_loop_on_loop_device(loop_device):
-    crash_loop(loop_device, 8 << 20, rounds=15, seed=2)
+@ENGINES
+def test_crash_loop_on_loop_device(loop_device, engine):
+    crash_loop(loop_device, 8 << 20, rounds=15, seed=2, engine=engine)
 
 
 def test_device_smaller_than_capacity_is_refused(loop_device):
@@ -174,35 +182,61 @@ def test_loop_device_uses_only_configured_capacity(loop_device):
 
 
 @pytest.mark.slow
-def test_crash_loop_long_file(tmp_path):
-    crash_loop(str(tmp_path / "wal"), 8 << 20, rounds=60, seed=3)
-    crash_loop(str(tmp_path / "wal2"), 8 << 20, rounds=20, seed=4, sync_mode="fdatasync")
+@ENGINES
+def test_crash_loop_long_file(tmp_path, engine):
+    crash_loop(str(tmp_path / "wal"), 8 << 20, rounds=60, seed=3, engine=engine)
+    crash_loop(str(tmp_path / "wal2"), 8 << 20, rounds=20, seed=4, sync_mode="fdatasync",
+               engine=engine)
 
 
 @pytest.mark.slow
-def test_crash_loop_long_loop_device(loop_device):
-    crash_loop(loop_device, 8 << 20, rounds=40, seed=5)
+@ENGINES
+def test_crash_loop_long_loop_device(loop_device, engine):
+    crash_loop(loop_device, 8 << 20, rounds=40, seed=5, engine=engine)
 
 
-def test_device_write_errors_fail_futures_and_stop_appends(loop_device):
-    """A device that starts refusing writes: no crash, no false acknowledgement."""
-    from storage.wal import WALClosedError, WALError
+@contextlib.contextmanager
+def read_only_after(loop_device: str, w: DeltaWAL):
+    """Make the device refuse writes for the block's duration, then close the WAL and check
+    that only b"before" survived: nothing the device refused was acknowledged or recovered."""
     if shutil.which("blockdev") is None:
         pytest.skip("blockdev is not installed: cannot make the loop device read-only")
-    w = DeltaWAL(WALConfig(path=loop_device, capacity=1 << 20))
-    list(w.open())
-    ok = w.append(b"before")
-    ok.future.result(10)
     subprocess.run(["blockdev", "--setro", loop_device], check=True)
     try:
-        r = w.append(b"after")
-        with pytest.raises(WALError):
-            r.future.result(30)
-        with pytest.raises(WALClosedError):
-            w.append(b"refused")
+        yield
     finally:
         subprocess.run(["blockdev", "--setrw", loop_device], check=True)
         w.close()
     w = DeltaWAL(WALConfig(path=loop_device, capacity=1 << 20))
     assert [b for _, b in w.open()] == [b"before"]
     w.close()
+
+
+def test_device_write_errors_fail_futures_and_stop_appends(loop_device):
+    """A device that starts refusing writes: no crash, no false acknowledgement."""
+    from storage.wal import WALClosedError, WALError
+    w = DeltaWAL(WALConfig(path=loop_device, capacity=1 << 20, io_engine="threads"))
+    list(w.open())
+    w.append(b"before").future.result(10)
+    with read_only_after(loop_device, w):
+        r = w.append(b"after")
+        with pytest.raises(WALError):
+            r.future.result(30)
+        with pytest.raises(WALClosedError):
+            w.append(b"refused")
+
+
+async def test_device_write_errors_fail_loop_futures_and_stop_appends(loop_device):
+    """The same with the event loop writing (native AIO): the refused write is retried, then
+    fails its future and the WAL; nothing is acknowledged that the device did not take."""
+    from storage.wal import WALClosedError, WALError
+    w = DeltaWAL(WALConfig(path=loop_device, capacity=1 << 20))
+    list(w.open())
+    assert w.attach_loop()
+    assert await w.append_loop(b"before").future >= 0
+    with read_only_after(loop_device, w):
+        r = w.append_loop(b"after")
+        with pytest.raises(WALError):
+            await r.future
+        with pytest.raises(WALClosedError):
+            w.append_loop(b"refused")

@@ -1,0 +1,185 @@
+"""Linux native AIO and timerfd through raw syscalls (ctypes): no extra package, no threads.
+
+Why: a WAL written by IO threads pays a GIL hand-off on the event loop for every write
+started and every write finished. With native AIO the loop submits a write itself (io_submit
+returns once the request is queued) and learns of its completion from an eventfd in its own
+epoll set, so nothing else has to run Python code for the write path. The kernel ABI used here
+(struct iocb, struct io_event, syscall numbers) is fixed; only x86_64 and aarch64 are mapped.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+__all__ = ["AioContext", "TimerFD", "available", "AioUnavailable"]
+
+# (io_setup, io_destroy, io_getevents, io_submit, timerfd_create, timerfd_settime)
+_SYSCALLS = {
+    "x86_64": (206, 207, 208, 209, 283, 286),
+    "aarch64": (0, 1, 4, 2, 85, 86),
+}
+_IOCB_CMD_PWRITE = 1
+_IOCB_CMD_PWRITEV = 8
+_IOCB_FLAG_RESFD = 1
+RWF_DSYNC = 2
+_CLOCK_MONOTONIC = 1
+_TFD_NONBLOCK = os.O_NONBLOCK
+_TFD_CLOEXEC = os.O_CLOEXEC
+_TFD_TIMER_ABSTIME = 1
+
+
+class AioUnavailable(OSError):
+    """Native AIO cannot be used here (architecture, kernel without CONFIG_AIO, limits)."""
+
+
+class _Iocb(ctypes.Structure):
+    _fields_ = [("aio_data", ctypes.c_uint64), ("aio_key", ctypes.c_uint32),
+                ("aio_rw_flags", ctypes.c_int32), ("aio_lio_opcode", ctypes.c_uint16),
+                ("aio_reqprio", ctypes.c_int16), ("aio_fildes", ctypes.c_uint32),
+                ("aio_buf", ctypes.c_uint64), ("aio_nbytes", ctypes.c_uint64),
+                ("aio_offset", ctypes.c_int64), ("aio_reserved2", ctypes.c_uint64),
+                ("aio_flags", ctypes.c_uint32), ("aio_resfd", ctypes.c_uint32)]
+
+
+class _IoEvent(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64), ("obj", ctypes.c_uint64),
+                ("res", ctypes.c_int64), ("res2", ctypes.c_int64)]
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
+_nr = _SYSCALLS.get(platform.machine())
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+
+def _check(ret: int) -> int:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ret
+
+
+def available() -> bool:
+    """True when this platform's syscall numbers are known (the kernel may still refuse)."""
+    return _nr is not None
+
+
+class AioContext:
+    """One io_setup() context whose completions signal an eventfd (readable in epoll).
+
+    submit() takes (address, length) pieces that stay valid until the completion is reaped;
+    the caller keeps the buffers alive. Completions come back as (token, result) pairs, where
+    result is the byte count written or a negative errno."""
+
+    def __init__(self, depth: int) -> None:
+        if _nr is None:
+            raise AioUnavailable(f"native AIO not mapped for {platform.machine()}")
+        self._ctx = ctypes.c_ulong(0)
+        try:
+            _check(_syscall(_nr[0], ctypes.c_uint(depth), ctypes.byref(self._ctx)))
+        except OSError as e:
+            raise AioUnavailable(f"io_setup({depth}) failed: {e}") from e
+        self.eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._events = (_IoEvent * depth)()
+        self._depth = depth
+        self._zero = _Timespec(0, 0)
+
+    def submit_write(self, fd: int, pieces: list[tuple[int, int]], offset: int, token: int,
+                     dsync: bool) -> object:
+        """Queue one write of `pieces` at `offset`; returns what must outlive the request."""
+        cb = _Iocb()
+        cb.aio_data = token
+        cb.aio_fildes = fd
+        cb.aio_offset = offset
+        cb.aio_flags = _IOCB_FLAG_RESFD
+        cb.aio_resfd = self.eventfd
+        cb.aio_rw_flags = RWF_DSYNC if dsync else 0
+        keep: tuple
+        if len(pieces) == 1:
+            cb.aio_lio_opcode = _IOCB_CMD_PWRITE
+            cb.aio_buf, cb.aio_nbytes = pieces[0]
+            keep = (cb,)
+        else:
+            iov = (_Iovec * len(pieces))(*[_Iovec(a, n) for a, n in pieces])
+            cb.aio_lio_opcode = _IOCB_CMD_PWRITEV
+            cb.aio_buf = ctypes.addressof(iov)
+            cb.aio_nbytes = len(pieces)
+            keep = (cb, iov)
+        ptrs = (ctypes.POINTER(_Iocb) * 1)(ctypes.pointer(cb))
+        _check(_syscall(_nr[3], self._ctx, ctypes.c_long(1), ptrs))
+        return keep
+
+    def reap(self, wait_s: float | None = None) -> list[tuple[int, int]]:
+        """Completed requests; waits up to wait_s for at least one (None: do not wait)."""
+        if wait_s is None:
+            minimum, ts = 0, self._zero
+        else:
+            minimum = 1
+            ts = _Timespec(int(wait_s), int((wait_s % 1) * 1e9))
+        n = _check(_syscall(_nr[2], self._ctx, ctypes.c_long(minimum),
+                            ctypes.c_long(self._depth), self._events, ctypes.byref(ts)))
+        ev = self._events
+        return [(ev[i].data, ev[i].res) for i in range(n)]
+
+    def clear_signal(self) -> None:
+        """Reset the eventfd before reaping, so a completion after the reap wakes us again."""
+        try:
+            os.eventfd_read(self.eventfd)
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        if self._ctx.value:
+            _syscall(_nr[1], self._ctx)      # waits for requests still in flight
+            self._ctx = ctypes.c_ulong(0)
+        if self.eventfd >= 0:
+            os.close(self.eventfd)
+            self.eventfd = -1
+
+
+class TimerFD:
+    """A CLOCK_MONOTONIC timerfd: microsecond wake-ups for an event loop whose own timers
+    (uvloop) fire in whole milliseconds, too coarse for a 1/3000 s seal interval."""
+
+    def __init__(self) -> None:
+        if _nr is None:
+            raise AioUnavailable(f"timerfd not mapped for {platform.machine()}")
+        self.fd = _check(_syscall(_nr[4], ctypes.c_int(_CLOCK_MONOTONIC),
+                                  ctypes.c_int(_TFD_NONBLOCK | _TFD_CLOEXEC)))
+        self.armed_at: float | None = None
+
+    def arm(self, deadline: float) -> None:
+        """Fire once at time.monotonic() == deadline (earlier deadlines win)."""
+        if self.armed_at is not None and self.armed_at <= deadline:
+            return
+        deadline = max(deadline, 1e-6)
+        spec = _Itimerspec(_Timespec(0, 0), _Timespec(int(deadline), int((deadline % 1) * 1e9)))
+        _check(_syscall(_nr[5], ctypes.c_int(self.fd), ctypes.c_int(_TFD_TIMER_ABSTIME),
+                        ctypes.byref(spec), None))
+        self.armed_at = deadline
+
+    def consume(self) -> None:
+        """Acknowledge an expiry (the fd stays readable until read)."""
+        self.armed_at = None
+        try:
+            os.read(self.fd, 8)
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -1,0 +1,284 @@
+"""The WAL written by its event loop with native AIO (attach_loop, io_engine "aio").
+
+The same blocks, order and recovery as with IO threads; what differs is who submits and who
+completes. These tests check that the loop path keeps every promise of the thread path: order
+per stream, durability before acknowledgement, the queue depth, the IOPS budget, the bandwidth
+limit, retries then failure on IO errors, and a clean close from the loop or from a thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import os
+import threading
+import time
+
+import pytest
+
+from storage.wal import DeltaWAL, WALConfig, WALError
+from storage.wal.aio import AioUnavailable
+from storage.wal.errors import WALClosedError
+
+from .test_fallback import ramfs_dir  # noqa: F401 - fixture
+
+
+def body(stream: int, i: int, size: int = 0) -> bytes:
+    size = size or 100 + (i * 7919) % 20_000
+    head = f"{stream}:{i}:".encode()
+    return head + bytes((i + k) % 251 for k in range(size - len(head)))
+
+
+def reopen(path: str, capacity: int = 4 << 20) -> list[tuple[int, bytes]]:
+    w = DeltaWAL(WALConfig(path=path, capacity=capacity))
+    try:
+        return list(w.open())
+    finally:
+        w.close()
+
+
+def wal_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("wal-io")]
+
+
+async def test_loop_writes_without_io_threads_in_order_and_durably(make_wal, wal_path):
+    w, _ = make_wal()
+    assert wal_threads()                          # threads write until the loop takes over
+    assert w.attach_loop() is True
+    assert w.attach_loop() is True                # idempotent on the same loop
+    assert not wal_threads()
+    recs = [(i % 3, body(i % 3, i)) for i in range(300)]
+    results = [w.append_loop(b, stream_id=s) for s, b in recs]
+    order: list[int] = []
+    for k, r in enumerate(results):
+        r.future.add_done_callback(lambda f, k=k: order.append(k))
+    offs = await asyncio.gather(*[r.future for r in results])
+    assert offs == [r.offset for r in results]
+    for s in range(3):                            # acknowledged in order per stream
+        mine = [k for k in order if recs[k][0] == s]
+        assert mine == sorted(mine)
+    assert w.stats["writes"] > 0
+    assert w.confirmed_offset == w.end_offset
+    w.close()
+    got = reopen(wal_path)
+    assert [b for _, b in got] == [b for _, b in recs]
+    assert [o for o, _ in got] == offs
+
+
+async def test_blocking_appends_from_threads_complete_through_the_loop(make_wal, wal_path):
+    w, _ = make_wal()
+    assert w.attach_loop()
+    loop = asyncio.get_running_loop()
+
+    def append_many(stream: int) -> list[int]:
+        futs = [w.append(body(stream, i), stream_id=stream).future for i in range(100)]
+        return [f.result(10) for f in futs]       # a plain thread waits; the loop writes
+
+    offs = await asyncio.gather(*[loop.run_in_executor(None, append_many, s) for s in range(3)])
+    assert all(o == sorted(o) for o in offs)
+    w.close()
+    got = reopen(wal_path)
+    assert len(got) == 300
+    assert sorted(o for per in offs for o in per) == [o for o, _ in got]
+
+
+async def test_queue_depth_eager_then_full_under_backlog(make_wal):
+    """At light load at most eager_writes writes are in flight; a backlog of sealed blocks
+    (appended within one loop turn) brings in the rest of the depth, never more."""
+    w, _ = make_wal(capacity=64 << 20, io_threads=4, eager_writes=2)
+    assert w.attach_loop()
+    driver = w._driver
+    depths: list[int] = []
+    real = driver.aio.submit_write
+
+    def spy(*a, **kw):
+        depths.append(len(driver._inflight) + 1)
+        return real(*a, **kw)
+
+    driver.aio.submit_write = spy
+    for i in range(20):                            # one record per turn: light load
+        await w.append_loop(body(0, i, 30_000)).future
+    assert depths and max(depths) <= 2
+    depths.clear()
+    rs = [w.append_loop(body(1, i, 64 << 10), stream_id=1) for i in range(160)]   # 10 MiB
+    await asyncio.gather(*[r.future for r in rs])
+    assert max(depths) == 4
+
+
+async def test_time_based_seal_keeps_the_iops_budget(make_wal):
+    """A block that is not full waits for flush_interval_s after the previous time-based
+    seal (the timerfd wakes the loop); lower bounds only, so a slow machine cannot fail it."""
+    w, _ = make_wal(flush_interval_s=0.2)
+    assert w.attach_loop()
+    t0 = time.monotonic()
+    await w.append_loop(b"first").future          # the first seal is due at once
+    t1 = time.monotonic()
+    await w.append_loop(b"second").future         # sealed no earlier than 0.2 s after it
+    t2 = time.monotonic()
+    assert t2 - t0 >= 0.19
+    assert w.stats["writes"] == 2
+    assert t1 - t0 < t2 - t0
+
+
+async def test_bandwidth_limit_paces_the_loop_writes(make_wal, wal_path):
+    w, _ = make_wal(capacity=16 << 20, bandwidth_limit=4_000_000)
+    assert w.attach_loop()
+    t0 = time.monotonic()
+    rs = [w.append_loop(body(0, i, 64 << 10)) for i in range(32)]                 # 2 MiB
+    await asyncio.gather(*[r.future for r in rs])
+    assert time.monotonic() - t0 >= 0.4           # 2 MiB at 4 MB/s, the first write free
+    w.close()
+    assert len(reopen(wal_path, 16 << 20)) == 32
+
+
+async def test_close_from_another_thread_while_the_loop_runs(make_wal, wal_path):
+    """The engine closes the WAL from an executor thread: everything appended is written and
+    acknowledged first, then a clean header."""
+    w, _ = make_wal()
+    assert w.attach_loop()
+    rs = [w.append_loop(body(2, i), stream_id=2) for i in range(200)]
+    await asyncio.get_running_loop().run_in_executor(None, w.close)
+    assert all(r.future.done() and r.future.exception() is None for r in rs)
+    with pytest.raises(WALClosedError):
+        w.append_loop(b"late")
+    got = reopen(wal_path)
+    assert [o for o, _ in got] == [r.offset for r in rs]
+
+
+async def test_close_on_the_loop_drains_synchronously(make_wal, wal_path):
+    w, _ = make_wal()
+    assert w.attach_loop()
+    rs = [w.append_loop(body(1, i), stream_id=1) for i in range(50)]
+    w.close()                                     # blocks the loop until all is written
+    await asyncio.sleep(0)
+    assert all(r.future.done() and r.future.exception() is None for r in rs)
+    assert len(reopen(wal_path)) == 50
+
+
+async def test_submit_errors_are_retried_then_fail_the_wal(make_wal, wal_path):
+    w, _ = make_wal()
+    assert w.attach_loop()
+    driver = w._driver
+    real = driver.aio.submit_write
+    failures = [2]
+
+    def flaky(*a, **kw):
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError(5, "injected EIO")
+        return real(*a, **kw)
+
+    driver.aio.submit_write = flaky
+    assert await w.append_loop(b"retried").future >= 0      # two failures, third try works
+
+    def broken(*a, **kw):
+        raise OSError(5, "injected EIO")
+
+    driver.aio.submit_write = broken
+    r = w.append_loop(b"lost")
+    with pytest.raises(WALError):
+        await asyncio.wait_for(r.future, 10)
+    with pytest.raises(WALClosedError):
+        w.append_loop(b"refused")
+    w.close()
+    assert [b for _, b in reopen(wal_path)] == [b"retried"]
+
+
+async def test_failed_completions_are_rewritten(make_wal, wal_path):
+    """A completion with an error (or a short count) rewrites the same bytes in place."""
+    w, _ = make_wal()
+    assert w.attach_loop()
+    driver = w._driver
+    real = driver.aio.reap
+    bad = [1]
+
+    def reap(*a, **kw):
+        events = real(*a, **kw)
+        if events and bad[0]:
+            bad[0] = 0
+            token, _res = events[0]
+            events[0] = (token, -5)
+        return events
+
+    driver.aio.reap = reap
+    assert await asyncio.wait_for(w.append_loop(b"x" * 5000).future, 10) >= 0
+    assert bad == [0]
+    w.close()
+    assert [b for _, b in reopen(wal_path)] == [b"x" * 5000]
+
+
+async def test_threads_stay_when_aio_is_off_or_unavailable(make_wal, monkeypatch, tmp_path):
+    w, _ = make_wal(io_engine="threads")
+    assert w.attach_loop() is False
+    assert wal_threads()
+    assert await w.append_loop(b"by a thread").future >= 0
+
+    import storage.wal.wal as walmod
+
+    def unavailable(*a, **kw):
+        raise AioUnavailable("no native AIO here")
+
+    monkeypatch.setattr(walmod, "LoopDriver", unavailable)
+    w2, _ = make_wal(path=str(tmp_path / "wal2"))
+    assert w2.attach_loop() is False
+    assert await w2.append_loop(b"still written").future >= 0
+
+
+def test_attach_needs_a_running_loop_and_an_open_wal(wal_path):
+    w = DeltaWAL(WALConfig(path=wal_path, capacity=4 << 20))
+    with pytest.raises(RuntimeError):
+        w.attach_loop()                           # no running loop
+
+    async def attach_unopened() -> None:
+        with pytest.raises(WALClosedError):
+            w.attach_loop()
+    asyncio.run(attach_unopened())
+
+
+def test_io_engine_is_validated(wal_path):
+    with pytest.raises(ValueError, match="io_engine"):
+        DeltaWAL(WALConfig(path=wal_path, io_engine="uring"))
+
+
+async def test_buffered_fallback_keeps_threads(ramfs_dir):
+    """Where O_DIRECT is refused (ramfs) AIO would run synchronously inside io_submit and
+    block the loop: the threads keep writing."""
+    path = str(ramfs_dir / "wal")
+    w = DeltaWAL(WALConfig(path=path, capacity=1 << 20))
+    list(w.open())
+    try:
+        assert not w.direct_io
+        assert w.attach_loop() is False
+        assert wal_threads()
+        assert await w.append_loop(b"buffered").future >= 0
+    finally:
+        w.close()
+    assert [b for _, b in reopen(path, 1 << 20)] == [b"buffered"]
+
+
+def test_append_waits_in_a_thread_pool_future(make_wal):
+    """append() from a thread returns a concurrent future even when a loop drives the WAL."""
+    w, _ = make_wal()
+    box: dict = {}
+    ready = threading.Event()
+    stop = None
+
+    async def drive() -> None:
+        nonlocal stop
+        stop = asyncio.Event()
+        box["attached"] = w.attach_loop()
+        ready.set()
+        await stop.wait()
+
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_until_complete, args=(drive(),))
+    t.start()
+    try:
+        assert ready.wait(10) and box["attached"]
+        r = w.append(b"from a thread", stream_id=5)
+        assert isinstance(r.future, cf.Future)
+        assert r.future.result(10) == r.offset
+    finally:
+        loop.call_soon_threadsafe(lambda: stop.set())
+        t.join(10)
+        w.close()                                 # the loop has stopped: drained here
+        loop.close()
