@@ -241,11 +241,15 @@ class EngineStream(Stream):
     async def _scavenger_budget(self, remaining: int) -> int:
         """Bytes a catch-up read (cold, or lagging in the LogCache) may serve now: hot work
         already queued on the loop goes first, no catch-up bytes during a baseline pause,
-        and at most cold_read_max_bytes per read."""
+        and at most cold_read_max_bytes per read while producers append (the slice is what a
+        hot request may wait behind; with nothing hot to protect, reads are not cut)."""
         eng = self._engine
         await asyncio.sleep(0)
         await eng.cold_pacer.admit()
-        return min(remaining, eng.config.cold_read_max_bytes or remaining)
+        cap = eng.config.cold_read_max_bytes
+        if not cap or not eng.cold_pacer.hot_active():
+            return remaining
+        return min(remaining, cap)
 
     def _lagging(self, offset: int) -> bool:
         """A read at ``offset`` is catch-up traffic: its data was appended more than

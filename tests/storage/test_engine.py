@@ -301,3 +301,44 @@ async def test_catch_up_from_the_log_cache_is_paced_only_while_producers_append(
             await task
     finally:
         await eng.close()
+
+
+async def test_cold_reads_are_cut_to_short_slices_only_while_producers_append(tmp_path) -> None:
+    """cold_read_max_bytes bounds what a hot request may wait behind: it applies while
+    producers append; a reader alone gets whole answers (nothing to protect)."""
+    eng = open_engine(small_config(tmp_path, cold_read_max_bytes=4 << 10,
+                                   cold_read_lag_target_ms=0, cold_read_hot_tolerance=0))
+    await eng.start()
+    try:
+        pacer = eng.cold_pacer
+        pacer.HOT_ACTIVE_S = 0.2
+        old, hot = await eng.create_stream(), await eng.create_stream()
+        await fill(old, 40)                      # 200 records of 300 B, 5 per batch
+        await eng.flush()
+        eng.drop_caches()
+        await asyncio.sleep(0.3)
+        assert not pacer.hot_active()
+        alone = await old.read(0, 1 << 20)
+        assert sum(len(b.payload) for b in alone) > 8 << 10, "nothing hot: not cut"
+
+        stop = asyncio.Event()
+
+        async def produce() -> None:
+            n = 0
+            while not stop.is_set():
+                await hot.append(payload(hot.stream_id, n, 100), n, 1)
+                n += 1
+                await asyncio.sleep(0.005)
+        task = asyncio.create_task(produce())
+        try:
+            while not pacer.hot_active():
+                await asyncio.sleep(0.01)
+            eng.drop_caches()
+            cut = await old.read(0, 1 << 20)
+            assert 0 < sum(len(b.payload) for b in cut) <= 4 << 10
+            assert [bytes(b.payload) for b in cut] == [bytes(b.payload) for b in alone[:len(cut)]]
+        finally:
+            stop.set()
+            await task
+    finally:
+        await eng.close()
