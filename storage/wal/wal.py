@@ -1,10 +1,12 @@
-"""DeltaWAL: append records, write them in aligned blocks from IO threads, recover after a crash.
+"""DeltaWAL: append records, write them in aligned blocks, recover after a crash.
 
 Threads: appenders (usually the asyncio loop) copy a record into the current block under one
-lock and return at once. IO threads take sealed blocks themselves (merging physically
-consecutive ones into one pwritev), seal the current block by time within the IOPS budget when
-nothing else is queued, respect the sliding window, write, and complete futures in order per
-stream. Nothing here blocks the event loop except a header write on trim (one 4 KiB write).
+lock and return at once. Until attach_loop(), IO threads take sealed blocks themselves (merging
+physically consecutive ones into one pwritev), seal the current block by time within the IOPS
+budget when nothing else is queued, respect the sliding window, write, and complete futures in
+order per stream. After attach_loop() (io_engine "aio") the event loop does the same with
+native AIO (loop_driver.py) and the threads exit. Nothing here blocks the event loop except a
+header write on trim or window growth (one 4 KiB write).
 """
 from __future__ import annotations
 
