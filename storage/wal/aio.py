@@ -12,7 +12,7 @@ import ctypes
 import os
 import platform
 
-__all__ = ["AioContext", "TimerFD", "available", "AioUnavailable"]
+__all__ = ["AioContext", "TimerFD", "AioUnavailable"]
 
 # (io_setup, io_destroy, io_getevents, io_submit, timerfd_create, timerfd_settime)
 _SYSCALLS = {
@@ -70,11 +70,6 @@ def _check(ret: int) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     return ret
-
-
-def available() -> bool:
-    """True when this platform's syscall numbers are known (the kernel may still refuse)."""
-    return _nr is not None
 
 
 class AioContext:

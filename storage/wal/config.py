@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 SYNC_MODES = ("dsync", "fdatasync", "none")
 IO_ENGINES = ("aio", "threads")
+IO_RETRIES = 5                  # a failed block write is tried this often (either engine) ...
+IO_RETRY_DELAY_S = 0.1          # ... this far apart, then the WAL fails
 
 
 @dataclass

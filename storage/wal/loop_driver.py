@@ -9,8 +9,8 @@ whole milliseconds). Measured against the thread engine on this VM, alternating 
 see docs/wal.md.
 
 Every method here runs on the loop thread, except kick_soon() (any thread), detach_from_thread()
-and drain_sync(), which runs once the loop no longer drives this WAL. Blocks, ordering, the window and recovery are
-the WAL's own and unchanged: only who writes and who completes differs.
+and drain_sync(), which runs once the loop no longer drives this WAL. Blocks, ordering, the
+window and recovery are the WAL's own and unchanged: only who writes and who completes differs.
 """
 from __future__ import annotations
 
@@ -22,17 +22,14 @@ import time
 from typing import TYPE_CHECKING
 
 from .aio import AioContext, TimerFD
-from .format import HEADER_AREA, align_up
+from .config import IO_RETRIES, IO_RETRY_DELAY_S
+from .format import align_up
 
 if TYPE_CHECKING:
     from .block import Block
     from .wal import DeltaWAL
 
 log = logging.getLogger(__name__)
-
-_IO_RETRIES = 5
-_IO_RETRY_DELAY_S = 0.1
-
 
 class LoopDriver:
     """Submits sealed blocks and completes them, on one event loop."""
@@ -49,9 +46,10 @@ class LoopDriver:
         except BaseException:
             self.aio.close()
             raise
+        # token -> (blocks, what must outlive the request, bytes, attempt)
         self._inflight: dict[int, tuple[list["Block"], list, int, int]] = {}
         self._token = 0
-        self._delayed: dict[int, tuple[list["Block"], int, int]] = {}   # waiting to retry
+        self._delayed: dict[int, tuple[list["Block"], int]] = {}   # (blocks, attempt) to retry
         self._kick_scheduled = False
         self._attached = True                  # the loop watches our fds and runs kick()
         self._sync = False                     # a closing thread drives the writes instead
@@ -88,7 +86,7 @@ class LoopDriver:
         wal = self.wal
         if not (self._attached or self._sync):
             return
-        started: list[tuple[list["Block"], int]] = []
+        started: list[list["Block"]] = []
         with wal._lock:
             if wal._failed is not None:
                 return
@@ -108,12 +106,12 @@ class LoopDriver:
                     self.timer.arm(wal._bw_next)
                     break
                 group = wal._take_group()
-                n = sum(align_up(b.used) for b in group)
                 if limit:
+                    n = sum(align_up(b.used) for b in group)
                     wal._bw_next = max(now, wal._bw_next) + n / limit
-                started.append((group, n))
-        for group, n in started:
-            self._submit(group, n, 0)
+                started.append(group)
+        for group in started:
+            self._submit(group, 0)
 
     def _may_start(self, wal: "DeltaWAL") -> bool:
         """As with threads: eager_writes at once, the full depth while sealed blocks back up."""
@@ -123,21 +121,21 @@ class LoopDriver:
                                              or wal._closing)
 
     # -- writes ----------------------------------------------------------------------------
-    def _submit(self, group: list["Block"], n: int, attempt: int) -> None:
+    def _submit(self, group: list["Block"], attempt: int) -> None:
         wal = self.wal
         assert wal._device is not None
         exports = [ctypes.c_char.from_buffer(b.buf) for b in group]
         pieces = [(ctypes.addressof(c), align_up(b.used)) for c, b in zip(exports, group)]
         self._token += 1
         token = self._token
-        phys = HEADER_AREA + group[0].start % wal.ring_size
         try:
-            keep = self.aio.submit_write(wal._device.fd, pieces, phys, token, self.dsync)
+            keep = self.aio.submit_write(wal._device.fd, pieces, wal.device_position(
+                group[0].start), token, self.dsync)
         except OSError as e:
             del exports
-            self._retry(group, n, attempt, e)
+            self._retry(group, attempt, e)
             return
-        self._inflight[token] = (group, [exports, keep], n, attempt)
+        self._inflight[token] = (group, [exports, keep], sum(n for _, n in pieces), attempt)
 
     def on_completion(self) -> None:
         self.aio.clear_signal()
@@ -155,24 +153,24 @@ class LoopDriver:
             if res != n:
                 err = OSError(-res, f"WAL write failed: {res}") if res < 0 else \
                     OSError(f"short WAL write: {res} of {n} bytes")
-                self._retry(group, n, attempt, err)
+                self._retry(group, attempt, err)
                 continue
             wal._complete(group)
 
-    def _retry(self, group: list["Block"], n: int, attempt: int, err: BaseException) -> None:
+    def _retry(self, group: list["Block"], attempt: int, err: BaseException) -> None:
         """Rewrite the whole group (same bytes, same place) a few times, then fail the WAL."""
-        phys = HEADER_AREA + group[0].start % self.wal.ring_size
-        log.warning("WAL write at %d failed (attempt %d): %s", phys, attempt + 1, err)
-        if attempt + 1 >= _IO_RETRIES or not (self._attached or self._sync):
+        log.warning("WAL write at %d failed (attempt %d): %s",
+                    self.wal.device_position(group[0].start), attempt + 1, err)
+        if attempt + 1 >= IO_RETRIES or not (self._attached or self._sync):
             self.wal._fail(err)
             return
         if self._sync:
-            time.sleep(_IO_RETRY_DELAY_S)
-            self._submit(group, n, attempt + 1)
+            time.sleep(IO_RETRY_DELAY_S)
+            self._submit(group, attempt + 1)
             return
         self._token += 1
-        self._delayed[self._token] = (group, n, attempt + 1)
-        self.loop.call_later(_IO_RETRY_DELAY_S, self._resubmit, self._token)
+        self._delayed[self._token] = (group, attempt + 1)
+        self.loop.call_later(IO_RETRY_DELAY_S, self._resubmit, self._token)
 
     def _resubmit(self, key: int) -> None:
         item = self._delayed.pop(key, None)
@@ -222,8 +220,7 @@ class LoopDriver:
                 self._submit(*item)
             while True:
                 with wal._lock:
-                    idle = not self._inflight and not wal._pending and (
-                        wal._current is None or not wal._current.used)
+                    idle = not self._inflight and wal._nothing_to_write()
                     failed = wal._failed is not None
                 if idle or failed:
                     return

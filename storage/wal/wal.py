@@ -23,7 +23,7 @@ from typing import Any, Iterator, Union
 import crc32c
 
 from .block import Block, BufferPool
-from .config import WALConfig
+from .config import IO_RETRIES, IO_RETRY_DELAY_S, WALConfig
 from .device import Device, aligned_buffer
 from .errors import (CapacityMismatchError, FencedError, OverCapacityError,
                      RecordTooLargeError, WALClosedError, WALError)
@@ -41,8 +41,6 @@ Body = Union[bytes, bytearray, memoryview, "tuple[Any, ...]", "list[Any]"]
 WINDOW_SCALE_UNIT = 4 << 20
 _MASK = ALIGN - 1
 _ALIGN_DOWN = ~_MASK
-_IO_RETRIES = 5
-_IO_RETRY_DELAY_S = 0.1
 
 
 @dataclass(slots=True)
@@ -121,6 +119,14 @@ class DeltaWAL:
             if self._current is not None and self._current.used:
                 starts.append(self._current.start)
             return min(starts) if starts else self._end
+
+    def device_position(self, logical: int) -> int:
+        """Where logical offset `logical` lives on the device (blocks never cross the end)."""
+        return HEADER_AREA + logical % self.ring_size
+
+    def _nothing_to_write(self) -> bool:
+        """No sealed block waits and the current one is empty; caller holds the lock."""
+        return not self._pending and (self._current is None or not self._current.used)
 
     @property
     def window_length(self) -> int:
@@ -427,8 +433,7 @@ class DeltaWAL:
                                 or (cur is not None and cur.used and not self._timing)):
                             self._io_cond.notify()   # more work: wake another IO thread
                         break
-                    if self._closing and not self._pending and (
-                            self._current is None or not self._current.used):
+                    if self._closing and self._nothing_to_write():
                         self._io_cond.notify_all()
                         self._spare_cond.notify_all()
                         return
@@ -512,12 +517,12 @@ class DeltaWAL:
     def _write_group(self, group: list[Block]) -> None:
         assert self._device is not None
         first = group[0]
-        phys = HEADER_AREA + first.start % self.ring_size
+        phys = self.device_position(first.start)
         views = [memoryview(b.buf)[:align_up(b.used)] for b in group]
         n = sum(len(v) for v in views)
         err: BaseException | None = None
         try:
-            for attempt in range(_IO_RETRIES):
+            for attempt in range(IO_RETRIES):
                 try:
                     self._throttle(n)
                     self._device.writev(views, phys)
@@ -526,7 +531,7 @@ class DeltaWAL:
                 except OSError as e:
                     err = e
                     log.warning("WAL write at %d failed (attempt %d): %s", phys, attempt + 1, e)
-                    time.sleep(_IO_RETRY_DELAY_S)
+                    time.sleep(IO_RETRY_DELAY_S)
         finally:
             for v in views:
                 v.release()
@@ -700,9 +705,8 @@ class DeltaWAL:
             if not driver.on_loop() and driver.loop.is_running():
                 driver.kick_soon()
                 with self._cond:
-                    while self._failed is None and (
-                            self._writing or self._pending
-                            or (self._current is not None and self._current.used)):
+                    while self._failed is None and (self._writing
+                                                    or not self._nothing_to_write()):
                         left = deadline - time.monotonic()
                         if left <= 0:
                             break

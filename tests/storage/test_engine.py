@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -9,6 +10,28 @@ from storage.engine import open_engine
 from storage.stream import OffsetOutOfRange, RetriableStorageError, StorageError
 
 from storage_helpers import fill, payload, read_all, small_config
+
+
+@contextlib.asynccontextmanager
+async def producing(stream, pacer):
+    """Append small records to ``stream`` every 5 ms until the block ends; yields once the
+    cold-read ``pacer`` sees the producer as hot traffic."""
+    stop = asyncio.Event()
+
+    async def produce() -> None:
+        n = 0
+        while not stop.is_set():
+            await stream.append(payload(stream.stream_id, n, 100), n, 1)
+            n += 1
+            await asyncio.sleep(0.005)
+    task = asyncio.create_task(produce())
+    try:
+        while not pacer.hot_active():
+            await asyncio.sleep(0.01)
+        yield
+    finally:
+        stop.set()
+        await task
 
 
 async def test_hot_then_cold_reads_identical(tmp_path) -> None:
@@ -274,18 +297,7 @@ async def test_catch_up_from_the_log_cache_is_paced_only_while_producers_append(
         assert [(b.base_offset, bytes(b.payload)) for b in await read_all(old)] == expected
         assert pacer.bytes == before, "no producers: catch-up from memory runs unpaced"
 
-        stop = asyncio.Event()
-
-        async def produce() -> None:
-            n = 0
-            while not stop.is_set():
-                await hot.append(payload(hot.stream_id, n, 100), n, 1)
-                n += 1
-                await asyncio.sleep(0.005)
-        task = asyncio.create_task(produce())
-        try:
-            while not pacer.hot_active():
-                await asyncio.sleep(0.01)
+        async with producing(hot, pacer):
             before = pacer.bytes
             first = await old.read(0, 1 << 20)
             assert sum(len(b.payload) for b in first) <= 4 << 10, "cut like a cold read"
@@ -296,9 +308,6 @@ async def test_catch_up_from_the_log_cache_is_paced_only_while_producers_append(
             before = pacer.bytes
             tail = await hot.read(max(hot.confirmed_offset - 1, 0), 1 << 20)
             assert tail and pacer.bytes == before
-        finally:
-            stop.set()
-            await task
     finally:
         await eng.close()
 
@@ -321,24 +330,10 @@ async def test_cold_reads_are_cut_to_short_slices_only_while_producers_append(tm
         alone = await old.read(0, 1 << 20)
         assert sum(len(b.payload) for b in alone) > 8 << 10, "nothing hot: not cut"
 
-        stop = asyncio.Event()
-
-        async def produce() -> None:
-            n = 0
-            while not stop.is_set():
-                await hot.append(payload(hot.stream_id, n, 100), n, 1)
-                n += 1
-                await asyncio.sleep(0.005)
-        task = asyncio.create_task(produce())
-        try:
-            while not pacer.hot_active():
-                await asyncio.sleep(0.01)
+        async with producing(hot, pacer):
             eng.drop_caches()
             cut = await old.read(0, 1 << 20)
             assert 0 < sum(len(b.payload) for b in cut) <= 4 << 10
             assert [bytes(b.payload) for b in cut] == [bytes(b.payload) for b in alone[:len(cut)]]
-        finally:
-            stop.set()
-            await task
     finally:
         await eng.close()
