@@ -540,12 +540,20 @@ class DeltaWAL:
             return
         self._complete(group)
 
-    def _complete(self, group: list[Block]) -> None:
+    def _release_writes(self, n: int) -> None:
+        """Free the queue slots of n finished writes ahead of their _complete(released=True),
+        so a caller completing many groups at once can start the next writes first."""
+        with self._lock:
+            self._writes -= n
+
+    def _complete(self, group: list[Block], released: bool = False) -> None:
         """Mark a written group durable and pop, per stream, every record whose predecessors
-        are all durable; one lock acquisition per group."""
+        are all durable; one lock acquisition per group. ``released``: its queue slot was
+        already freed by _release_writes()."""
         with self._cond:
             self.stats["writes"] += 1
-            self._writes -= 1
+            if not released:
+                self._writes -= 1
             done = self._completed
             streams: set[int] = set()
             for blk in group:

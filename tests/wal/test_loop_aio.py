@@ -104,6 +104,45 @@ async def test_queue_depth_eager_then_full_under_backlog(make_wal):
     assert max(depths) == 4
 
 
+async def test_next_writes_start_before_finished_ones_are_completed(make_wal):
+    """Under a backlog, a reap that frees queue slots submits the next writes before it
+    resolves the finished writes' futures (a device that finishes several writes at once
+    would otherwise idle through that bookkeeping)."""
+    w, _ = make_wal(capacity=64 << 20, io_threads=4, eager_writes=2)
+    assert w.attach_loop()
+    driver = w._driver
+    log: list[str] = []
+    real_submit, real_reap, real_complete = driver.aio.submit_write, driver.aio.reap, w._complete
+
+    def submit(*a, **kw):
+        log.append("submit")
+        return real_submit(*a, **kw)
+
+    def reap(*a, **kw):
+        events = real_reap(*a, **kw)
+        if events:
+            log.append("reap")
+        return events
+
+    def complete(*a, **kw):
+        log.append("complete")
+        return real_complete(*a, **kw)
+
+    driver.aio.submit_write, driver.aio.reap, w._complete = submit, reap, complete
+    rs = [w.append_loop(body(1, i, 64 << 10), stream_id=1) for i in range(160)]   # 10 MiB
+    await asyncio.gather(*[r.future for r in rs])
+    after_reap = []                       # per reap: what came first, a submit or a complete
+    for k, what in enumerate(log):
+        if what == "reap":
+            rest = log[k + 1:]
+            nxt = rest.index("reap") if "reap" in rest else len(rest)
+            turn = rest[:nxt]
+            if "submit" in turn:
+                after_reap.append(turn.index("submit") < turn.index("complete"))
+    assert len(after_reap) >= 3
+    assert all(after_reap)
+
+
 async def test_time_based_seal_keeps_the_iops_budget(make_wal):
     """A block that is not full waits for flush_interval_s after the previous time-based
     seal (the timerfd wakes the loop); lower bounds only, so a slow machine cannot fail it."""
