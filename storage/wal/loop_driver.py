@@ -145,9 +145,9 @@ class LoopDriver:
     def _finish(self, events: list[tuple[int, int]]) -> None:
         """Complete reaped writes. The next writes start before the finished ones are
         completed: a device that finishes several writes at once (a loop device completes
-        every DSYNC write behind one flush of its backing file) would otherwise sit idle
-        while the loop resolves their futures, and the queue ran 4 -> 0 -> 4 (submits spread
-        evenly over depths 0-3 instead of mostly at 3)."""
+        every DSYNC write behind one flush of its backing file, so its queue runs 4 -> 0 -> 4)
+        would otherwise sit idle while the loop resolves their futures (wake-up -> first new
+        submit 0.14 ms before, 0.075 ms after)."""
         wal = self.wal
         written: list[list["Block"]] = []
         for token, res in events:
