@@ -165,9 +165,11 @@ class LoopDriver:
         if not written:
             return
         wal._release_writes(len(written))
-        self.kick()
-        for group in written:
-            wal._complete(group, released=True)
+        try:
+            self.kick()
+        finally:                              # durable writes are acknowledged whatever kick() hit
+            for group in written:
+                wal._complete(group, released=True)
 
     def _retry(self, group: list["Block"], attempt: int, err: BaseException) -> None:
         """Rewrite the whole group (same bytes, same place) a few times, then fail the WAL."""

@@ -143,6 +143,33 @@ async def test_next_writes_start_before_finished_ones_are_completed(make_wal):
     assert all(after_reap)
 
 
+async def test_durable_writes_are_acknowledged_when_starting_the_next_fails(make_wal):
+    """The next writes start before the finished ones are completed; an error there (say
+    a header write for a larger window) must not leave durable records unacknowledged."""
+    w, _ = make_wal()
+    assert w.attach_loop()
+    driver = w._driver
+    real_release, real_kick = w._release_writes, driver.kick
+    armed: list[int] = []
+
+    def release(n):
+        armed.append(n)
+        return real_release(n)
+
+    def kick():
+        if armed:
+            armed.clear()
+            raise OSError(5, "injected")
+        return real_kick()
+
+    w._release_writes, driver.kick = release, kick
+    errors: list[dict] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    r = w.append_loop(b"y" * 3000)
+    assert await asyncio.wait_for(r.future, 10) == r.offset
+    assert [str(e.get("exception")) for e in errors] == ["[Errno 5] injected"]
+
+
 async def test_time_based_seal_keeps_the_iops_budget(make_wal):
     """A block that is not full waits for flush_interval_s after the previous time-based
     seal (the timerfd wakes the loop); lower bounds only, so a slow machine cannot fail it."""
