@@ -12,7 +12,7 @@ import ctypes
 import os
 import platform
 
-__all__ = ["AioContext", "TimerFD", "AioUnavailable"]
+__all__ = ["AioContext", "TimerFD", "AioUnavailable", "yield_cpu"]
 
 # (io_setup, io_destroy, io_getevents, io_submit, timerfd_create, timerfd_settime)
 _SYSCALLS = {
@@ -63,6 +63,14 @@ _nr = _SYSCALLS.get(platform.machine())
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
+_sched_yield = ctypes.PyDLL(None).sched_yield      # PyDLL: the GIL stays with the caller
+_sched_yield.restype = ctypes.c_int
+
+
+def yield_cpu() -> None:
+    """Give this CPU to runnable kernel work for a moment, keeping the GIL (no other Python
+    thread gets in). Costs ~0.3 us when nothing else is runnable."""
+    _sched_yield()
 
 
 def _check(ret: int) -> int:

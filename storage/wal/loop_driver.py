@@ -21,7 +21,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from .aio import AioContext, TimerFD
+from .aio import AioContext, TimerFD, yield_cpu
 from .config import IO_RETRIES, IO_RETRY_DELAY_S
 from .format import align_up
 
@@ -136,6 +136,12 @@ class LoopDriver:
             self._retry(group, attempt, e)
             return
         self._inflight[token] = (group, [exports, keep], sum(n for _, n in pieces), attempt)
+        # A device served by a kernel worker (a loop device's, the writes to its backing file)
+        # gets it woken on this CPU by io_submit: on these VMs the scheduler packs it here and
+        # lets it wait while the loop goes on appending (~0.3 ms per 4 MiB copied), so the
+        # device idled. Yielding lets it start the write now: loop device, alternating runs,
+        # 1 MiB records 0.75 -> 0.85 of raw, 256 KiB 0.70 -> 0.83 (bench/HISTORY.md).
+        yield_cpu()
 
     def on_completion(self) -> None:
         self.aio.clear_signal()

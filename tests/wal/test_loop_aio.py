@@ -140,6 +140,36 @@ async def test_next_writes_start_before_finished_ones_are_completed(make_wal):
     assert all(after_reap)
 
 
+async def test_each_submit_gives_the_cpu_to_kernel_work_before_the_loop_goes_on(
+        make_wal, monkeypatch):
+    """After every io_submit the loop yields its CPU (keeping the GIL): a kernel worker that
+    io_submit woke on this CPU (a loop device's) starts the write at once instead of after
+    the loop's next appends."""
+    from storage.wal import loop_driver
+
+    w, _ = make_wal(capacity=64 << 20)
+    assert w.attach_loop()
+    driver = w._driver
+    log: list[str] = []
+    real_submit, real_yield = driver.aio.submit_write, loop_driver.yield_cpu
+
+    def submit(*a, **kw):
+        out = real_submit(*a, **kw)
+        log.append("submit")
+        return out
+
+    def yield_cpu():
+        log.append("yield")
+        real_yield()
+
+    driver.aio.submit_write = submit
+    monkeypatch.setattr(loop_driver, "yield_cpu", yield_cpu)
+    rs = [w.append_loop(body(1, i, 64 << 10), stream_id=1) for i in range(64)]
+    await asyncio.gather(*[r.future for r in rs])
+    assert log.count("submit") >= 4
+    assert all(log[k + 1] == "yield" for k, what in enumerate(log) if what == "submit")
+
+
 async def test_durable_writes_are_acknowledged_when_starting_the_next_fails(make_wal):
     """The next writes start before the finished ones are completed; an error there (say
     a header write for a larger window) must not leave durable records unacknowledged."""
