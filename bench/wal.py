@@ -7,7 +7,10 @@
 For each record size it prints appended MB/s, records/s, device writes/s (IOPS), p50/p99 append
 latency (append() call -> durable future) at full speed and at half of that speed, the raw
 O_DIRECT sequential write MB/s of the same device (the WAL's largest write size, same sync mode,
-same queue depth as the WAL's IO threads), and the ratio WAL/raw.
+same queue depth as the WAL's IO threads, buffers from the WAL's own huge-page allocator: the
+device is faster from huge pages, and raw gets that too), and the ratio WAL/raw. Each WAL run
+first appends 2 x max_buffered_bytes untimed: a running broker's buffer pool is warm, a fresh
+one faults its memory in (see _warm_up()).
 
 The device's own speed drifts by +-20 % within seconds on these machines, so one raw figure
 taken minutes away from the WAL's says little. Each size therefore runs ``--rounds`` WAL runs
@@ -46,7 +49,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from storage.wal import DeltaWAL, OverCapacityError, WALConfig  # noqa: E402
-from storage.wal.device import Device, aligned_buffer  # noqa: E402
+from storage.wal.block import BufferPool  # noqa: E402
+from storage.wal.device import Device  # noqa: E402
 from storage.wal.format import HEADER_AREA, RECORD_HEADER_SIZE, align_up  # noqa: E402
 from bench.common import pct  # noqa: E402
 
@@ -60,9 +64,7 @@ def raw_write_mbps(path: str, capacity: int, sync_mode: str, write_size: int, th
     dev = Device(path, capacity, sync_mode)
     ring = capacity - HEADER_AREA
     nwrites = max(threads * 4, total // write_size)
-    bufs = [aligned_buffer(write_size) for _ in range(threads)]
-    for b in bufs:
-        b.write(os.urandom(write_size))
+    pool, bufs = wal_buffers(write_size, threads)
     counter = iter(range(nwrites))
     lock = threading.Lock()
 
@@ -84,8 +86,20 @@ def raw_write_mbps(path: str, capacity: int, sync_mode: str, write_size: int, th
     dt = time.perf_counter() - t0
     dev.close()
     for b in bufs:
-        b.close()
+        b.release()
+    pool.close()
     return nwrites * write_size / dt / 1e6
+
+
+def wal_buffers(size: int, n: int) -> tuple[BufferPool, list[memoryview]]:
+    """n buffers of size bytes (random content) from the allocator the WAL writes from: the
+    device's speed depends on the memory it is given (huge pages make fewer, larger
+    segments), so raw and WAL are measured on the same kind."""
+    pool = BufferPool(64 << 20)
+    bufs = [memoryview(pool.get(size, WALConfig.block_soft_limit))[:size] for _ in range(n)]
+    for b in bufs:
+        b[:] = os.urandom(size)
+    return pool, bufs
 
 
 def paced_device_latency(path: str, capacity: int, sync_mode: str, rate: float, total: int,
@@ -97,8 +111,7 @@ def paced_device_latency(path: str, capacity: int, sync_mode: str, rate: float, 
     ring = capacity - HEADER_AREA
     n = max(50, int(total // write_size))
     interval = write_size / rate
-    buf = aligned_buffer(write_size)
-    buf.write(os.urandom(write_size))
+    pool, (buf,) = wal_buffers(write_size, 1)
     lat: list[float] = []
     todo: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -126,7 +139,8 @@ def paced_device_latency(path: str, capacity: int, sync_mode: str, rate: float, 
     for t in ts:
         t.join()
     dev.close()
-    buf.close()
+    buf.release()
+    pool.close()
     return pct(lat, 0.99) * 1e3
 
 
@@ -140,6 +154,10 @@ def run_wal(cfg: WALConfig, size: int, total: int, rate: float | None) -> dict:
     done_at = [0.0]
     remaining = [n]
     ev = threading.Event()
+    warm = [wal.append(body).future for _ in range(max(1, 2 * cfg.max_buffered_bytes // size))]
+    for f in warm:                           # as _warm_up() does for the loop caller
+        f.result(120)
+    wal.trim(wal.confirmed_offset)
     writes_before = wal_writes(wal)
 
     def cb(i: int, t0: float, _f) -> None:
@@ -186,6 +204,23 @@ def wal_writes(wal: DeltaWAL) -> int:
     return wal.stats["writes"]            # pwritev calls (merged blocks count once)
 
 
+async def _warm_up(wal: DeltaWAL, body: bytes, rec: int, nbytes: int) -> None:
+    """Append nbytes untimed, wait until durable, trim. A fresh WAL's buffer pool is empty:
+    its first max_buffered_bytes of blocks fault in new memory (huge pages that, on these
+    VMs, the host may have to back first: the first 30 of ~170 flush cycles of a 512 MiB run
+    took ~6 ms instead of ~1.2), which a running broker paid once, long ago. The raw runs'
+    buffers are written before their clock starts too."""
+    import asyncio
+
+    futs = []
+    for _ in range(max(1, nbytes // len(body))):
+        if not wal.has_room(rec):
+            await wal.wait_for_room(rec)
+        futs.append(wal.append_loop(body).future)
+    await asyncio.gather(*futs)
+    wal.trim(wal.confirmed_offset)
+
+
 def run_wal_loop(cfg: WALConfig, size: int, total: int, rate: float | None) -> dict:
     """run_wal() as the engine calls the WAL: append_loop() from an asyncio (uvloop) loop,
     waiting for room when max_buffered_bytes are not yet durable; latency is append ->
@@ -206,6 +241,7 @@ def run_wal_loop(cfg: WALConfig, size: int, total: int, rate: float | None) -> d
         left = [n]
         done = loop.create_future()
         rec = RECORD_HEADER_SIZE + size
+        await _warm_up(wal, body, rec, 2 * cfg.max_buffered_bytes)
         writes_before = wal_writes(wal)
         trim_after = cfg.capacity // 4
         trimming: asyncio.Future | None = None
