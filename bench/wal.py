@@ -6,8 +6,9 @@
 
 For each record size it prints appended MB/s, records/s, device writes/s (IOPS), p50/p99 append
 latency (append() call -> durable future) at full speed and at half of that speed, the raw
-O_DIRECT sequential write MB/s of the same device (the WAL's largest write size, same sync mode,
-same queue depth as the WAL's IO threads, buffers from the WAL's own huge-page allocator: the
+O_DIRECT sequential write MB/s of the same device (writes of the WAL's mean write size at full
+speed, ``write KiB``, measured by a first untimed WAL run; same sync mode, same queue depth
+as the WAL's IO threads, buffers from the WAL's own huge-page allocator: the
 device is faster from huge pages, and raw gets that too), and the ratio WAL/raw. Each WAL run
 first appends 2 x max_buffered_bytes untimed: a running broker's buffer pool is warm, a fresh
 one faults its memory in (see _warm_up()).
@@ -158,7 +159,7 @@ def run_wal(cfg: WALConfig, size: int, total: int, rate: float | None) -> dict:
     for f in warm:                           # as _warm_up() does for the loop caller
         f.result(120)
     wal.trim(wal.confirmed_offset)
-    writes_before = wal_writes(wal)
+    writes_before, end_before = wal_writes(wal), wal.end_offset
 
     def cb(i: int, t0: float, _f) -> None:
         t1 = time.perf_counter()
@@ -195,9 +196,10 @@ def run_wal(cfg: WALConfig, size: int, total: int, rate: float | None) -> dict:
     ev.wait(120)
     elapsed = done_at[0] - t_start
     writes = wal_writes(wal) - writes_before
+    wsize = (wal.end_offset - end_before) / max(1, writes)
     wal.close()
-    return {"mbps": n * size / elapsed / 1e6, "rps": n / elapsed,
-            "iops": writes / elapsed, "p50": pct(lat, 0.5) * 1e3, "p99": pct(lat, 0.99) * 1e3}
+    return {"mbps": n * size / elapsed / 1e6, "rps": n / elapsed, "iops": writes / elapsed,
+            "p50": pct(lat, 0.5) * 1e3, "p99": pct(lat, 0.99) * 1e3, "wsize": wsize}
 
 
 def wal_writes(wal: DeltaWAL) -> int:
@@ -242,7 +244,7 @@ def run_wal_loop(cfg: WALConfig, size: int, total: int, rate: float | None) -> d
         done = loop.create_future()
         rec = RECORD_HEADER_SIZE + size
         await _warm_up(wal, body, rec, 2 * cfg.max_buffered_bytes)
-        writes_before = wal_writes(wal)
+        writes_before, end_before = wal_writes(wal), wal.end_offset
         trim_after = cfg.capacity // 4
         trimming: asyncio.Future | None = None
 
@@ -309,10 +311,11 @@ def run_wal_loop(cfg: WALConfig, size: int, total: int, rate: float | None) -> d
         stop.set()
         elapsed = t_end - t_start
         writes = wal_writes(wal) - writes_before
+        wsize = (wal.end_offset - end_before) / max(1, writes)
         wal.close()
         return {"mbps": n * size / elapsed / 1e6, "rps": n / elapsed,
                 "iops": writes / elapsed, "p50": pct(lat, 0.5) * 1e3,
-                "p99": pct(lat, 0.99) * 1e3}
+                "p99": pct(lat, 0.99) * 1e3, "wsize": wsize}
 
     return uvloop.run(go())
 
@@ -349,7 +352,7 @@ def main() -> None:
           f"caller {args.caller}  writes by {'the loop (native AIO)' if engine == 'aio' else 'IO threads'}")
     hdr = (f"{'record':>8} {'MB/s':>8} {'rec/s':>9} {'IOPS':>7} {'p50 ms':>7} {'p99 ms':>7} | "
            f"{'half MB/s':>9} {'p50 ms':>7} {'p99 ms':>7} {'p99 range':>11} {'dev p99':>7} | "
-           f"{'raw MB/s':>8} "
+           f"{'write KiB':>9} {'raw MB/s':>8} "
            f"{'ratio':>6} {'range':>9}")
     print(hdr)
     try:
@@ -357,8 +360,10 @@ def main() -> None:
             # small records are bounded by Python per-append cost: fewer bytes keep runs short
             total = args.bytes if size >= 16 << 10 else min(args.bytes, 128 << 20)
             total = min(total, args.capacity // 2) if size < 64 << 10 else total
-            # the largest write the WAL issues (blocks are merged up to max_write_bytes)
-            wsize = max(cfg0.max_write_bytes, align_up(size + RECORD_HEADER_SIZE))
+            # raw writes of the size the WAL writes at full speed (merged blocks: how many
+            # depends on the record size and the backlog), measured by a first, untimed run
+            wsize = align_up(int(run(WALConfig(**base), size, min(total, 128 << 20),
+                                     None)["wsize"]))
 
             def raw_run() -> float:
                 return raw_write_mbps(path, args.capacity, args.sync, wsize, cfg0.io_threads,
@@ -389,7 +394,8 @@ def main() -> None:
                   f"{full['iops']:>7.0f} "
                   f"{full['p50']:>7.2f} {full['p99']:>7.2f} | {half['mbps']:>9.0f} "
                   f"{half['p50']:>7.2f} {half['p99']:>7.2f} "
-                  f"{min(half_p99s):>5.2f}-{max(half_p99s):<5.2f} {dev_p99:>7.2f} | {raw:>8.0f} "
+                  f"{min(half_p99s):>5.2f}-{max(half_p99s):<5.2f} {dev_p99:>7.2f} | "
+                  f"{wsize >> 10:>9} {raw:>8.0f} "
                   f"{statistics.median(ratios):>6.2f} {min(ratios):>4.2f}-{max(ratios):<4.2f}",
                   flush=True)
         print("durability modes (cost of the barrier after each block write):")

@@ -28,6 +28,10 @@ class WALConfig:
     # at moderate load: fewer thread wake-ups competing with the loop, larger merged writes.
     eager_writes: int = 2
     max_write_bytes: int = 1 << 20          # consecutive sealed blocks merged into one pwritev
+    # ... and up to this size while more than twice as much is sealed and waiting (the device
+    # is the bottleneck): a device that completes every write in flight behind one flush moves
+    # more per flush cycle, and the loop's turn between cycles is paid per fewer bytes
+    backlog_write_bytes: int = 2 << 20
     bandwidth_limit: int | None = None      # bytes/s written to the device, None = unlimited
     window_initial: int = 1 << 20           # in-flight span recorded in the header at start
     window_max: int = 512 << 20             # cap of the in-flight span; appends wait beyond it
@@ -61,5 +65,7 @@ class WALConfig:
             raise ValueError("need 0 <= window_initial <= window_max")
         if self.flush_interval_s < 0:
             raise ValueError("flush_interval_s must be >= 0")
+        if self.backlog_write_bytes < self.max_write_bytes:
+            raise ValueError("backlog_write_bytes must be >= max_write_bytes")
         if self.bandwidth_limit is not None and self.bandwidth_limit <= 0:
             raise ValueError("bandwidth_limit must be positive or None")

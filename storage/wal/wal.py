@@ -461,14 +461,17 @@ class DeltaWAL:
 
     def _take_group(self) -> list[Block]:
         """Pop the first pending block plus the ones physically right behind it (up to
-        max_write_bytes): one pwritev for several blocks halves the GIL round trips per byte
-        and gives the device larger writes when appenders outpace it. Caller holds the lock."""
+        max_write_bytes, or backlog_write_bytes under a deep backlog): one pwritev for several
+        blocks halves the GIL round trips per byte and gives the device larger writes when
+        appenders outpace it. Caller holds the lock."""
         first = self._pending.popleft()
         self._writing.append(first)
         self._writes += 1
         group = [first]
         total = align_up(first.used)
-        limit = self.config.max_write_bytes
+        cfg = self.config
+        limit = cfg.backlog_write_bytes if self._pending_bytes >= 2 * cfg.backlog_write_bytes \
+            else cfg.max_write_bytes
         ring = self.ring_size
         while self._pending and len(group) < 64:
             nxt = self._pending[0]

@@ -104,6 +104,40 @@ async def test_queue_depth_eager_then_full_under_backlog(make_wal):
     assert max(depths) == 4
 
 
+async def test_merged_writes_grow_to_backlog_write_bytes_only_under_a_deep_backlog(make_wal,
+                                                                                 wal_path):
+    """Sealed blocks backed up by more than 2 x backlog_write_bytes merge into writes of up to
+    backlog_write_bytes; otherwise writes stay within max_write_bytes."""
+    w, _ = make_wal(capacity=64 << 20, block_soft_limit=64 << 10, max_write_bytes=256 << 10,
+                    backlog_write_bytes=512 << 10)
+    assert w.attach_loop()
+    driver = w._driver
+    sizes: list[int] = []
+    real = driver.aio.submit_write
+
+    def spy(fd, pieces, *a, **kw):
+        sizes.append(sum(n for _, n in pieces))
+        return real(fd, pieces, *a, **kw)
+
+    driver.aio.submit_write = spy
+    for i in range(40):                            # one record per turn: no backlog
+        await w.append_loop(body(0, i, 60_000)).future
+    assert sizes and max(sizes) <= 256 << 10
+    sizes.clear()
+    rs = [w.append_loop(body(1, i, 60_000), stream_id=1) for i in range(200)]   # ~12 MiB
+    await asyncio.gather(*[r.future for r in rs])
+    assert 256 << 10 < max(sizes) <= 512 << 10
+    assert min(sizes) <= 256 << 10                 # the tail of the backlog: shallow again
+    w.close()
+    assert [b for _, b in reopen(wal_path, 64 << 20)] == \
+        [body(0, i, 60_000) for i in range(40)] + [body(1, i, 60_000) for i in range(200)]
+
+
+def test_backlog_write_bytes_below_max_write_bytes_is_refused(wal_path):
+    with pytest.raises(ValueError, match="backlog_write_bytes"):
+        WALConfig(path=wal_path, max_write_bytes=2 << 20, backlog_write_bytes=1 << 20).validate()
+
+
 async def test_next_writes_start_before_finished_ones_are_completed(make_wal):
     """Under a backlog, a reap that frees queue slots submits the next writes before it
     resolves the finished writes' futures (a device that finishes several writes at once
