@@ -148,7 +148,8 @@ class DeltaWAL:
             hdr = newest_header(slots[:HEADER_SLOT_SIZE], slots[HEADER_SLOT_SIZE:HEADER_AREA])
             blank = not any(slots[:HEADER_AREA])
             slots.close()
-            if hdr is None:
+            formatted = hdr is None
+            if formatted:
                 if not dev.created and not blank:
                     log.warning("no valid WAL header on %s: formatting a new WAL", cfg.path)
                 hdr = WALHeader(capacity=cfg.capacity, trim_offset=0,
@@ -165,7 +166,9 @@ class DeltaWAL:
             # under a larger setting must still be recovered
             result = scan(dev, self.ring_size, hdr.trim_offset, hdr.window_max_length,
                           self.ring_size)
-            if hdr.shutdown_type != SHUTDOWN_CLEAN:
+            if formatted:
+                log.info("WAL %s formatted: capacity %d MiB", cfg.path, cfg.capacity >> 20)
+            elif hdr.shutdown_type != SHUTDOWN_CLEAN:
                 log.info("WAL %s recovered %d records after unclean shutdown", cfg.path,
                          len(result.records))
             self._header = hdr

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 import pytest
@@ -40,6 +41,29 @@ def test_recover_without_close(make_wal, wal_path):
     recs = list(w2.open())
     assert [b for _, b in recs] == [body(1, i, 5000) for i in range(50)]
     w2.close()
+
+
+def test_open_says_formatted_for_a_new_wal_and_unclean_only_after_a_crash(make_wal, wal_path,
+                                                                          caplog):
+    caplog.set_level(logging.INFO, logger="storage.wal.wal")
+
+    def said() -> list[str]:
+        out = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        return out
+
+    w, _ = make_wal()
+    first = said()
+    assert any("formatted" in m for m in first) and not any("unclean" in m for m in first)
+    w.append(b"x").future.result(10)
+    crashed = DeltaWAL(WALConfig(path=wal_path, capacity=4 << 20))    # w never closed
+    list(crashed.open())
+    assert any("recovered 1 records after unclean shutdown" in m for m in said())
+    crashed.close()
+    again = DeltaWAL(WALConfig(path=wal_path, capacity=4 << 20))       # after a clean close
+    list(again.open())
+    again.close()
+    assert not any("unclean" in m or "formatted" in m for m in said())
 
 
 def test_trim_discards_older_records(make_wal):
