@@ -2,7 +2,10 @@
 
 acks=0 gets no response at all; acks=1 and acks=-1 (all; one replica here) are answered once
 the append is durable in the WAL. Partitions of one request are appended concurrently (a
-request for a single partition, the common case, is appended without an extra task).
+request for a single partition, the common case, is appended without an extra task). Each
+append's first step (offsets, producer sequences) runs before the handler yields, so the
+requests of one connection reach every partition in request order (idempotent producers
+pipeline up to five).
 
 The request's ``records`` are views into the request frame, which the server hands over as an
 owned buffer: the partition writes offsets into it in place (no copy). The answer is encoded
@@ -17,6 +20,7 @@ from typing import Any
 from protocol import ErrorCode
 from protocol.produce_fast import encode_produce_response
 
+from ..eager import start_now
 from ..partition import AppendResult, find_topic_by_id, get_partition, topic_for_produce
 from .registry import RequestContext, handler
 
@@ -82,8 +86,7 @@ async def handle_produce(ctx: RequestContext, req: Any) -> Any:
         for _, jobs in plan:
             for i, (index, job) in enumerate(jobs):
                 if isinstance(job, tuple):
-                    jobs[i] = (index, asyncio.ensure_future(
-                        _append(job[0], index, job[1], version)))
+                    jobs[i] = (index, start_now(_append(job[0], index, job[1], version)))
         for _, jobs in plan:
             for i, (index, job) in enumerate(jobs):
                 if isinstance(job, asyncio.Future):

@@ -10,6 +10,7 @@ from kafka.protocol.admin import (DeleteRecordsRequest, DeleteRecordsResponse,
                                   DescribeProducersRequest, DescribeProducersResponse)
 from kafka.protocol.consumer import (OffsetForLeaderEpochRequest,
                                      OffsetForLeaderEpochResponse)
+from kafka.protocol.producer import ProduceRequest, ProduceResponse
 
 from .batches import batch_headers, make_batch, read_records
 from .conftest import SMALL_WAL
@@ -260,3 +261,38 @@ def test_retention_in_a_running_broker(broker_factory):
         part = c.fetch(t, 2)
         assert part.log_start_offset == 2
         assert [v for _, _, v in read_records(part.records)][-1] == b"fresh"
+
+
+def test_pipelined_produces_append_in_request_order(client):
+    """A request for several partitions and a one-partition request behind it on the same
+    connection (the Java producer pipelines up to five): every partition sees the batches in
+    request order. Appending the single-partition request first put sequence 1 ahead of
+    sequence 0, and the client then re-sent record 0 under a new epoch, after its successors."""
+    t = _topic()
+    client.create_topic(t, partitions=2)
+    pid, epoch = client.init_producer_id()
+    TD = ProduceRequest.TopicProduceData
+    PD = TD.PartitionProduceData
+
+    def request(parts: dict[int, bytes]) -> ProduceRequest:
+        return ProduceRequest(transactional_id=None, acks=-1, timeout_ms=30000, topic_data=[
+            TD(name=t, partition_data=[PD(index=p, records=r) for p, r in parts.items()])])
+
+    first = request({p: make_batch([b"first-%d" % p], producer_id=pid, epoch=epoch,
+                                   base_sequence=0) for p in (0, 1)})
+    second = request({0: make_batch([b"second-0"], producer_id=pid, epoch=epoch,
+                                    base_sequence=1)})
+    frames = []
+    for req in (first, second):
+        client.correlation_id += 1
+        req.with_header(correlation_id=client.correlation_id, client_id=client.client_id)
+        frames.append(req.encode(version=9, header=True, framed=True))
+    client.sock.sendall(b"".join(frames))  # one write: the broker reads both frames at once
+    r1 = client.recv(ProduceResponse, 9, client.correlation_id - 1)
+    r2 = client.recv(ProduceResponse, 9, client.correlation_id)
+    assert [(p.index, p.error_code, p.base_offset)
+            for p in r1.responses[0].partition_responses] == [(0, E_NONE, 0), (1, E_NONE, 0)]
+    assert [(p.error_code, p.base_offset)
+            for p in r2.responses[0].partition_responses] == [(E_NONE, 1)]
+    assert [v for _, _, v in read_records(client.fetch(t, 0).records)] == [b"first-0",
+                                                                         b"second-0"]
