@@ -10,7 +10,7 @@ from kafka.protocol.admin import (DeleteRecordsRequest, DeleteRecordsResponse,
                                   DescribeProducersRequest, DescribeProducersResponse)
 from kafka.protocol.consumer import (OffsetForLeaderEpochRequest,
                                      OffsetForLeaderEpochResponse)
-from kafka.protocol.producer import ProduceRequest, ProduceResponse
+from kafka.protocol.producer import ProduceResponse
 
 from .batches import batch_headers, make_batch, read_records
 from .conftest import SMALL_WAL
@@ -271,25 +271,15 @@ def test_pipelined_produces_append_in_request_order(client):
     t = _topic()
     client.create_topic(t, partitions=2)
     pid, epoch = client.init_producer_id()
-    TD = ProduceRequest.TopicProduceData
-    PD = TD.PartitionProduceData
-
-    def request(parts: dict[int, bytes]) -> ProduceRequest:
-        return ProduceRequest(transactional_id=None, acks=-1, timeout_ms=30000, topic_data=[
-            TD(name=t, partition_data=[PD(index=p, records=r) for p, r in parts.items()])])
-
-    first = request({p: make_batch([b"first-%d" % p], producer_id=pid, epoch=epoch,
-                                   base_sequence=0) for p in (0, 1)})
-    second = request({0: make_batch([b"second-0"], producer_id=pid, epoch=epoch,
-                                    base_sequence=1)})
-    frames = []
-    for req in (first, second):
-        client.correlation_id += 1
-        req.with_header(correlation_id=client.correlation_id, client_id=client.client_id)
-        frames.append(req.encode(version=9, header=True, framed=True))
-    client.sock.sendall(b"".join(frames))  # one write: the broker reads both frames at once
-    r1 = client.recv(ProduceResponse, 9, client.correlation_id - 1)
-    r2 = client.recv(ProduceResponse, 9, client.correlation_id)
+    first = client.produce_request(t, {p: make_batch([b"first-%d" % p], producer_id=pid,
+                                                     epoch=epoch, base_sequence=0)
+                                       for p in (0, 1)})
+    second = client.produce_request(t, {0: make_batch([b"second-0"], producer_id=pid,
+                                                      epoch=epoch, base_sequence=1)})
+    (c1, f1), (c2, f2) = client.frame(first, 9), client.frame(second, 9)
+    client.sock.sendall(f1 + f2)  # one write: the broker reads both frames at once
+    r1 = client.recv(ProduceResponse, 9, c1)
+    r2 = client.recv(ProduceResponse, 9, c2)
     assert [(p.index, p.error_code, p.base_offset)
             for p in r1.responses[0].partition_responses] == [(0, E_NONE, 0), (1, E_NONE, 0)]
     assert [(p.error_code, p.base_offset)

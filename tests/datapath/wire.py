@@ -106,11 +106,16 @@ class WireClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def send(self, req: Any, version: int) -> int:
+    def frame(self, req: Any, version: int) -> tuple[int, bytes]:
+        """The next correlation id and ``req`` framed with it (send several in one write)."""
         self.correlation_id += 1
         corr = self.correlation_id
         req.with_header(correlation_id=corr, client_id=self.client_id)
-        self.sock.sendall(req.encode(version=version, header=True, framed=True))
+        return corr, req.encode(version=version, header=True, framed=True)
+
+    def send(self, req: Any, version: int) -> int:
+        corr, data = self.frame(req, version)
+        self.sock.sendall(data)
         return corr
 
     def recv_frame(self, max_size: int = MAX_FRAME) -> bytes:
@@ -146,15 +151,21 @@ class WireClient:
                          MetadataResponse, 12)
         return resp.topics[0].topic_id
 
+    @staticmethod
+    def produce_request(topic: str, records_by_partition: dict[int, bytes],
+                        acks: int = -1) -> Any:
+        """A Produce request for one topic: ``{partition: records}``."""
+        TD = ProduceRequest.TopicProduceData
+        PD = TD.PartitionProduceData
+        return ProduceRequest(transactional_id=None, acks=acks, timeout_ms=30000,
+                              topic_data=[TD(name=topic, partition_data=[
+                                  PD(index=p, records=r)
+                                  for p, r in records_by_partition.items()])])
+
     def produce(self, topic: str, records: bytes, partition: int = 0, acks: int = -1,
                 version: int = 9) -> Any:
         """Partition response of a one-partition Produce (None for acks=0)."""
-        TD = ProduceRequest.TopicProduceData
-        PD = TD.PartitionProduceData
-        req = ProduceRequest(transactional_id=None, acks=acks, timeout_ms=30000,
-                             topic_data=[TD(name=topic, partition_data=[
-                                 PD(index=partition, records=records)])])
-        corr = self.send(req, version)
+        corr = self.send(self.produce_request(topic, {partition: records}, acks), version)
         if acks == 0:
             return None
         resp = self.recv(ProduceResponse, version, corr)
