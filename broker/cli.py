@@ -35,10 +35,12 @@ _HELP = {
                       "(repeatable), e.g. retention.ms=3600000",
     "producer_id_expiration_ms": "producer.id.expiration.ms: idle idempotent producers are "
                                  "forgotten after this (default 86400000)",
+    "transaction_max_timeout_ms": "transaction.max.timeout.ms: larger transaction.timeout.ms "
+                                  "values get INVALID_TRANSACTION_TIMEOUT (default 900000)",
     "group_min_session_timeout_ms": "group.min.session.timeout.ms (default 6000)",
     "group_max_session_timeout_ms": "group.max.session.timeout.ms (default 1800000)",
-    "group_initial_rebalance_delay_ms": "group.initial.rebalance.delay.ms (default 0; Kafka: "
-                                        "3000)",
+    "group_initial_rebalance_delay_ms": "group.initial.rebalance.delay.ms (default 3000, as "
+                                        "Kafka: members joining together share a generation)",
     "offset_metadata_max_bytes": "offset.metadata.max.bytes (default 4096)",
     "log_level": "DEBUG, INFO, WARNING, ERROR (default INFO)",
     "log_format": "text (key=value) or json (default text)",

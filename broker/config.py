@@ -40,9 +40,10 @@ class BrokerConfig:
     shutdown_timeout_s: float = 30.0         # how long SIGTERM waits for in-flight requests
     retention_check_interval_ms: int = 300_000   # Kafka's log.retention.check.interval.ms
     producer_id_expiration_ms: int = 86_400_000  # Kafka's producer.id.expiration.ms
+    transaction_max_timeout_ms: int = 900_000    # Kafka's transaction.max.timeout.ms
     group_min_session_timeout_ms: int = 6000
     group_max_session_timeout_ms: int = 1_800_000
-    group_initial_rebalance_delay_ms: int = 0
+    group_initial_rebalance_delay_ms: int = 3000
     offset_metadata_max_bytes: int = 4096
     topic_defaults: dict[str, str] = field(default_factory=dict)  # broker-wide topic config defaults
     log_level: str = "INFO"

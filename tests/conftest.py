@@ -177,8 +177,12 @@ class _BrokerPool:
         # a small WAL: the 2 GiB default is preallocated per broker and fills the disk
         wal_args = ([] if _has_flag(extra, "--wal-capacity") or "S3KAFKA_WAL_CAPACITY" in (env or {})
                     else ["--wal-capacity", str(TEST_WAL_CAPACITY)])
+        # Kafka's 3 s first-join delay would slow every group test: tests ask for it explicitly
+        delay_args = ([] if _has_flag(extra, "--group-initial-rebalance-delay-ms")
+                      or "S3KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS" in (env or {})
+                      else ["--group-initial-rebalance-delay-ms", "0"])
         args = [sys.executable, "-m", "broker", "serve", *listen_args, *data_args,
-                *node_args, *wal_args, *extra]
+                *node_args, *wal_args, *delay_args, *extra]
         bp = BrokerProcess(args, port, data_dir, self.base / f"broker{suffix}.log", env=env)
         self.procs.append(bp)
         bp.start()

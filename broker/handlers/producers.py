@@ -1,9 +1,12 @@
 """InitProducerId (22) and DescribeProducers (61).
 
 Idempotent producers get a fresh producer id with epoch 0 every time (as Kafka does without a
-transactional id); ids come from a durable counter, so none is reused after a restart. A
-transactional id keeps its producer id and bumps the epoch (fencing the older instance), though
-the transaction APIs themselves are not offered.
+transactional id); ids come from a durable counter, so none is reused after a restart.
+Transactions are not offered: a transactional id is refused at once with
+TRANSACTIONAL_ID_AUTHORIZATION_FAILED, which librdkafka, Java and kafka-python all treat as
+fatal (an answer with a producer id would let ``init_transactions()`` succeed and every later
+send time out). A ``transaction.timeout.ms`` above ``transaction.max.timeout.ms`` is checked
+first and gets INVALID_TRANSACTION_TIMEOUT, as Kafka's coordinator answers.
 """
 from __future__ import annotations
 
@@ -29,12 +32,18 @@ DESCRIBE_PRODUCERS = 61
 async def handle_init_producer_id(ctx: RequestContext, req: Any) -> Any:
     Resp = protocol.response_class(INIT_PRODUCER_ID)
     txn_id = getattr(req, "transactional_id", None)
+    if txn_id:
+        if req.transaction_timeout_ms > ctx.broker.config.transaction_max_timeout_ms:
+            err = ErrorCode.INVALID_TRANSACTION_TIMEOUT
+        else:
+            err = ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED
+        log.info("transactional producer refused transactional_id=%s error=%s peer=%s", txn_id,
+                 err.name, getattr(ctx.conn, "peer", "?"))
+        return Resp(version=ctx.version, throttle_time_ms=0, error_code=int(err),
+                    producer_id=-1, producer_epoch=-1)
     try:
         store = producer_store_for(ctx.broker)
-        if txn_id:
-            pid, epoch = await asyncio.to_thread(store.init_transactional, txn_id)
-        else:
-            pid, epoch = await asyncio.to_thread(store.allocate_producer_id), 0
+        pid, epoch = await asyncio.to_thread(store.allocate_producer_id), 0
         err = ErrorCode.NONE
     except Exception:  # noqa: BLE001 - the database may be busy/broken: a retriable answer
         log.exception("producer id allocation failed")

@@ -15,7 +15,8 @@ import org.apache.kafka.common.serialization.StringSerializer;
  * Drives unmodified Java kafka-clients against a broker for the pytest end-to-end suite.
  * Compiles against kafka-clients 3.9 and 4.x alike (only APIs present in both are used).
  * Usage: KafkaCli <command> --bootstrap host:port [--key value ...]; prints one JSON object.
- * Commands: produce, produce-matrix, consume-assign, consume-group, group-rebalance, admin.
+ * Commands: produce, produce-matrix, consume-assign, consume-group, group-rebalance, admin,
+ * answers (Kafka's answers clients depend on: one JVM, one JSON object of outcomes).
  */
 public final class KafkaCli {
     private KafkaCli() {}
@@ -36,6 +37,7 @@ public final class KafkaCli {
             case "consume-group": out = consumeGroup(a); break;
             case "group-rebalance": out = groupRebalance(a); break;
             case "admin": out = admin(a); break;
+            case "answers": out = answers(a); break;
             default: throw new IllegalArgumentException("unknown command " + argv[0]);
         }
         System.out.println(Json.write(out));
@@ -345,6 +347,116 @@ public final class KafkaCli {
             out.put("cluster_nodes", admin.describeCluster().nodes().get().size());
             admin.deleteTopics(List.of(topic)).all().get();
             out.put("listed_after_delete", admin.listTopics().names().get().contains(topic));
+        }
+        return out;
+    }
+
+    // ---------------------------------------------------------------- Kafka's answers
+    /** The exception's class name (unwrapping ExecutionException), or "ok". */
+    interface Step { Object run() throws Exception; }
+
+    static Object outcome(Step s) {
+        try {
+            Object r = s.run();
+            return r == null ? "ok" : r;
+        } catch (ExecutionException e) {
+            return e.getCause().getClass().getSimpleName();
+        } catch (Exception e) {
+            return e.getClass().getSimpleName();
+        }
+    }
+
+    static List<String> ops(Set<org.apache.kafka.common.acl.AclOperation> s) {
+        if (s == null) return null;
+        List<String> out = new ArrayList<>();
+        for (org.apache.kafka.common.acl.AclOperation o : s) out.add(o.name());
+        Collections.sort(out);
+        return out;
+    }
+
+    /** One outcome per answer of issue 18 (--topic: prefix of the topics it creates). */
+    static Map<String, Object> answers(Map<String, String> a) throws Exception {
+        String prefix = req(a, "topic");
+        Map<String, Object> out = new LinkedHashMap<>();
+        for (String[] t : new String[][] {{"txn", "60000"}, {"txn_timeout", "3600000"}}) {
+            Properties p = producerProps(a);
+            p.put("enable.idempotence", "true");
+            p.put("acks", "all");
+            p.put("transactional.id", prefix + "-" + t[0]);
+            p.put("transaction.timeout.ms", t[1]);
+            long t0 = System.currentTimeMillis();
+            try (KafkaProducer<String, String> pr = new KafkaProducer<>(p)) {
+                out.put(t[0], outcome(() -> { pr.initTransactions(); return null; }));
+            }
+            out.put(t[0] + "_ms", System.currentTimeMillis() - t0);
+        }
+        String compacted = prefix + "-compacted";
+        String group = prefix + "-group";
+        try (Admin admin = Admin.create(common(a))) {
+            admin.createTopics(List.of(new NewTopic(compacted, 1, (short) 1)
+                    .configs(Map.of("cleanup.policy", "compact")))).all().get();
+            Properties p = producerProps(a);
+            try (KafkaProducer<String, String> pr = new KafkaProducer<>(p)) {
+                out.put("compact_keyless", outcome(() -> { pr.send(new ProducerRecord<>(compacted, null, "v")).get(); return null; }));
+                out.put("compact_keyed", outcome(() -> { pr.send(new ProducerRecord<>(compacted, "k", "v")).get(); return null; }));
+                out.put("produce_internal", outcome(() -> { pr.send(new ProducerRecord<>("__consumer_offsets", "k", "v")).get(); return null; }));
+            }
+            out.put("create_consumer_offsets", outcome(() -> {
+                admin.createTopics(List.of(new NewTopic("__consumer_offsets", 1, (short) 1))).all().get(); return null; }));
+            out.put("create_transaction_state", outcome(() -> {
+                admin.createTopics(List.of(new NewTopic("__transaction_state", 1, (short) 1))).all().get(); return null; }));
+            out.put("list_internal", admin.listTopics(new ListTopicsOptions().listInternal(true)).names().get()
+                    .contains("__consumer_offsets"));
+            out.put("list_default", admin.listTopics().names().get().contains("__consumer_offsets"));
+
+            out.put("cluster_ops", outcome(() -> ops(admin.describeCluster(
+                    new DescribeClusterOptions().includeAuthorizedOperations(true)).authorizedOperations().get())));
+            out.put("topic_ops", outcome(() -> ops(admin.describeTopics(List.of(compacted),
+                    new DescribeTopicsOptions().includeAuthorizedOperations(true)).allTopicNames().get()
+                    .get(compacted).authorizedOperations())));
+            Properties cp = consumerProps(a, group);
+            try (KafkaConsumer<String, String> c = new KafkaConsumer<>(cp)) {
+                TopicPartition tp = new TopicPartition(compacted, 0);
+                c.assign(List.of(tp));
+                c.commitSync(Map.of(tp, new OffsetAndMetadata(0L)));
+            }
+            out.put("group_ops", outcome(() -> ops(admin.describeConsumerGroups(List.of(group),
+                    new DescribeConsumerGroupsOptions().includeAuthorizedOperations(true)).all().get()
+                    .get(group).authorizedOperations())));
+
+            ConfigResource res = new ConfigResource(ConfigResource.Type.TOPIC, compacted);
+            out.put("subtract_last", outcome(() -> {
+                admin.incrementalAlterConfigs(Map.of(res, List.of(new AlterConfigOp(
+                        new ConfigEntry("cleanup.policy", "compact"), AlterConfigOp.OpType.SUBTRACT)))).all().get();
+                return "[" + admin.describeConfigs(List.of(res)).all().get().get(res).get("cleanup.policy").value() + "]";
+            }));
+            out.put("deprecated_configs", outcome(() -> {
+                admin.incrementalAlterConfigs(Map.of(res, List.of(
+                        new AlterConfigOp(new ConfigEntry("message.format.version", "3.0-IV1"), AlterConfigOp.OpType.SET),
+                        new AlterConfigOp(new ConfigEntry("message.downconversion.enable", "false"), AlterConfigOp.OpType.SET),
+                        new AlterConfigOp(new ConfigEntry("message.timestamp.difference.max.ms", "1000"), AlterConfigOp.OpType.SET))))
+                        .all().get();
+                Map<String, Object> m = new TreeMap<>();
+                for (ConfigEntry e : admin.describeConfigs(List.of(res)).all().get().get(res).entries()) {
+                    if (e.name().startsWith("message.")) m.put(e.name(), e.value() + "/" + e.source().name());
+                }
+                return m;
+            }));
+            out.put("log_dirs", outcome(() -> {
+                Map<String, Object> m = new TreeMap<>();
+                var dirs = admin.describeLogDirs(List.of(Integer.parseInt(a.getOrDefault("node", "0"))))
+                        .allDescriptions().get();
+                for (var node : dirs.values()) {
+                    for (var d : node.entrySet()) {
+                        for (var r : d.getValue().replicaInfos().entrySet()) {
+                            if (r.getKey().topic().equals(compacted)) m.put(r.getKey().toString(), r.getValue().size());
+                        }
+                        m.put("dirs", node.size());
+                    }
+                }
+                return m;
+            }));
+            admin.deleteTopics(List.of(compacted)).all().get();
         }
         return out;
     }
