@@ -320,6 +320,9 @@ def validate(cfg: BrokerConfig) -> None:
         raise ValueError("log_format must be 'text' or 'json'")
     if cfg.node_id < 0:
         raise ValueError("node_id must be >= 0")
+    if cfg.metadata and not cfg.metadata.startswith(("sqlite:///", "postgresql://",
+                                                     "postgres://")):
+        raise ValueError("metadata must be sqlite:///PATH or postgresql://USER:PASS@HOST:PORT/DB")
     # engine options with a fixed set of values: refused here, not in a traceback at start
     from storage.thread_priority import IO_CLASSES  # noqa: PLC0415
     from storage.wal.config import SYNC_MODES  # noqa: PLC0415

@@ -1,9 +1,10 @@
 """The broker's own metadata: cluster id, topics, their configs and partition -> stream ids.
 
 Kept in the metadata database (tables prefixed ``kafka_``; the storage engine keeps its own
-``s3_`` tables in the same database). Every change is one transaction, committed with
-``synchronous=FULL`` before the admin request is answered, so an acknowledged topic survives
-a crash. ``MetadataStore`` is the interface a PostgreSQL store can implement later.
+``s3_`` tables in the same database): SQLite by default, or PostgreSQL shared by the brokers of
+a cluster (one cluster id per database), both through ``storage.sqldb``. Every change is one
+transaction, committed durably before the admin request is answered, so an acknowledged topic
+survives a crash.
 """
 from __future__ import annotations
 
@@ -11,11 +12,10 @@ import abc
 import base64
 import json
 import logging
-import os
-import sqlite3
-import threading
 import uuid
 from dataclasses import dataclass, field
+
+from storage import sqldb
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ class MetadataStore(abc.ABC):
     def close(self) -> None: ...
 
 
-_SCHEMA = """
+STEPS: list[sqldb.Step] = [
+    (1, """
 CREATE TABLE IF NOT EXISTS kafka_cluster (
     key TEXT PRIMARY KEY,
     value TEXT NOT NULL
@@ -64,74 +65,63 @@ CREATE TABLE IF NOT EXISTS kafka_topics (
     name TEXT PRIMARY KEY,
     topic_id TEXT NOT NULL UNIQUE,
     configs TEXT NOT NULL DEFAULT '{}',
-    created_ms INTEGER NOT NULL DEFAULT (CAST(strftime('%s','now') AS INTEGER) * 1000)
+    created_ms BIGINT NOT NULL DEFAULT @NOW_MS@
 );
 CREATE TABLE IF NOT EXISTS kafka_partitions (
     topic TEXT NOT NULL REFERENCES kafka_topics(name) ON DELETE CASCADE,
     partition INTEGER NOT NULL,
-    stream_id INTEGER NOT NULL,
+    stream_id BIGINT NOT NULL,
     PRIMARY KEY (topic, partition)
-);
-"""
+)
+"""),
+]
 
 
 def sqlite_path(url: str) -> str:
     """``sqlite:///abs/path`` or ``sqlite:///rel/path`` -> filesystem path."""
     if not url.startswith("sqlite:///"):
-        raise ValueError(f"unsupported metadata URL {url!r} (only sqlite:/// for now)")
-    return url[len("sqlite:///"):] or ":memory:"
+        raise ValueError(f"not a sqlite:/// metadata URL: {url!r}")
+    return sqldb.sqlite_path(url)
 
 
-class SqliteMetadataStore(MetadataStore):
-    """SQLite implementation; one connection guarded by a lock (admin traffic is light)."""
+class SqlMetadataStore(MetadataStore):
+    """On one ``sqldb.Database`` connection (admin traffic is light)."""
 
     def __init__(self, url: str) -> None:
-        path = sqlite_path(url)
-        if path != ":memory:":
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
-                                   timeout=30.0)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        with self._lock:
-            self._db.executescript(_SCHEMA)
+        self.db = sqldb.connect(url)
+        try:
+            self.db.migrate("kafka", STEPS)
+        except BaseException:
+            self.db.close()
+            raise
 
     def _tx(self, statements: list[tuple[str, tuple]]) -> None:
-        with self._lock:
-            cur = self._db.cursor()
-            cur.execute("BEGIN IMMEDIATE")
-            try:
-                for sql, args in statements:
-                    cur.execute(sql, args)
-                cur.execute("COMMIT")
-            except BaseException:
-                cur.execute("ROLLBACK")
-                raise
+        def body(tx: sqldb.Tx) -> None:
+            for sql, args in statements:
+                tx.execute(sql, args)
+        self.db.transact(body)
 
     def cluster_id(self) -> str:
-        """The cluster id, created once (Kafka style: 22 chars of url-safe base64)."""
-        with self._lock:
-            row = self._db.execute(
-                "SELECT value FROM kafka_cluster WHERE key='cluster_id'").fetchone()
+        """The cluster id, created once per database (Kafka style: 22 chars of url-safe
+        base64); brokers sharing a database share it."""
+        select = "SELECT value FROM kafka_cluster WHERE key='cluster_id'"
+        row = self.db.query_one(select)
         if row:
             return str(row[0])
         new = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-        self._tx([("INSERT OR IGNORE INTO kafka_cluster(key, value) VALUES ('cluster_id', ?)",
-                   (new,))])
-        with self._lock:
-            row = self._db.execute(
-                "SELECT value FROM kafka_cluster WHERE key='cluster_id'").fetchone()
-        return str(row[0])
+
+        def body(tx: sqldb.Tx) -> str:
+            tx.execute("INSERT INTO kafka_cluster(key, value) VALUES ('cluster_id', ?)"
+                       " ON CONFLICT (key) DO NOTHING", (new,))
+            return str(tx.query_one(select)[0])
+        return self.db.transact(body)
 
     def load_topics(self) -> list[TopicRecord]:
-        with self._lock:
-            topics = self._db.execute(
-                "SELECT name, topic_id, configs FROM kafka_topics ORDER BY name").fetchall()
-            parts = self._db.execute(
-                "SELECT topic, partition, stream_id FROM kafka_partitions "
-                "ORDER BY topic, partition").fetchall()
+        def body(tx: sqldb.Tx) -> tuple[list[tuple], list[tuple]]:
+            return (tx.query("SELECT name, topic_id, configs FROM kafka_topics ORDER BY name"),
+                    tx.query("SELECT topic, partition, stream_id FROM kafka_partitions "
+                             "ORDER BY topic, partition"))
+        topics, parts = self.db.transact(body)   # one snapshot of both tables
         by_topic: dict[str, list[tuple[int, int]]] = {}
         for t, p, s in parts:
             by_topic.setdefault(t, []).append((p, s))
@@ -170,12 +160,15 @@ class SqliteMetadataStore(MetadataStore):
                    (json.dumps(configs, sort_keys=True), name))])
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self.db.close()
+
+
+SqliteMetadataStore = SqlMetadataStore  # the name it had before PostgreSQL
 
 
 def open_metadata_store(url: str) -> MetadataStore:
-    """The MetadataStore for a ``--metadata`` URL."""
-    if url.startswith("sqlite:"):
-        return SqliteMetadataStore(url)
-    raise ValueError(f"unsupported metadata URL {url!r}: only sqlite:/// is implemented")
+    """The MetadataStore for a ``--metadata`` URL (``sqlite:///...`` or ``postgresql://...``)."""
+    if url.startswith("sqlite:") or sqldb.is_postgres_url(url):
+        return SqlMetadataStore(url)
+    raise ValueError(f"unsupported metadata URL {url!r}: use sqlite:///PATH or "
+                     "postgresql://USER:PASS@HOST:PORT/DB")

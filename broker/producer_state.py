@@ -12,11 +12,12 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import sqlite3
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+from storage import sqldb
 
 log = logging.getLogger(__name__)
 
@@ -183,67 +184,64 @@ class PartitionProducers:
         return out
 
 
+STEPS: list[sqldb.Step] = [
+    (1, """
+CREATE TABLE IF NOT EXISTS kafka_producer_ids (
+    id INTEGER PRIMARY KEY CHECK (id = 0), next_id BIGINT NOT NULL);
+CREATE TABLE IF NOT EXISTS kafka_producer_txn_ids (
+    transactional_id TEXT PRIMARY KEY, producer_id BIGINT NOT NULL, epoch INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS kafka_producer_snapshots (
+    topic_id TEXT NOT NULL, partition INTEGER NOT NULL, stream_id BIGINT NOT NULL,
+    end_offset BIGINT NOT NULL, state TEXT NOT NULL, PRIMARY KEY (topic_id, partition));
+INSERT INTO kafka_producer_ids (id, next_id) VALUES (0, 1000) ON CONFLICT (id) DO NOTHING
+"""),
+]
+
+
 class ProducerStore:
     """Durable producer-id counter and partition snapshots in the metadata database.
 
-    Uses its own sqlite3 connection (tables ``kafka_producer_*``) so it needs nothing from the
-    broker core's metastore; writes are small and committed synchronously, which is what makes
-    an allocated producer id never reused after a crash."""
+    Uses its own connection (``storage.sqldb``, tables ``kafka_producer_*``) so it needs nothing
+    from the broker core's metastore; writes are small and committed synchronously, which is
+    what makes an allocated producer id never reused after a crash, and, with brokers sharing a
+    PostgreSQL database, never handed out twice in the cluster."""
 
-    def __init__(self, db_path: str) -> None:
-        self._lock = threading.Lock()
+    def __init__(self, db_url: str) -> None:
         self._writer = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="s3kafka-producer-snapshots")
-        self._db = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None,
-                                   timeout=30)
+        self._db = sqldb.connect(db_url)
         try:
-            # the broker core and groups share this file; WAL lets us write concurrently
-            self._db.execute("PRAGMA journal_mode=WAL")
-        except sqlite3.OperationalError:
-            log.warning("could not switch %s to WAL journal mode; keeping the current one",
-                        db_path)
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS kafka_producer_ids ("
-                         " id INTEGER PRIMARY KEY CHECK (id = 0), next_id INTEGER NOT NULL)")
-        self._db.execute("CREATE TABLE IF NOT EXISTS kafka_producer_txn_ids ("
-                         " transactional_id TEXT PRIMARY KEY, producer_id INTEGER NOT NULL,"
-                         " epoch INTEGER NOT NULL)")
-        self._db.execute("CREATE TABLE IF NOT EXISTS kafka_producer_snapshots ("
-                         " topic_id TEXT NOT NULL, partition INTEGER NOT NULL,"
-                         " stream_id INTEGER NOT NULL, end_offset INTEGER NOT NULL,"
-                         " state TEXT NOT NULL, PRIMARY KEY (topic_id, partition))")
-        self._db.execute("INSERT OR IGNORE INTO kafka_producer_ids (id, next_id) VALUES (0, 1000)")
+            self._db.migrate("producers", STEPS)
+        except BaseException:
+            self._db.close()
+            raise
 
     def allocate_producer_id(self) -> int:
         """A producer id never handed out before (committed before it is returned)."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                (pid,) = self._db.execute(
-                    "SELECT next_id FROM kafka_producer_ids WHERE id = 0").fetchone()
-                self._db.execute("UPDATE kafka_producer_ids SET next_id = ? WHERE id = 0",
-                                 (pid + 1,))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            return int(pid)
+        return self._db.transact(self._allocate)
+
+    @staticmethod
+    def _allocate(tx: sqldb.Tx) -> int:
+        (pid,) = tx.query_one("SELECT next_id FROM kafka_producer_ids WHERE id = 0")
+        tx.execute("UPDATE kafka_producer_ids SET next_id = ? WHERE id = 0", (pid + 1,))
+        return int(pid)
 
     def init_transactional(self, transactional_id: str) -> tuple[int, int]:
-        """Producer id and bumped epoch for a transactional id (fences the previous instance)."""
-        with self._lock:
-            row = self._db.execute(
-                "SELECT producer_id, epoch FROM kafka_producer_txn_ids WHERE transactional_id = ?",
-                (transactional_id,)).fetchone()
-        if row is None or row[1] + 1 >= EPOCH_MAX:
-            pid, epoch = self.allocate_producer_id(), 0
-        else:
-            pid, epoch = int(row[0]), int(row[1]) + 1
-        with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO kafka_producer_txn_ids VALUES (?, ?, ?)",
-                (transactional_id, pid, epoch))
-        return pid, epoch
+        """Producer id and bumped epoch for a transactional id (fences the previous instance);
+        one transaction, so two brokers never hand out the same (id, epoch)."""
+        def body(tx: sqldb.Tx) -> tuple[int, int]:
+            row = tx.query_one("SELECT producer_id, epoch FROM kafka_producer_txn_ids"
+                               " WHERE transactional_id = ?", (transactional_id,))
+            if row is None or row[1] + 1 >= EPOCH_MAX:
+                pid, epoch = self._allocate(tx), 0
+            else:
+                pid, epoch = int(row[0]), int(row[1]) + 1
+            tx.execute("INSERT INTO kafka_producer_txn_ids (transactional_id, producer_id, epoch)"
+                       " VALUES (?, ?, ?) ON CONFLICT (transactional_id) DO UPDATE SET"
+                       " producer_id=excluded.producer_id, epoch=excluded.epoch",
+                       (transactional_id, pid, epoch))
+            return pid, epoch
+        return self._db.transact(body)
 
     def save_snapshot_later(self, topic_id: str, partition: int, stream_id: int,
                             end_offset: int, state: str) -> "concurrent.futures.Future[None]":
@@ -254,47 +252,45 @@ class ProducerStore:
 
     def save_snapshot(self, topic_id: str, partition: int, stream_id: int, end_offset: int,
                       state: str) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO kafka_producer_snapshots VALUES (?, ?, ?, ?, ?)",
-                (topic_id, partition, stream_id, end_offset, state))
+        self._db.execute(
+            "INSERT INTO kafka_producer_snapshots (topic_id, partition, stream_id, end_offset,"
+            " state) VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic_id, partition) DO UPDATE SET"
+            " stream_id=excluded.stream_id, end_offset=excluded.end_offset,"
+            " state=excluded.state",
+            (topic_id, partition, stream_id, end_offset, state))
 
     def load_snapshot(self, topic_id: str, partition: int,
                       stream_id: int) -> tuple[int, str] | None:
         """(end offset covered, state JSON) of the last snapshot of this partition's stream."""
-        with self._lock:
-            row = self._db.execute(
-                "SELECT stream_id, end_offset, state FROM kafka_producer_snapshots"
-                " WHERE topic_id = ? AND partition = ?", (topic_id, partition)).fetchone()
+        row = self._db.query_one(
+            "SELECT stream_id, end_offset, state FROM kafka_producer_snapshots"
+            " WHERE topic_id = ? AND partition = ?", (topic_id, partition))
         if row is None or int(row[0]) != stream_id:
             return None
         return int(row[1]), str(row[2])
 
     def delete_snapshots(self, topic_id: str) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM kafka_producer_snapshots WHERE topic_id = ?",
-                             (topic_id,))
+        self._db.execute("DELETE FROM kafka_producer_snapshots WHERE topic_id = ?", (topic_id,))
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)
-        with self._lock:
-            self._db.close()
+        self._db.close()
 
 
 def producer_store_for(broker: object) -> ProducerStore:
     """The broker's ProducerStore, opened on first use next to the broker's metadata."""
     store = getattr(broker, "_datapath_producer_store", None)
     if store is None:
-        store = ProducerStore(_meta_db_path(broker))
+        store = ProducerStore(_meta_db_url(broker))
         setattr(broker, "_datapath_producer_store", store)
     return store
 
 
-def _meta_db_path(broker: object) -> str:
+def _meta_db_url(broker: object) -> str:
     cfg = getattr(broker, "config", None)
     url = str(getattr(cfg, "metadata_url", "") or getattr(cfg, "metadata", "") or "")
-    if url.startswith("sqlite:///"):
-        return url[len("sqlite:///"):]
+    if url:
+        return url
     data_dir = str(getattr(cfg, "data_dir", None) or ".")
     return f"{data_dir}/meta.db"
 

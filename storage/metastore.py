@@ -1,22 +1,23 @@
 """The engine's metadata: streams, objects and which offsets each object holds.
 
-``MetaStore`` is the interface (a PostgreSQL store will implement it for shared object stores);
-``SqliteMetaStore`` is the default, in tables prefixed ``s3_`` of the broker's SQLite database
-(WAL journal mode, so the broker's own connection can work alongside). Calls block: the engine
-runs them in a thread. Object lifecycle: prepared (before the put, so a crash between put and
-commit leaves a record to clean up) -> committed -> destroyed (no longer needed; its key is
-deleted from the store, then the row goes).
+``MetaStore`` is the interface; ``SqlMetaStore`` implements it on ``storage.sqldb`` (tables
+prefixed ``s3_`` of the metadata database: SQLite by default, PostgreSQL for brokers sharing an
+object store). Calls block: the engine runs them in a thread. Object lifecycle: prepared (before
+the put, so a crash between put and commit leaves a record to clean up) -> committed ->
+destroyed (no longer needed; its key is deleted from the store, then the row goes).
+
+A stream may be claimed by one node at an epoch (``claim_stream``: compare-and-set, only a
+higher epoch wins, in ``s3_stream_owners``); from then on objects of other nodes cannot commit
+ranges of it, and a commit that carries the epochs its writer holds is refused once any of them
+moved, so a broker whose stream was taken over can no longer change it.
 """
 from __future__ import annotations
 
 import abc
-import os
-import sqlite3
-import threading
 import time
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
+from . import sqldb
 from .objects.format import StreamRange
 
 
@@ -48,6 +49,10 @@ class NewObject:
     ranges: list[StreamRange]
 
 
+class StreamFenced(sqldb.StaleEpoch):
+    """Another node claimed the stream at a higher epoch: this node may not commit to it."""
+
+
 class MetaStore(abc.ABC):
     """What the engine needs from a metadata database."""
 
@@ -68,9 +73,30 @@ class MetaStore(abc.ABC):
         """Allocate an object id and key before it is uploaded."""
 
     @abc.abstractmethod
-    def commit_objects(self, new: list[NewObject], destroy: list[int]) -> None:
+    def commit_objects(self, new: list[NewObject], destroy: list[int],
+                       epochs: dict[int, int] | None = None) -> None:
         """In one transaction: mark ``new`` committed with their ranges (advancing each stream's
-        committed end), and mark ``destroy`` destroyed (compaction replaced them)."""
+        committed end), and mark ``destroy`` destroyed (compaction replaced them). With
+        ``epochs`` (stream id -> the epoch the writer holds) the commit is refused with
+        ``StreamFenced`` if any of those streams was claimed at another epoch meanwhile. Ranges
+        of a stream claimed by another node than the object's are refused in any case."""
+
+    @abc.abstractmethod
+    def claim_stream(self, stream_id: int, node_id: int, epoch: int) -> bool:
+        """Make ``node_id`` the stream's only writer at ``epoch`` (compare-and-set: only a
+        higher epoch wins, or the same node re-claiming its epoch); False if refused."""
+
+    @abc.abstractmethod
+    def stream_owner(self, stream_id: int) -> tuple[int, int] | None:
+        """(node id, epoch) of the stream's claimed writer, None when never claimed."""
+
+    @abc.abstractmethod
+    def stream(self, stream_id: int) -> StreamMeta | None:
+        """One stream's committed state as the database has it now (another node may own it)."""
+
+    @abc.abstractmethod
+    def stream_ranges(self, stream_id: int) -> list[ObjectRange]:
+        """One stream's committed object ranges, by start offset."""
 
     @abc.abstractmethod
     def ranges(self) -> list[ObjectRange]:
@@ -89,158 +115,185 @@ class MetaStore(abc.ABC):
     def close(self) -> None: ...
 
 
-SCHEMA = """
+STEPS: list[sqldb.Step] = [
+    (1, """
 CREATE TABLE IF NOT EXISTS s3_streams (
-    stream_id INTEGER PRIMARY KEY AUTOINCREMENT,
-    start_offset INTEGER NOT NULL DEFAULT 0,
-    end_offset INTEGER NOT NULL DEFAULT 0,
+    stream_id @ID@,
+    start_offset BIGINT NOT NULL DEFAULT 0,
+    end_offset BIGINT NOT NULL DEFAULT 0,
     deleted INTEGER NOT NULL DEFAULT 0,
-    created_ms INTEGER NOT NULL);
+    created_ms BIGINT NOT NULL);
 CREATE TABLE IF NOT EXISTS s3_objects (
-    object_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    object_id @ID@,
     object_key TEXT NOT NULL,
     kind TEXT NOT NULL,
     state TEXT NOT NULL,
-    size INTEGER NOT NULL DEFAULT 0,
-    node_id INTEGER NOT NULL,
-    created_ms INTEGER NOT NULL,
-    committed_ms INTEGER);
+    size BIGINT NOT NULL DEFAULT 0,
+    node_id BIGINT NOT NULL,
+    created_ms BIGINT NOT NULL,
+    committed_ms BIGINT);
 CREATE TABLE IF NOT EXISTS s3_object_ranges (
-    object_id INTEGER NOT NULL,
-    stream_id INTEGER NOT NULL,
-    start_offset INTEGER NOT NULL,
-    end_offset INTEGER NOT NULL,
+    object_id BIGINT NOT NULL,
+    stream_id BIGINT NOT NULL,
+    start_offset BIGINT NOT NULL,
+    end_offset BIGINT NOT NULL,
     PRIMARY KEY (object_id, stream_id));
-CREATE INDEX IF NOT EXISTS s3_object_ranges_stream ON s3_object_ranges(stream_id, start_offset);
-"""
+CREATE INDEX IF NOT EXISTS s3_object_ranges_stream ON s3_object_ranges(stream_id, start_offset)
+"""),
+    (2, """
+CREATE TABLE IF NOT EXISTS s3_stream_owners (
+    stream_id BIGINT PRIMARY KEY,
+    node_id BIGINT NOT NULL,
+    epoch BIGINT NOT NULL);
+CREATE INDEX IF NOT EXISTS s3_objects_state ON s3_objects(state)
+"""),
+]
 
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-class SqliteMetaStore(MetaStore):
-    """SQLite implementation; one connection guarded by a lock (calls come from a thread pool)."""
+class SqlMetaStore(MetaStore):
+    """On one ``sqldb.Database`` connection (its lock serialises the engine's worker threads);
+    every multi-row change is one transaction."""
 
-    def __init__(self, path: str) -> None:
-        if path != ":memory:":
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
-                                   timeout=30)
-        self._lock = threading.Lock()
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(SCHEMA)
-
-    def _tx(self):
-        return _Tx(self._db, self._lock)
+    def __init__(self, url: str) -> None:
+        self.db = sqldb.connect(url)
+        try:
+            self.db.migrate("engine", STEPS)
+        except BaseException:
+            self.db.close()
+            raise
 
     def create_stream(self) -> int:
-        with self._tx() as db:
-            return db.execute("INSERT INTO s3_streams(created_ms) VALUES (?)",
-                              (_now_ms(),)).lastrowid
+        with self.db.transaction() as tx:
+            return tx.insert_id("INSERT INTO s3_streams(created_ms) VALUES (?)"
+                                " RETURNING stream_id", (_now_ms(),))
 
     def streams(self) -> list[StreamMeta]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT stream_id, start_offset, end_offset, deleted FROM s3_streams").fetchall()
+        rows = self.db.query("SELECT stream_id, start_offset, end_offset, deleted FROM s3_streams"
+                             " ORDER BY stream_id")
         return [StreamMeta(r[0], r[1], r[2], bool(r[3])) for r in rows]
 
     def set_stream_start(self, stream_id: int, start_offset: int) -> None:
-        with self._tx() as db:
-            db.execute("UPDATE s3_streams SET start_offset=? WHERE stream_id=? AND start_offset<?",
-                       (start_offset, stream_id, start_offset))
+        self.db.execute("UPDATE s3_streams SET start_offset=? WHERE stream_id=? AND start_offset<?",
+                        (start_offset, stream_id, start_offset))
 
     def delete_stream(self, stream_id: int) -> None:
-        with self._tx() as db:
-            db.execute("UPDATE s3_streams SET deleted=1 WHERE stream_id=?", (stream_id,))
+        self.db.execute("UPDATE s3_streams SET deleted=1 WHERE stream_id=?", (stream_id,))
+
+    def stream(self, stream_id: int) -> StreamMeta | None:
+        r = self.db.query_one("SELECT stream_id, start_offset, end_offset, deleted FROM s3_streams"
+                              " WHERE stream_id=?", (stream_id,))
+        return None if r is None else StreamMeta(r[0], r[1], r[2], bool(r[3]))
+
+    def stream_ranges(self, stream_id: int) -> list[ObjectRange]:
+        rows = self.db.query(
+            "SELECT o.object_id, o.object_key, o.kind, o.size, r.stream_id, r.start_offset,"
+            " r.end_offset FROM s3_object_ranges r JOIN s3_objects o USING (object_id)"
+            " WHERE o.state='committed' AND r.stream_id=? ORDER BY r.start_offset", (stream_id,))
+        return [ObjectRange(*r) for r in rows]
+
+    def claim_stream(self, stream_id: int, node_id: int, epoch: int) -> bool:
+        return self.db.transact(lambda tx: tx.execute(
+            "INSERT INTO s3_stream_owners(stream_id, node_id, epoch) VALUES (?, ?, ?)"
+            " ON CONFLICT (stream_id) DO UPDATE SET node_id=excluded.node_id,"
+            " epoch=excluded.epoch WHERE s3_stream_owners.epoch < excluded.epoch OR"
+            " (s3_stream_owners.epoch = excluded.epoch AND"
+            " s3_stream_owners.node_id = excluded.node_id)",
+            (stream_id, node_id, epoch))) == 1
+
+    def stream_owner(self, stream_id: int) -> tuple[int, int] | None:
+        r = self.db.query_one("SELECT node_id, epoch FROM s3_stream_owners WHERE stream_id=?",
+                              (stream_id,))
+        return None if r is None else (int(r[0]), int(r[1]))
 
     def prepare_object(self, kind: str, node_id: int) -> tuple[int, str]:
-        with self._tx() as db:
-            oid = db.execute("INSERT INTO s3_objects(object_key, kind, state, node_id, created_ms)"
-                             " VALUES ('', ?, 'prepared', ?, ?)",
-                             (kind, node_id, _now_ms())).lastrowid
+        def body(tx: sqldb.Tx) -> tuple[int, str]:
+            oid = tx.insert_id("INSERT INTO s3_objects(object_key, kind, state, node_id,"
+                               " created_ms) VALUES ('', ?, 'prepared', ?, ?) RETURNING object_id",
+                               (kind, node_id, _now_ms()))
             key = f"{kind}/{node_id}/{oid:012d}"
-            db.execute("UPDATE s3_objects SET object_key=? WHERE object_id=?", (key, oid))
-        return oid, key
+            tx.execute("UPDATE s3_objects SET object_key=? WHERE object_id=?", (key, oid))
+            return oid, key
+        return self.db.transact(body)
 
-    def commit_objects(self, new: list[NewObject], destroy: list[int]) -> None:
-        with self._tx() as db:
+    def commit_objects(self, new: list[NewObject], destroy: list[int],
+                       epochs: dict[int, int] | None = None) -> None:
+        def body(tx: sqldb.Tx) -> None:
             now = _now_ms()
+            for stream_id, epoch in sorted((epochs or {}).items()):
+                # the writer must still hold the stream at its epoch (compare-and-set)
+                try:
+                    tx.compare_and_set("s3_stream_owners", {"stream_id": stream_id}, "epoch",
+                                       epoch, {"epoch": epoch})
+                except sqldb.StaleEpoch as exc:
+                    raise StreamFenced(str(exc)) from None
             for obj in new:
-                cur = db.execute("UPDATE s3_objects SET state='committed', size=?, committed_ms=?"
-                                 " WHERE object_id=? AND state='prepared'",
-                                 (obj.size, now, obj.object_id))
-                if cur.rowcount != 1:
+                self._check_owner(tx, obj)
+                n = tx.execute("UPDATE s3_objects SET state='committed', size=?, committed_ms=?"
+                               " WHERE object_id=? AND state='prepared'",
+                               (obj.size, now, obj.object_id))
+                if n != 1:
                     raise RuntimeError(f"object {obj.object_id} is not prepared")
+                tx.executemany("INSERT INTO s3_object_ranges(object_id, stream_id, start_offset,"
+                               " end_offset) VALUES (?, ?, ?, ?)",
+                               [(obj.object_id, r.stream_id, r.start_offset, r.end_offset)
+                                for r in obj.ranges])
                 for r in obj.ranges:
-                    db.execute("INSERT INTO s3_object_ranges VALUES (?, ?, ?, ?)",
-                               (obj.object_id, r.stream_id, r.start_offset, r.end_offset))
-                    db.execute("UPDATE s3_streams SET end_offset=? WHERE stream_id=? AND"
+                    tx.execute("UPDATE s3_streams SET end_offset=? WHERE stream_id=? AND"
                                " end_offset<?", (r.end_offset, r.stream_id, r.end_offset))
-            for oid in destroy:
-                db.execute("UPDATE s3_objects SET state='destroyed' WHERE object_id=?", (oid,))
-                db.execute("DELETE FROM s3_object_ranges WHERE object_id=?", (oid,))
+            self._destroy(tx, destroy)
+        self.db.transact(body)
+
+    @staticmethod
+    def _check_owner(tx: sqldb.Tx, obj: NewObject) -> None:
+        """Fencing: a stream claimed by another node takes no ranges from this one."""
+        node = tx.query_one("SELECT node_id FROM s3_objects WHERE object_id=?", (obj.object_id,))
+        if node is None:
+            return
+        for r in obj.ranges:
+            owner = tx.query_one("SELECT node_id, epoch FROM s3_stream_owners WHERE stream_id=?",
+                                 (r.stream_id,))
+            if owner is not None and owner[0] != node[0]:
+                raise StreamFenced(f"stream {r.stream_id} is owned by node {owner[0]} at epoch "
+                                   f"{owner[1]}; node {node[0]} cannot commit to it")
 
     def ranges(self) -> list[ObjectRange]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT o.object_id, o.object_key, o.kind, o.size, r.stream_id, r.start_offset,"
-                " r.end_offset FROM s3_object_ranges r JOIN s3_objects o USING (object_id)"
-                " WHERE o.state='committed' ORDER BY r.stream_id, r.start_offset").fetchall()
+        rows = self.db.query(
+            "SELECT o.object_id, o.object_key, o.kind, o.size, r.stream_id, r.start_offset,"
+            " r.end_offset FROM s3_object_ranges r JOIN s3_objects o USING (object_id)"
+            " WHERE o.state='committed' ORDER BY r.stream_id, r.start_offset")
         return [ObjectRange(*r) for r in rows]
 
     def objects_in_state(self, state: str) -> list[tuple[int, str]]:
-        with self._lock:
-            return [tuple(r) for r in self._db.execute(
-                "SELECT object_id, object_key FROM s3_objects WHERE state=?", (state,))]
+        return self.db.query("SELECT object_id, object_key FROM s3_objects WHERE state=?"
+                             " ORDER BY object_id", (state,))
 
     def mark_destroyed(self, object_ids: list[int]) -> None:
-        with self._tx() as db:
-            for oid in object_ids:
-                db.execute("UPDATE s3_objects SET state='destroyed' WHERE object_id=?", (oid,))
-                db.execute("DELETE FROM s3_object_ranges WHERE object_id=?", (oid,))
+        self.db.transact(lambda tx: self._destroy(tx, object_ids))
+
+    @staticmethod
+    def _destroy(tx: sqldb.Tx, object_ids: list[int]) -> None:
+        rows = [(oid,) for oid in object_ids]
+        tx.executemany("UPDATE s3_objects SET state='destroyed' WHERE object_id=?", rows)
+        tx.executemany("DELETE FROM s3_object_ranges WHERE object_id=?", rows)
 
     def forget_objects(self, object_ids: list[int]) -> None:
-        with self._tx() as db:
-            for oid in object_ids:
-                db.execute("DELETE FROM s3_objects WHERE object_id=?", (oid,))
-                db.execute("DELETE FROM s3_object_ranges WHERE object_id=?", (oid,))
+        def body(tx: sqldb.Tx) -> None:
+            rows = [(oid,) for oid in object_ids]
+            tx.executemany("DELETE FROM s3_objects WHERE object_id=?", rows)
+            tx.executemany("DELETE FROM s3_object_ranges WHERE object_id=?", rows)
+        self.db.transact(body)
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self.db.close()
 
 
-class _Tx:
-    """BEGIN IMMEDIATE ... COMMIT/ROLLBACK under the connection lock."""
-
-    def __init__(self, db: sqlite3.Connection, lock: threading.Lock) -> None:
-        self.db, self.lock = db, lock
-
-    def __enter__(self) -> sqlite3.Connection:
-        self.lock.acquire()
-        try:
-            self.db.execute("BEGIN IMMEDIATE")
-        except BaseException:
-            self.lock.release()
-            raise
-        return self.db
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            self.db.execute("ROLLBACK" if exc_type else "COMMIT")
-        finally:
-            self.lock.release()
+SqliteMetaStore = SqlMetaStore  # the name it had before PostgreSQL
 
 
 def open_metastore(url: str) -> MetaStore:
-    """``sqlite:///path/meta.db`` (or a bare path); other schemes are for future stores."""
-    parts = urlsplit(url)
-    if parts.scheme == "sqlite":
-        # SQLAlchemy convention: sqlite:///relative/path, sqlite:////absolute/path
-        path = url[len("sqlite:///"):] if url.startswith("sqlite:///") else ""
-        return SqliteMetaStore(path or ":memory:")
-    if parts.scheme == "":
-        return SqliteMetaStore(url)
-    raise ValueError(f"unsupported metadata URL {url!r}")
+    """``sqlite:///path/meta.db`` (or a bare path) or ``postgresql://user:pass@host:port/db``."""
+    return SqlMetaStore(url)

@@ -45,8 +45,13 @@ _DIALECT = {
 }
 
 
-class MetadataUnreachable(RuntimeError):
-    """The metadata database cannot be reached or opened (the message is one line)."""
+class MetadataUnreachable(ConnectionError):
+    """The metadata database cannot be reached or opened (the message is one line; an OSError,
+    so the broker's start-up reports it as ``cannot start: ...`` and exits 1)."""
+
+
+class IntegrityError(Exception):
+    """A constraint refused the change (duplicate key, foreign key), on either engine."""
 
 
 class StaleEpoch(RuntimeError):
@@ -262,13 +267,22 @@ class _SqliteBackend(_Backend):
             raise MetadataUnreachable(f"cannot open SQLite metadata {path}: {exc}") from None
 
     def execute(self, sql: str, params: Params) -> int:
-        return self._db.execute(sql, tuple(params)).rowcount
+        try:
+            return self._db.execute(sql, tuple(params)).rowcount
+        except sqlite3.IntegrityError as exc:
+            raise IntegrityError(str(exc)) from exc
 
     def executemany(self, sql: str, rows: Sequence[Params]) -> None:
-        self._db.executemany(sql, rows)
+        try:
+            self._db.executemany(sql, rows)
+        except sqlite3.IntegrityError as exc:
+            raise IntegrityError(str(exc)) from exc
 
     def query(self, sql: str, params: Params) -> list[tuple]:
-        return [tuple(r) for r in self._db.execute(sql, tuple(params)).fetchall()]
+        try:
+            return [tuple(r) for r in self._db.execute(sql, tuple(params)).fetchall()]
+        except sqlite3.IntegrityError as exc:
+            raise IntegrityError(str(exc)) from exc
 
     def begin(self) -> None:
         self._db.execute("BEGIN IMMEDIATE")
@@ -316,15 +330,23 @@ class _PgBackend(_Backend):
         return sql.replace("%", "%%").replace("?", "%s")
 
     def execute(self, sql: str, params: Params) -> int:
-        cur = self._db.execute(self._sql(sql), tuple(params))
-        return cur.rowcount
+        try:
+            return self._db.execute(self._sql(sql), tuple(params)).rowcount
+        except self._psycopg.IntegrityError as exc:
+            raise IntegrityError(" ".join(str(exc).split())) from exc
 
     def executemany(self, sql: str, rows: Sequence[Params]) -> None:
-        with self._db.cursor() as cur:
-            cur.executemany(self._sql(sql), [tuple(r) for r in rows])
+        try:
+            with self._db.cursor() as cur:
+                cur.executemany(self._sql(sql), [tuple(r) for r in rows])
+        except self._psycopg.IntegrityError as exc:
+            raise IntegrityError(" ".join(str(exc).split())) from exc
 
     def query(self, sql: str, params: Params) -> list[tuple]:
-        cur = self._db.execute(self._sql(sql), tuple(params))
+        try:
+            cur = self._db.execute(self._sql(sql), tuple(params))
+        except self._psycopg.IntegrityError as exc:
+            raise IntegrityError(" ".join(str(exc).split())) from exc
         return [tuple(r) for r in cur.fetchall()] if cur.description else []
 
     def begin(self) -> None:

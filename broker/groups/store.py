@@ -2,19 +2,16 @@
 
 The coordinator keeps everything in memory and writes through to a store before it answers,
 so a restart (or kill -9) loses nothing that was acknowledged. ``GroupStore`` is the
-interface; ``SqliteGroupStore`` is the default; a PostgreSQL store can implement the same
-methods later (the SQL is plain and portable apart from the upsert syntax).
+interface; ``SqlGroupStore`` implements it on ``storage.sqldb`` (SQLite by default, PostgreSQL
+when brokers share one metadata database, so a group's offsets outlive its coordinator).
 """
 from __future__ import annotations
 
 import json
-import sqlite3
-import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Protocol
 
-from ..metastore import sqlite_path as metastore_sqlite_path
+from storage import sqldb
 
 
 @dataclass(frozen=True)
@@ -55,15 +52,16 @@ class GroupStore(Protocol):
     def close(self) -> None: ...
 
 
-_SCHEMA = """
+STEPS: list[sqldb.Step] = [
+    (1, """
 CREATE TABLE IF NOT EXISTS kafka_group_offsets (
     group_id TEXT NOT NULL,
     topic TEXT NOT NULL,
     partition INTEGER NOT NULL,
-    committed_offset INTEGER NOT NULL,
+    committed_offset BIGINT NOT NULL,
     leader_epoch INTEGER NOT NULL DEFAULT -1,
     metadata TEXT,
-    commit_ts_ms INTEGER NOT NULL,
+    commit_ts_ms BIGINT NOT NULL,
     PRIMARY KEY (group_id, topic, partition)
 );
 CREATE TABLE IF NOT EXISTS kafka_group_metadata (
@@ -73,48 +71,42 @@ CREATE TABLE IF NOT EXISTS kafka_group_metadata (
     generation_id INTEGER NOT NULL,
     leader_id TEXT,
     members TEXT NOT NULL
-);
-"""
+)
+"""),
+]
 
 
 def sqlite_path(db_path_or_url: str) -> str:
     """A plain path, or a metadata URL as the broker's metastore reads it (``sqlite:///...``)."""
-    if "://" in db_path_or_url:
-        return metastore_sqlite_path(db_path_or_url)
-    return db_path_or_url
+    if "://" in db_path_or_url and not db_path_or_url.startswith("sqlite:///"):
+        raise ValueError(f"not a sqlite:/// metadata URL: {db_path_or_url!r}")
+    return sqldb.sqlite_path(db_path_or_url)
 
 
-class SqliteGroupStore:
-    """SQLite store with its own connection; every write is committed (synchronous=FULL)
-    before it returns, so an acknowledged commit survives kill -9 and power loss."""
+class SqlGroupStore:
+    """Store with its own connection; every write is committed durably before it returns, so
+    an acknowledged commit survives kill -9 (and power loss on SQLite's synchronous=FULL)."""
 
     def __init__(self, db_path_or_url: str) -> None:
-        path = sqlite_path(db_path_or_url)
-        if path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        # The connection is used from the coordinator's single worker thread only, but it is
-        # created here (another thread), hence check_same_thread=False plus our own lock.
-        self._db = sqlite3.connect(path, timeout=30.0, check_same_thread=False, isolation_level=None)
-        self._lock = threading.Lock()
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
+        self.db = sqldb.connect(db_path_or_url)
+        try:
+            self.db.migrate("groups", STEPS)
+        except BaseException:
+            self.db.close()
+            raise
 
     def load_offsets(self) -> list[OffsetRecord]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT group_id, topic, partition, committed_offset, leader_epoch, metadata,"
-                " commit_ts_ms FROM kafka_group_offsets"
-            ).fetchall()
+        rows = self.db.query(
+            "SELECT group_id, topic, partition, committed_offset, leader_epoch, metadata,"
+            " commit_ts_ms FROM kafka_group_offsets")
         return [OffsetRecord(*row) for row in rows]
 
     def load_groups(self) -> list[GroupRecord]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT group_id, protocol_type, protocol_name, generation_id, leader_id, members"
-                " FROM kafka_group_metadata"
-            ).fetchall()
-        return [GroupRecord(g, pt, pn, gen, leader, json.loads(members)) for g, pt, pn, gen, leader, members in rows]
+        rows = self.db.query(
+            "SELECT group_id, protocol_type, protocol_name, generation_id, leader_id, members"
+            " FROM kafka_group_metadata")
+        return [GroupRecord(g, pt, pn, gen, leader, json.loads(members))
+                for g, pt, pn, gen, leader, members in rows]
 
     def commit_offsets(self, records: Iterable[OffsetRecord]) -> None:
         rows = [
@@ -123,62 +115,37 @@ class SqliteGroupStore:
         ]
         if not rows:
             return
-        with self._lock, self._transaction():
-            self._db.executemany(
-                "INSERT INTO kafka_group_offsets (group_id, topic, partition, committed_offset,"
-                " leader_epoch, metadata, commit_ts_ms) VALUES (?, ?, ?, ?, ?, ?, ?)"
-                " ON CONFLICT (group_id, topic, partition) DO UPDATE SET"
-                " committed_offset=excluded.committed_offset, leader_epoch=excluded.leader_epoch,"
-                " metadata=excluded.metadata, commit_ts_ms=excluded.commit_ts_ms",
-                rows,
-            )
+        self.db.transact(lambda tx: tx.executemany(
+            "INSERT INTO kafka_group_offsets (group_id, topic, partition, committed_offset,"
+            " leader_epoch, metadata, commit_ts_ms) VALUES (?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (group_id, topic, partition) DO UPDATE SET"
+            " committed_offset=excluded.committed_offset, leader_epoch=excluded.leader_epoch,"
+            " metadata=excluded.metadata, commit_ts_ms=excluded.commit_ts_ms",
+            rows))
 
     def delete_offsets(self, group_id: str, partitions: Iterable[tuple[str, int]]) -> None:
         rows = [(group_id, t, p) for t, p in partitions]
-        with self._lock, self._transaction():
-            self._db.executemany(
-                "DELETE FROM kafka_group_offsets WHERE group_id=? AND topic=? AND partition=?", rows
-            )
+        self.db.transact(lambda tx: tx.executemany(
+            "DELETE FROM kafka_group_offsets WHERE group_id=? AND topic=? AND partition=?", rows))
 
     def save_group(self, record: GroupRecord) -> None:
-        with self._lock, self._transaction():
-            self._db.execute(
-                "INSERT INTO kafka_group_metadata (group_id, protocol_type, protocol_name,"
-                " generation_id, leader_id, members) VALUES (?, ?, ?, ?, ?, ?)"
-                " ON CONFLICT (group_id) DO UPDATE SET protocol_type=excluded.protocol_type,"
-                " protocol_name=excluded.protocol_name, generation_id=excluded.generation_id,"
-                " leader_id=excluded.leader_id, members=excluded.members",
-                (
-                    record.group_id,
-                    record.protocol_type,
-                    record.protocol_name,
-                    record.generation_id,
-                    record.leader_id,
-                    json.dumps(record.members),
-                ),
-            )
+        self.db.transact(lambda tx: tx.execute(
+            "INSERT INTO kafka_group_metadata (group_id, protocol_type, protocol_name,"
+            " generation_id, leader_id, members) VALUES (?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (group_id) DO UPDATE SET protocol_type=excluded.protocol_type,"
+            " protocol_name=excluded.protocol_name, generation_id=excluded.generation_id,"
+            " leader_id=excluded.leader_id, members=excluded.members",
+            (record.group_id, record.protocol_type, record.protocol_name, record.generation_id,
+             record.leader_id, json.dumps(record.members))))
 
     def delete_group(self, group_id: str) -> None:
-        with self._lock, self._transaction():
-            self._db.execute("DELETE FROM kafka_group_offsets WHERE group_id=?", (group_id,))
-            self._db.execute("DELETE FROM kafka_group_metadata WHERE group_id=?", (group_id,))
+        def body(tx: sqldb.Tx) -> None:
+            tx.execute("DELETE FROM kafka_group_offsets WHERE group_id=?", (group_id,))
+            tx.execute("DELETE FROM kafka_group_metadata WHERE group_id=?", (group_id,))
+        self.db.transact(body)
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
-    def _transaction(self) -> "_Tx":
-        return _Tx(self._db)
+        self.db.close()
 
 
-class _Tx:
-    """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error) on an autocommit connection."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self._db = db
-
-    def __enter__(self) -> None:
-        self._db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+SqliteGroupStore = SqlGroupStore  # the name it had before PostgreSQL

@@ -30,6 +30,15 @@ async def coord(tmp_path):
     await c.close()
 
 
+@pytest.fixture
+async def store_coord(metadata_url):
+    """A coordinator on a fresh metadata database: SQLite and PostgreSQL."""
+    c = GroupCoordinator(metadata_url, 0, "127.0.0.1", 9092, min_session_timeout_ms=10)
+    await c.start()
+    yield c
+    await c.close()
+
+
 async def join(c, group="g", member="", instance=None, session=10_000, rebalance=10_000, protos=PROTOS,
                v4=False, ptype="consumer", client="cli"):
     return await c.join_group(group, member, instance, client, "/127.0.0.1", session, rebalance, ptype, protos, v4)
@@ -180,7 +189,8 @@ async def test_static_membership_replaces_without_rebalance(coord):
     assert errs == [E.NONE, E.UNKNOWN_MEMBER_ID, E.FENCED_INSTANCE_ID]
 
 
-async def test_offsets_simple_consumer_and_members(coord):
+async def test_offsets_simple_consumer_and_members(store_coord):
+    coord = store_coord
     # Assign-based consumers: no members, generation -1.
     assert await coord.commit_offsets("simple", -1, "", None, [("t1", 0, 42, -1, "meta")]) == E.NONE
     [(t, p, c)] = coord.fetch_offsets("simple", [("t1", 0)])
@@ -196,16 +206,18 @@ async def test_offsets_simple_consumer_and_members(coord):
     assert [(t, p, c.offset, c.leader_epoch) for t, p, c in coord.fetch_offsets("g", None)] == [("t1", 0, 7, 3)]
 
 
-async def test_offsets_and_groups_survive_restart(tmp_path):
-    db = str(tmp_path / "meta.db")
-    c = GroupCoordinator(db, min_session_timeout_ms=10)
+async def test_offsets_and_groups_survive_restart(metadata_url):
+    url = metadata_url
+    if url.startswith("sqlite:///"):
+        url = url[len("sqlite:///"):]                 # a bare path works as well as the URL
+    c = GroupCoordinator(url, min_session_timeout_ms=10)
     await c.start()
     a = await join(c, session=60_000)
     await c.sync_group("g", 1, a.member_id, None, None, None, {a.member_id: b"as"})
     assert await c.commit_offsets("g", 1, a.member_id, None, [("t1", 0, 5, -1, "m"), ("t1", 1, 6, -1, "")]) == E.NONE
     assert await c.commit_offsets("s", -1, "", None, [("t2", 0, 9, -1, "")]) == E.NONE
     await c.close()
-    c2 = GroupCoordinator("sqlite:///" + db, min_session_timeout_ms=10)
+    c2 = GroupCoordinator(metadata_url, min_session_timeout_ms=10)
     await c2.start()
     try:
         assert [(t, p, o.offset) for t, p, o in c2.fetch_offsets("g", None)] == [("t1", 0, 5), ("t1", 1, 6)]
@@ -219,7 +231,8 @@ async def test_offsets_and_groups_survive_restart(tmp_path):
         await c2.close()
 
 
-async def test_delete_groups_and_offsets(coord):
+async def test_delete_groups_and_offsets(store_coord):
+    coord = store_coord
     await coord.commit_offsets("s", -1, "", None, [("t1", 0, 1, -1, ""), ("t2", 0, 1, -1, "")])
     a = await join(coord, protos=[("range", subscription("t1"))])
     await coord.sync_group("g", 1, a.member_id, None, None, None, {})
@@ -249,9 +262,9 @@ def test_sqlite_url_forms():
         sqlite_path("postgresql://u@h/db")
 
 
-async def test_group_emptied_just_before_close_restarts_empty(tmp_path):
+async def test_group_emptied_just_before_close_restarts_empty(metadata_url):
     """The Empty state written in the background is flushed by close(): no ghost members."""
-    db = str(tmp_path / "meta.db")
+    db = metadata_url
     c = GroupCoordinator(db, min_session_timeout_ms=10)
     await c.start()
     a = await join(c, session=60_000)
