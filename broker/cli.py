@@ -1,4 +1,5 @@
-"""``s3kafka`` command line: ``s3kafka serve [flags]`` (``python -m broker serve`` is the same)."""
+"""``s3kafka`` command line: ``s3kafka serve [flags]`` (``python -m broker serve`` is the same);
+``s3kafka topics|groups|cluster ...`` is the admin CLI (broker/admincli/)."""
 from __future__ import annotations
 
 import argparse
@@ -45,6 +46,10 @@ _HELP = {
     "log_level": "DEBUG, INFO, WARNING, ERROR (default INFO)",
     "log_format": "text (key=value) or json (default text)",
 }
+
+ADMIN_COMMANDS = {"topics": "admin: list, describe, create, delete, alter topics",
+                  "groups": "admin: list, describe, reset offsets of, delete consumer groups",
+                  "cluster": "admin: describe the cluster"}
 
 
 class KeyValueFormatter(logging.Formatter):
@@ -105,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         eng.add_argument(_flag(name), dest=name, default=None,
                          metavar=getattr(kind, "__name__", "VALUE").upper(),
                          help=f"default {defaults.get(name)!r}")
+    for name, text in ADMIN_COMMANDS.items():  # listed for --help; main() hands them over
+        sub.add_parser(name, help=text, add_help=False)
     return parser
 
 
@@ -123,6 +130,11 @@ def parse_config(argv: Sequence[str] | None = None, env: dict[str, str] | None =
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``s3kafka`` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ADMIN_COMMANDS:
+        from .admincli import main as admin_main  # noqa: PLC0415 - keep serve's start lean
+
+        return admin_main(args)
     try:
         cfg = parse_config(argv)
     except (ValueError, OSError) as exc:
