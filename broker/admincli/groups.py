@@ -206,6 +206,7 @@ def reset_offsets(args: argparse.Namespace, admin: Any) -> Result:
     from kafka.structs import OffsetAndMetadata  # noqa: PLC0415
 
     group = args.group
+    when_ms = _parse_time_ms(args.to_datetime) if args.to_datetime is not None else None
     state = _describe(admin, group)["group_state"]
     if state not in INACTIVE_STATES:
         raise CliError(f"Assignments can only be reset if the group '{group}' is inactive, "
@@ -215,8 +216,8 @@ def reset_offsets(args: argparse.Namespace, admin: Any) -> Result:
     earliest = _offsets(admin, tps, OffsetSpec.EARLIEST)
     latest = _offsets(admin, tps, OffsetSpec.LATEST)
     notes: list[str] = []
-    if args.to_datetime is not None:
-        found = _offsets(admin, tps, _parse_time_ms(args.to_datetime))
+    if when_ms is not None:
+        found = _offsets(admin, tps, when_ms)
     plan = []
     for tp in tps:
         cur = committed[tp].offset if tp in committed else None
@@ -225,7 +226,7 @@ def reset_offsets(args: argparse.Namespace, admin: Any) -> Result:
             new = lo
         elif args.to_latest:
             new = hi
-        elif args.to_datetime is not None:
+        elif when_ms is not None:
             new = found[tp] if found.get(tp, -1) >= 0 else hi
         elif args.to_offset is not None:
             new = args.to_offset
