@@ -45,6 +45,9 @@ _HELP = {
     "offset_metadata_max_bytes": "offset.metadata.max.bytes (default 4096)",
     "log_level": "DEBUG, INFO, WARNING, ERROR (default INFO)",
     "log_format": "text (key=value) or json (default text)",
+    "metrics_listen": "HOST:PORT serving Prometheus /metrics, or off (default "
+                      "127.0.0.1:9644; if that default is taken the broker warns and runs "
+                      "without metrics, an explicit address that is taken is an error)",
 }
 
 ADMIN_COMMANDS = {"topics": "admin: list, describe, create, delete, alter topics",

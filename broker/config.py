@@ -48,6 +48,7 @@ class BrokerConfig:
     topic_defaults: dict[str, str] = field(default_factory=dict)  # broker-wide topic config defaults
     log_level: str = "INFO"
     log_format: str = "text"                 # text (key=value) | json
+    metrics_listen: str = "127.0.0.1:9644"   # Prometheus /metrics; "" or "off" = not served
     config: str = ""                         # the config file these values were read from
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig overrides (field -> value)
 
@@ -308,6 +309,11 @@ def validate(cfg: BrokerConfig) -> None:
     split_host_port(cfg.listen)
     if cfg.advertised_listener:
         split_host_port(cfg.advertised_listener)
+    if cfg.metrics_listen.strip().lower() not in ("", "off", "none", "disabled"):
+        try:
+            split_host_port(cfg.metrics_listen)
+        except ValueError as exc:
+            raise ValueError(f"metrics_listen: {exc} (or 'off')") from None
     if cfg.storage not in ("engine", "memory"):
         raise ValueError("storage must be 'engine' or 'memory'")
     if cfg.default_partitions < 1:

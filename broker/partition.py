@@ -181,6 +181,8 @@ class Partition:
         self._dirty = True  # nothing saved yet for this open partition
         self._index_pending: dict[int, tuple[int, int, int]] = {}
         self._closed = False
+        self.bytes_in = 0    # produced payload bytes and records (batch header counts),
+        self.records_in = 0  # read by broker.metrics at scrape time
 
     # --- life cycle ------------------------------------------------------------------------
     @classmethod
@@ -456,6 +458,8 @@ class Partition:
             res.error, res.message = ErrorCode.KAFKA_STORAGE_ERROR, str(e)
             return res
         self._indexed(base, len(buf), payload_max_ts, base + count)
+        self.bytes_in += len(buf)
+        self.records_in += count
         self._wake()
         self._batches_since_snapshot += len(views)
         self._dirty = True

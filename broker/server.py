@@ -29,6 +29,7 @@ from protocol import (MalformedRequestError, UnknownApiError, UnsupportedVersion
 from .config import BrokerConfig
 from .handlers import HANDLERS
 from .handlers.registry import RequestContext
+from .metrics import RequestStats, start_metrics, timed
 from .metastore import MetadataStore, open_metadata_store
 from .topics import Topic, TopicManager
 
@@ -112,6 +113,7 @@ class Connection(asyncio.BufferedProtocol):
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)  # type: ignore[attr-defined]
         self.broker.connections.add(self)
+        self.broker.request_stats.connections_opened += 1
         log.debug("connection open peer=%s", self.peer)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -217,10 +219,13 @@ class Connection(asyncio.BufferedProtocol):
 
     def _dispatch(self, frame: bytearray, pooled: bool = False) -> None:
         """Decode one frame, start its handler and queue the pending response in order."""
+        received = time.perf_counter()
+        stats = self.broker.request_stats
         try:
             header, request = parse_request(frame)
         except UnsupportedVersionError as exc:
             h = exc.header
+            stats.error(h.api_key, h.api_version, "UNSUPPORTED_VERSION")
             if h.api_key == 18:  # KIP-511: answer in v0 so the client can pick a version
                 self._enqueue_ready([protocol.api_versions_fallback(h)])
                 log.debug("unsupported ApiVersions v%d peer=%s", h.api_version, self.peer)
@@ -230,15 +235,18 @@ class Connection(asyncio.BufferedProtocol):
             self._enqueue_close()
             return
         except UnknownApiError as exc:
+            stats.error(exc.header.api_key, exc.header.api_version, "UNKNOWN_API")
             log.info("unknown api key=%d peer=%s; closing connection", exc.header.api_key,
                      self.peer)
             self._enqueue_close()
             return
         except MalformedRequestError as exc:
+            stats.error(-1, -1, "MALFORMED_REQUEST")
             log.info("malformed request peer=%s error=%s; closing connection", self.peer, exc)
             self._enqueue_close()
             return
         except Exception as exc:  # noqa: BLE001 - a codec bug is still only this connection
+            stats.error(-1, -1, "UNDECODABLE_REQUEST")
             log.warning("undecodable request peer=%s error=%r; closing connection", self.peer,
                         exc)
             self._enqueue_close()
@@ -253,10 +261,10 @@ class Connection(asyncio.BufferedProtocol):
             log.debug("request api=%s version=%d correlation_id=%d client_id=%s peer=%s",
                       api_name(header.api_key), header.api_version, header.correlation_id,
                       header.client_id, self.peer)
-        # the handler coroutine is the task itself (no wrapper, no second future): the queue
+        # the handler coroutine (inside its timing wrapper) is the task itself: the queue
         # keeps (task, header) and the response is encoded when it is written
         task = asyncio.get_running_loop().create_task(
-            fn(RequestContext(self.broker, header, self), request))
+            timed(fn, RequestContext(self.broker, header, self), request, stats, received))
         self._queue.append((task, header, frame if pooled else None))
         task.add_done_callback(self._handler_done)
 
@@ -461,6 +469,8 @@ class Broker:
         self._idle = asyncio.Event()
         self.started_at = time.time()
         self.frame_pool = FramePool()
+        self.request_stats = RequestStats()   # read by broker.metrics at scrape time
+        self.metrics_server: Any = None
 
     # ---- state the handlers read -------------------------------------------------------
     @property
@@ -494,6 +504,7 @@ class Broker:
         self._server = await asyncio.get_running_loop().create_server(
             lambda: Connection(self), cfg.listen_host, cfg.listen_port, reuse_address=True,
             backlog=1024)
+        self.metrics_server = await start_metrics(self)
         _tune_gc()
         sock = self._server.sockets[0].getsockname()
         log.info("broker started listen=%s:%d advertised=%s:%d node_id=%d cluster_id=%s "
@@ -574,6 +585,8 @@ class Broker:
                 log.exception("producer store close failed")
         if self.meta is not None:
             self.meta.close()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
         log.info("broker stopped")
 
     async def _wait_idle(self, timeout: float) -> None:

@@ -25,6 +25,7 @@ from .cold_reads import ColdReadPacer
 from .crash import crash_point
 from .metastore import MetaStore, NewObject, ObjectRange, StreamMeta, open_metastore
 from .loop_slices import encode_object_in_slices
+from .metrics import MeasuredStore, StorageStats
 from .objects.format import Record
 from .objects.store import ObjectStore, open_object_store
 from .reader import ObjectReader
@@ -132,7 +133,9 @@ class EngineStream(Stream):
     def _durable(self, entry: CacheEntry, t0: float, fut: asyncio.Future) -> None:
         entry.durable = True        # even on a WAL error: the bytes still go to the object store
         # the hot path's latency as the loop sees it: what cold reads must not stretch
-        self._engine.cold_pacer.note_hot(time.perf_counter() - t0, len(entry.payload))
+        took = time.perf_counter() - t0
+        self._engine.cold_pacer.note_hot(took, len(entry.payload))
+        self._engine.stats.wal_append.observe(took)
         if not fut.cancelled() and fut.exception() is None and entry.next_offset > self._confirmed:
             self._confirmed = entry.next_offset
         self._engine._maybe_upload()
@@ -163,19 +166,25 @@ class EngineStream(Stream):
                     break
                 except eng.over_capacity_error:
                     eng.request_upload("wal full")
+                    reason = "wal_full"
             else:
                 eng.request_upload("cache full")
+                reason = "cache_full"
             # back-pressure: wait for an upload to free room, then give up (retriable)
             now = time.monotonic()
             deadline = deadline or now + eng.config.backpressure_timeout_s
             if now >= deadline or eng.closing:
                 raise RetriableStorageError("storage is full of unuploaded data; retry")
+            waited = time.perf_counter()
             await eng.wait_for_room(deadline - now)
+            eng.stats.backpressure_seconds[reason] += time.perf_counter() - waited
+            eng.stats.backpressure_waits[reason] += 1
             if base_offset != self._end or self.deleted:
                 raise RetriableStorageError("stream moved on while waiting for room; retry")
         entry = CacheEntry(self.stream_id, base_offset, count, payload, res.offset,
                            res.next_offset, added=t0)
         eng.cache.add(entry)
+        eng.stats.wal_appended_bytes += size
         self._end = base_offset + count
         eng.note_wal(res.next_offset)
         afut = res.future
@@ -202,6 +211,7 @@ class EngineStream(Stream):
                 break
             first = eng.cache.first_offset(self.stream_id)
             if first is None or offset < first:
+                eng.stats.log_cache_misses += 1
                 budget = await self._scavenger_budget(max_bytes - size)
                 got = await eng.reader.read(self.stream_id, offset, budget, limit,
                                             first_required=not out)
@@ -223,6 +233,7 @@ class EngineStream(Stream):
             got = eng.cache.read(self.stream_id, offset, budget, self._confirmed,
                                  first_required=not out)
             if got:
+                eng.stats.log_cache_hits += 1
                 out.extend(got)
                 if lagging:
                     pacer = eng.cold_pacer
@@ -266,6 +277,8 @@ class EngineStream(Stream):
         new_start = min(new_start_offset, self._end)
         if new_start <= self._start:
             return
+        self._engine.stats.trims += 1
+        self._engine.stats.trimmed_records += new_start - self._start
         self._start = new_start
         self._engine.cache.trim(self.stream_id, new_start)
         await self._engine.io(self._engine.meta.set_stream_start, self.stream_id, new_start)
@@ -303,6 +316,8 @@ class Engine(StreamStore):
         self._uploading = False
         self.maintenance: Any = None
         self.upload_errors = 0
+        self.stats = StorageStats()          # read by storage.metrics.StorageCollector
+        self.started_at = time.monotonic()
         c = self.config
         self.cold_pacer = ColdReadPacer(c.cold_read_bytes_per_s, c.cold_read_min_bytes_per_s,
                                         c.cold_read_lag_target_ms / 1000,
@@ -325,7 +340,7 @@ class Engine(StreamStore):
         os.makedirs(c.data_dir, exist_ok=True)
         self.over_capacity_error = OverCapacityError
         self.meta = await self.io(open_metastore, c.metadata_url)
-        self.store = await self.io(open_object_store, c.object_store)
+        self.store = MeasuredStore(await self.io(open_object_store, c.object_store), self.stats)
         self.reader = ObjectReader(self.store, self.cold_io, c.block_cache_bytes,
                                    c.readahead_max_bytes)
         self.maintenance = Maintenance(self)
@@ -564,6 +579,8 @@ class Engine(StreamStore):
                 data, _index, ranges = await encode_object_in_slices(recs, c.object_block_bytes)
                 await self.io(self.store.put, key, data)
                 new.append((NewObject(oid, len(data), ranges), key, kind))
+                self.stats.objects_written[kind] += 1
+                self.stats.uploaded_bytes += len(data)
             crash_point("before_commit")
             if new:
                 await self.io(self.meta.commit_objects, [n for n, _, _ in new], [])
@@ -588,6 +605,7 @@ class Engine(StreamStore):
             await self.io(self.wal.trim, trim_to)
             self._wal_trimmed = trim_to
         self._last_upload = time.monotonic()
+        self.stats.uploads += 1
         self._room.set()
         log.debug("uploaded %d objects (%d entries), WAL trimmed to %d", len(new), len(entries),
                   trim_to)

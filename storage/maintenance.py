@@ -160,5 +160,6 @@ class Maintenance:
                                   r.end_offset) for n, key in new for r in n.ranges])
         self._doomed.extend((oid, rs[0].key) for oid, rs in picked)
         self.compactions += 1
+        e.stats.compacted_objects += len(picked)
         log.info("compacted %d objects into %d", len(picked), len(new))
         return len(picked)

@@ -181,8 +181,11 @@ class _BrokerPool:
         delay_args = ([] if _has_flag(extra, "--group-initial-rebalance-delay-ms")
                       or "S3KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS" in (env or {})
                       else ["--group-initial-rebalance-delay-ms", "0"])
+        metrics_args = ([] if _has_flag(extra, "--metrics-listen")
+                        or "S3KAFKA_METRICS_LISTEN" in (env or {})
+                        else ["--metrics-listen", "off"])
         args = [sys.executable, "-m", "broker", "serve", *listen_args, *data_args,
-                *node_args, *wal_args, *delay_args, *extra]
+                *node_args, *wal_args, *delay_args, *metrics_args, *extra]
         bp = BrokerProcess(args, port, data_dir, self.base / f"broker{suffix}.log", env=env)
         self.procs.append(bp)
         bp.start()
@@ -198,7 +201,8 @@ def broker_factory(tmp_path: pathlib.Path) -> Iterator[BrokerFactory]:
     """broker_factory(extra_args=(), env=None) -> started BrokerProcess; all killed at teardown.
 
     Defaults added unless extra_args name them: --listen 127.0.0.1:<free port>,
-    --data-dir <tmp_path>/data[-n], --node-id 0, --wal-capacity 64 MiB.
+    --data-dir <tmp_path>/data[-n], --node-id 0, --wal-capacity 64 MiB, --metrics-listen off
+    (many brokers run at once; a test that scrapes passes its own --metrics-listen).
     """
     pool = _BrokerPool(tmp_path, [])
     try:

@@ -15,6 +15,7 @@ import protocol
 from protocol import ErrorCode
 
 from ..partition import Partition, ReadResult, find_topic, find_topic_by_id, get_partition
+from ..metrics import stats_of
 from .registry import RequestContext, handler
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
             part = get_partition(topic, fp.partition)
             slots.append((part, fp.fetch_offset, fp.partition_max_bytes, missing))
             idxs.append(fp.partition)
-        layout.append((ft, idxs))
+        layout.append((ft, idxs, topic.name if topic is not None else None))
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + max(req.max_wait_ms or 0, 0) / 1000
@@ -130,11 +131,18 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
 
     responses = []
     i = 0
-    for ft, idxs in layout:
+    stats = stats_of(broker)
+    for ft, idxs, tname in layout:
         parts = []
+        nbytes = nrecords = 0
         for index in idxs:
             r = results[i]
             i += 1
+            if r.batches:
+                nbytes += r.size
+                nrecords += sum(b.count for b in r.batches)
+            elif r.error:
+                stats.error(FETCH, version, int(r.error))
             # a list of stored payloads: the protocol's Fetch encoder sends them uncopied
             records = [b.payload for b in r.batches] if r.batches else b""
             parts.append(PartResp(
@@ -143,6 +151,8 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
                 log_start_offset=r.log_start_offset,
                 aborted_transactions=[] if read_committed else None,
                 preferred_read_replica=-1, records=records))
+        if nbytes:
+            stats.fetched(tname, nbytes, nrecords)
         if version >= 13:
             responses.append(TopicResp(topic_id=ft.topic_id, partitions=parts))
         else:

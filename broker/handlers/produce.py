@@ -22,6 +22,7 @@ from protocol.produce_fast import encode_produce_response
 
 from ..eager import start_now
 from ..partition import AppendResult, find_topic_by_id, get_partition, topic_for_produce
+from ..metrics import stats_of
 from .registry import RequestContext, handler
 
 log = logging.getLogger(__name__)
@@ -95,10 +96,12 @@ async def handle_produce(ctx: RequestContext, req: Any) -> Any:
     if acks == 0:
         return None
     topics = []
+    stats = stats_of(ctx.broker)
     for key, jobs in plan:
         parts = []
         for index, r in jobs:
             if r.error:
+                stats.error(PRODUCE, version, int(r.error))
                 parts.append((index, int(r.error), -1, r.log_append_time, r.log_start_offset,
                               r.message))
             else:

@@ -1,0 +1,307 @@
+"""Prometheus metrics of the broker process, served on ``--metrics-listen`` (``/metrics``).
+
+Per request the server bumps a few plain counters and two lock-free histograms
+(``RequestStats``); everything else - connections, per-topic bytes and records, partitions,
+groups and lag, and the storage engine's state (``storage.metrics``) - is read from the live
+objects by collectors when a scrape comes in, so an unscraped broker computes nothing.
+
+/metrics is served by a small asyncio HTTP responder on the broker's own event loop rather
+than prometheus-client's threaded server: collectors then read loop-owned state (dicts the
+handlers mutate) from the loop thread, without locks and without racing the handlers.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Awaitable, Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector, CollectorRegistry
+from protocol import ErrorCode, api_name
+
+from storage.metrics import Histogram, StorageCollector, histogram_family
+
+log = logging.getLogger(__name__)
+
+DEFAULT_METRICS_LISTEN = "127.0.0.1:9644"
+# request latency: ApiVersions/Metadata in tens of microseconds, acks=all produce in ~1 ms,
+# long-polling fetches up to their max wait (500 ms by default in clients, up to seconds)
+REQUEST_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                   0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_P = "s3kafka_"
+
+
+def _error_name(code: int) -> str:
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return str(code)
+
+
+class RequestStats:
+    """Per-request counters, updated on the event loop thread only (no locks)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[int, int], int] = {}              # (api key, version)
+        self.errors: dict[tuple[int, int, str], int] = {}           # (api, version, error)
+        self.queue: dict[int, Histogram] = {}                       # api key -> histogram
+        self.handling: dict[int, Histogram] = {}
+        self.topic_out: dict[str, list[int]] = {}                   # topic -> [bytes, records]
+        self.connections_opened = 0
+
+    def observe(self, api_key: int, version: int, queued: float, handled: float) -> None:
+        """One answered request: queue time (frame received -> handler runs) and handling."""
+        k = (api_key, version)
+        self.requests[k] = self.requests.get(k, 0) + 1
+        q = self.queue.get(api_key)
+        if q is None:
+            q = self.queue[api_key] = Histogram(REQUEST_BUCKETS)
+            self.handling[api_key] = Histogram(REQUEST_BUCKETS)
+        q.observe(queued)
+        self.handling[api_key].observe(handled)
+
+    def error(self, api_key: int, version: int, error: str | int, n: int = 1) -> None:
+        """A request (or ``n`` partitions of one) answered with an error, or refused."""
+        name = error if isinstance(error, str) else _error_name(error)
+        k = (api_key, version, name)
+        self.errors[k] = self.errors.get(k, 0) + n
+
+    def fetched(self, topic: str, nbytes: int, nrecords: int) -> None:
+        """Bytes and records (batch header counts) a Fetch response carries for ``topic``."""
+        t = self.topic_out.get(topic)
+        if t is None:
+            t = self.topic_out[topic] = [0, 0]
+        t[0] += nbytes
+        t[1] += nrecords
+
+
+_DETACHED = RequestStats()   # for brokers without stats (handler tests' stand-ins)
+
+
+def stats_of(broker: Any) -> RequestStats:
+    """The broker's RequestStats (a detached one for stand-in brokers)."""
+    return getattr(broker, "request_stats", _DETACHED)
+
+
+async def timed(fn: Callable[[Any, Any], Awaitable[Any]], ctx: Any, request: Any,
+                stats: RequestStats, received: float) -> Any:
+    """Run a handler and account it. The handler's first step runs in this task's first step
+    (a plain ``await``), so request ordering is what it would be without the wrapper."""
+    start = time.perf_counter()
+    header = ctx.header
+    try:
+        result = await fn(ctx, request)
+    except BaseException:
+        stats.error(header.api_key, header.api_version, "EXCEPTION")
+        stats.observe(header.api_key, header.api_version, start - received,
+                      time.perf_counter() - start)
+        raise
+    stats.observe(header.api_key, header.api_version, start - received,
+                  time.perf_counter() - start)
+    code = getattr(result, "error_code", 0)
+    if code:
+        stats.error(header.api_key, header.api_version, code)
+    return result
+
+
+class BrokerCollector(Collector):
+    """Everything broker-side, read from the broker's objects at scrape time."""
+
+    def __init__(self, broker: Any) -> None:
+        self.broker = broker
+
+    def collect(self) -> Iterator[Any]:
+        b = self.broker
+        st: RequestStats = b.request_stats
+        info = GaugeMetricFamily(_P + "broker_info", "Constant 1, labelled with this broker's "
+                                 "identity", labels=["node_id", "cluster_id"])
+        info.add_metric([str(b.node_id), b.cluster_id or ""], 1)
+        yield info
+        yield GaugeMetricFamily(_P + "broker_start_time_seconds", "Unix time the broker "
+                                "started", value=b.started_at)
+        # -- requests
+        reqs = CounterMetricFamily(_P + "requests", "Requests answered, per API and version",
+                                   labels=["api", "version"])
+        for (key, ver), n in sorted(st.requests.items()):
+            reqs.add_metric([api_name(key), str(ver)], n)
+        yield reqs
+        errs = CounterMetricFamily(_P + "request_errors", "Requests (or partitions of a "
+                                   "request) answered with an error code, handlers that failed "
+                                   "(EXCEPTION) and requests refused by closing the connection",
+                                   labels=["api", "version", "error"])
+        for (key, ver, err), n in sorted(st.errors.items()):
+            errs.add_metric([api_name(key) if key >= 0 else "unknown", str(ver), err], n)
+        yield errs
+        yield histogram_family(_P + "request_queue_seconds", "Time from a request's last byte "
+                               "received (decoding included) until its handler runs", ["api"],
+                               (([api_name(k)], h) for k, h in sorted(st.queue.items())))
+        yield histogram_family(_P + "request_handling_seconds", "Time a request's handler "
+                               "takes (long-poll waits and storage appends included)", ["api"],
+                               (([api_name(k)], h) for k, h in sorted(st.handling.items())))
+        yield GaugeMetricFamily(_P + "active_connections", "Open client connections",
+                                value=len(b.connections))
+        yield CounterMetricFamily(_P + "connections_opened", "Client connections accepted",
+                                  value=st.connections_opened)
+        # -- topics and partitions
+        bin_ = CounterMetricFamily(_P + "topic_bytes_in", "Produced record-batch bytes "
+                                   "appended, per topic", labels=["topic"])
+        rin = CounterMetricFamily(_P + "topic_records_in", "Produced records appended (from "
+                                  "batch headers), per topic", labels=["topic"])
+        hw = GaugeMetricFamily(_P + "partition_high_watermark", "High watermark (next offset) "
+                               "per partition", labels=["topic", "partition"])
+        start = GaugeMetricFamily(_P + "partition_log_start_offset", "Log start offset per "
+                                  "partition", labels=["topic", "partition"])
+        led = 0
+        topics = b.topics
+        for name, topic in sorted(topics.items()):
+            nbytes = nrec = 0
+            for i, p in enumerate(topic.partitions):
+                led += 1
+                nbytes += getattr(p, "bytes_in", 0)
+                nrec += getattr(p, "records_in", 0)
+                hw.add_metric([name, str(i)], p.high_watermark)
+                start.add_metric([name, str(i)], p.log_start_offset)
+            bin_.add_metric([name], nbytes)
+            rin.add_metric([name], nrec)
+        yield bin_
+        yield rin
+        bout = CounterMetricFamily(_P + "topic_bytes_out", "Record-batch bytes sent in Fetch "
+                                   "responses, per topic", labels=["topic"])
+        rout = CounterMetricFamily(_P + "topic_records_out", "Records sent in Fetch responses "
+                                   "(from batch headers), per topic", labels=["topic"])
+        for name, (nb, nr) in sorted(st.topic_out.items()):
+            bout.add_metric([name], nb)
+            rout.add_metric([name], nr)
+        yield bout
+        yield rout
+        yield hw
+        yield start
+        yield GaugeMetricFamily(_P + "topics", "Topics", value=len(topics))
+        yield GaugeMetricFamily(_P + "partitions_led", "Partitions this broker leads",
+                                value=led)
+        yield GaugeMetricFamily(_P + "controller_active", "1 when this broker is the active "
+                                "controller (a single node always is)", value=1)
+        yield from self._groups(topics)
+
+    def _groups(self, topics: dict[str, Any]) -> Iterator[Any]:
+        coord = self.broker.groups
+        count = GaugeMetricFamily(_P + "consumer_groups", "Consumer groups, per state",
+                                  labels=["state"])
+        members = GaugeMetricFamily(_P + "consumer_group_members", "Members per consumer "
+                                    "group", labels=["group"])
+        lag = GaugeMetricFamily(_P + "consumer_group_lag", "High watermark minus the group's "
+                                "committed offset, per group and partition (records)",
+                                labels=["group", "topic", "partition"])
+        if coord is not None:
+            states: dict[str, int] = {}
+            for gid, g in sorted(coord.groups.items()):
+                state = getattr(g.state, "value", str(g.state))
+                states[state] = states.get(state, 0) + 1
+                members.add_metric([gid], len(g.members))
+            for state, n in sorted(states.items()):
+                count.add_metric([state], n)
+            for gid, committed in sorted(coord.offsets.items()):
+                for (tname, idx), c in sorted(committed.items()):
+                    topic = topics.get(tname)
+                    if topic is None or not 0 <= idx < len(topic.partitions):
+                        continue
+                    lag.add_metric([gid, tname, str(idx)],
+                                   max(0, topic.partitions[idx].high_watermark - c.offset))
+        yield count
+        yield members
+        yield lag
+
+
+def build_registry(broker: Any) -> CollectorRegistry:
+    """The registry /metrics serves: broker, storage engine, and the process itself."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(BrokerCollector(broker))
+    reg.register(StorageCollector(lambda: broker.store))
+    ProcessCollector(registry=reg)
+    PlatformCollector(registry=reg)
+    GCCollector(registry=reg)
+    return reg
+
+
+class MetricsServer:
+    """GET /metrics over HTTP/1.x on the broker's event loop (one request per connection)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._serve, host, port, reuse_address=True)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._server is not None
+        return self._server.sockets[0].getsockname()[:2]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
+            method = parts[0] if parts else ""
+            path = (parts[1] if len(parts) > 1 else "/").split("?", 1)[0]
+            ctype = "text/plain; charset=utf-8"
+            if method not in ("GET", "HEAD"):
+                status, body = "405 Method Not Allowed", b"only GET\n"
+            elif path in ("/metrics", "/metrics/"):
+                try:
+                    status, body = "200 OK", generate_latest(self.registry)
+                    ctype = CONTENT_TYPE_LATEST
+                except Exception as exc:  # noqa: BLE001 - a collector bug: this scrape only
+                    log.error("metrics scrape failed error=%r", exc)
+                    status, body = "500 Internal Server Error", b"scrape failed\n"
+            elif path == "/":
+                status, body = "200 OK", b"s3kafka: metrics at /metrics\n"
+            else:
+                status, body = "404 Not Found", b"not found; try /metrics\n"
+            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: "
+                         f"{len(body)}\r\nConnection: close\r\n\r\n".encode("latin-1"))
+            if method != "HEAD":
+                writer.write(body)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
+                ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def start_metrics(broker: Any) -> MetricsServer | None:
+    """Serve /metrics on the configured address; None when disabled.
+
+    An address given explicitly that cannot be bound is a start-up error naming the flag. The
+    default address being taken (a second broker on the same host) is only a warning: that
+    broker runs without metrics rather than failing to start."""
+    listen = broker.config.metrics_listen.strip()
+    if listen.lower() in ("", "off", "none", "disabled"):
+        return None
+    from .config import split_host_port  # noqa: PLC0415
+
+    host, port = split_host_port(listen)
+    server = MetricsServer(build_registry(broker))
+    try:
+        await server.start(host, port)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if listen == DEFAULT_METRICS_LISTEN:
+            log.warning("metrics not served: the default --metrics-listen %s is taken (%s); "
+                        "pass --metrics-listen HOST:PORT or off", listen, reason)
+            return None
+        raise OSError(f"--metrics-listen {listen}: {reason}") from None
+    h, p = server.address
+    log.info("metrics served at http://%s:%d/metrics", h, p)
+    return server
