@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+from bisect import bisect_left as _bisect
+from time import perf_counter as _now
 from typing import Any, Awaitable, Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -43,27 +44,42 @@ def _error_name(code: int) -> str:
         return str(code)
 
 
+class ApiStats:
+    """One API's counters: answered requests per version, queue and handling histograms."""
+
+    __slots__ = ("versions", "queue", "handling")
+
+    def __init__(self) -> None:
+        self.versions: dict[int, int] = {}
+        self.queue = Histogram(REQUEST_BUCKETS)
+        self.handling = Histogram(REQUEST_BUCKETS)
+
+
 class RequestStats:
     """Per-request counters, updated on the event loop thread only (no locks)."""
 
     def __init__(self) -> None:
-        self.requests: dict[tuple[int, int], int] = {}              # (api key, version)
+        self.apis: dict[int, ApiStats] = {}                         # api key -> stats
         self.errors: dict[tuple[int, int, str], int] = {}           # (api, version, error)
-        self.queue: dict[int, Histogram] = {}                       # api key -> histogram
-        self.handling: dict[int, Histogram] = {}
         self.topic_out: dict[str, list[int]] = {}                   # topic -> [bytes, records]
         self.connections_opened = 0
 
+    def api(self, api_key: int) -> ApiStats:
+        a = self.apis.get(api_key)
+        if a is None:
+            a = self.apis[api_key] = ApiStats()
+        return a
+
     def observe(self, api_key: int, version: int, queued: float, handled: float) -> None:
         """One answered request: queue time (frame received -> handler runs) and handling."""
-        k = (api_key, version)
-        self.requests[k] = self.requests.get(k, 0) + 1
-        q = self.queue.get(api_key)
-        if q is None:
-            q = self.queue[api_key] = Histogram(REQUEST_BUCKETS)
-            self.handling[api_key] = Histogram(REQUEST_BUCKETS)
-        q.observe(queued)
-        self.handling[api_key].observe(handled)
+        a = self.apis.get(api_key) or self.api(api_key)
+        v = a.versions
+        v[version] = v.get(version, 0) + 1
+        q, h = a.queue, a.handling
+        q.counts[_bisect(q.bounds, queued)] += 1
+        q.sum += queued
+        h.counts[_bisect(h.bounds, handled)] += 1
+        h.sum += handled
 
     def error(self, api_key: int, version: int, error: str | int, n: int = 1) -> None:
         """A request (or ``n`` partitions of one) answered with an error, or refused."""
@@ -92,20 +108,19 @@ async def timed(fn: Callable[[Any, Any], Awaitable[Any]], ctx: Any, request: Any
                 stats: RequestStats, received: float) -> Any:
     """Run a handler and account it. The handler's first step runs in this task's first step
     (a plain ``await``), so request ordering is what it would be without the wrapper."""
-    start = time.perf_counter()
-    header = ctx.header
+    start = _now()
     try:
         result = await fn(ctx, request)
     except BaseException:
-        stats.error(header.api_key, header.api_version, "EXCEPTION")
-        stats.observe(header.api_key, header.api_version, start - received,
-                      time.perf_counter() - start)
+        h = ctx.header
+        stats.error(h.api_key, h.api_version, "EXCEPTION")
+        stats.observe(h.api_key, h.api_version, start - received, _now() - start)
         raise
-    stats.observe(header.api_key, header.api_version, start - received,
-                  time.perf_counter() - start)
-    code = getattr(result, "error_code", 0)
+    h = ctx.header
+    stats.observe(h.api_key, h.api_version, start - received, _now() - start)
+    code = getattr(result, "error_code", 0)   # encoded bodies (Produce) count their own
     if code:
-        stats.error(header.api_key, header.api_version, code)
+        stats.error(h.api_key, h.api_version, code)
     return result
 
 
@@ -127,8 +142,10 @@ class BrokerCollector(Collector):
         # -- requests
         reqs = CounterMetricFamily(_P + "requests", "Requests answered, per API and version",
                                    labels=["api", "version"])
-        for (key, ver), n in sorted(st.requests.items()):
-            reqs.add_metric([api_name(key), str(ver)], n)
+        apis = sorted(st.apis.items())
+        for key, a in apis:
+            for ver, n in sorted(a.versions.items()):
+                reqs.add_metric([api_name(key), str(ver)], n)
         yield reqs
         errs = CounterMetricFamily(_P + "request_errors", "Requests (or partitions of a "
                                    "request) answered with an error code, handlers that failed "
@@ -139,10 +156,10 @@ class BrokerCollector(Collector):
         yield errs
         yield histogram_family(_P + "request_queue_seconds", "Time from a request's last byte "
                                "received (decoding included) until its handler runs", ["api"],
-                               (([api_name(k)], h) for k, h in sorted(st.queue.items())))
+                               (([api_name(k)], a.queue) for k, a in apis))
         yield histogram_family(_P + "request_handling_seconds", "Time a request's handler "
                                "takes (long-poll waits and storage appends included)", ["api"],
-                               (([api_name(k)], h) for k, h in sorted(st.handling.items())))
+                               (([api_name(k)], a.handling) for k, a in apis))
         yield GaugeMetricFamily(_P + "active_connections", "Open client connections",
                                 value=len(b.connections))
         yield CounterMetricFamily(_P + "connections_opened", "Client connections accepted",
