@@ -178,6 +178,8 @@ class BrokerCollector(Collector):
         for name, topic in sorted(topics.items()):
             nbytes = nrec = 0
             for i, p in enumerate(topic.partitions):
+                if p is None:       # not open here (led by another broker)
+                    continue
                 led += 1
                 nbytes += getattr(p, "bytes_in", 0)
                 nrec += getattr(p, "records_in", 0)
@@ -201,8 +203,15 @@ class BrokerCollector(Collector):
         yield GaugeMetricFamily(_P + "topics", "Topics", value=len(topics))
         yield GaugeMetricFamily(_P + "partitions_led", "Partitions this broker leads",
                                 value=led)
+        # a single node is its own controller; with a cluster room, its view decides
+        cluster = getattr(b, "cluster", None)
+        controller = getattr(cluster, "controller_id", b.node_id)
+        live = getattr(cluster, "live", None)
         yield GaugeMetricFamily(_P + "controller_active", "1 when this broker is the active "
-                                "controller (a single node always is)", value=1)
+                                "controller (a single node always is)",
+                                value=int(controller == b.node_id))
+        yield GaugeMetricFamily(_P + "cluster_brokers", "Live brokers this broker knows of "
+                                "(itself included)", value=len(live) if live else 1)
         yield from self._groups(topics)
 
     def _groups(self, topics: dict[str, Any]) -> Iterator[Any]:

@@ -230,6 +230,7 @@ def test_metrics_present_and_moving(activity: Activity) -> None:
     assert total(f, "s3kafka_partitions_led") >= 1
     assert total(f, "s3kafka_topics") >= 1
     assert total(f, "s3kafka_controller_active") == 1
+    assert total(f, "s3kafka_cluster_brokers") == 1
     assert total(f, "s3kafka_broker_info") == 1
     assert total(f, "process_resident_memory_bytes") > 0
 
