@@ -230,6 +230,12 @@ class Connection(asyncio.BufferedProtocol):
                 self._enqueue_ready([protocol.api_versions_fallback(h)])
                 log.debug("unsupported ApiVersions v%d peer=%s", h.api_version, self.peer)
                 return
+            answer = protocol.unsupported_version_response(h)
+            if answer is not None:   # the client reads UNSUPPORTED_VERSION, not a closed socket
+                log.info("unsupported version api=%s version=%d peer=%s; answered "
+                         "UNSUPPORTED_VERSION", api_name(h.api_key), h.api_version, self.peer)
+                self._enqueue_ready([answer])
+                return
             log.info("unsupported version api=%s version=%d peer=%s; closing connection",
                      api_name(h.api_key), h.api_version, self.peer)
             self._enqueue_close()

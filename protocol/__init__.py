@@ -11,7 +11,7 @@ from .errors import (
 from .frames import (
     RequestHeader, api_versions_fallback, build_api_versions_response, decode_body,
     encode_response, encode_response_buffers, encode_response_parts, parse_header, parse_request,
-    parse_response,
+    parse_response, unsupported_version_response,
 )
 from .batches import (
     HEADER_SIZE, BatchView, compute_crc, fill_max_timestamp, iter_batches, record_timestamps,
@@ -30,7 +30,7 @@ __all__ = [
     "UnknownApiError", "UnsupportedCompressionError", "UnsupportedVersionError",
     "RequestHeader", "api_versions_fallback", "build_api_versions_response", "decode_body",
     "encode_response", "encode_response_buffers", "encode_response_parts", "parse_header",
-    "parse_request", "parse_response",
+    "parse_request", "parse_response", "unsupported_version_response",
     "HEADER_SIZE", "BatchView", "compute_crc", "fill_max_timestamp", "iter_batches",
     "record_timestamps", "rewrite_crc", "set_base_offset", "set_log_append_time",
     "set_partition_leader_epoch", "validate_batch", "CODEC_NAMES", "GZIP", "LZ4", "SNAPPY",

@@ -13,7 +13,8 @@ from kafka.protocol.admin import (
     CreateTopicsRequest, CreateTopicsResponse, DeleteGroupsRequest, DeleteGroupsResponse,
     DeleteRecordsRequest, DeleteRecordsResponse, DeleteTopicsRequest, DeleteTopicsResponse,
     DescribeClusterRequest, DescribeClusterResponse, DescribeConfigsRequest,
-    DescribeConfigsResponse, DescribeGroupsRequest, DescribeGroupsResponse,
+    DescribeConfigsResponse, DescribeGroupsRequest, DescribeGroupsResponse, DescribeLogDirsRequest,
+    DescribeLogDirsResponse,
     DescribeProducersRequest, DescribeProducersResponse, DescribeTopicPartitionsRequest,
     DescribeTopicPartitionsResponse, IncrementalAlterConfigsRequest,
     IncrementalAlterConfigsResponse, ListGroupsRequest, ListGroupsResponse,
@@ -34,26 +35,30 @@ from kafka.protocol.producer import (
 )
 
 # api_key -> (min, max) advertised in ApiVersions.  Why these bounds:
+# - The maxima are Kafka 4.1's, for every API offered: clients infer the broker's release from
+#   the highest versions (kafka-python reads Produce v13 as Kafka 4.1) and then send that
+#   release's versions of every API, so one coherent set is advertised (KAFKA_41_MAX below).
 # - Produce from v0 (librdkafka disables compression otherwise, KAFKA-18659); v13 uses topic ids.
 # - Fetch from v0 (v0-3 answers are down-converted to magic 0/1 message sets for pre-0.11
-#   clients) to v16: v17+ is KIP-853/share-group era.
+#   clients); v17/v18 only add tagged follower fields (KIP-853, KIP-1166) a consumer never sets.
+# - ListOffsets v9 adds -5 (latest tiered: none here), v10 a timeout for remote lookups.
 # - OffsetCommit/OffsetFetch from v0 (ZooKeeper-era simple consumers); <= 9: v10 is KIP-848.
-# - FindCoordinator <= 4 (batched keys); v5/v6 are transactions-v2 / share groups.
+# - FindCoordinator v5 (TRANSACTION_ABORTABLE, never sent) and v6 (share groups: refused).
 # - OffsetForLeaderEpoch 2-4: Java clients validate positions only with v3+.
 # - ApiVersions 0-4: kafka-python 3.x sends v4 first, aiokafka v0.
 _SUPPORTED: dict[int, tuple[int, int, type, type]] = {
     0: (0, 13, ProduceRequest, ProduceResponse),
-    1: (0, 16, FetchRequest, FetchResponse),
-    2: (0, 8, ListOffsetsRequest, ListOffsetsResponse),
-    3: (0, 12, MetadataRequest, MetadataResponse),
+    1: (0, 18, FetchRequest, FetchResponse),
+    2: (0, 10, ListOffsetsRequest, ListOffsetsResponse),
+    3: (0, 13, MetadataRequest, MetadataResponse),
     8: (0, 9, OffsetCommitRequest, OffsetCommitResponse),
     9: (0, 9, OffsetFetchRequest, OffsetFetchResponse),
-    10: (0, 4, FindCoordinatorRequest, FindCoordinatorResponse),
+    10: (0, 6, FindCoordinatorRequest, FindCoordinatorResponse),
     11: (0, 9, JoinGroupRequest, JoinGroupResponse),
     12: (0, 4, HeartbeatRequest, HeartbeatResponse),
     13: (0, 5, LeaveGroupRequest, LeaveGroupResponse),
     14: (0, 5, SyncGroupRequest, SyncGroupResponse),
-    15: (0, 5, DescribeGroupsRequest, DescribeGroupsResponse),
+    15: (0, 6, DescribeGroupsRequest, DescribeGroupsResponse),
     16: (0, 5, ListGroupsRequest, ListGroupsResponse),
     18: (0, 4, ApiVersionsRequest, ApiVersionsResponse),
     19: (2, 7, CreateTopicsRequest, CreateTopicsResponse),
@@ -63,16 +68,28 @@ _SUPPORTED: dict[int, tuple[int, int, type, type]] = {
     23: (2, 4, OffsetForLeaderEpochRequest, OffsetForLeaderEpochResponse),
     32: (1, 4, DescribeConfigsRequest, DescribeConfigsResponse),
     33: (0, 2, AlterConfigsRequest, AlterConfigsResponse),
+    35: (1, 4, DescribeLogDirsRequest, DescribeLogDirsResponse),
     37: (0, 3, CreatePartitionsRequest, CreatePartitionsResponse),
     42: (0, 2, DeleteGroupsRequest, DeleteGroupsResponse),
     44: (0, 1, IncrementalAlterConfigsRequest, IncrementalAlterConfigsResponse),
     47: (0, 0, OffsetDeleteRequest, OffsetDeleteResponse),
-    60: (0, 1, DescribeClusterRequest, DescribeClusterResponse),
+    60: (0, 2, DescribeClusterRequest, DescribeClusterResponse),
     61: (0, 0, DescribeProducersRequest, DescribeProducersResponse),
     75: (0, 0, DescribeTopicPartitionsRequest, DescribeTopicPartitionsResponse),
 }
 
 SUPPORTED_APIS: dict[int, tuple[int, int]] = {k: (v[0], v[1]) for k, v in _SUPPORTED.items()}
+
+# Kafka 4.1's highest version of each API we offer (its ApiVersions answer): the advertised
+# maxima must equal these, or a client that infers "4.1" from Produce v13 sends versions we
+# refuse. tests/fuzz/test_api_coverage.py checks this table against kafka-python's record of
+# Kafka 4.1 (kafka.protocol.broker_version_data).
+KAFKA_RELEASE = (4, 1)
+KAFKA_41_MAX: dict[int, int] = {
+    0: 13, 1: 18, 2: 10, 3: 13, 8: 9, 9: 9, 10: 6, 11: 9, 12: 4, 13: 5, 14: 5, 15: 6, 16: 5,
+    18: 4, 19: 7, 20: 6, 21: 2, 22: 5, 23: 4, 32: 4, 33: 2, 35: 4, 37: 3, 42: 2, 44: 1, 47: 0,
+    60: 2, 61: 0, 75: 0,
+}
 
 API_VERSIONS_KEY = 18
 PRODUCE_KEY = 0

@@ -207,6 +207,33 @@ def api_versions_fallback(header: RequestHeader) -> bytes:
     return struct.pack(">ii", len(body) + 4, header.correlation_id) + body
 
 
+def unsupported_version_response(header: RequestHeader) -> bytes | None:
+    """An error answer to a request of a version we do not advertise, or None (close instead).
+
+    Possible when kafka-python's codec knows that version of the API and its response carries a
+    top-level error code: the response is then encoded at the asked version with
+    UNSUPPORTED_VERSION and every other field at its default, so the client sees a clear error
+    instead of a closed connection. ApiVersions has its own fallback (KIP-511).
+    """
+    entry = _SUPPORTED.get(header.api_key)
+    if entry is None or header.api_key == API_VERSIONS_KEY:
+        return None
+    req_cls, resp_cls = entry[2], entry[3]
+    v = header.api_version
+    if not 0 <= v <= req_cls.max_version or v < req_cls.min_version:
+        return None   # request header form unknown: the correlation id may be all we have
+    try:
+        fields = {f.name for f in resp_cls._struct._fields if f.for_version_q(v)}
+        if "error_code" not in fields:
+            return None
+        kwargs: dict[str, Any] = {"error_code": int(ErrorCode.UNSUPPORTED_VERSION)}
+        if "throttle_time_ms" in fields:
+            kwargs["throttle_time_ms"] = 0
+        return encode_response(header, resp_cls(version=v, **kwargs))
+    except Exception:  # noqa: BLE001 - any codec gap: the caller closes the connection
+        return None
+
+
 def build_api_versions_response(header: RequestHeader, throttle_time_ms: int = 0) -> Any:
     """A filled ApiVersionsResponse object of the request's version (a convenience for handlers)."""
     cls = _SUPPORTED[API_VERSIONS_KEY][3]

@@ -349,3 +349,49 @@ async def incremental_alter_configs(ctx: RequestContext, req: Any) -> Any:
     """SET/DELETE/APPEND/SUBTRACT applied in order to a copy; stored only if all are valid."""
     return await _alter_topic_configs(ctx, req, INCREMENTAL_ALTER_CONFIGS,
                                       _incremental_overrides)
+
+
+# ---- DescribeLogDirs ------------------------------------------------------------------
+DESCRIBE_LOG_DIRS = 35
+
+
+@handler(DESCRIBE_LOG_DIRS)
+async def describe_log_dirs(ctx: RequestContext, req: Any) -> Any:
+    """One log dir (the data dir) holding every partition; sizes are the bytes each partition
+    keeps (its log index's total), which tools use to size reassignments and disks."""
+    import shutil  # noqa: PLC0415 - only this rarely called handler needs it
+
+    broker, v = ctx.broker, ctx.version
+    cls = response_class(DESCRIBE_LOG_DIRS)
+    rcls = cls.DescribeLogDirsResult
+    tcls = rcls.DescribeLogDirsTopic
+    pcls = tcls.DescribeLogDirsPartition
+    if req.topics is None:
+        wanted = [(name, None) for name in sorted(broker.topics)]
+    else:
+        wanted = [(t.topic, list(t.partitions)) for t in req.topics]
+    topics = []
+    for name, indexes in wanted:
+        topic = broker.topics.get(name)
+        if topic is None:
+            continue   # Kafka leaves out partitions this broker does not host
+        parts = []
+        for i in (range(len(topic.partitions)) if indexes is None else indexes):
+            if not 0 <= i < len(topic.partitions):
+                continue
+            p = topic.partitions[i]
+            index = getattr(p, "log_index", None)
+            size = int(getattr(index, "total_bytes", 0)) if index is not None else 0
+            parts.append(pcls(partition_index=i, partition_size=size, offset_lag=0,
+                              is_future_key=False))
+        topics.append(tcls(name=name, partitions=parts))
+    path = broker.config.data_path
+    total = usable = -1
+    try:
+        du = shutil.disk_usage(path)
+        total, usable = du.total, du.free
+    except OSError:
+        pass
+    result = rcls(error_code=0, log_dir=path, topics=topics, total_bytes=total,
+                  usable_bytes=usable, is_cordoned=False)
+    return cls(version=v, throttle_time_ms=0, error_code=0, results=[result])

@@ -2,7 +2,8 @@
 
 Special timestamps as Kafka defines them: -1 latest (high watermark, or last stable offset
 under read_committed), -2 earliest (log start offset), -3 the record with the largest
-timestamp (v7+), -4 earliest local (= earliest: all data is "local" through the stream).
+timestamp (v7+), -4 earliest local (= earliest: all data is "local" through the stream), -5
+latest tiered (v9+: offset -1, as Kafka answers for a topic without tiered storage).
 A timestamp >= 0 finds the first record whose timestamp is >= it.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .registry import RequestContext, handler
 log = logging.getLogger(__name__)
 
 LIST_OFFSETS = 2
-LATEST, EARLIEST, MAX_TIMESTAMP, EARLIEST_LOCAL = -1, -2, -3, -4
+LATEST, EARLIEST, MAX_TIMESTAMP, EARLIEST_LOCAL, LATEST_TIERED = -1, -2, -3, -4, -5
 READ_COMMITTED = 1
 
 
@@ -31,6 +32,8 @@ async def lookup(partition: Partition, timestamp: int, read_committed: bool) -> 
         return ErrorCode.NONE, off, -1
     if timestamp in (EARLIEST, EARLIEST_LOCAL):
         return ErrorCode.NONE, partition.log_start_offset, -1
+    if timestamp == LATEST_TIERED:
+        return ErrorCode.NONE, -1, -1
     if timestamp == MAX_TIMESTAMP:
         off, ts = await partition.max_timestamp_offset()
         return ErrorCode.NONE, off, ts

@@ -127,3 +127,39 @@ def test_random_well_formed_requests_are_all_answered(module_broker) -> None:
         client.close()
     assert not failures, "\n".join(failures[:20])
     assert module_broker.running
+
+
+def test_advertised_set_is_one_kafka_release() -> None:
+    """Every advertised maximum is Kafka 4.1's (kafka-python's record of that release): a client
+    that infers the release from one API's maximum then finds every other API at its version."""
+    from kafka.protocol.broker_version_data import (BROKER_API_VERSIONS,
+                                                    infer_broker_version_from_api_versions)
+
+    kafka = BROKER_API_VERSIONS[(4, 1)]
+    assert {k: hi for k, (_, hi) in protocol.SUPPORTED_APIS.items()} == \
+        {k: kafka[k][1] for k in protocol.SUPPORTED_APIS}
+    assert infer_broker_version_from_api_versions(protocol.SUPPORTED_APIS) == (4, 1)
+    for key, (lo, _) in protocol.SUPPORTED_APIS.items():
+        assert lo <= kafka[key][0], f"{protocol.api_name(key)}: Kafka 4.1 serves v{kafka[key][0]}"
+
+
+def test_unsupported_version_is_answered_with_error_35(module_broker) -> None:
+    """A version past our range whose response has a top-level error code is answered with
+    UNSUPPORTED_VERSION (the connection stays open); otherwise the connection is closed."""
+    from kafka.protocol.producer import InitProducerIdRequest, InitProducerIdResponse
+
+    client = connect(module_broker)
+    try:
+        hi = protocol.SUPPORTED_APIS[22][1]
+        req = InitProducerIdRequest(transactional_id=None, transaction_timeout_ms=1000,
+                                    producer_id=-1, producer_epoch=-1)
+        client.send(req, hi + 1)
+        frame = client.recv_frame()
+        corr = struct.unpack_from(">i", frame)[0]
+        resp = InitProducerIdResponse.decode(bytes(frame[5:]), version=hi + 1)
+        assert corr == client.correlation_id
+        assert resp.error_code == protocol.ErrorCode.UNSUPPORTED_VERSION
+        assert advertised(client) == protocol.SUPPORTED_APIS   # still usable
+    finally:
+        client.close()
+    assert module_broker.running

@@ -115,9 +115,18 @@ def test_unsupported_api_versions_version_gets_v0_fallback() -> None:
 
 
 def test_unsupported_version_and_unknown_api() -> None:
+    hi = protocol.SUPPORTED_APIS[2][1]   # ListOffsets: kafka-python knows one version more
     with pytest.raises(UnsupportedVersionError) as info:
-        parse_request(client_frame(MetadataRequest(version=13, topics=None), 4))
+        parse_request(client_frame(sample_message(request_class(2), hi + 1), 4))
     assert info.value.header.correlation_id == 4
+    # no top-level error code in a ListOffsets response: nothing to answer with (close)
+    assert protocol.unsupported_version_response(info.value.header) is None
+    with pytest.raises(UnsupportedVersionError) as info3:
+        parse_request(client_frame(sample_message(request_class(22), 6), 9))
+    answer = protocol.unsupported_version_response(info3.value.header)
+    corr = struct.unpack_from(">i", answer, 4)[0]
+    resp = response_class(22).decode(answer[9:], version=6)   # after length, corr, tags
+    assert corr == 9 and resp.error_code == ErrorCode.UNSUPPORTED_VERSION
     with pytest.raises(UnknownApiError) as info2:
         parse_request(struct.pack(">hhih", 4242, 0, 5, -1) + b"junk")
     assert info2.value.header.api_key == 4242
