@@ -60,7 +60,9 @@ def register(families: Any, common: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------------------- helpers
 def _describe(admin: Any, group: str) -> dict[str, Any]:
     desc = admin.describe_groups([group])[group]
-    if desc.get("error"):
+    # DescribeGroups v6+ (Kafka 4.x) answers GROUP_ID_NOT_FOUND for an unknown group, which
+    # older versions reported as Dead without an error: kafka-python fills in Dead either way
+    if desc.get("error") and "GroupIdNotFound" not in str(desc["error"]):
         raise CliError(f"cannot describe group '{group}': {desc['error']}")
     return desc
 
