@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from bisect import bisect_left as _bisect
 from time import perf_counter as _now
 from typing import Any, Awaitable, Callable, Iterator
@@ -322,7 +323,7 @@ async def start_metrics(broker: Any) -> MetricsServer | None:
     try:
         await server.start(host, port)
     except OSError as exc:
-        reason = exc.strerror or str(exc)
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
         if listen == DEFAULT_METRICS_LISTEN:
             log.warning("metrics not served: the default --metrics-listen %s is taken (%s); "
                         "pass --metrics-listen HOST:PORT or off", listen, reason)

@@ -510,7 +510,6 @@ class Broker:
         self._server = await asyncio.get_running_loop().create_server(
             lambda: Connection(self), cfg.listen_host, cfg.listen_port, reuse_address=True,
             backlog=1024)
-        self.metrics_server = await start_metrics(self)
         _tune_gc()
         sock = self._server.sockets[0].getsockname()
         log.info("broker started listen=%s:%d advertised=%s:%d node_id=%d cluster_id=%s "
@@ -629,6 +628,9 @@ async def serve(config: BrokerConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # /metrics first: a taken --metrics-listen address stops the start before anything is
+    # opened or written (one line, from run())
+    broker.metrics_server = await start_metrics(broker)
     try:
         await broker.start()
     except BaseException:

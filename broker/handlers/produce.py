@@ -93,10 +93,14 @@ async def handle_produce(ctx: RequestContext, req: Any) -> Any:
                 if isinstance(job, asyncio.Future):
                     jobs[i] = (index, await job)
 
+    stats = stats_of(ctx.broker)
     if acks == 0:
+        for _, jobs in plan:
+            for _, r in jobs:
+                if r.error:
+                    stats.error(PRODUCE, version, int(r.error))
         return None
     topics = []
-    stats = stats_of(ctx.broker)
     for key, jobs in plan:
         parts = []
         for index, r in jobs:
