@@ -114,6 +114,29 @@ def exception_line(exc: Exception) -> str:
     return f"{desc} ({name})"
 
 
+def list_offsets(admin: Any, tps: Sequence[Any], spec: Any) -> dict[Any, int]:
+    """{TopicPartition: offset} by ListOffsets (spec: an OffsetSpec or a timestamp in ms).
+
+    kafka-python fails the whole call on one partition's error; then each topic is asked on its
+    own and a topic that still fails (e.g. an internal topic a broker does not serve) is left out.
+    """
+    from kafka.errors import KafkaError  # noqa: PLC0415
+
+    if not tps:
+        return {}
+    try:
+        got = admin.list_partition_offsets({tp: spec for tp in tps})
+    except KafkaError:
+        got = {}
+        for topic in sorted({tp.topic for tp in tps}):
+            try:
+                got.update(admin.list_partition_offsets(
+                    {tp: spec for tp in tps if tp.topic == topic}))
+            except KafkaError:
+                continue
+    return {tp: o.offset for tp, o in got.items()}
+
+
 def parse_kv(items: Iterable[str] | None, what: str) -> dict[str, str]:
     """``["a=1,b=2", "c=3"]`` -> ``{"a": "1", "b": "2", "c": "3"}`` (kafka-configs syntax)."""
     out: dict[str, str] = {}

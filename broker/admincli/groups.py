@@ -9,7 +9,7 @@ import argparse
 import datetime as dt
 from typing import Any
 
-from .common import CliError, Result, kafka_error, table
+from .common import CliError, Result, kafka_error, list_offsets, table
 
 INACTIVE_STATES = ("Empty", "Dead")
 
@@ -81,14 +81,6 @@ def _existing(admin: Any, topics: set[str]) -> dict[str, list[int]]:
             for t in admin.describe_topics(sorted(topics)) if not t["error_code"]}
 
 
-def _offsets(admin: Any, tps: list, spec: Any) -> dict:
-    """{TopicPartition: offset} from ListOffsets (spec: OffsetSpec or a timestamp in ms)."""
-    if not tps:
-        return {}
-    got = admin.list_partition_offsets({tp: spec for tp in tps})
-    return {tp: o.offset for tp, o in got.items()}
-
-
 def _assignment(member: dict[str, Any]) -> list[tuple[str, int]]:
     """(topic, partition) pairs of a consumer-protocol member (other protocols: none)."""
     a = member.get("member_assignment")
@@ -141,7 +133,7 @@ def describe_group(args: argparse.Namespace, admin: Any) -> Result:
     tps = sorted(set(committed) | set(owner))
     existing = _existing(admin, {tp.topic for tp in tps})
     live = [tp for tp in tps if tp.partition in existing.get(tp.topic, ())]
-    ends = _offsets(admin, live, OffsetSpec.LATEST)
+    ends = list_offsets(admin, live, OffsetSpec.LATEST)
     rows = []
     for tp in tps:
         cur = committed[tp].offset if tp in committed else None
@@ -215,11 +207,14 @@ def reset_offsets(args: argparse.Namespace, admin: Any) -> Result:
                        f"but the current state is {state}.")
     committed = _committed(admin, group)
     tps = _reset_scope(args, admin, committed)
-    earliest = _offsets(admin, tps, OffsetSpec.EARLIEST)
-    latest = _offsets(admin, tps, OffsetSpec.LATEST)
+    earliest = list_offsets(admin, tps, OffsetSpec.EARLIEST)
+    latest = list_offsets(admin, tps, OffsetSpec.LATEST)
+    unread = [tp for tp in tps if tp not in earliest or tp not in latest]
+    if unread:
+        raise CliError(f"cannot read the log offsets of {unread[0].topic}-{unread[0].partition}")
     notes: list[str] = []
     if when_ms is not None:
-        found = _offsets(admin, tps, when_ms)
+        found = list_offsets(admin, tps, when_ms)
     plan = []
     for tp in tps:
         cur = committed[tp].offset if tp in committed else None

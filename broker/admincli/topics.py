@@ -10,7 +10,7 @@ import argparse
 import re
 from typing import Any
 
-from .common import CliError, Result, exception_line, kafka_error, parse_kv, table
+from .common import CliError, Result, exception_line, kafka_error, list_offsets, parse_kv, table
 
 TOPIC_OVERRIDE = "DYNAMIC_TOPIC_CONFIG"
 
@@ -102,12 +102,8 @@ def _log_offsets(admin: Any, topics: list[dict[str, Any]]) -> tuple[dict, dict]:
     from kafka.admin import OffsetSpec  # noqa: PLC0415
 
     tps = [TopicPartition(t["name"], p["partition_index"]) for t in topics for p in t["partitions"]]
-    if not tps:
-        return {}, {}
-    earliest = admin.list_partition_offsets({tp: OffsetSpec.EARLIEST for tp in tps})
-    latest = admin.list_partition_offsets({tp: OffsetSpec.LATEST for tp in tps})
-    return ({tp: o.offset for tp, o in earliest.items()},
-            {tp: o.offset for tp, o in latest.items()})
+    return (list_offsets(admin, tps, OffsetSpec.EARLIEST),
+            list_offsets(admin, tps, OffsetSpec.LATEST))
 
 
 def _check(code: int, message: str | None, what: str) -> None:
