@@ -353,6 +353,9 @@ class TopicManager:
             for sid in topic.stream_ids:
                 await self._drop_stream(sid)
             log.info("topic deleted topic=%s id=%s", name, topic.topic_id)
+        groups = getattr(self.broker, "groups", None)
+        if groups is not None:  # the committed offsets of the topic go too, as in Kafka
+            await groups.on_topic_deleted(name)
 
     async def _open_new_partitions(self, topic: Topic, count: int,
                                    record: Callable[[list[int]], None]) -> list[int]:

@@ -646,6 +646,25 @@ class GroupCoordinator:
                 committed.pop(tp, None)
         return E.NONE, result
 
+    async def on_topic_deleted(self, topic: str) -> None:
+        """Drop every group's committed offsets of a deleted topic, as Kafka does: a topic
+        created again under that name must not hand consumers the old topic's offsets. A group
+        that only ever held offsets (no member ever joined) goes with its last offset."""
+        for gid in [g for g, c in self.offsets.items() if any(tp[0] == topic for tp in c)]:
+            tps = [tp for tp in self.offsets.get(gid, {}) if tp[0] == topic]
+            if not tps:
+                continue
+            assert self._store is not None
+            await self._run(self._store.delete_offsets, gid, tps)
+            committed = self.offsets.get(gid, {})
+            for tp in tps:
+                committed.pop(tp, None)
+            if not committed:
+                self.offsets.pop(gid, None)
+                group = self.groups.get(gid)
+                if group is not None and group.state == S.EMPTY:
+                    self._drop_if_unused(group)
+
     # ----------------------------------------------------------------- admin
     def describe_group(self, group_id: str) -> GroupSummary | None:
         group = self.groups.get(group_id)

@@ -246,6 +246,31 @@ async def test_delete_groups_and_offsets(store_coord):
     assert (await coord.delete_offsets("missing", [("t1", 0)]))[0] == E.GROUP_ID_NOT_FOUND
 
 
+async def test_deleted_topic_takes_its_offsets(tmp_path):
+    """As in Kafka: a deleted topic's committed offsets go from every group (also after a
+    restart), and a group that only held offsets of it is gone; other offsets stay."""
+    db = str(tmp_path / "meta.db")
+    c = GroupCoordinator(db, 0, "127.0.0.1", 9092, min_session_timeout_ms=10)
+    await c.start()
+    a = await join(c, protos=[("range", subscription("t1"))])
+    await c.sync_group("g", 1, a.member_id, None, None, None, {})
+    await c.commit_offsets("g", 1, a.member_id, None, [("t1", 0, 4, -1, ""), ("t2", 0, 2, -1, "")])
+    await c.commit_offsets("only-t1", -1, "", None, [("t1", 0, 1, -1, ""), ("t1", 1, 3, -1, "")])
+    await c.on_topic_deleted("t1")
+    assert [(t, p, o.offset) for t, p, o in c.fetch_offsets("g", None)] == [("t2", 0, 2)]
+    assert c.fetch_offsets("only-t1", None) == []
+    assert {g for g, _, _ in c.list_groups()} == {"g"}
+    await c.on_topic_deleted("never-committed")
+    await c.close()
+    c = GroupCoordinator(db, 0, "127.0.0.1", 9092, min_session_timeout_ms=10)
+    await c.start()
+    try:
+        assert [(t, p, o.offset) for t, p, o in c.fetch_offsets("g", None)] == [("t2", 0, 2)]
+        assert "only-t1" not in {g for g, _, _ in c.list_groups()}
+    finally:
+        await c.close()
+
+
 def test_parse_subscription_tolerates_garbage():
     assert parse_subscription(subscription("a", "b")) == {"a", "b"}
     assert parse_subscription(b"\x00") is None
