@@ -328,6 +328,8 @@ async def start_metrics(broker: Any) -> MetricsServer | None:
     An address given explicitly that cannot be bound is a start-up error naming the flag. The
     default address being taken (a second broker on the same host) is only a warning: that
     broker runs without metrics rather than failing to start."""
+    if getattr(broker, "metrics_server", None) is not None:
+        return broker.metrics_server            # already serving (started once per process)
     listen = broker.config.metrics_listen.strip()
     if listen.lower() in ("", "off", "none", "disabled"):
         return None
