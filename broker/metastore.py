@@ -12,12 +12,28 @@ import abc
 import base64
 import json
 import logging
+import os
 import uuid
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from storage import sqldb
 
 log = logging.getLogger(__name__)
+
+
+class ClusterMisconfigured(OSError):
+    """This broker's settings contradict the cluster it joins (an OSError: start-up reports it
+    as one line ``cannot start: ...`` and exits 1)."""
+
+
+def object_store_identity(url: str) -> str:
+    """What must be equal for two brokers to share data: scheme, bucket and prefix (the
+    ``?endpoint_url=...`` part may differ by where a broker runs), or a file:// directory."""
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        return "file://" + os.path.normpath(os.path.abspath(parts.netloc + parts.path))
+    return f"{parts.scheme}://{parts.netloc}/{parts.path.strip('/')}".rstrip("/")
 
 
 @dataclass
@@ -35,6 +51,9 @@ class MetadataStore(abc.ABC):
 
     @abc.abstractmethod
     def cluster_id(self) -> str: ...
+
+    def bind_object_store(self, object_store_url: str) -> None:
+        """Record (first broker) or check (every later one) the cluster's object store."""
 
     @abc.abstractmethod
     def load_topics(self) -> list[TopicRecord]: ...
@@ -115,6 +134,26 @@ class SqlMetadataStore(MetadataStore):
                        " ON CONFLICT (key) DO NOTHING", (new,))
             return str(tx.query_one(select)[0])
         return self.db.transact(body)
+
+    def bind_object_store(self, object_store_url: str) -> None:
+        """On a shared (PostgreSQL) database, the first broker records the object store and a
+        broker pointed at another one refuses to start: its data would be invisible to the
+        others. (An SQLite database belongs to one broker, whose data dir may move.)"""
+        if not self.db.is_postgres:
+            return
+        mine = object_store_identity(object_store_url)
+
+        def body(tx: sqldb.Tx) -> str:
+            tx.execute("INSERT INTO kafka_cluster(key, value) VALUES ('object_store', ?)"
+                       " ON CONFLICT (key) DO NOTHING", (mine,))
+            return str(tx.query_one(
+                "SELECT value FROM kafka_cluster WHERE key='object_store'")[0])
+        theirs = self.db.transact(body)
+        if theirs != mine:
+            raise ClusterMisconfigured(
+                f"--object-store {mine} is not this cluster's object store {theirs} (cluster"
+                f" {self.cluster_id()}): brokers sharing a metadata database must share one"
+                " object store")
 
     def load_topics(self) -> list[TopicRecord]:
         def body(tx: sqldb.Tx) -> tuple[list[tuple], list[tuple]]:

@@ -502,6 +502,8 @@ class Broker:
         cfg = self.config
         self.meta = await asyncio.to_thread(open_metadata_store, cfg.metadata_url)
         self.cluster_id = await asyncio.to_thread(self.meta.cluster_id)
+        if cfg.storage == "engine":
+            await asyncio.to_thread(self.meta.bind_object_store, cfg.object_store_url)
         self.store = self._open_store()
         await self.store.start()
         self.topic_manager = TopicManager(self, self.meta)

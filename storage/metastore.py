@@ -103,7 +103,9 @@ class MetaStore(abc.ABC):
         """Every committed object's ranges."""
 
     @abc.abstractmethod
-    def objects_in_state(self, state: str) -> list[tuple[int, str]]: ...
+    def objects_in_state(self, state: str, node_id: int | None = None) -> list[tuple[int, str]]:
+        """(object id, key) of the objects in ``state``; with ``node_id`` only that node's
+        (a broker sharing the database must not clean up another's upload in flight)."""
 
     @abc.abstractmethod
     def mark_destroyed(self, object_ids: list[int]) -> None: ...
@@ -267,9 +269,12 @@ class SqlMetaStore(MetaStore):
             " WHERE o.state='committed' ORDER BY r.stream_id, r.start_offset")
         return [ObjectRange(*r) for r in rows]
 
-    def objects_in_state(self, state: str) -> list[tuple[int, str]]:
-        return self.db.query("SELECT object_id, object_key FROM s3_objects WHERE state=?"
-                             " ORDER BY object_id", (state,))
+    def objects_in_state(self, state: str, node_id: int | None = None) -> list[tuple[int, str]]:
+        if node_id is None:
+            return self.db.query("SELECT object_id, object_key FROM s3_objects WHERE state=?"
+                                 " ORDER BY object_id", (state,))
+        return self.db.query("SELECT object_id, object_key FROM s3_objects WHERE state=? AND"
+                             " node_id=? ORDER BY object_id", (state, node_id))
 
     def mark_destroyed(self, object_ids: list[int]) -> None:
         self.db.transact(lambda tx: self._destroy(tx, object_ids))

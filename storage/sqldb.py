@@ -35,6 +35,7 @@ Step = tuple[int, str]              # (version, sql: one or more statements sepa
 CONNECT_TIMEOUT_S = 5
 _MIGRATION_LOCK_KEY = 0x53334B4146  # "S3KAF": the advisory lock id taken while migrating
 _RETRIES = 20
+_COMMIT_NOTE = "sqldb: failed during COMMIT"
 
 _DIALECT = {
     "sqlite": {"@ID@": "INTEGER PRIMARY KEY AUTOINCREMENT", "@BLOB@": "BLOB",
@@ -132,7 +133,10 @@ class Database:
     """One connection (SQLite file or PostgreSQL server) shared by a store's threads.
 
     A lock serialises its use (stores call it from worker threads); each statement outside a
-    transaction commits on its own."""
+    transaction commits on its own. A PostgreSQL connection that was lost (server restarted,
+    backend terminated) is reopened on the next use: a single statement outside a transaction
+    is then retried once (so such statements must be idempotent: every store's are), and a
+    ``transact`` body is rerun unless the connection broke during COMMIT (outcome unknown)."""
 
     def __init__(self, backend: "_Backend") -> None:
         self._b = backend
@@ -146,11 +150,20 @@ class Database:
     # --- single statements (autocommit) ---------------------------------------------------
     def execute(self, sql: str, params: Params = ()) -> int:
         with self._lock:
-            return self._b.execute(sql, params)
+            return self._once_more(lambda: self._b.execute(sql, params))
 
     def query(self, sql: str, params: Params = ()) -> list[tuple]:
         with self._lock:
-            return self._b.query(sql, params)
+            return self._once_more(lambda: self._b.query(sql, params))
+
+    def _once_more(self, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - filtered just below
+            if not self._b.lost(exc):
+                raise
+            self._b.reconnect()
+            return call()
 
     def query_one(self, sql: str, params: Params = ()) -> tuple | None:
         rows = self.query(sql, params)
@@ -163,13 +176,17 @@ class Database:
         exit, rolls back on an exception. Serialization failures propagate: use ``transact``
         for a body that may be retried."""
         with self._lock:
-            self._b.begin()
+            self._once_more(self._b.begin)
             try:
                 yield Tx(self._b)
             except BaseException:
                 self._b.rollback()
                 raise
-            self._b.commit()
+            try:
+                self._b.commit()
+            except Exception as exc:
+                exc.add_note(_COMMIT_NOTE)
+                raise
 
     def transact(self, body: Callable[[Tx], T]) -> T:
         """Run ``body`` in a transaction, retrying it when PostgreSQL reports a serialization
@@ -180,7 +197,13 @@ class Database:
                 with self.transaction() as tx:
                     return body(tx)
             except Exception as exc:  # noqa: BLE001 - filtered just below
-                if not self._b.retryable(exc) or attempt == _RETRIES - 1:
+                if attempt == _RETRIES - 1:
+                    raise
+                if self._b.lost(exc) and _COMMIT_NOTE not in getattr(exc, "__notes__", ()):
+                    with self._lock:
+                        self._b.reconnect()   # the server rolled the transaction back: rerun
+                    continue
+                if not self._b.retryable(exc):
                     raise
                 time.sleep(min(0.2, 0.002 * 2 ** attempt))
         raise AssertionError("unreachable")
@@ -241,6 +264,8 @@ class _Backend:
     def commit(self) -> None: ...
     def rollback(self) -> None: ...
     def retryable(self, exc: BaseException) -> bool: return False
+    def lost(self, exc: BaseException) -> bool: return False
+    def reconnect(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -309,21 +334,41 @@ class _PgBackend(_Backend):
         from psycopg import conninfo  # noqa: PLC0415
 
         self._psycopg = psycopg
+        self._url = url
         try:
-            info = conninfo.conninfo_to_dict(url)
+            self._info = conninfo.conninfo_to_dict(url)
         except psycopg.ProgrammingError as exc:
             raise MetadataUnreachable(f"bad PostgreSQL URL {redact(url)}: {exc}") from None
+        self._tx: Any = None
+        self._db = self._connect()
+
+    def _connect(self) -> Any:
+        psycopg, info = self._psycopg, self._info
         where = f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}"
         try:
-            self._db = psycopg.connect(url, autocommit=True,
-                                       connect_timeout=int(info.get("connect_timeout")
-                                                           or CONNECT_TIMEOUT_S))
+            db = psycopg.connect(self._url, autocommit=True,
+                                 connect_timeout=int(info.get("connect_timeout")
+                                                     or CONNECT_TIMEOUT_S))
         except psycopg.Error as exc:
             detail = " ".join(str(exc).split()) or type(exc).__name__
-            raise MetadataUnreachable(
-                f"cannot reach PostgreSQL metadata at {where} ({redact(url)}): {detail}") from None
-        self._db.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
-        self._tx: Any = None
+            raise MetadataUnreachable(f"cannot reach PostgreSQL metadata at {where}"
+                                      f" ({redact(self._url)}): {detail}") from None
+        db.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
+        return db
+
+    def lost(self, exc: BaseException) -> bool:
+        return isinstance(exc, self._psycopg.OperationalError) and (
+            self._db.closed or self._db.broken)
+
+    def reconnect(self) -> None:
+        self._tx = None
+        try:
+            self._db.close()
+        except self._psycopg.Error:
+            pass
+        self._db = self._connect()
+        log.warning("reconnected to PostgreSQL metadata at %s:%s",
+                    self._info.get("host") or "localhost", self._info.get("port") or 5432)
 
     @staticmethod
     def _sql(sql: str) -> str:
@@ -359,7 +404,7 @@ class _PgBackend(_Backend):
 
     def rollback(self) -> None:
         tx, self._tx = self._tx, None
-        if tx is not None:
+        if tx is not None and not self._db.broken and not self._db.closed:
             try:
                 tx.__exit__(RuntimeError, RuntimeError("rollback"), None)
             except self._psycopg.Error:

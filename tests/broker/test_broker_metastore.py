@@ -51,3 +51,21 @@ def test_one_cluster_id_per_database(metadata_url):
 def test_unsupported_url():
     with pytest.raises(ValueError, match="postgresql://"):
         open_metadata_store("mysql://x/y")
+
+
+def test_one_object_store_per_shared_database(metadata_url, tmp_path):
+    from broker.metastore import ClusterMisconfigured  # noqa: PLC0415
+
+    a, b = open_metadata_store(metadata_url), open_metadata_store(metadata_url)
+    a.bind_object_store("s3://bucket/cluster1?endpoint_url=http://minio:9000")
+    # the same bucket and prefix seen through another endpoint is the same store
+    b.bind_object_store("s3://bucket/cluster1/?endpoint_url=http://localhost:9000")
+    if metadata_url.startswith("sqlite"):
+        b.bind_object_store(f"file://{tmp_path}/moved")     # one broker's file: no check
+    else:
+        with pytest.raises(ClusterMisconfigured, match="s3://bucket/cluster2 is not this"
+                                                       " cluster's object store s3://bucket/"
+                                                       "cluster1"):
+            b.bind_object_store("s3://bucket/cluster2?endpoint_url=http://minio:9000")
+    a.close()
+    b.close()

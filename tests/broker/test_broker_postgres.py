@@ -87,7 +87,7 @@ def test_broker_on_postgres_keeps_topics_offsets_and_commits(broker_factory, pos
             "s3_streams", "kafka_cluster")}
         components = {r[0] for r in conn.execute("SELECT component FROM schema_migrations")}
     assert counts["kafka_topics"] == 1 and counts["kafka_partitions"] == 2
-    assert counts["kafka_group_offsets"] == 2 and counts["kafka_cluster"] == 1
+    assert counts["kafka_group_offsets"] == 2 and counts["kafka_cluster"] == 2  # id, store
     assert components == {"engine", "kafka", "groups", "producers"}
 
 
@@ -120,3 +120,20 @@ def test_bad_metadata_url_is_a_configuration_error(tmp_path):
          "--metadata", "mysql://h/db"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "metadata must be sqlite:///PATH or postgresql://" in out.stderr
+
+
+def test_second_broker_on_another_object_store_is_refused(broker_factory, postgres, tmp_path):
+    url = postgres.new_database()
+    first = broker_factory([*ARGS, "--metadata", url])          # objects in its data dir
+    first.stop()
+    out = subprocess.run(
+        [sys.executable, "-m", "broker", "serve", "--listen", f"127.0.0.1:{free_port()}",
+         "--data-dir", str(tmp_path / "other"), "--node-id", "1", "--wal-capacity",
+         str(64 << 20), "--metadata", url],
+        cwd=REPO, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    (line,) = [ln for ln in text.splitlines() if "cannot start" in ln]
+    assert f"--object-store file://{tmp_path / 'other' / 'objects'} is not this cluster's" \
+           f" object store file://{first.data_dir / 'objects'}" in line
+    assert "Traceback" not in text

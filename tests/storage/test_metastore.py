@@ -21,6 +21,8 @@ def test_object_lifecycle_round_trip(metadata_url: str) -> None:
     oid, key = m.prepare_object("sso", 3)
     assert key == f"sso/3/{oid:012d}"
     assert m.objects_in_state("prepared") == [(oid, key)]
+    assert m.objects_in_state("prepared", node_id=3) == [(oid, key)]
+    assert m.objects_in_state("prepared", node_id=4) == []          # another broker's upload
     m.commit_objects([NewObject(oid, 1234, [StreamRange(a, 0, 10), StreamRange(b, 0, 5)])], [])
     m.set_stream_start(a, 4)
     m.set_stream_start(a, 2)                      # never moves backwards

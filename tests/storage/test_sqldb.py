@@ -131,3 +131,38 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_lost_postgres_connection_is_reopened(postgres) -> None:
+    """The server drops the broker's connection (restart, failover, idle kill): the next
+    calls reconnect; a transaction that was open when it broke is rerun, never half-applied."""
+    import psycopg  # noqa: PLC0415
+
+    url = postgres.new_database()
+    db = sqldb.connect(url)
+    db.migrate("t", STEPS)
+    db.execute("INSERT INTO t_owner VALUES ('n', 0, 0)")
+
+    def kill(conn_db: sqldb.Database) -> None:
+        (pid,) = conn_db.query_one("SELECT pg_backend_pid()")
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+
+    kill(db)
+    assert db.query("SELECT owner FROM t_owner") == [(0,)]          # reconnected, retried
+    kill(db)
+    db.execute("UPDATE t_owner SET owner=5 WHERE k='n'")
+    runs = []
+
+    def body(tx: sqldb.Tx) -> None:
+        runs.append(1)
+        tx.execute("INSERT INTO t_items(name) VALUES ('x')")
+        if len(runs) == 1:
+            kill(db)                                      # dies in the middle of the body
+        tx.execute("UPDATE t_owner SET owner=owner+1 WHERE k='n'")
+
+    db.transact(body)
+    assert len(runs) == 2
+    assert db.query("SELECT count(*) FROM t_items") == [(1,)]
+    assert db.query("SELECT owner FROM t_owner") == [(6,)]
+    db.close()
