@@ -48,7 +48,22 @@ _HELP = {
     "metrics_listen": "HOST:PORT serving Prometheus /metrics, or off (default "
                       "127.0.0.1:9644; if that default is taken the broker warns and runs "
                       "without metrics, an explicit address that is taken is an error)",
+    "allow_degraded_start": "start even when the object store check fails (uploads wait and "
+                            "retry; a warning every minute until it works). Default: exit "
+                            "with the error, unless the WAL holds data (a restart)",
 }
+_ENGINE_HELP = {
+    "wal_format": "erase and format a --wal file or device that holds data which is not an "
+                  "s3kafka WAL (default false: refuse it; blank space is formatted anyway)",
+}
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake in one line (no usage block) and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
 
 ADMIN_COMMANDS = {"topics": "admin: list, describe, create, delete, alter topics",
                   "groups": "admin: list, describe, reset offsets of, delete consumer groups",
@@ -90,9 +105,14 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _bool_flag(kind: object) -> dict[str, str]:
+    """A boolean option alone means true (``--wal-format``); ``--wal-format false`` works too."""
+    return {"nargs": "?", "const": "true"} if kind is bool else {}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="s3kafka", description="Kafka-compatible broker on "
-                                     "object storage behind a Delta WAL")
+    parser = OneLineArgumentParser(prog="s3kafka", description="Kafka-compatible broker on "
+                                   "object storage behind a Delta WAL")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the broker",
                            description="Run one broker. Every option can also be set with the "
@@ -104,15 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
             serve.add_argument(_flag(name), "--topic-default", dest=name, action="append",
                                default=None, metavar="NAME=VALUE", help=_HELP[name])
             continue
-        serve.add_argument(_flag(name), dest=name, default=None,
+        serve.add_argument(_flag(name), dest=name, default=None, **_bool_flag(kind),
                            metavar=getattr(kind, "__name__", "VALUE").upper(),
                            help=_HELP.get(name, ""))
     eng = serve.add_argument_group("storage engine knobs (docs/storage.md)")
     defaults = engine_defaults()
     for name, kind in engine_fields().items():
-        eng.add_argument(_flag(name), dest=name, default=None,
+        eng.add_argument(_flag(name), dest=name, default=None, **_bool_flag(kind),
                          metavar=getattr(kind, "__name__", "VALUE").upper(),
-                         help=f"default {defaults.get(name)!r}")
+                         help=_ENGINE_HELP.get(name, f"default {defaults.get(name)!r}"))
     for name, text in ADMIN_COMMANDS.items():  # listed for --help; main() hands them over
         sub.add_parser(name, help=text, add_help=False)
     return parser
@@ -144,9 +164,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"s3kafka: configuration error: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level, cfg.log_format)
+    from .startup_checks import StartupError, prepare  # noqa: PLC0415
+
+    try:
+        startup = prepare(cfg)
+    except StartupError as exc:
+        print(f"s3kafka: cannot start: {exc}", file=sys.stderr)
+        return 1
     from .server import run  # noqa: PLC0415 - keep --help fast
 
-    return run(cfg)
+    try:
+        return run(cfg, startup)
+    finally:
+        startup.release()
 
 
 if __name__ == "__main__":

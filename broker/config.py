@@ -6,6 +6,7 @@ Every engine knob (``storage.engine.EngineConfig``) is exposed automatically as 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import socket
@@ -49,6 +50,7 @@ class BrokerConfig:
     log_level: str = "INFO"
     log_format: str = "text"                 # text (key=value) | json
     metrics_listen: str = "127.0.0.1:9644"   # Prometheus /metrics; "" or "off" = not served
+    allow_degraded_start: bool = False       # start even when the object store check fails
     config: str = ""                         # the config file these values were read from
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig overrides (field -> value)
 
@@ -218,18 +220,72 @@ def _norm(key: str) -> str:
     return key.strip().lower().replace("-", "_").replace(".", "_")
 
 
-def read_config_file(path: str) -> dict[str, Any]:
+class ConfigFileError(ValueError):
+    """A config file mistake; the message names the file and, where known, the line."""
+
+
+def _toml_key_lines(text: str) -> dict[str, int]:
+    """Normalised key -> line number of its ``key = value`` line (tables ``[engine]`` and
+    ``[topic_defaults]`` flattened the way read_config_file flattens them)."""
+    lines: dict[str, int] = {}
+    table = ""
+    for lineno, line in enumerate(text.splitlines(), 1):
+        m = re.match(r"\s*\[\s*([^\]]+?)\s*\]", line)
+        if m:
+            table = _norm(m.group(1).strip('"'))
+            continue
+        m = re.match(r"\s*(\"[^\"]*\"|'[^']*'|[A-Za-z0-9_.\-]+)\s*=", line)
+        if not m:
+            continue
+        key = _norm(m.group(1).strip("\"'"))
+        if table in ("", "engine"):
+            lines.setdefault(key, lineno)
+        elif table not in ("topic_defaults", "topic"):
+            lines.setdefault(f"{table}_{key}", lineno)
+        if table in ("topic_defaults", "topic"):
+            lines.setdefault("topic_defaults", lineno)
+    return lines
+
+
+def _flatten(prefix: str, table: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in table.items():
+        key = f"{prefix}_{_norm(k)}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(key, v))
+        else:
+            out[key] = v
+    return out
+
+
+def read_config_file(path: str, lines: dict[str, int] | None = None) -> dict[str, Any]:
     """TOML (``*.toml``, or when it parses as TOML) or ``key=value`` properties -> flat dict.
 
     TOML tables ``[engine]`` and ``[topic_defaults]`` are understood; properties files may use
     ``topic.defaults.<name>=value`` (or ``topic_defaults.<name>``) for topic config defaults.
+    ``lines`` (when given) receives each key's line number, for messages naming the line.
+    Raises ConfigFileError naming the file (and line) for anything it cannot read.
     """
-    with open(path, "rb") as fh:
-        raw = fh.read()
-    text = raw.decode("utf-8")
+    lines = {} if lines is None else lines
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as e:
+        raise ConfigFileError(f"config file {path}: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigFileError(f"config file {path}, line {line}: not UTF-8 text") from None
     data: dict[str, Any] | None = None
     if path.endswith(".toml"):
-        data = tomllib.loads(text)
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            m = re.search(r"\(at line (\d+), column \d+\)", str(e))
+            where = f", line {m.group(1)}" if m else ""
+            msg = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(e))
+            raise ConfigFileError(f"config file {path}{where}: invalid TOML: {msg}") from None
     else:
         try:
             data = tomllib.loads(text)
@@ -237,6 +293,7 @@ def read_config_file(path: str) -> dict[str, Any]:
             data = None
     out: dict[str, Any] = {}
     if data is not None:
+        lines.update(_toml_key_lines(text))
         for k, v in data.items():
             nk = _norm(k)
             if isinstance(v, dict) and nk == "engine":
@@ -244,6 +301,8 @@ def read_config_file(path: str) -> dict[str, Any]:
                     out[_norm(ek)] = ev
             elif isinstance(v, dict) and nk in ("topic_defaults", "topic"):
                 out["topic_defaults"] = {str(tk): _scalar_str(tv) for tk, tv in v.items()}
+            elif isinstance(v, dict):        # dotted keys (node.id = 0) or another table
+                out.update(_flatten(nk, v))
             else:
                 out[nk] = v
         return out
@@ -254,17 +313,30 @@ def read_config_file(path: str) -> dict[str, Any]:
             continue
         sep = min((i for i in (line.find("="), line.find(":")) if i > 0), default=-1)
         if sep < 0:
-            raise ValueError(f"{path}:{lineno}: expected key=value")
+            raise ConfigFileError(f"config file {path}, line {lineno}: expected key=value, "
+                                  f"got {line[:60]!r}")
         k, v = line[:sep].strip(), line[sep + 1:].strip()
         for prefix in ("topic.defaults.", "topic_defaults.", "topic-defaults."):
             if k.startswith(prefix):
                 topic_defaults[k[len(prefix):]] = v
+                lines.setdefault("topic_defaults", lineno)
                 break
         else:
             out[_norm(k)] = v
+            lines[_norm(k)] = lineno
     if topic_defaults:
         out["topic_defaults"] = topic_defaults
     return out
+
+
+def _where(source: str, name: str, config_path: str, lines: Mapping[str, int]) -> str:
+    """Where a value came from, for error messages: the flag, the variable or file:line."""
+    if source == "flag":
+        return "--" + name.replace("_", "-")
+    if source == "env":
+        return ENV_PREFIX + name.upper()
+    line = lines.get(name)
+    return f"config file {config_path}" + (f", line {line}" if line else "") + f" ({name})"
 
 
 def build_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> BrokerConfig:
@@ -272,11 +344,19 @@ def build_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None)
     env = os.environ if env is None else env
     bf, ef = broker_fields(), engine_fields()
     config_path = flags.get("config") or env.get(ENV_PREFIX + "CONFIG") or ""
-    file_vals = read_config_file(config_path) if config_path else {}
-    unknown = [k for k in file_vals if k not in bf and k not in ef and k not in _ENGINE_RENAMES
-               and k != "config"]
+    lines: dict[str, int] = {}
+    file_vals = read_config_file(config_path, lines) if config_path else {}
+    known = set(bf) | set(ef) | set(_ENGINE_RENAMES) | {"config"}
+    unknown = sorted((k for k in file_vals if k not in known), key=lambda k: lines.get(k, 0))
     if unknown:
-        raise ValueError(f"unknown key(s) in {config_path}: {', '.join(sorted(unknown))}")
+        first = unknown[0]
+        line = lines.get(first)
+        hint = difflib.get_close_matches(first, sorted(known), n=1)
+        more = f" (and {len(unknown) - 1} more: {', '.join(unknown[1:])})" if unknown[1:] else ""
+        raise ConfigFileError(
+            f"config file {config_path}" + (f", line {line}" if line else "")
+            + f": unknown option {first!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+            + more)
     cfg = BrokerConfig(config=config_path)
     for name, kind in {**bf, **ef}.items():
         value: Any = flags.get(name)
@@ -295,13 +375,62 @@ def build_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None)
             else:
                 parsed = convert(kind, value)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"bad value for {name} ({source}): {exc}") from None
+            raise ValueError(f"bad value for {_where(source, name, config_path, lines)}: {exc}"
+                             ) from None
         if name in bf:
             setattr(cfg, name, parsed)
         else:
             cfg.engine[name] = parsed
     validate(cfg)
     return cfg
+
+
+_STORE_FORMS = "file:///DIR, s3://BUCKET[/PREFIX][?endpoint_url=http://HOST:PORT&...] or mem://"
+
+
+def check_object_store_url(url: str) -> None:
+    """Refuse an object store URL no store can be built from (no I/O)."""
+    from urllib.parse import parse_qs, urlsplit  # noqa: PLC0415
+
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:
+        raise ValueError(f"bad object_store URL {url!r}: {e}; expected {_STORE_FORMS}") from None
+    if parts.scheme not in ("file", "s3", "mem", ""):
+        raise ValueError(f"bad object_store URL {url!r}: unknown scheme {parts.scheme!r}; "
+                         f"expected {_STORE_FORMS}")
+    if parts.scheme == "s3":
+        if not parts.netloc:
+            raise ValueError(f"bad object_store URL {url!r}: no bucket; expected {_STORE_FORMS}")
+        endpoint = parse_qs(parts.query).get("endpoint_url", [""])[-1]
+        if endpoint and urlsplit(endpoint).scheme not in ("http", "https"):
+            raise ValueError(f"bad object_store URL {url!r}: endpoint_url {endpoint!r} must "
+                             "start with http:// or https://")
+    if parts.scheme == "file" and not (parts.path or parts.netloc):
+        raise ValueError(f"bad object_store URL {url!r}: no directory; expected {_STORE_FORMS}")
+
+
+def check_metadata_url(url: str) -> None:
+    """Refuse a metadata URL the metadata stores cannot open (no I/O)."""
+    if url.startswith(("postgresql://", "postgres://")):
+        from urllib.parse import urlsplit  # noqa: PLC0415
+
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError as e:
+            raise ValueError(f"bad metadata URL: {e}") from None
+        if not parts.hostname and "host=" not in parts.query:
+            raise ValueError("bad metadata URL: no host; expected "
+                             "postgresql://USER:PASS@HOST:PORT/DB")
+        return
+    if url.startswith("sqlite:"):
+        if not url.startswith("sqlite:///") or len(url) <= len("sqlite:///"):
+            raise ValueError(f"bad metadata URL {url!r}: expected sqlite:///relative/path.db or "
+                             "sqlite:////absolute/path.db")
+        return
+    raise ValueError(f"bad metadata URL {url!r}: expected sqlite:///PATH or "
+                     "postgresql://USER:PASS@HOST:PORT/DB")
 
 
 def validate(cfg: BrokerConfig) -> None:
@@ -326,9 +455,8 @@ def validate(cfg: BrokerConfig) -> None:
         raise ValueError("log_format must be 'text' or 'json'")
     if cfg.node_id < 0:
         raise ValueError("node_id must be >= 0")
-    if cfg.metadata and not cfg.metadata.startswith(("sqlite:///", "postgresql://",
-                                                     "postgres://")):
-        raise ValueError("metadata must be sqlite:///PATH or postgresql://USER:PASS@HOST:PORT/DB")
+    check_object_store_url(cfg.object_store_url)
+    check_metadata_url(cfg.metadata_url)
     # engine options with a fixed set of values: refused here, not in a traceback at start
     from storage.thread_priority import IO_CLASSES  # noqa: PLC0415
     from storage.wal.config import SYNC_MODES  # noqa: PLC0415

@@ -463,8 +463,10 @@ class FramePool:
 class Broker:
     """Everything one s3kafka process owns; handlers reach it as ``ctx.broker``."""
 
-    def __init__(self, config: BrokerConfig) -> None:
+    def __init__(self, config: BrokerConfig, startup: Any = None) -> None:
         self.config = config
+        self.startup = startup            # startup_checks.Startup: locks held, store state
+        self._store_watch: asyncio.Task | None = None
         self.meta: MetadataStore | None = None
         self.store: Any = None
         self.groups: Any = None
@@ -514,9 +516,20 @@ class Broker:
             backlog=1024)
         _tune_gc()
         sock = self._server.sockets[0].getsockname()
+        from .startup_checks import redact_url, watch_degraded_store  # noqa: PLC0415
+
+        engine = cfg.storage == "engine"
+        ec = cfg.engine_config() if engine else None
         log.info("broker started listen=%s:%d advertised=%s:%d node_id=%d cluster_id=%s "
-                 "data_dir=%s storage=%s", sock[0], sock[1], cfg.advertised_host,
-                 cfg.advertised_port, cfg.node_id, self.cluster_id, cfg.data_path, cfg.storage)
+                 "data_dir=%s storage=%s wal=%s wal_capacity=%s object_store=%s metadata=%s",
+                 sock[0], sock[1], cfg.advertised_host, cfg.advertised_port, cfg.node_id,
+                 self.cluster_id, cfg.data_path, cfg.storage, ec.wal_path if ec else "-",
+                 ec.wal_capacity if ec else "-",
+                 redact_url(cfg.object_store_url) if engine else "-", cfg.metadata_url)
+        if engine and self.startup is not None and self.startup.store_error:
+            self._store_watch = asyncio.create_task(watch_degraded_store(
+                cfg.object_store_url, self.startup.store_error, self.startup.degraded_reason),
+                name="s3kafka-store-watch")
 
     @property
     def port(self) -> int:
@@ -556,6 +569,8 @@ class Broker:
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish, close partitions, flush storage."""
         log.info("broker stopping connections=%d", len(self.connections))
+        if self._store_watch is not None:
+            self._store_watch.cancel()
         if self._server is not None:
             self._server.close()
         for c in list(self.connections):
@@ -623,9 +638,9 @@ def _tune_gc() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
-async def serve(config: BrokerConfig) -> None:
+async def serve(config: BrokerConfig, startup: Any = None) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
-    broker = Broker(config)
+    broker = Broker(config, startup)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -646,8 +661,12 @@ async def serve(config: BrokerConfig) -> None:
     await broker.stop()
 
 
-def run(config: BrokerConfig) -> int:
-    """Process entry: uvloop when available; exit code 0 after a clean shutdown."""
+def run(config: BrokerConfig, startup: Any = None) -> int:
+    """Process entry: uvloop when available; exit code 0 after a clean shutdown, 1 (with one
+    line, no traceback) when start-up meets a known environment error."""
+    from storage.objects.store import ObjectStoreError  # noqa: PLC0415
+    from storage.wal.errors import WALError  # noqa: PLC0415
+
     try:
         import uvloop  # noqa: PLC0415
 
@@ -655,8 +674,8 @@ def run(config: BrokerConfig) -> int:
     except ImportError:  # pragma: no cover
         runner = asyncio.run
     try:
-        runner(serve(config))
-    except OSError as exc:
-        log.error("cannot start: %s", exc)
+        runner(serve(config, startup))
+    except (OSError, ValueError, WALError, ObjectStoreError) as exc:
+        log.error("cannot start: %s", " ".join(str(exc).split()))
         return 1
     return 0

@@ -65,6 +65,7 @@ class EngineConfig:
     cleanup_interval_s: float = 10.0         # how often dead objects are looked for
     backpressure_timeout_s: float = 5.0      # append waits this long for cache/WAL room
     wal_sync_mode: str = "dsync"
+    wal_format: bool = False                 # erase and format a WAL path holding foreign data
     wal_flush_interval_s: float = 1 / 3000
     wal_io_engine: str = "aio"               # "aio": the event loop writes the WAL with native
                                              # AIO; "threads": IO threads do (docs/wal.md)
@@ -357,7 +358,8 @@ class Engine(StreamStore):
         self.wal = DeltaWAL(WALConfig(path=c.wal_path, capacity=c.wal_capacity, node_id=c.node_id,
                                       sync_mode=c.wal_sync_mode,
                                       flush_interval_s=c.wal_flush_interval_s,
-                                      io_engine=c.wal_io_engine))
+                                      io_engine=c.wal_io_engine,
+                                      allow_format=c.wal_format))
         recovered = await self.io(lambda: list(self.wal.open()))
         self.wal.attach_loop()
         self._wal_trimmed = self.wal.trim_offset

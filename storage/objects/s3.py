@@ -24,7 +24,7 @@ PART_SIZE = 16 << 20
 class S3ObjectStore(ObjectStore):
     """Keys live under ``prefix/`` in ``bucket``; objects over 16 MiB use multipart upload."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, probe: bool = False) -> None:
         self.url = url
         parts = urlsplit(url)
         self.bucket = parts.netloc
@@ -35,9 +35,13 @@ class S3ObjectStore(ObjectStore):
             cp.read(opts["config"])
             if cp.has_section("s3"):
                 opts = {**dict(cp.items("s3")), **opts}
-        cfg = Config(retries={"max_attempts": int(opts.get("max_attempts", 4)), "mode": "adaptive"},
-                     connect_timeout=float(opts.get("connect_timeout", 3)),
-                     read_timeout=float(opts.get("read_timeout", 20)),
+        connect_timeout = float(opts.get("connect_timeout", 3))
+        read_timeout = float(opts.get("read_timeout", 20))
+        retries = {"max_attempts": int(opts.get("max_attempts", 4)), "mode": "adaptive"}
+        if probe:       # the start-up check: a black-holed endpoint fails in seconds
+            connect_timeout, read_timeout = min(connect_timeout, 2.0), min(read_timeout, 3.0)
+            retries = {"max_attempts": 2, "mode": "standard"}
+        cfg = Config(retries=retries, connect_timeout=connect_timeout, read_timeout=read_timeout,
                      max_pool_connections=32,
                      s3={"addressing_style": opts.get("addressing_style", "path")})
         self.client = boto3.session.Session().client(
@@ -120,6 +124,23 @@ class S3ObjectStore(ObjectStore):
         except (BotoCoreError, ClientError) as e:
             raise ObjectStoreError(f"list: {e}") from e
         return sorted(out)
+
+    def check(self) -> None:
+        """HeadBucket first (a missing bucket or wrong credentials say so), then the
+        write/read/delete round trip."""
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            if code in ("404", "NoSuchBucket", "NotFound"):
+                raise ObjectStoreError(f"bucket {self.bucket!r} does not exist") from e
+            if code in ("403", "AccessDenied", "Forbidden"):
+                raise ObjectStoreError(f"access to bucket {self.bucket!r} denied (check the "
+                                       "credentials)") from e
+            raise ObjectStoreError(f"bucket {self.bucket!r}: {e}") from e
+        except BotoCoreError as e:
+            raise ObjectStoreError(str(e)) from e
+        super().check()
 
     def close(self) -> None:
         self.client.close()

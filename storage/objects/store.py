@@ -62,6 +62,20 @@ class ObjectStore(abc.ABC):
     def close(self) -> None:
         """Release clients/connections."""
 
+    def check(self) -> None:
+        """Write, read back and delete a small object (the broker's start-up check): raises
+        ObjectStoreError naming the step that failed."""
+        key = f"_s3kafka-check-{uuid.uuid4().hex}"
+        data = b"s3kafka start-up check\n"
+        self.put(key, data)
+        try:
+            got = bytes(self.get(key))
+        finally:
+            self.delete([key])
+        if got != data:
+            raise ObjectStoreError(f"object {key} read back {len(got)} bytes that differ from "
+                                   f"the {len(data)} written")
+
 
 # Objects are written to their file in pieces of this size, each made durable before the next:
 # see FileObjectStore.put.
@@ -271,8 +285,9 @@ class MemObjectStore(ObjectStore):
             return sorted(k for k in self.objects if k.startswith(prefix))
 
 
-def open_object_store(url: str) -> ObjectStore:
-    """Build a store from ``file://DIR``, ``mem://[name]`` or ``s3://bucket/prefix?...``."""
+def open_object_store(url: str, probe: bool = False) -> ObjectStore:
+    """Build a store from ``file://DIR``, ``mem://[name]`` or ``s3://bucket/prefix?...``.
+    ``probe``: short timeouts and few retries (the start-up check must not hang)."""
     parts = urlsplit(url)
     if parts.scheme == "file":
         return FileObjectStore(parts.netloc + parts.path if parts.netloc not in ("", "localhost")
@@ -281,7 +296,7 @@ def open_object_store(url: str) -> ObjectStore:
         return MemObjectStore(parts.netloc + parts.path)
     if parts.scheme == "s3":
         from .s3 import S3ObjectStore
-        return S3ObjectStore(url)
+        return S3ObjectStore(url, probe=probe)
     if parts.scheme == "" and url:
         return FileObjectStore(url)
     raise ValueError(f"unsupported object store URL {url!r}")

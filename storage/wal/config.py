@@ -46,6 +46,9 @@ class WALConfig:
     # 5 ms switch interval a busy event loop delays every acknowledgement by up to 5 ms. open()
     # lowers the process-wide interval to this value (never raises it); None leaves it alone.
     gil_switch_interval_s: float | None = 0.0005
+    # format a file/device that holds data which is not an s3kafka WAL (erasing it); without
+    # it such a path is refused. Blank (all-zero) space and new files are formatted anyway.
+    allow_format: bool = False
 
     def validate(self) -> None:
         """Reject settings that would make the on-disk format or recovery unsound."""

@@ -18,8 +18,8 @@ import struct
 import threading
 import time
 
-from .errors import CapacityMismatchError, WALError
-from .format import ALIGN, align_up
+from .errors import CapacityMismatchError, WALError, WALLockedError, WALPathError
+from .format import ALIGN, HEADER_AREA, HEADER_SLOT_SIZE, WALHeader, align_up, newest_header
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +85,164 @@ def _device_size(fd: int, st: os.stat_result) -> int:
     return st.st_size
 
 
+# How much of an existing file or device must be zero for it to count as blank (formattable
+# without --wal-format): the header slots plus the start of the ring. A filesystem, partition
+# table or LVM label always writes inside this range.
+BLANK_PROBE_BYTES = 1 << 20
+
+
+def _human(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << (shift - 4)) == 0:
+            return f"{n / (1 << shift):g} {unit}"
+    return f"{n} bytes"
+
+
+def lock_holder(path: str) -> str:
+    """Who holds a lock on path, from /proc/locks: "pid N (command line)" or "" if unknown."""
+    try:
+        st = os.stat(path)
+        ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks") as fh:
+            for line in fh:
+                parts = line.split()
+                if "->" in parts:
+                    continue
+                if len(parts) >= 6 and parts[5] == ident:
+                    pid = int(parts[4])
+                    try:
+                        with open(f"/proc/{pid}/cmdline", "rb") as c:
+                            cmd = c.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                    except OSError:
+                        cmd = ""
+                    return f"pid {pid}" + (f" ({cmd[:120]})" if cmd else "")
+    except (OSError, ValueError):
+        pass
+    return ""
+
+
+def lock_exclusive(fd: int, path: str, what: str = "WAL") -> None:
+    """Take the exclusive, non-blocking flock that keeps a second broker off this file or
+    device (released when the descriptor closes, also on kill -9)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = lock_holder(path)
+        raise WALLockedError(f"{what} {path} is in use by another process"
+                             + (f": {holder}" if holder else "")
+                             + "; stop that broker first or give this one its own --wal") from None
+
+
+def classify(head: bytes | memoryview) -> tuple[str, WALHeader | None]:
+    """What the first bytes of a file/device hold: ("wal", header), ("blank", None) for all
+    zeros, or ("foreign", None) for data that is not an s3kafka WAL."""
+    hdr = newest_header(head[:HEADER_SLOT_SIZE], head[HEADER_SLOT_SIZE:HEADER_AREA])
+    if hdr is not None:
+        return "wal", hdr
+    if not any(head):
+        return "blank", None
+    return "foreign", None
+
+
+def inspect_wal_path(path: str, capacity: int, allow_format: bool = False) -> str:
+    """Check, without changing anything, that path can hold a WAL of `capacity` bytes.
+
+    Returns "new" (the file will be created), "blank", "wal" or "format" (foreign data that
+    allow_format lets the broker erase). Raises WALPathError / CapacityMismatchError /
+    WALLockedError with a one-line message otherwise: a path under /dev that does not exist
+    (never create a regular file there), a directory, a device or file smaller than the
+    capacity with no room to grow, foreign data, a WAL formatted with another capacity, or a
+    WAL another process holds."""
+    apath = os.path.abspath(path)
+    try:
+        st = os.stat(apath)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise WALPathError(f"cannot use WAL path {path}: {e.strerror}") from None
+    if st is None:
+        if apath == "/dev" or apath.startswith("/dev/"):
+            raise WALPathError(f"WAL device {path} does not exist (a path under /dev must be an "
+                               "existing block device; s3kafka never creates files there)")
+        parent = os.path.dirname(apath)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise WALPathError(f"cannot create WAL file {path}: {parent} is not a directory")
+        if not os.access(parent, os.W_OK):
+            raise WALPathError(f"cannot create WAL file {path}: {parent} is not writable")
+        _check_space(path, parent, capacity, 0)
+        return "new"
+    if stat.S_ISDIR(st.st_mode):
+        raise WALPathError(f"WAL path {path} is a directory; --wal names a file or block "
+                           "device (default <data-dir>/wal)")
+    is_blk = stat.S_ISBLK(st.st_mode)
+    if not is_blk and not stat.S_ISREG(st.st_mode):
+        raise WALPathError(f"WAL path {path} is neither a regular file nor a block device")
+    try:
+        fd = os.open(apath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise WALPathError(f"cannot open WAL {path}: {e.strerror}") from None
+    try:
+        size = _device_size(fd, os.fstat(fd))
+        head = os.pread(fd, BLANK_PROBE_BYTES, 0)
+        try:                                   # a lock probe: released again at close
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = lock_holder(apath)
+            hdr = newest_header(head[:HEADER_SLOT_SIZE], head[HEADER_SLOT_SIZE:HEADER_AREA])
+            node = f", node {hdr.node_id}" if hdr is not None else ""
+            raise WALLockedError(f"WAL {path} is in use by another broker ("
+                                 + (holder or "holder unknown") + node
+                                 + "); stop it first or give this broker its own --wal"
+                                 ) from None
+    finally:
+        os.close(fd)
+    kind, hdr = classify(head)
+    if kind == "wal":
+        assert hdr is not None
+        if hdr.capacity != capacity:
+            raise CapacityMismatchError(
+                f"WAL {path} was formatted with capacity {hdr.capacity} ({_human(hdr.capacity)})"
+                f" but the configured capacity is {capacity} ({_human(capacity)}); start with "
+                f"--wal-capacity {hdr.capacity}")
+    elif kind == "foreign" and not allow_format:
+        raise WALPathError(
+            f"WAL {path} holds data that is not an s3kafka WAL; refusing to overwrite it "
+            "(pass --wal-format to erase and format it)")
+    if is_blk:
+        if size < capacity:
+            raise WALPathError(f"WAL device {path} has {size} bytes ({_human(size)}), less "
+                               f"than the WAL capacity {capacity} ({_human(capacity)}); "
+                               f"pass --wal-capacity {size // ALIGN * ALIGN} or less")
+    elif size < capacity:
+        _check_space(path, os.path.dirname(apath), capacity, st.st_blocks * 512)
+    return {"wal": "wal", "blank": "blank", "foreign": "format"}[kind]
+
+
+def _check_space(path: str, directory: str, capacity: int, allocated: int) -> None:
+    """Refuse a WAL file the filesystem cannot hold (before anything is preallocated)."""
+    try:
+        vfs = os.statvfs(directory)
+    except OSError:
+        return
+    free = vfs.f_bavail * vfs.f_frsize
+    need = capacity - allocated
+    if need > free:
+        fit = max((free + allocated) // 2 // ALIGN * ALIGN, 0)
+        raise WALPathError(
+            f"no space for the WAL {path}: its capacity {capacity} ({_human(capacity)}) needs "
+            f"{_human(need)} more, the filesystem has {_human(free)} free; pass a smaller "
+            f"--wal-capacity (e.g. {_human(fit)}) or free space")
+
+
 class Device:
     """Positional, aligned reads and writes with the configured durability barrier."""
 
-    def __init__(self, path: str, capacity: int, sync_mode: str = "dsync") -> None:
+    def __init__(self, path: str, capacity: int, sync_mode: str = "dsync",
+                 lock: bool = False) -> None:
         self.path = path
+        self.lock = lock
         self.capacity = capacity
         self.sync_mode = sync_mode
         self.direct = True
@@ -108,12 +261,18 @@ class Device:
         return flags
 
     def _open(self) -> None:
+        apath = os.path.abspath(self.path)
         exists = os.path.exists(self.path)
         if exists:
             st = os.stat(self.path)
             self.is_block_device = stat.S_ISBLK(st.st_mode)
+            if stat.S_ISDIR(st.st_mode):
+                raise WALPathError(f"WAL path {self.path} is a directory")
         if not exists:
-            parent = os.path.dirname(os.path.abspath(self.path))
+            if apath == "/dev" or apath.startswith("/dev/"):
+                raise WALPathError(f"WAL device {self.path} does not exist (s3kafka never "
+                                   "creates files under /dev)")
+            parent = os.path.dirname(apath)
             os.makedirs(parent, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             os.close(fd)
@@ -127,6 +286,8 @@ class Device:
             self.direct = False
         self._fd = fd
         try:
+            if self.lock:
+                lock_exclusive(fd, self.path)
             st = os.fstat(fd)
             size = _device_size(fd, st)
             if self.is_block_device:
@@ -137,8 +298,12 @@ class Device:
             elif size < self.capacity:
                 self._preallocate(size)
             if self.direct and not self._probe_direct():
+                # the lock belongs to the open file description: take it again on the new
+                # one (the data-dir lock keeps a second broker of this data dir out meanwhile)
                 os.close(fd)
                 self._fd = os.open(self.path, self._flags(False))
+                if self.lock:
+                    lock_exclusive(self._fd, self.path)
                 self.direct = False
             if self.direct and not self.is_block_device and size < self.capacity:
                 self._zero_fill(align_up(size))

@@ -23,3 +23,12 @@ class WALClosedError(WALError):
 
 class RecordTooLargeError(WALError, ValueError):
     """A record body exceeds max_record_size or cannot fit in the ring at all."""
+
+
+class WALLockedError(WALError):
+    """Another process holds the WAL's exclusive lock (a second broker on the same WAL)."""
+
+
+class WALPathError(WALError):
+    """The WAL path cannot be used as given: missing device, a directory, foreign data, no
+    space. Nothing was changed on disk when this is raised."""

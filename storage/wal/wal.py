@@ -24,13 +24,13 @@ import crc32c
 
 from .block import Block, BufferPool
 from .config import IO_RETRIES, IO_RETRY_DELAY_S, WALConfig
-from .device import Device, aligned_buffer
+from .device import BLANK_PROBE_BYTES, Device, aligned_buffer, classify
 from .errors import (CapacityMismatchError, FencedError, OverCapacityError,
-                     RecordTooLargeError, WALClosedError, WALError)
+                     RecordTooLargeError, WALClosedError, WALError, WALPathError)
 from .loop_driver import LoopDriver
 from .format import (ALIGN, HEADER_AREA, HEADER_SLOT_SIZE, RECORD_HEADER_SIZE,
                      SHUTDOWN_CLEAN, SHUTDOWN_UNCLEAN, WALHeader, align_up, body_crc,
-                     newest_header, pack_record_header)
+                     pack_record_header)
 from .recovery import scan
 
 log = logging.getLogger(__name__)
@@ -143,15 +143,20 @@ class DeltaWAL:
         self._device = dev
         self.direct_io = dev.direct
         try:
-            slots = aligned_buffer(HEADER_AREA)
+            probe = min(BLANK_PROBE_BYTES, cfg.capacity)
+            slots = aligned_buffer(probe)
             dev.read_into(slots, 0)
-            hdr = newest_header(slots[:HEADER_SLOT_SIZE], slots[HEADER_SLOT_SIZE:HEADER_AREA])
-            blank = not any(slots[:HEADER_AREA])
+            kind, hdr = classify(memoryview(slots)[:probe])
             slots.close()
             formatted = hdr is None
             if formatted:
-                if not dev.created and not blank:
-                    log.warning("no valid WAL header on %s: formatting a new WAL", cfg.path)
+                if kind == "foreign" and not dev.created:
+                    if not cfg.allow_format:
+                        raise WALPathError(
+                            f"WAL {cfg.path} holds data that is not an s3kafka WAL; refusing "
+                            "to overwrite it (pass --wal-format to erase and format it)")
+                    log.warning("no valid WAL header on %s: formatting a new WAL (allowed "
+                                "explicitly)", cfg.path)
                 hdr = WALHeader(capacity=cfg.capacity, trim_offset=0,
                                 window_max_length=cfg.window_initial)
             if hdr.capacity != cfg.capacity:

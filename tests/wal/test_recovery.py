@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from storage.wal import DeltaWAL, FencedError, WALConfig
+from storage.wal import DeltaWAL, FencedError, WALConfig, WALPathError
 
 from .craft import Image
 
@@ -194,10 +194,16 @@ def test_newer_epoch_fences_an_older_owner(img):
 
 
 def test_garbage_everywhere_never_crashes(tmp_path):
+    """Foreign data is refused unchanged; formatting it takes allow_format (--wal-format)."""
     path = str(tmp_path / "wal")
+    garbage = os.urandom(CAP)
     with open(path, "wb") as f:
-        f.write(os.urandom(CAP))
-    recs, w = recover(path)
+        f.write(garbage)
+    with pytest.raises(WALPathError, match="not an s3kafka WAL"):
+        recover(path)
+    with open(path, "rb") as f:
+        assert f.read() == garbage
+    recs, w = recover(path, allow_format=True)
     assert recs == []
     w.close()
 

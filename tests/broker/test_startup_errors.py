@@ -1,0 +1,318 @@
+"""Start-up mistakes end in one line and a non-zero exit code, and change nothing on disk;
+a second broker on a held data directory or WAL is refused (issue 18, issue 17 item 4).
+
+Each case starts ``python -m broker serve`` as a subprocess that exits within seconds."""
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, free_port
+
+PY = sys.executable
+CAP = "16MiB"
+
+
+def snapshot(root: pathlib.Path) -> dict[str, str]:
+    """Every path under root with its type and content hash: equal snapshots = nothing
+    changed on disk."""
+    out: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            out[os.path.relpath(os.path.join(dirpath, d), root)] = "dir"
+        for f in filenames:
+            if f.startswith("broker-") and f.endswith(".log"):
+                continue                     # logs of brokers this test runs
+            p = os.path.join(dirpath, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, root)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def serve(args: list[str], cwd: pathlib.Path, timeout: float = 40,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([PY, "-m", "broker", "serve", "--listen", f"127.0.0.1:{free_port()}",
+                           *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=full_env)
+
+
+def one_line(r: subprocess.CompletedProcess, code: int, *words: str) -> str:
+    """Assert the exit code and a single-line error on stderr containing every word."""
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == code, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]
+
+
+def refused_unchanged(tmp_path: pathlib.Path, args: list[str], code: int, *words: str) -> str:
+    before = snapshot(tmp_path)
+    r = serve(args, tmp_path)
+    line = one_line(r, code, *words)
+    assert snapshot(tmp_path) == before, "the failed start changed files on disk"
+    return line
+
+
+# ---- configuration mistakes (exit 2) ------------------------------------------------------
+def test_unknown_flag_is_one_line(tmp_path):
+    refused_unchanged(tmp_path, ["--data-dir", "d", "--no-such-flag", "1"], 2,
+                      "unrecognized arguments: --no-such-flag")
+
+
+def test_invalid_toml_names_file_and_line(tmp_path):
+    cfg = tmp_path / "broker.toml"
+    cfg.write_text('listen = "127.0.0.1:9092"\nnode_id = 0\ndata_dir = "d\n')
+    refused_unchanged(tmp_path, ["--config", str(cfg)], 2, str(cfg), "line 3", "invalid TOML")
+
+
+def test_unknown_config_key_names_file_line_and_suggestion(tmp_path):
+    cfg = tmp_path / "broker.toml"
+    cfg.write_text('node_id = 0\n\n[engine]\nwal_capacty = "16MiB"\n')
+    line = refused_unchanged(tmp_path, ["--config", str(cfg)], 2, str(cfg), "line 4",
+                             "unknown option 'wal_capacty'")
+    assert "did you mean 'wal_capacity'" in line
+    props = tmp_path / "broker.properties"
+    props.write_text("# comment\nnode.id=0\nlisten.port=9092\n")
+    refused_unchanged(tmp_path, ["--config", str(props)], 2, str(props), "line 3",
+                      "unknown option 'listen_port'")
+
+
+def test_bad_value_in_config_file_names_line(tmp_path):
+    props = tmp_path / "broker.properties"
+    props.write_text("node.id=0\nwal.capacity=lots\n")
+    refused_unchanged(tmp_path, ["--config", str(props)], 2, str(props), "line 2",
+                      "wal_capacity")
+    props.write_text("node.id=0\nthis line has no separator\n")
+    refused_unchanged(tmp_path, ["--config", str(props)], 2, "line 2", "expected key=value")
+
+
+@pytest.mark.parametrize("flag,url,words", [
+    ("--object-store", "ftp://host/dir", ("object_store", "unknown scheme 'ftp'")),
+    ("--object-store", "s3:///prefix", ("object_store", "no bucket")),
+    ("--object-store", "s3://b/p?endpoint_url=localhost:9000", ("endpoint_url", "http://")),
+    ("--metadata", "postgres://db/meta", ("metadata URL", "sqlite:///")),
+    ("--metadata", "sqlite://meta.db", ("metadata URL", "sqlite:////absolute")),
+])
+def test_bad_urls(tmp_path, flag, url, words):
+    refused_unchanged(tmp_path, ["--data-dir", "d", flag, url], 2, *words)
+
+
+# ---- environment mistakes (exit 1) ----------------------------------------------------------
+def test_data_dir_that_is_a_file(tmp_path):
+    (tmp_path / "d").write_text("not a directory")
+    refused_unchanged(tmp_path, ["--data-dir", "d"], 1, "data directory", "not a directory")
+    refused_unchanged(tmp_path, ["--data-dir", "d/sub"], 1, "data directory",
+                      "not a directory")
+
+
+def test_unwritable_data_dir(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["chattr", "+i", str(ro)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i not available (needed to make a directory unwritable for root)")
+    try:
+        if os.geteuid() != 0:
+            ro.chmod(0o500)
+        refused_unchanged(tmp_path, ["--data-dir", "ro/data"], 1, "data directory",
+                          "not writable")
+    finally:
+        subprocess.run(["chattr", "-i", str(ro)], capture_output=True)
+
+
+def test_wal_path_that_is_a_directory(tmp_path):
+    (tmp_path / "waldir").mkdir()
+    (tmp_path / "waldir" / "keep").write_text("x")
+    refused_unchanged(tmp_path, ["--data-dir", "d", "--wal", "waldir"], 1, "waldir",
+                      "is a directory")
+
+
+def test_wal_on_missing_device_creates_nothing_under_dev(tmp_path):
+    dev = f"/dev/s3kafka-test-{os.getpid()}"
+    refused_unchanged(tmp_path, ["--data-dir", "d", "--wal", dev], 1, dev, "does not exist")
+    assert not os.path.exists(dev)
+
+
+def test_no_space_for_the_wal(tmp_path):
+    vfs = os.statvfs(tmp_path)
+    too_big = (vfs.f_bavail * vfs.f_frsize + (1 << 30)) // 4096 * 4096
+    refused_unchanged(tmp_path, ["--data-dir", "d", "--wal-capacity", str(too_big)], 1,
+                      "no space for the WAL", "--wal-capacity")
+
+
+def test_foreign_file_is_refused_unless_wal_format(tmp_path):
+    foreign = tmp_path / "disk.img"
+    foreign.write_bytes(b"important data, not a WAL\n" * 1000)
+    refused_unchanged(tmp_path, ["--data-dir", "d", "--wal", "disk.img", "--wal-capacity",
+                                 CAP], 1, "not an s3kafka WAL", "--wal-format")
+    # explicit permission: formatted, and the broker starts
+    stop(start_broker(tmp_path, ["--data-dir", "d", "--wal", "disk.img", "--wal-capacity",
+                                 CAP, "--wal-format"]))
+    assert foreign.read_bytes()[:4] == b"SKWL"
+
+
+def test_wal_capacity_differs_from_header(tmp_path):
+    stop(start_broker(tmp_path, ["--data-dir", "d", "--wal-capacity", CAP]))
+    refused_unchanged(tmp_path, ["--data-dir", "d", "--wal-capacity", "32MiB"], 1,
+                      "capacity 16777216", "--wal-capacity 16777216")
+
+
+# ---- object store ---------------------------------------------------------------------------
+def closed_port_url() -> str:
+    port = free_port()       # nothing listens there
+    return (f"s3://bucket/kafka?endpoint_url=http://127.0.0.1:{port}&region=us-east-1"
+            "&access_key_id=k&secret_access_key=topsecret")
+
+
+def test_unreachable_object_store_fails_fast(tmp_path):
+    url = closed_port_url()
+    t0 = time.monotonic()
+    line = refused_unchanged(tmp_path, ["--data-dir", "d", "--object-store", url], 1,
+                             "object store s3://bucket/kafka", "127.0.0.1",
+                             "--allow-degraded-start")
+    assert "topsecret" not in line
+    assert time.monotonic() - t0 < 30
+
+
+def test_black_holed_object_store_is_bounded(tmp_path):
+    """An endpoint that accepts connections and never answers: start-up gives up in
+    seconds (probe timeouts), not after botocore's default minutes."""
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(16)
+        url = (f"s3://bucket?endpoint_url=http://127.0.0.1:{hole.getsockname()[1]}"
+               "&region=us-east-1&access_key_id=k&secret_access_key=s")
+        t0 = time.monotonic()
+        refused_unchanged(tmp_path, ["--data-dir", "d", "--object-store", url], 1,
+                          "object store", "is not usable")
+        assert time.monotonic() - t0 < 25
+
+
+def test_missing_bucket_is_named(tmp_path, s3_endpoint):
+    url = (f"s3://no-such-bucket-here/x?endpoint_url={s3_endpoint.url}&region=us-east-1"
+           "&access_key_id=testing&secret_access_key=testing")
+    refused_unchanged(tmp_path, ["--data-dir", "d", "--object-store", url], 1,
+                      "bucket 'no-such-bucket-here' does not exist")
+
+
+def test_degraded_start_and_restart_with_store_down(tmp_path):
+    url = closed_port_url()
+    args = ["--data-dir", "d", "--wal-capacity", CAP, "--object-store", url]
+    p = start_broker(tmp_path, [*args, "--allow-degraded-start"])
+    log = stop(p)
+    warn = [ln for ln in log.splitlines() if "starting degraded" in ln]
+    assert len(warn) == 1 and "--allow-degraded-start" in warn[0] and "topsecret" not in log
+    # the WAL now holds this broker's data: a restart with the store down serves it
+    p = start_broker(tmp_path, args)
+    log = stop(p)
+    assert "a restart" in log
+
+
+# ---- a second broker ------------------------------------------------------------------------
+def test_second_broker_on_locked_data_dir_or_wal(tmp_path):
+    p = start_broker(tmp_path, ["--data-dir", "d", "--wal-capacity", CAP])
+    try:
+        line = refused_unchanged(tmp_path, ["--data-dir", "d", "--wal-capacity", CAP], 1,
+                                 "data directory", "in use by another broker",
+                                 f"pid {p.pid}", "node 0")
+        assert "host" in line
+        line = refused_unchanged(tmp_path, ["--data-dir", "d2", "--wal", "d/wal",
+                                            "--wal-capacity", CAP, "--node-id", "1"], 1,
+                                 "WAL d/wal is in use", f"pid {p.pid}")
+        assert not (tmp_path / "d2").exists()
+    finally:
+        stop(p)
+    # released at exit: the same data dir starts again
+    stop(start_broker(tmp_path, ["--data-dir", "d", "--wal-capacity", CAP]))
+
+
+def test_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        before = snapshot(tmp_path)
+        r = subprocess.run([PY, "-m", "broker", "serve", "--listen", f"127.0.0.1:{port}",
+                            "--data-dir", "d"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=40, env={**os.environ, "PYTHONPATH": str(REPO)})
+        one_line(r, 1, f"127.0.0.1:{port}", "in use")
+        assert snapshot(tmp_path) == before
+
+
+# ---- logging --------------------------------------------------------------------------------
+def test_idle_broker_logs_nothing_periodic(tmp_path):
+    """After the start-up lines an idle broker writes nothing at INFO, even with its periodic
+    tasks (maintenance, retention, uploads) running several times in the window."""
+    p = start_broker(tmp_path, ["--data-dir", "d", "--wal-capacity", CAP,
+                                "--cleanup-interval-s", "0.5",
+                                "--retention-check-interval-ms", "500",
+                                "--upload-interval-s", "0.5"])
+    try:
+        started = p.log()
+        assert "wal=" in started and "object_store=" in started and "metadata=" in started
+        time.sleep(4)
+    finally:
+        log = stop(p)
+    idle = log.split("broker started", 1)[1].splitlines()[1:]
+    idle = [ln for ln in idle if "broker stopping" not in ln and "broker stopped" not in ln]
+    assert idle == [], idle
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+class Broker:
+    """A broker subprocess whose stderr goes to a file (read while it runs)."""
+
+    def __init__(self, cwd: pathlib.Path, args: list[str]) -> None:
+        self.log_path = cwd / f"broker-{free_port()}.log"
+        self._fh = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [PY, "-m", "broker", "serve", "--listen", f"127.0.0.1:{free_port()}", *args],
+            cwd=cwd, stdout=self._fh, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(REPO)})
+        self.pid = self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+def start_broker(cwd: pathlib.Path, args: list[str]) -> Broker:
+    b = Broker(cwd, args)
+    wait_for_line(b, "broker started")
+    return b
+
+
+def wait_for_line(b: Broker, needle: str, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        log = b.log()
+        if needle in log:
+            return log
+        if b.proc.poll() is not None:
+            raise AssertionError(f"broker exited ({b.proc.returncode}) before {needle!r}:\n{log}")
+        if time.monotonic() > deadline:
+            b.proc.kill()
+            raise AssertionError(f"no {needle!r} in the broker log:\n{log}")
+        time.sleep(0.05)
+
+
+def stop(b: Broker) -> str:
+    """SIGTERM, wait, return the whole log (removed, so snapshots see no log file); the exit
+    must be clean."""
+    b.proc.terminate()
+    try:
+        code = b.proc.wait(30)
+    finally:
+        b._fh.close()
+    log = b.log()
+    b.log_path.unlink()
+    assert code == 0, log
+    return log
