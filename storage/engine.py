@@ -23,6 +23,7 @@ from typing import Any, Callable
 from .cache.log_cache import CacheEntry, LogCache
 from .cold_reads import ColdReadPacer
 from .crash import crash_point
+from .episodes import Episode
 from .metastore import MetaStore, NewObject, ObjectRange, StreamMeta, open_metastore
 from .loop_slices import encode_object_in_slices
 from .metrics import MeasuredStore, StorageStats
@@ -168,10 +169,13 @@ class EngineStream(Stream):
                 except eng.over_capacity_error:
                     eng.request_upload("wal full")
                     reason = "wal_full"
+                    eng.wal_full.hit("the WAL ring holds only data not yet uploaded")
             else:
                 eng.request_upload("cache full")
                 reason = "cache_full"
             # back-pressure: wait for an upload to free room, then give up (retriable)
+            eng.backpressure.hit("WAL full" if reason == "wal_full" else
+                                 "log cache full of data not yet uploaded")
             now = time.monotonic()
             deadline = deadline or now + eng.config.backpressure_timeout_s
             if now >= deadline or eng.closing:
@@ -319,6 +323,10 @@ class Engine(StreamStore):
         self.upload_errors = 0
         self.stats = StorageStats()          # read by storage.metrics.StorageCollector
         self.started_at = time.monotonic()
+        # conditions logged once per episode (start with the reason, end with the duration)
+        self.wal_full = Episode(log, "wal_full")
+        self.backpressure = Episode(log, "producers_backpressured")
+        self.store_failing = Episode(log, "object_store_failing", quiet_s=float("inf"))
         c = self.config
         self.cold_pacer = ColdReadPacer(c.cold_read_bytes_per_s, c.cold_read_min_bytes_per_s,
                                         c.cold_read_lag_target_ms / 1000,
@@ -521,6 +529,8 @@ class Engine(StreamStore):
             except asyncio.TimeoutError:
                 pass
             self._upload_wakeup.clear()
+            self.wal_full.expire()
+            self.backpressure.expire()
             while self.cache.pending:
                 due = (self._force_upload
                        or self.cache.pending_bytes >= c.upload_threshold_bytes
@@ -537,13 +547,15 @@ class Engine(StreamStore):
                 try:
                     await self._upload(entries)
                     backoff = 0.1
+                    self.store_failing.clear()
                 except asyncio.CancelledError:
                     self.cache.return_pending(entries)
                     raise
                 except Exception as e:
                     self.cache.return_pending(entries)
                     self.upload_errors += 1
-                    log.warning("upload failed (retrying in %.1fs): %s", backoff, e)
+                    # once per episode, not per retry: a long outage retries every 2 s
+                    self.store_failing.hit(f"upload failed, retrying with backoff: {e}")
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
                 finally:

@@ -71,4 +71,8 @@ def test_s3_outage_30s(broker_factory, s3_endpoint) -> None:
     b.start()
     recs = consume_all(b.bootstrap, "o", timeout=120)
     check_log(recs, acked)
-    assert "upload failed" in b.log_text()
+    log = b.log_text()
+    assert "upload failed" in log
+    # once per episode, not per retry: one start and one end line for the outage
+    assert log.count("episode=object_store_failing state=started") >= 1
+    assert "episode=object_store_failing state=ended" in log
