@@ -455,6 +455,10 @@ def validate(cfg: BrokerConfig) -> None:
         raise ValueError("log_format must be 'text' or 'json'")
     if cfg.node_id < 0:
         raise ValueError("node_id must be >= 0")
+    if cfg.metadata and not cfg.metadata.startswith(("sqlite:///", "postgresql://",
+                                                     "postgres://")):
+        raise ValueError("metadata must be sqlite:///PATH or postgresql://USER:PASS@HOST:PORT/DB"
+                         f", got {cfg.metadata!r}")
     check_object_store_url(cfg.object_store_url)
     check_metadata_url(cfg.metadata_url)
     # engine options with a fixed set of values: refused here, not in a traceback at start

@@ -100,8 +100,9 @@ def test_bad_value_in_config_file_names_line(tmp_path):
     ("--object-store", "ftp://host/dir", ("object_store", "unknown scheme 'ftp'")),
     ("--object-store", "s3:///prefix", ("object_store", "no bucket")),
     ("--object-store", "s3://b/p?endpoint_url=localhost:9000", ("endpoint_url", "http://")),
-    ("--metadata", "postgres://db/meta", ("metadata URL", "sqlite:///")),
-    ("--metadata", "sqlite://meta.db", ("metadata URL", "sqlite:////absolute")),
+    ("--metadata", "mysql://db/meta", ("metadata must be sqlite:///PATH or postgresql://",)),
+    ("--metadata", "sqlite://meta.db", ("metadata must be sqlite:///PATH",)),
+    ("--metadata", "postgresql://u:p@db:port/meta", ("bad metadata URL", "port")),
 ])
 def test_bad_urls(tmp_path, flag, url, words):
     refused_unchanged(tmp_path, ["--data-dir", "d", flag, url], 2, *words)
