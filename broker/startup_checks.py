@@ -70,22 +70,38 @@ def redact_url(url: str) -> str:
 
 
 # ---- 1. read-only checks ----------------------------------------------------------------
-def check_listen(cfg: BrokerConfig) -> None:
-    """The listen address can be bound (port free, host local)."""
-    host, port = cfg.listen_host, cfg.listen_port
+def _bind_error(host: str, port: int) -> str:
+    """"" when host:port can be bound now, else the reason."""
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
-        raise StartupError(f"cannot listen on {cfg.listen}: {e.strerror}") from None
+        return str(e.strerror)
     family, kind, proto, _, addr = infos[0]
     with socket.socket(family, kind, proto) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(addr)
         except OSError as e:
-            why = "the port is in use" if e.errno == errno.EADDRINUSE else e.strerror
-            raise StartupError(f"cannot listen on {cfg.listen}: {why}") from None
+            return os.strerror(e.errno) if e.errno else str(e)
+    return ""
+
+
+def check_listen(cfg: BrokerConfig) -> None:
+    """The listen address (and an explicitly given --metrics-listen) can be bound."""
+    why = _bind_error(cfg.listen_host, cfg.listen_port)
+    if why:
+        if why == os.strerror(errno.EADDRINUSE):
+            why = "the port is in use"
+        raise StartupError(f"cannot listen on {cfg.listen}: {why}")
+    metrics = getattr(cfg, "metrics_listen", "").strip()
+    default = getattr(BrokerConfig, "metrics_listen", "")
+    if metrics and metrics.lower() not in ("off", "none", "disabled") and metrics != default:
+        from .config import split_host_port  # noqa: PLC0415
+
+        why = _bind_error(*split_host_port(metrics))
+        if why:       # the default being taken only warns (broker/metrics.py)
+            raise StartupError(f"--metrics-listen {metrics}: {why}")
 
 
 def _nearest_existing(path: str) -> str:
