@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 DEFAULT_TIMEOUT_S = 15.0
@@ -31,9 +31,6 @@ class Result:
     data: Any
     lines: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-
-
-Command = Callable[[argparse.Namespace, Any], Result]
 
 
 def common_options() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 import pytest
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaConsumer, KafkaProducer, OffsetAndMetadata, TopicPartition
 
 from conftest import REPO, BrokerFactory, BrokerProcess, free_port
 
@@ -166,8 +166,8 @@ def test_groups_describe_reset_delete(cli: Cli, cli_broker: BrokerProcess) -> No
     consumer = _consumer(cli_broker.bootstrap, g, t)
     try:
         _poll_until(consumer, 10)
-        consumer.commit({TopicPartition(t, 0): __import__("kafka").OffsetAndMetadata(5, "", -1),
-                         TopicPartition(t, 1): __import__("kafka").OffsetAndMetadata(4, "", -1)})
+        consumer.commit({TopicPartition(t, 0): OffsetAndMetadata(5, "", -1),
+                         TopicPartition(t, 1): OffsetAndMetadata(4, "", -1)})
         listed = {d["group"]: d for d in cli.json("groups", "list")}
         assert listed[g] == {"group": g, "state": "Stable", "protocol_type": "consumer"}
         desc = cli.json("groups", "describe", g)
