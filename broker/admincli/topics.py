@@ -157,7 +157,7 @@ def describe_topics(args: argparse.Namespace, admin: Any) -> Result:
         conf = ",".join(f"{k}={v}" for k, v in overrides.items())
         lines.append(f"Topic: {t['name']}  TopicId: {entry['topic_id'] or '-'}  "
                      f"PartitionCount: {len(parts)}  ReplicationFactor: "
-                     f"{entry['replication_factor']}  Configs: {conf}")
+                     f"{entry['replication_factor']}  Configs: {conf}".rstrip())
         lines += ["  " + row for row in table(
             ["PARTITION", "LEADER", "REPLICAS", "ISR", "LOG-START-OFFSET", "LOG-END-OFFSET"],
             [(p["partition"], p["leader"], ",".join(map(str, p["replicas"])),

@@ -255,6 +255,18 @@ def test_groups_describe_reset_delete(cli: Cli, cli_broker: BrokerProcess) -> No
     assert g not in {d["group"] for d in cli.json("groups", "list")}
 
 
+def test_help_lists_admin_commands() -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    top = subprocess.run([*COMMAND, "--help"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert top.returncode == 0
+    for word in ("serve", "topics", "groups", "cluster"):
+        assert f"    {word} " in top.stdout
+    groups = subprocess.run([*COMMAND, "groups", "--help"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert groups.returncode == 0 and "reset-offsets" in groups.stdout
+
+
 def test_errors_are_one_line_and_bounded(cli: Cli) -> None:
     start = time.monotonic()
     line = cli.fails("topics", "list", "--timeout", "2", bootstrap=f"127.0.0.1:{free_port()}")
@@ -265,3 +277,21 @@ def test_errors_are_one_line_and_bounded(cli: Cli) -> None:
     assert proc.returncode == 2 and "--to-earliest" in proc.stderr
     assert cli.fails("groups", "reset-offsets", "g", "--topic", "t", "--to-datetime", "soon") \
         .startswith("Error: --to-datetime 'soon' is not an ISO date-time")
+
+
+def test_log_offsets_skip_a_topic_the_broker_refuses() -> None:
+    """kafka-python fails a whole ListOffsets call on one partition's error; the CLI then asks
+    topic by topic and leaves out only the refusing one (e.g. an internal topic)."""
+    from kafka.errors import UnknownTopicOrPartitionError
+    from kafka.structs import OffsetAndTimestamp
+
+    from broker.admincli.common import list_offsets
+
+    class Admin:
+        def list_partition_offsets(self, specs: dict) -> dict:
+            if any(tp.topic == "__consumer_offsets" for tp in specs):
+                raise UnknownTopicOrPartitionError("refused")
+            return {tp: OffsetAndTimestamp(7, -1, None) for tp in specs}
+
+    tps = [TopicPartition("__consumer_offsets", 0), TopicPartition("a", 0), TopicPartition("a", 1)]
+    assert list_offsets(Admin(), tps, -1) == {TopicPartition("a", 0): 7, TopicPartition("a", 1): 7}
