@@ -168,8 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         startup = prepare(cfg)
-    except StartupError as exc:
-        print(f"s3kafka: cannot start: {exc}", file=sys.stderr)
+    except StartupError as exc:      # one line in the configured log format
+        logging.getLogger("broker.startup").error("cannot start: %s", exc)
         return 1
     from .server import run  # noqa: PLC0415 - keep --help fast
 
