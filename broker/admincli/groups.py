@@ -1,15 +1,17 @@
 """``s3kafka groups ...``: what kafka-consumer-groups.sh is used for daily.
 
 list, describe (members, assignments, committed offsets, lag), reset-offsets (dry run unless
---execute, refused while the group has members, as Kafka refuses it) and delete.
+--execute, refused while the group has members, as Kafka refuses it), delete-offsets, delete.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import re
+import time
 from typing import Any
 
-from .common import CliError, Result, kafka_error, list_offsets, table
+from .common import CliError, Result, exception_line, kafka_error, list_offsets, table
 
 INACTIVE_STATES = ("Empty", "Dead")
 
@@ -44,6 +46,9 @@ def register(families: Any, common: argparse.ArgumentParser) -> None:
     to.add_argument("--to-datetime", metavar="ISO",
                     help="first offset at or after this time, e.g. 2026-11-24T12:00:00Z (no "
                     "zone: local time) or epoch milliseconds; log end if none")
+    to.add_argument("--by-duration", metavar="PnDTnHnMnS",
+                    help="first offset at or after now minus this ISO 8601 duration, e.g. "
+                    "PT30M or P1DT2H")
     to.add_argument("--to-offset", type=int, metavar="N", help="this offset")
     to.add_argument("--shift-by", type=int, metavar="N",
                     help="the committed offset plus N (negative moves back)")
@@ -51,6 +56,14 @@ def register(families: Any, common: argparse.ArgumentParser) -> None:
     run.add_argument("--execute", action="store_true", help="commit the planned offsets")
     run.add_argument("--dry-run", action="store_true", help="only show the plan (the default)")
     p.set_defaults(func=reset_offsets)
+
+    p = sub.add_parser("delete-offsets", parents=[common],
+                       help="delete a group's committed offsets of some topics")
+    p.add_argument("group", metavar="GROUP")
+    p.add_argument("--topic", action="append", required=True, metavar="TOPIC[:P,P...]",
+                   help="a topic (the partitions the group committed), or some of its "
+                   "partitions (repeatable)")
+    p.set_defaults(func=delete_offsets)
 
     p = sub.add_parser("delete", parents=[common], help="delete inactive groups and their offsets")
     p.add_argument("groups", nargs="+", metavar="GROUP")
@@ -87,6 +100,34 @@ def _assignment(member: dict[str, Any]) -> list[tuple[str, int]]:
     if not isinstance(a, dict):
         return []
     return sorted((t["topic"], p) for t in a.get("assigned_partitions", []) for p in t["partitions"])
+
+
+_DURATION = re.compile(r"P(?:(\d+)D)?(?:T(?:(\d+)H)?(?:(\d+)M)?(?:(\d+(?:\.\d+)?)S)?)?")
+
+
+def _parse_duration_ms(text: str) -> int:
+    """ISO 8601 ``PnDTnHnMnS`` (what kafka-consumer-groups.sh --by-duration takes) -> ms."""
+    m = _DURATION.fullmatch(text.strip().upper())
+    if not m or text.strip().upper() in ("P", "PT") or text.strip().upper().endswith("T"):
+        raise CliError(f"--by-duration {text!r} is not an ISO 8601 duration such as PT30M "
+                       "or P1DT2H")
+    d, h, mi, sec = (float(x) if x else 0.0 for x in m.groups())
+    return int((((d * 24 + h) * 60 + mi) * 60 + sec) * 1000)
+
+
+def _parse_topic_specs(specs: list[str]) -> dict[str, list[int] | None]:
+    """``["t", "u:0,2"]`` -> ``{"t": None, "u": [0, 2]}`` (None: every partition)."""
+    wanted: dict[str, list[int] | None] = {}
+    for spec in specs:
+        name, sep, parts = spec.partition(":")
+        try:
+            ids = [int(p) for p in parts.split(",") if p.strip()] if sep else None
+        except ValueError:
+            raise CliError(f"--topic {spec!r} is not TOPIC or TOPIC:P,P,...") from None
+        if not name or ids == []:
+            raise CliError(f"--topic {spec!r} is not TOPIC or TOPIC:P,P,...")
+        wanted[name] = ids
+    return wanted
 
 
 def _parse_time_ms(text: str) -> int:
@@ -175,14 +216,7 @@ def _reset_scope(args: argparse.Namespace, admin: Any, committed: dict) -> list:
             raise CliError(f"group '{args.group}' has no committed offsets to reset")
         existing = _existing(admin, {tp.topic for tp in committed})
         return sorted(tp for tp in committed if tp.partition in existing.get(tp.topic, ()))
-    wanted: dict[str, list[int] | None] = {}
-    for spec in args.topic:
-        name, sep, parts = spec.partition(":")
-        try:
-            ids = [int(p) for p in parts.split(",") if p.strip()] if sep else None
-        except ValueError:
-            raise CliError(f"--topic {spec!r} is not TOPIC or TOPIC:P,P,...") from None
-        wanted[name] = ids
+    wanted = _parse_topic_specs(args.topic)
     existing = _existing(admin, set(wanted))
     tps = []
     for name, ids in wanted.items():
@@ -201,6 +235,8 @@ def reset_offsets(args: argparse.Namespace, admin: Any) -> Result:
 
     group = args.group
     when_ms = _parse_time_ms(args.to_datetime) if args.to_datetime is not None else None
+    if args.by_duration is not None:
+        when_ms = int(time.time() * 1000) - _parse_duration_ms(args.by_duration)
     state = _describe(admin, group)["group_state"]
     if state not in INACTIVE_STATES:
         raise CliError(f"Assignments can only be reset if the group '{group}' is inactive, "
@@ -259,6 +295,35 @@ def reset_offsets(args: argparse.Namespace, admin: Any) -> Result:
     lines = table(["GROUP", "TOPIC", "PARTITION", "CURRENT-OFFSET", "NEW-OFFSET"],
                   [(group, tp.topic, tp.partition, cur, new) for tp, cur, new in plan])
     return Result(data, lines, notes)
+
+
+def delete_offsets(args: argparse.Namespace, admin: Any) -> Result:
+    from kafka import TopicPartition  # noqa: PLC0415
+    from kafka.errors import KafkaError  # noqa: PLC0415
+
+    group = args.group
+    wanted = _parse_topic_specs(args.topic)
+    committed = _committed(admin, group)
+    tps = sorted({TopicPartition(t, p) for t, ids in wanted.items() for p in
+                  (ids if ids is not None else [tp.partition for tp in committed if tp.topic == t])})
+    if not tps:
+        raise CliError(f"group '{group}' has no committed offsets of "
+                       f"{', '.join(sorted(wanted))}")
+    try:
+        result = admin.delete_group_offsets(group, tps)
+    except KafkaError as exc:
+        raise CliError(f"cannot delete offsets of group '{group}': {exception_line(exc)}") from None
+    failed = sorted((tp, err) for tp, err in result.items() if err.errno)
+    if failed:
+        tp, err = failed[0]
+        raise CliError(f"cannot delete offsets of group '{group}' for {tp.topic}-{tp.partition}"
+                       f"{f' and {len(failed) - 1} more' if len(failed) > 1 else ''}: "
+                       f"{kafka_error(err.errno)}")
+    data = {"group": group, "deleted": [{"topic": tp.topic, "partition": tp.partition}
+                                        for tp in sorted(result)]}
+    lines = table(["TOPIC", "PARTITION", "STATUS"],
+                  [(tp.topic, tp.partition, "Successful") for tp in sorted(result)])
+    return Result(data, lines)
 
 
 def delete_groups(args: argparse.Namespace, admin: Any) -> Result:

@@ -189,6 +189,7 @@ def test_groups_describe_reset_delete(cli: Cli, cli_broker: BrokerProcess) -> No
             assert line == (f"Error: Assignments can only be reset if the group '{g}' is "
                             "inactive, but the current state is Stable.")
         assert "NON_EMPTY_GROUP" in cli.fails("groups", "delete", g)
+        assert "GROUP_SUBSCRIBED_TO_TOPIC" in cli.fails("groups", "delete-offsets", g, "--topic", t)
     finally:
         consumer.close()
     assert _committed(cli, g) == {0: 5, 1: 4}
@@ -218,6 +219,8 @@ def test_groups_describe_reset_delete(cli: Cli, cli_broker: BrokerProcess) -> No
         f".{(ts0 + 2000) % 1000:03d}Z"
     assert new("--topic", t, "--to-datetime", iso) == [2, 2]
     assert new("--topic", t, "--to-datetime", str(ts0 + 5000)) == [5, 4]  # p1 has no such record
+    assert new("--topic", t, "--by-duration", "P1D") == [0, 0]      # every record is newer
+    assert new("--topic", t, "--by-duration", "PT1S") == [6, 4]     # none is (ts0 is 60 s back)
     assert "does not exist" in cli.fails("groups", "reset-offsets", g, "--topic", "cli-nope",
                                           "--to-earliest")
     assert "no partition 7" in cli.fails("groups", "reset-offsets", g, "--topic", f"{t}:7",
@@ -234,6 +237,11 @@ def test_groups_describe_reset_delete(cli: Cli, cli_broker: BrokerProcess) -> No
         assert sorted((r.partition, r.offset) for r in got) == [(0, 2), (0, 3), (0, 4), (0, 5)]
     finally:
         consumer.close()
+
+    # delete-offsets: only the partition named
+    out = cli.run("groups", "delete-offsets", g, "--topic", f"{t}:1").stdout.splitlines()
+    assert [ln.split() for ln in out] == [["TOPIC", "PARTITION", "STATUS"], [t, "1", "Successful"]]
+    assert _committed(cli, g) == {0: 2}
 
     # a brand-new group gets offsets from a reset (simple commit into an empty group)
     cli.run("groups", "reset-offsets", "cli-fresh", "--topic", t, "--to-latest", "--execute")
@@ -277,6 +285,8 @@ def test_errors_are_one_line_and_bounded(cli: Cli) -> None:
     assert proc.returncode == 2 and "--to-earliest" in proc.stderr
     assert cli.fails("groups", "reset-offsets", "g", "--topic", "t", "--to-datetime", "soon") \
         .startswith("Error: --to-datetime 'soon' is not an ISO date-time")
+    assert cli.fails("groups", "reset-offsets", "g", "--topic", "t", "--by-duration", "30m") \
+        .startswith("Error: --by-duration '30m' is not an ISO 8601 duration")
 
 
 def test_log_offsets_skip_a_topic_the_broker_refuses() -> None:
