@@ -62,10 +62,18 @@ def connect(args: argparse.Namespace) -> Any:
     from kafka.errors import KafkaError  # noqa: PLC0415
 
     bootstrap = option(args, "bootstrap_server")
+    servers = [b.strip() for b in bootstrap.split(",") if b.strip()]
+    if not servers:
+        raise CliError("--bootstrap-server is empty; give HOST:PORT")
+    for server in servers:
+        port = server.rpartition(":")[2] if ":" in server else "9092"
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise CliError(f"bad --bootstrap-server {server!r}: the port must be a number "
+                           "from 1 to 65535")
     timeout_ms = int(option(args, "timeout") * 1000)
     try:
         return KafkaAdminClient(
-            bootstrap_servers=bootstrap.split(","), client_id="s3kafka-admin",
+            bootstrap_servers=servers, client_id="s3kafka-admin",
             request_timeout_ms=timeout_ms, bootstrap_timeout_ms=timeout_ms,
             reconnect_backoff_max_ms=1000)
     except KafkaError as exc:

@@ -280,6 +280,7 @@ def test_errors_are_one_line_and_bounded(cli: Cli) -> None:
     line = cli.fails("topics", "list", "--timeout", "2", bootstrap=f"127.0.0.1:{free_port()}")
     assert time.monotonic() - start < 20
     assert line.startswith("Error: cannot reach a broker at 127.0.0.1:")
+    assert "the port must be a number" in cli.fails("topics", "list", bootstrap="127.0.0.1:x")
     # usage mistakes: argparse's exit code 2
     proc = cli.run("groups", "reset-offsets", "g", "--topic", "t", ok=False)
     assert proc.returncode == 2 and "--to-earliest" in proc.stderr
