@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from protocol import ErrorCode
+from protocol import CorruptRecordError, ErrorCode, convert_legacy, has_keyless_record, is_legacy
 
 from .metastore import MetadataStore, TopicRecord
 
@@ -128,6 +128,18 @@ _DEFS = [
 ]
 TOPIC_CONFIGS: dict[str, ConfigDef] = {d.name: d for d in _DEFS}
 
+# Kafka's internal topics. Group offsets live in the metadata database, not in a topic, but
+# clients and tools expect __consumer_offsets to exist: the broker keeps it as a real, empty,
+# compacted topic (readable, so regex subscriptions that match it, as librdkafka's do, simply
+# see nothing) that Metadata lists with is_internal=true (listTopics() and pattern
+# subscriptions of Java and kafka-python leave it out). Creating it answers
+# TOPIC_ALREADY_EXISTS, producing to it INVALID_TOPIC_EXCEPTION, as Kafka does;
+# __transaction_state (no transactions here) and __cluster_metadata cannot be created either.
+CONSUMER_OFFSETS = "__consumer_offsets"
+INTERNAL_TOPICS = frozenset({CONSUMER_OFFSETS, "__transaction_state", "__cluster_metadata"})
+INTERNAL_TOPIC_PARTITIONS = 1
+INTERNAL_TOPIC_CONFIGS = {"cleanup.policy": "compact"}
+
 _TOPIC_NAME = re.compile(r"[a-zA-Z0-9._-]+")
 MAX_TOPIC_NAME = 249
 
@@ -198,6 +210,32 @@ class Topic:
     is_internal: bool = False
 
 
+def check_internal_create(name: Any) -> None:
+    """Clients cannot create internal topics (Kafka's answers)."""
+    if name == CONSUMER_OFFSETS:
+        raise TopicError(ErrorCode.TOPIC_ALREADY_EXISTS, f"Topic '{name}' already exists.")
+    if name in INTERNAL_TOPICS:
+        raise TopicError(ErrorCode.INVALID_REQUEST,
+                         f"Creation of internal topic {name} is prohibited.")
+
+
+def keyless_record_error(topic: "Topic", index: int, records: Any) -> str | None:
+    """Kafka's INVALID_RECORD message when ``records`` for a compacted topic hold a record
+    without a key, else None. Only compacted topics decode records here (never the hot path of
+    other topics); undecodable payloads are left to the partition's own validation."""
+    configs = getattr(topic, "configs", None) or {}
+    if "compact" not in configs.get("cleanup.policy", "") or records is None:
+        return None
+    try:
+        payload = convert_legacy(records) if is_legacy(records) else records
+        if not has_keyless_record(payload):
+            return None
+    except (CorruptRecordError, ValueError):
+        return None
+    return (f"Compacted topic cannot accept message without key in topic partition "
+            f"{topic.name}-{index}.")
+
+
 class TopicManager:
     """Creates, deletes and reconfigures topics; owns ``broker.topics``.
 
@@ -253,7 +291,8 @@ class TopicManager:
         records = await asyncio.to_thread(self.meta.load_topics)
         for rec in records:
             topic = Topic(rec.name, rec.topic_id, configs=self.effective(rec.configs),
-                          overrides=dict(rec.configs), stream_ids=list(rec.stream_ids))
+                          overrides=dict(rec.configs), stream_ids=list(rec.stream_ids),
+                          is_internal=rec.name in INTERNAL_TOPICS)
             try:
                 for i, sid in enumerate(rec.stream_ids):
                     topic.partitions.append(await self._open_partition(topic, i, sid,
@@ -262,6 +301,12 @@ class TopicManager:
                 log.exception("cannot open topic=%s; it stays unavailable", rec.name)
                 continue
             self.topics[rec.name] = topic
+        if CONSUMER_OFFSETS not in self.topics:
+            try:
+                await self.create(CONSUMER_OFFSETS, INTERNAL_TOPIC_PARTITIONS,
+                                  dict(INTERNAL_TOPIC_CONFIGS))
+            except Exception:  # noqa: BLE001 - only clients listing it would miss it
+                log.exception("cannot create internal topic=%s", CONSUMER_OFFSETS)
         log.info("topics loaded count=%d", len(self.topics))
 
     async def _open_partition(self, topic: Topic, index: int, stream_id: int | None,
@@ -278,6 +323,7 @@ class TopicManager:
                      configs: dict[str, str | None]) -> tuple[int, dict[str, str]]:
         """Validate a creation; returns (partition count, validated overrides)."""
         validate_topic_name(name)
+        check_internal_create(name)
         if name in self.topics:
             raise TopicError(ErrorCode.TOPIC_ALREADY_EXISTS, f"topic {name!r} already exists")
         node = self.broker.config.node_id
@@ -315,7 +361,7 @@ class TopicManager:
             if name in self.topics:
                 raise TopicError(ErrorCode.TOPIC_ALREADY_EXISTS, f"topic {name!r} already exists")
             topic = Topic(name, uuid.uuid4(), configs=self.effective(overrides),
-                          overrides=dict(overrides))
+                          overrides=dict(overrides), is_internal=name in INTERNAL_TOPICS)
             topic.stream_ids = await self._open_new_partitions(
                 topic, count, lambda ids: self.meta.create_topic(TopicRecord(
                     name, topic.topic_id, dict(overrides), list(ids))))
@@ -328,7 +374,7 @@ class TopicManager:
         """Create ``name`` with broker defaults if auto-creation is on; None otherwise."""
         if name in self.topics:
             return self.topics[name]
-        if not self.broker.config.auto_create_topics:
+        if not self.broker.config.auto_create_topics or name in INTERNAL_TOPICS:
             return None
         validate_topic_name(name)
         try:
@@ -343,6 +389,9 @@ class TopicManager:
             topic = self.topics.get(name)
             if topic is None:
                 raise TopicError(ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, f"unknown topic {name!r}")
+            if topic.is_internal:
+                raise TopicError(ErrorCode.INVALID_REQUEST,
+                                 f"Cannot delete internal topic {name}.")
             await asyncio.to_thread(self.meta.delete_topic, name)
             del self.topics[name]
             for p in topic.partitions:

@@ -20,7 +20,7 @@ from .batches import (
 )
 from .compression import CODEC_NAMES, GZIP, LZ4, SNAPPY, ZSTD, compress, decompress
 from .legacy import build_message_set, convert_legacy, down_convert, is_legacy
-from .records import Record, build_batch, decode_batches, decode_records
+from .records import Record, build_batch, decode_batches, decode_records, has_keyless_record
 
 COMPRESSION_NONE = 0
 
@@ -36,5 +36,5 @@ __all__ = [
     "set_partition_leader_epoch", "validate_batch", "CODEC_NAMES", "GZIP", "LZ4", "SNAPPY",
     "ZSTD", "COMPRESSION_NONE", "compress", "decompress", "build_message_set",
     "convert_legacy", "down_convert", "is_legacy", "Record", "build_batch", "decode_batches",
-    "decode_records",
+    "decode_records", "has_keyless_record",
 ]

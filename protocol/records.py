@@ -106,6 +106,21 @@ def decode_records(view: BatchView) -> list[Record]:
     return out
 
 
+def has_keyless_record(buf: Buffer) -> bool:
+    """True when a data record of these v2 batches has a null key (control batches skipped).
+
+    Compacted topics refuse such records (INVALID_RECORD), so only their produce path decodes
+    records; CorruptRecordError for payloads that do not decode.
+    """
+    for view in iter_batches(buf):
+        if view.is_control:
+            continue
+        for rec in decode_records(view):
+            if rec.key is None:
+                return True
+    return False
+
+
 def iter_record_timestamps(view: BatchView) -> Iterator[tuple[int, int]]:
     """(offset, timestamp) per record, skipping keys/values without copying them."""
     if view.timestamp_type == 1:

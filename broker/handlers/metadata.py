@@ -8,7 +8,7 @@ from typing import Any
 from protocol import ErrorCode, response_class
 
 from ..partition import find_topic_by_id
-from ..topics import Topic, TopicError, validate_topic_name
+from ..topics import INTERNAL_TOPICS, Topic, TopicError, validate_topic_name
 from .registry import RequestContext, handler
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,8 @@ async def resolve_topic(ctx: RequestContext, name: str, allow_create: bool
     topic = broker.topics.get(name)
     if topic is not None:
         return topic, ErrorCode.NONE
+    if name in INTERNAL_TOPICS:   # never created by clients: a permanent error, not "unknown"
+        return None, ErrorCode.INVALID_TOPIC
     try:
         validate_topic_name(name)
     except TopicError as exc:

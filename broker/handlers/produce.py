@@ -23,6 +23,7 @@ from protocol.produce_fast import encode_produce_response
 from ..eager import start_now
 from ..partition import AppendResult, find_topic_by_id, get_partition, topic_for_produce
 from ..metrics import stats_of
+from ..topics import INTERNAL_TOPICS, keyless_record_error
 from .registry import RequestContext, handler
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ async def _append(topic: Any, index: int, records: Any, version: int) -> AppendR
     partition = get_partition(topic, index)
     if partition is None:
         return AppendResult(error=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION)
+    keyless = keyless_record_error(topic, index, records)   # compacted topics only
+    if keyless is not None:
+        return AppendResult(error=ErrorCode.INVALID_RECORD, message=keyless)
     # a writable view is the server's request frame: the partition may write into it
     owned = isinstance(records, memoryview) and not records.readonly
     try:
@@ -67,6 +71,9 @@ async def handle_produce(ctx: RequestContext, req: Any) -> Any:
             topic = await topic_for_produce(ctx.broker, td.name)
             unknown = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
             key = td.name
+        if getattr(topic, "is_internal", False) or (version < 13 and td.name in INTERNAL_TOPICS):
+            # clients never write Kafka's internal topics (nor auto-create them)
+            topic, unknown = None, ErrorCode.INVALID_TOPIC
         jobs: list[tuple[int, Any]] = []
         for pd in td.partition_data or []:
             if refused is not None:

@@ -86,7 +86,8 @@ def test_broker_on_postgres_keeps_topics_offsets_and_commits(broker_factory, pos
             "kafka_topics", "kafka_partitions", "kafka_group_offsets", "kafka_producer_ids",
             "s3_streams", "kafka_cluster")}
         components = {r[0] for r in conn.execute("SELECT component FROM schema_migrations")}
-    assert counts["kafka_topics"] == 1 and counts["kafka_partitions"] == 2
+    # pgt (2 partitions) and the internal __consumer_offsets (1) every broker keeps
+    assert counts["kafka_topics"] == 2 and counts["kafka_partitions"] == 3
     assert counts["kafka_group_offsets"] == 2 and counts["kafka_cluster"] == 2  # id, store
     assert components == {"engine", "kafka", "groups", "producers"}
 
