@@ -13,6 +13,7 @@ from protocol import ErrorCode as E, response_class
 
 from ..groups import GroupCoordinator
 from ..partition import find_topic, find_topic_by_id, get_partition
+from .authorized import GROUP_OPS, ops_if
 from .registry import RequestContext, handler
 
 log = logging.getLogger(__name__)
@@ -20,8 +21,6 @@ log = logging.getLogger(__name__)
 FIND_COORDINATOR, OFFSET_COMMIT, OFFSET_FETCH, JOIN_GROUP, HEARTBEAT = 10, 8, 9, 11, 12
 LEAVE_GROUP, SYNC_GROUP, DESCRIBE_GROUPS, LIST_GROUPS, DELETE_GROUPS, OFFSET_DELETE = 13, 14, 15, 16, 42, 47
 KEY_TYPE_GROUP, KEY_TYPE_TRANSACTION = 0, 1
-# The codec encodes None as Kafka's "not requested" value (INT32_MIN).
-AUTHORIZED_OPERATIONS_OMITTED = None
 
 
 def _coordinator(ctx: RequestContext) -> GroupCoordinator:
@@ -299,6 +298,8 @@ async def describe_groups(ctx: RequestContext, req: Any) -> Any:
     cls = response_class(DESCRIBE_GROUPS)
     gcls, mcls = cls.DescribedGroup, cls.DescribedGroup.DescribedGroupMember
     coord = _coordinator(ctx)
+    ops = ops_if(ctx.version >= 3 and getattr(req, "include_authorized_operations", False),
+                 GROUP_OPS)
     out = []
     for gid in req.groups or []:
         s = coord.describe_group(gid)
@@ -308,7 +309,7 @@ async def describe_groups(ctx: RequestContext, req: Any) -> Any:
                 error_code=missing_error,
                 error_message=f"group {gid} not found" if missing_error else None,
                 group_id=gid, group_state="Dead", protocol_type="", protocol_data="", members=[],
-                authorized_operations=AUTHORIZED_OPERATIONS_OMITTED,
+                authorized_operations=ops,
             ))
             continue
         out.append(gcls(
@@ -319,7 +320,7 @@ async def describe_groups(ctx: RequestContext, req: Any) -> Any:
                      client_host=m.client_host, member_metadata=m.metadata, member_assignment=m.assignment)
                 for m in s.members
             ],
-            authorized_operations=AUTHORIZED_OPERATIONS_OMITTED,
+            authorized_operations=ops,
         ))
     return cls(throttle_time_ms=0, groups=out)
 

@@ -9,13 +9,13 @@ from protocol import ErrorCode, response_class
 
 from ..partition import find_topic_by_id
 from ..topics import INTERNAL_TOPICS, Topic, TopicError, validate_topic_name
+from .authorized import CLUSTER_OPS, NOT_REQUESTED, TOPIC_OPS, as_int32, ops_if
 from .registry import RequestContext, handler
 
 log = logging.getLogger(__name__)
 
 METADATA, DESCRIBE_CLUSTER, DESCRIBE_TOPIC_PARTITIONS = 3, 60, 75
 ZERO_UUID = uuid.UUID(int=0)
-NO_OPS = -2147483648   # "authorized operations not requested"
 LEADER_EPOCH = 0
 
 
@@ -63,6 +63,10 @@ async def metadata(ctx: RequestContext, req: Any) -> Any:
     tcls = cls.MetadataResponseTopic
     pcls = tcls.MetadataResponsePartition
     allow_create = bool(getattr(req, "allow_auto_topic_creation", True)) if v >= 4 else True
+    topic_ops = ops_if(v >= 8 and getattr(req, "include_topic_authorized_operations", False),
+                       TOPIC_OPS)
+    cluster_ops = ops_if(8 <= v <= 10 and getattr(req, "include_cluster_authorized_operations",
+                                                  False), CLUSTER_OPS)
     wanted = req.topics
     topics_out = []
     if wanted is None or (v == 0 and not wanted):
@@ -70,7 +74,7 @@ async def metadata(ctx: RequestContext, req: Any) -> Any:
             topics_out.append(tcls(error_code=0, name=topic.name, topic_id=topic.topic_id,
                                    is_internal=topic.is_internal,
                                    partitions=_partitions(pcls, topic, node),
-                                   authorized_operations=None))
+                                   authorized_operations=topic_ops))
     else:
         for t in wanted:
             name = getattr(t, "name", None)
@@ -93,11 +97,11 @@ async def metadata(ctx: RequestContext, req: Any) -> Any:
             topics_out.append(tcls(error_code=0, name=topic.name, topic_id=topic.topic_id,
                                    is_internal=topic.is_internal,
                                    partitions=_partitions(pcls, topic, node),
-                                   authorized_operations=None))
+                                   authorized_operations=topic_ops))
     brokers = [cls.MetadataResponseBroker(node_id=node, host=cfg.advertised_host,
                                           port=cfg.advertised_port, rack=None)]
     return cls(version=v, throttle_time_ms=0, brokers=brokers, cluster_id=broker.cluster_id,
-               controller_id=node, topics=topics_out, authorized_operations=None,
+               controller_id=node, topics=topics_out, authorized_operations=cluster_ops,
                error_code=0)
 
 
@@ -114,7 +118,9 @@ async def describe_cluster(ctx: RequestContext, req: Any) -> Any:
         err, msg, brokers = ErrorCode.UNSUPPORTED_ENDPOINT_TYPE, "unknown endpoint type", []
     return cls(version=v, throttle_time_ms=0, error_code=err, error_message=msg,
                endpoint_type=endpoint_type, cluster_id=broker.cluster_id,
-               controller_id=cfg.node_id, brokers=brokers, authorized_operations=None)
+               controller_id=cfg.node_id, brokers=brokers,
+               authorized_operations=ops_if(req.include_cluster_authorized_operations,
+                                            CLUSTER_OPS))
 
 
 @handler(DESCRIBE_TOPIC_PARTITIONS)
@@ -143,7 +149,7 @@ async def describe_topic_partitions(ctx: RequestContext, req: Any) -> Any:
         if topic is None:
             out.append(tcls(error_code=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, name=name,
                             topic_id=ZERO_UUID, is_internal=False, partitions=[],
-                            topic_authorized_operations=NO_OPS))
+                            topic_authorized_operations=NOT_REQUESTED))
             continue
         start = cursor.partition_index if cursor is not None and name == cursor.topic_name else 0
         start = max(0, start)
@@ -154,7 +160,7 @@ async def describe_topic_partitions(ctx: RequestContext, req: Any) -> Any:
         budget -= len(parts)
         out.append(tcls(error_code=0, name=name, topic_id=topic.topic_id,
                         is_internal=topic.is_internal, partitions=parts,
-                        topic_authorized_operations=NO_OPS))
+                        topic_authorized_operations=as_int32(TOPIC_OPS)))  # always (KIP-966)
         if start + len(parts) < len(topic.partitions):
             next_cursor = cls.Cursor(topic_name=name, partition_index=start + len(parts))
             break
