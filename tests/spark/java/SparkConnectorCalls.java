@@ -161,7 +161,10 @@ public final class SparkConnectorCalls {
             run(args);
         } catch (Throwable t) {
             Throwable cause = t.getCause() != null ? t.getCause() : t;
-            if (args.length > 2 && cause instanceof org.apache.kafka.common.errors.UnsupportedVersionException) {
+            // a broker without transactions: the transaction APIs unadvertised, or (s3kafka)
+            // transactional producers refused at once with TRANSACTIONAL_ID_AUTHORIZATION_FAILED
+            if (args.length > 2 && (cause instanceof org.apache.kafka.common.errors.UnsupportedVersionException
+                    || cause instanceof org.apache.kafka.common.errors.TransactionalIdAuthorizationException)) {
                 System.out.println("UNSUPPORTED " + cause.getMessage());
                 System.exit(3);
             }
