@@ -423,7 +423,7 @@ class Engine(StreamStore):
         try:
             await asyncio.wait_for(self._drain_uploads(), timeout=10)
         except (asyncio.TimeoutError, Exception) as e:  # the WAL still has it
-            log.warning("final upload skipped: %s", e)
+            log.warning("final upload skipped: %s", str(e) or type(e).__name__)
         await self.cold_pacer.stop()
         for t in self._tasks:
             t.cancel()

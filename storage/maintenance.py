@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .crash import crash_point
+from .episodes import Episode
 from .metastore import NewObject, ObjectRange
 from .loop_slices import encode_object_in_slices
 from .objects.format import CorruptObjectError, Record, decode_object
@@ -36,6 +37,8 @@ class Maintenance:
         self._last_compaction = time.monotonic()
         self.compactions = 0
         self.deleted_objects = 0
+        # a store outage fails every round (each cleanup_interval_s): one line per episode
+        self.failing = Episode(log, "maintenance_failing", quiet_s=float("inf"))
 
     def forget_later(self, objects: list[tuple[int, str]]) -> None:
         """Objects of a failed upload: delete their keys and rows on the next cleanup pass."""
@@ -60,10 +63,11 @@ class Maintenance:
                 if time.monotonic() - self._last_compaction >= c.compaction_interval_s:
                     self._last_compaction = time.monotonic()
                     await self.compact()
+                self.failing.clear()
             except asyncio.CancelledError:
                 raise
             except Exception as ex:        # store down etc.: try again next round
-                log.warning("maintenance round failed: %s", ex)
+                self.failing.hit(f"maintenance round failed, retrying each round: {ex}")
 
     def _dead(self, r: ObjectRange) -> bool:
         s = self.engine.streams.get(r.stream_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -167,6 +168,50 @@ def test_wal_capacity_differs_from_header(tmp_path):
                       "capacity 16777216", "--wal-capacity 16777216")
 
 
+@pytest.fixture
+def loop_device(tmp_path):
+    """A 32 MiB loop device (root and losetup needed, else skipped) over a file outside
+    tmp_path's snapshots."""
+    if shutil.which("losetup") is None:
+        pytest.skip("losetup is not installed")
+    backing = tmp_path.parent / f"{tmp_path.name}-loop.img"
+    with open(backing, "wb") as f:
+        f.truncate(32 << 20)
+    try:
+        dev = subprocess.run(["losetup", "-f", "--show", str(backing)], check=True,
+                             capture_output=True, text=True).stdout.strip()
+    except (subprocess.CalledProcessError, OSError) as e:
+        pytest.skip(f"losetup cannot attach a loop device here: {e}")
+    try:
+        yield dev, backing
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=False)
+        backing.unlink()
+
+
+def test_wal_on_a_block_device(tmp_path, loop_device):
+    """Foreign data on a device is refused unchanged, a device smaller than the capacity is
+    one line, --wal-format formats it, and a second broker on the device is refused."""
+    dev, backing = loop_device
+    with open(dev, "r+b") as f:                   # something that looks like a filesystem
+        f.write(b"\xeb\x52\x90NTFS    " + os.urandom(4096))
+    before = hashlib.sha256(backing.read_bytes()).hexdigest()
+    refused_unchanged(tmp_path, ["--data-dir", "d", "--wal", dev, "--wal-capacity", CAP], 1,
+                      dev, "not an s3kafka WAL", "--wal-format")
+    refused_unchanged(tmp_path, ["--data-dir", "d", "--wal", dev, "--wal-capacity", "64MiB",
+                                 "--wal-format"], 1, "less than the WAL capacity")
+    assert hashlib.sha256(backing.read_bytes()).hexdigest() == before
+    b = start_broker(tmp_path, ["--data-dir", "d", "--wal", dev, "--wal-capacity", CAP,
+                                "--wal-format"])
+    try:
+        refused_unchanged(tmp_path, ["--data-dir", "d2", "--wal", dev, "--wal-capacity", CAP],
+                          1, f"WAL {dev} is in use", f"pid {b.pid}")
+    finally:
+        stop(b)
+    # its own WAL now: starts without --wal-format
+    stop(start_broker(tmp_path, ["--data-dir", "d", "--wal", dev, "--wal-capacity", CAP]))
+
+
 # ---- object store ---------------------------------------------------------------------------
 def closed_port_url() -> str:
     port = free_port()       # nothing listens there
@@ -205,17 +250,59 @@ def test_missing_bucket_is_named(tmp_path, s3_endpoint):
                       "bucket 'no-such-bucket-here' does not exist")
 
 
-def test_degraded_start_and_restart_with_store_down(tmp_path):
+def test_degraded_start_episodes_and_restart_with_store_down(tmp_path):
+    """--allow-degraded-start serves produces from the WAL while the store is down; the
+    back-pressure and the failing store are logged once per episode, not per request; after
+    kill -9 the WAL holds this broker's data, so it restarts without the flag and serves the
+    acknowledged records."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
     url = closed_port_url()
-    args = ["--data-dir", "d", "--wal-capacity", CAP, "--object-store", url]
-    p = start_broker(tmp_path, [*args, "--allow-degraded-start"])
-    log = stop(p)
+    args = ["--data-dir", "d", "--wal-capacity", CAP, "--object-store", url,
+            "--log-cache-bytes", "1MiB", "--backpressure-timeout-s", "0.2",
+            "--metrics-listen", "off"]
+    b = start_broker(tmp_path, [*args, "--allow-degraded-start"])
+    acked: dict[int, bytes] = {}
+    refused = []
+
+    def cb(err, msg) -> None:
+        (refused.append(err) if err else acked.__setitem__(msg.offset(), msg.value()))
+    p = Producer({"bootstrap.servers": b.bootstrap, "acks": "all", "linger.ms": 5,
+                  "message.timeout.ms": 3000})
+    for i in range(1500):
+        while True:
+            try:
+                p.produce("t", b"%06d" % i + b"x" * 2000, partition=0, on_delivery=cb)
+                break
+            except BufferError:
+                p.poll(0.01)
+        p.poll(0)
+    p.flush(30)
+    log = b.log()
+    b.kill()
+    assert acked and refused, (len(acked), len(refused))
     warn = [ln for ln in log.splitlines() if "starting degraded" in ln]
     assert len(warn) == 1 and "--allow-degraded-start" in warn[0] and "topsecret" not in log
-    # the WAL now holds this broker's data: a restart with the store down serves it
-    p = start_broker(tmp_path, args)
-    log = stop(p)
-    assert "a restart" in log
+    assert log.count("episode=producers_backpressured state=started") <= 2, log
+    assert log.count("episode=object_store_failing state=started") == 1, log
+    assert log.count("upload failed") == 1, log
+    # restart, store still down: the WAL's records are served
+    b = start_broker(tmp_path, args)
+    try:
+        assert "a restart" in b.log()
+        c = Consumer({"bootstrap.servers": b.bootstrap, "group.id": "g",
+                      "enable.auto.commit": False})
+        c.assign([TopicPartition("t", 0, 0)])
+        seen: dict[int, bytes] = {}
+        deadline = time.monotonic() + 30
+        while len(seen) < len(acked) and time.monotonic() < deadline:
+            m = c.poll(0.5)
+            if m is not None and not m.error():
+                seen[m.offset()] = m.value()
+        c.close()
+        assert {o: seen.get(o) for o in acked} == acked
+    finally:
+        b.kill()
 
 
 # ---- a second broker ------------------------------------------------------------------------
@@ -275,11 +362,18 @@ class Broker:
     def __init__(self, cwd: pathlib.Path, args: list[str]) -> None:
         self.log_path = cwd / f"broker-{free_port()}.log"
         self._fh = open(self.log_path, "w")
+        args = ["--listen", f"127.0.0.1:{free_port()}", *args]
         self.proc = subprocess.Popen(
-            [PY, "-m", "broker", "serve", "--listen", f"127.0.0.1:{free_port()}", *args],
+            [PY, "-m", "broker", "serve", *args],
             cwd=cwd, stdout=self._fh, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": str(REPO)})
         self.pid = self.proc.pid
+        self.bootstrap = args[args.index("--listen") + 1] if "--listen" in args else ""
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+        self._fh.close()
 
     def log(self) -> str:
         return self.log_path.read_text()
