@@ -8,6 +8,7 @@ usage mistakes exit 2 (argparse).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -51,11 +52,21 @@ def main(argv: Sequence[str]) -> int:
     except KafkaError as exc:
         print(f"Error: {exception_line(exc)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a client surprise is still one line, not a trace
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"Error: {type(exc).__name__}: {first}".rstrip(": "), file=sys.stderr)
+        return 1
     finally:
         if admin is not None:
             try:
                 admin.close()
             except Exception:  # noqa: BLE001 - closing must not mask the command's outcome
                 pass
-    emit(result, option(args, "json"))
+    try:
+        emit(result, option(args, "json"))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `s3kafka topics list | head -1`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
