@@ -45,9 +45,10 @@ class Maintenance:
         self._doomed.extend(objects)
 
     async def delete_leftovers(self) -> None:
-        """Remove what a crash left: prepared (never committed) and destroyed objects."""
+        """Remove what a crash left: this node's prepared (never committed) objects (another
+        broker sharing the metadata may be uploading its own right now) and destroyed ones."""
         e = self.engine
-        left = await e.io(e.meta.objects_in_state, "prepared")
+        left = await e.io(e.meta.objects_in_state, "prepared", e.config.node_id)
         left += await e.io(e.meta.objects_in_state, "destroyed")
         if left:
             await e.io(e.store.delete, [k for _, k in left])

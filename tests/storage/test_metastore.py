@@ -125,3 +125,20 @@ async def test_engine_on_postgres_survives_restart(tmp_path, postgres) -> None:
         assert any(r.stream_id == s.stream_id for r in await asyncio.to_thread(eng.meta.ranges))
     finally:
         await eng.close()
+
+
+async def test_startup_cleanup_spares_other_nodes_uploads(tmp_path, metadata_url) -> None:
+    """A broker starting on a shared database deletes what its own crash left prepared, not the
+    upload another broker has in flight."""
+    m = open_metastore(metadata_url)
+    mine, _ = m.prepare_object("sso", 1)
+    theirs, theirs_key = m.prepare_object("sso", 2)
+    m.close()
+    eng = open_engine(small_config(tmp_path, metadata_url=metadata_url, node_id=1))
+    await eng.start()
+    try:
+        left = await asyncio.to_thread(eng.meta.objects_in_state, "prepared")
+        assert left == [(theirs, theirs_key)]
+        assert mine != theirs
+    finally:
+        await eng.close()
