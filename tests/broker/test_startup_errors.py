@@ -411,3 +411,30 @@ def stop(b: Broker) -> str:
     b.log_path.unlink()
     assert code == 0, log
     return log
+
+
+def test_degraded_broker_warns_each_interval_until_the_store_works(tmp_path, caplog):
+    """watch_degraded_store (run by a degraded broker every 60 s): one warning per interval
+    while the check fails, one line when it works, then silence."""
+    import asyncio
+    import logging
+
+    from broker.startup_checks import watch_degraded_store
+
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the store's parent directory should be")
+    url = f"file://{blocker}/objects"
+
+    async def scenario() -> None:
+        task = asyncio.create_task(watch_degraded_store(url, "first error", "test", 0.2))
+        await asyncio.sleep(0.5)
+        blocker.unlink()
+        blocker.mkdir()
+        await asyncio.wait_for(task, 5)
+
+    with caplog.at_level(logging.WARNING, logger="broker.startup_checks"):
+        asyncio.run(scenario())
+    lines = [r.getMessage() for r in caplog.records]
+    assert "starting degraded (test)" in lines[0] and "first error" in lines[0]
+    assert 1 <= sum("still unusable" in ln for ln in lines) <= 3, lines
+    assert "usable again" in lines[-1]
