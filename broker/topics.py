@@ -89,12 +89,24 @@ _DEFS = [
               "log.cleaner.max.compaction.lag.ms", _int_at_least(1)),
     ConfigDef("max.message.bytes", "1048588", INT, "largest record batch accepted; bigger ones get MESSAGE_TOO_LARGE (enforced)",
               "message.max.bytes", _int_at_least(0)),
+    # deprecated in Kafka 3.x (message formats v0/v1, KIP-724; KIP-937): still accepted and
+    # reported with their defaults, as Kafka 3.x does, and ignored as Kafka ignores them
+    ConfigDef("message.downconversion.enable", "true", BOOLEAN,
+              "deprecated in Kafka: accepted and ignored (Fetch v0-3 answers are always "
+              "down-converted)", "log.message.downconversion.enable"),
+    ConfigDef("message.format.version", "3.0-IV1", STRING,
+              "deprecated in Kafka: accepted and ignored (batches are stored as magic 2)",
+              "log.message.format.version",
+              lambda v: re.fullmatch(r"\d+\.\d+(\.\d+)?(-IV\d+)?", v) is not None),
     ConfigDef("message.timestamp.after.max.ms", "3600000", LONG,
               "INVALID_TIMESTAMP beyond this (enforced, CreateTime only)",
               "log.message.timestamp.after.max.ms", _int_at_least(0)),
     ConfigDef("message.timestamp.before.max.ms", LONG_MAX, LONG,
               "INVALID_TIMESTAMP beyond this (enforced, CreateTime only)",
               "log.message.timestamp.before.max.ms", _int_at_least(0)),
+    ConfigDef("message.timestamp.difference.max.ms", LONG_MAX, LONG,
+              "deprecated in Kafka (use message.timestamp.before/after.max.ms): accepted and "
+              "ignored", "log.message.timestamp.difference.max.ms", _int_at_least(0)),
     ConfigDef("message.timestamp.type", "CreateTime", STRING,
               "CreateTime keeps producer timestamps; LogAppendTime stamps batches with broker "
               "time (enforced)",

@@ -337,6 +337,8 @@ def _incremental_overrides(mgr: Any, topic: Topic, res: Any) -> dict[str, str]:
                 merged = [x for x in current if x not in items]
             if merged or d.check is None:
                 new[c.name] = validate_config(c.name, ",".join(merged))
+            elif op == OP_SUBTRACT:
+                new[c.name] = ""   # Kafka leaves the list empty (cleanup.policy: no deletion)
             else:
                 raise TopicError(ErrorCode.INVALID_CONFIG, f"{c.name} cannot be empty")
         else:
