@@ -347,8 +347,13 @@ def postgres() -> Iterator["PostgresServer"]:
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def metadata_url(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> str:
-    """A fresh, empty metadata database URL: each test using it runs on SQLite and PostgreSQL."""
+def metadata_url(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[str]:
+    """A fresh, empty metadata database URL: each test using it runs on SQLite and PostgreSQL
+    (the PostgreSQL database is dropped afterwards)."""
     if request.param == "sqlite":
-        return f"sqlite:///{tmp_path}/meta.db"
-    return request.getfixturevalue("postgres").new_database()
+        yield f"sqlite:///{tmp_path}/meta.db"
+        return
+    server = request.getfixturevalue("postgres")
+    url = server.new_database()
+    yield url
+    server.drop_database(url)

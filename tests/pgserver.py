@@ -90,6 +90,14 @@ class PostgresServer:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
 
+    def drop_database(self, url: str) -> None:
+        """Drop a database made by new_database (connections still open are cut)."""
+        import psycopg  # noqa: PLC0415
+
+        name = url.rsplit("/", 1)[1]
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
     def stop(self) -> None:
         try:
             self._run(os.path.join(self.bindir, "pg_ctl"), "-D", self.data, "-m", "immediate",
