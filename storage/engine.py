@@ -289,6 +289,27 @@ class EngineStream(Stream):
         await self._engine.io(self._engine.meta.set_stream_start, self.stream_id, new_start)
 
 
+    # -- rewriting (the broker's log cleaner; storage/maintenance.py) ------------------------
+    @property
+    def uploaded_offset(self) -> int:
+        """Every offset below this is in committed objects (what a rewrite may cover)."""
+        return self.committed
+
+    def object_ranges(self) -> list[tuple[int, int, int]]:
+        """(start, end, bytes) per committed object range of this stream; the bytes of a
+        range in a stream set object are that object's size shared by its ranges."""
+        objs = self._engine.reader.objects
+        return [(r.start_offset, r.end_offset, r.size // max(1, len(objs.get(r.object_id, ()))))
+                for r in self._engine.reader.stream_ranges(self.stream_id)]
+
+    async def rewrite(self, start: int, end: int, keep: Any, max_object_bytes: int = 64 << 20,
+                      max_bytes_per_s: float = 0.0) -> Any:
+        """Maintenance.rewrite_stream for this stream: filter its committed payloads in
+        [start, end) and replace the objects holding them in one metadata transaction."""
+        return await self._engine.maintenance.rewrite_stream(
+            self.stream_id, start, end, keep, max_object_bytes, max_bytes_per_s)
+
+
 class Engine(StreamStore):
     """Ties WAL, LogCache, uploader, reader and maintenance together."""
 

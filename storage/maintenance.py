@@ -7,25 +7,49 @@
   pass later (a read that already looked it up can still finish).
 - Compaction: stream set objects and small stream objects are merged into one stream object
   per contiguous run of each stream, committed in one transaction that also destroys the inputs.
+- Rewrite (``rewrite_stream``): a caller (the broker's log cleaner) filters one stream's
+  committed payloads - each kept, replaced or dropped - and the result replaces the old objects
+  in one transaction. A stream's offsets may then have gaps (dropped payloads); each object's
+  range keeps the bounds of the ranges it replaced, so ranges stay contiguous.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from .crash import crash_point
 from .episodes import Episode
 from .metastore import NewObject, ObjectRange
 from .loop_slices import encode_object_in_slices
-from .objects.format import CorruptObjectError, Record, decode_object
+from .objects.format import CorruptObjectError, Record, StreamRange, decode_object
 from .objects.store import ObjectStoreError
 
 if TYPE_CHECKING:
     from .engine import Engine
 
 log = logging.getLogger(__name__)
+
+# keep(base_offset, count, payload, must_keep) -> replacement payload, or None to drop it.
+# ``must_keep`` marks the last payload of the rewritten range: it pins the range's end offset
+# and may not be dropped (the caller shrinks it instead).
+PayloadFilter = Callable[[int, int, memoryview, bool], "bytes | bytearray | memoryview | None"]
+
+
+@dataclass
+class RewriteResult:
+    """What one rewrite did; ``start``/``end`` are the offsets actually covered (whole
+    object ranges)."""
+
+    start: int = 0
+    end: int = 0
+    objects_before: int = 0
+    objects_after: int = 0
+    bytes_before: int = 0        # the stream's payload bytes read
+    bytes_after: int = 0         # the stream's payload bytes written
+    payloads_dropped: int = 0
 
 
 class Maintenance:
@@ -39,6 +63,9 @@ class Maintenance:
         self.deleted_objects = 0
         # a store outage fails every round (each cleanup_interval_s): one line per episode
         self.failing = Episode(log, "maintenance_failing", quiet_s=float("inf"))
+        self.rewrites = 0
+        # compaction and rewrites both replace objects: never at the same time
+        self.lock = asyncio.Lock()
 
     def forget_later(self, objects: list[tuple[int, str]]) -> None:
         """Objects of a failed upload: delete their keys and rows on the next cleanup pass."""
@@ -102,6 +129,10 @@ class Maintenance:
 
     async def compact(self) -> int:
         """One compaction round; returns the number of objects replaced."""
+        async with self.lock:
+            return await self._compact()
+
+    async def _compact(self) -> int:
         e = self.engine
         c = e.config
         ssos = [(oid, rs) for oid, rs in e.reader.objects.items() if rs and rs[0].kind == "sso"]
@@ -126,7 +157,10 @@ class Maintenance:
         if len(picked) < 2:
             return 0
         per_stream: dict[int, list[Record]] = {}
+        old_ranges: dict[int, list[ObjectRange]] = {}
         for oid, rs in picked:
+            for r in rs:
+                old_ranges.setdefault(r.stream_id, []).append(r)
             try:
                 data = await e.io(e.store.get, rs[0].key, 0, None)
                 records = list(decode_object(data))
@@ -138,25 +172,38 @@ class Maintenance:
                 if s is None or s.deleted or rec.end_offset <= s.start_offset:
                     continue
                 per_stream.setdefault(rec.stream_id, []).append(rec)
-        runs: list[list[Record]] = []
+        # a run is a stretch of adjacent old ranges: its new range keeps their bounds, so a
+        # rewritten (sparse) stream stays covered without gaps between objects
+        runs: list[tuple[StreamRange, list[Record]]] = []
         for sid in sorted(per_stream):
             recs = sorted(per_stream[sid], key=lambda r: r.base_offset)
-            run: list[Record] = []
-            for rec in recs:
-                if run and rec.base_offset < run[-1].end_offset:
-                    continue                     # duplicate (should not happen)
-                if run and rec.base_offset != run[-1].end_offset:
-                    runs.append(run)
-                    run = []
-                run.append(rec)
-            if run:
-                runs.append(run)
+            spans: list[list[int]] = []
+            for r in sorted(old_ranges.get(sid, []), key=lambda r: r.start_offset):
+                if spans and r.start_offset == spans[-1][1]:
+                    spans[-1][1] = r.end_offset
+                else:
+                    spans.append([r.start_offset, r.end_offset])
+            i = 0
+            for lo, hi in spans:
+                run: list[Record] = []
+                while i < len(recs) and recs[i].base_offset < hi:
+                    rec = recs[i]
+                    i += 1
+                    if rec.base_offset < lo or (run and rec.base_offset < run[-1].end_offset):
+                        continue                 # duplicate (should not happen)
+                    run.append(rec)
+                if run:
+                    runs.append((StreamRange(sid, lo, hi), run))
         new: list[tuple[NewObject, str]] = []
-        for run in runs:
+        for span, run in runs:
             oid, key = await e.io(e.meta.prepare_object, "so", c.node_id)
             data, _index, ranges = await encode_object_in_slices(run, c.object_block_bytes)
+            # the records of a run's tail may lie below a trimmed start: keep the span's end
+            span.start_offset = min(span.start_offset, ranges[0].start_offset)
+            if ranges[0].end_offset < span.end_offset:
+                span.end_offset = ranges[0].end_offset
             await e.io(e.store.put, key, data)
-            new.append((NewObject(oid, len(data), ranges), key))
+            new.append((NewObject(oid, len(data), [span]), key))
         crash_point("during_compaction")
         old_ids = [oid for oid, _ in picked]
         await e.io(e.meta.commit_objects, [n for n, _ in new], old_ids)
@@ -168,3 +215,146 @@ class Maintenance:
         e.stats.compacted_objects += len(picked)
         log.info("compacted %d objects into %d", len(picked), len(new))
         return len(picked)
+
+    async def rewrite_stream(self, stream_id: int, start: int, end: int, keep: PayloadFilter,
+                             max_object_bytes: int = 64 << 20,
+                             max_bytes_per_s: float = 0.0) -> RewriteResult:
+        """Rewrite the committed objects holding ``stream_id``'s offsets [start, end) through
+        ``keep`` and replace them in one metadata transaction.
+
+        Only whole object ranges are rewritten: from the one holding ``start`` up to the last
+        one ending at or before ``end`` (the result says which). Objects are read one at a
+        time and ``keep`` runs on a low-priority thread, so memory stays bounded by one input
+        object plus one output object, and the event loop keeps serving; with
+        ``max_bytes_per_s`` the reads are paced. Other streams' records in a stream set object
+        are copied unchanged into a new stream set object. The old objects stay readable
+        until the commit, and are deleted one cleanup pass later (reads in progress finish).
+        """
+        async with self.lock:
+            return await self._rewrite(stream_id, start, end, keep, max_object_bytes,
+                                       max_bytes_per_s)
+
+    def _rewrite_plan(self, stream_id: int, start: int, end: int) -> list[ObjectRange]:
+        picked: list[ObjectRange] = []
+        for r in self.engine.reader.stream_ranges(stream_id):
+            if r.end_offset <= start:
+                continue
+            if r.end_offset > end or (picked and r.start_offset != picked[-1].end_offset):
+                break
+            if sum(1 for x in self.engine.reader.objects.get(r.object_id, [])
+                   if x.stream_id == stream_id) != 1:
+                break                 # one object, two ranges of the stream: not expected
+            picked.append(r)
+        return picked
+
+    async def _rewrite(self, stream_id: int, start: int, end: int, keep: PayloadFilter,
+                       max_object_bytes: int, max_bytes_per_s: float) -> RewriteResult:
+        e = self.engine
+        c = e.config
+        res = RewriteResult(start, start)
+        picked = self._rewrite_plan(stream_id, start, end)
+        if not picked:
+            return res
+        res.start, res.end = picked[0].start_offset, picked[-1].end_offset
+        prepared: list[tuple[int, str]] = []
+        new: list[tuple[NewObject, str, str]] = []
+        out: list[Record] = []
+        out_bytes = 0
+        rest: list[Record] = []         # other streams' records of stream set objects
+        rest_bytes = 0
+        seg_start = res.start
+        loop = asyncio.get_running_loop()
+
+        async def put(kind: str, recs: list[Record], rng: list[StreamRange] | None) -> None:
+            oid, key = await e.io(e.meta.prepare_object, kind, c.node_id)
+            prepared.append((oid, key))
+            data, _index, ranges = await encode_object_in_slices(recs, c.object_block_bytes)
+            await e.io(e.store.put, key, data)
+            new.append((NewObject(oid, len(data), rng or ranges), key, kind))
+
+        def run_filter(recs: list[Record], last_end: int) -> tuple[list[Record], int, int, int]:
+            kept: list[Record] = []
+            before = after = dropped = 0
+            for rec in recs:
+                before += len(rec.payload)
+                rep = keep(rec.base_offset, rec.count, memoryview(rec.payload),
+                           rec.end_offset == last_end)
+                if rep is None:
+                    if rec.end_offset == last_end:
+                        raise ValueError("the last payload of a rewritten range was dropped")
+                    dropped += 1
+                    continue
+                rep = bytes(rep)          # a copy: the input object's buffer can go
+                kept.append(Record(rec.stream_id, rec.base_offset, rec.count, rep))
+                after += len(rep)
+            return kept, before, after, dropped
+
+        try:
+            for i, r in enumerate(picked):
+                t0 = time.monotonic()
+                data = await e.cold_io(e.store.get, r.key, 0, None)
+                records = list(decode_object(data))
+                mine = [x for x in records if x.stream_id == stream_id
+                        and r.start_offset <= x.base_offset < r.end_offset]
+                others = [x for x in records if x.stream_id != stream_id]
+                # the filter is Python work over every record: a low-priority thread
+                kept, before, after, dropped = await loop.run_in_executor(
+                    e._cold_executor, run_filter, mine, res.end)
+                res.objects_before += 1
+                res.bytes_before += before
+                res.bytes_after += after
+                res.payloads_dropped += dropped
+                for x in others:            # a stream set object: the rest passes unchanged
+                    rest.append(Record(x.stream_id, x.base_offset, x.count, bytes(x.payload)))
+                    rest_bytes += len(x.payload)
+                del records, mine, others, data
+                if rest_bytes >= max_object_bytes:
+                    await put("sso", sorted(rest, key=lambda x: (x.stream_id, x.base_offset)),
+                              None)
+                    rest, rest_bytes = [], 0
+                for rec in kept:
+                    out.append(rec)
+                    out_bytes += len(rec.payload)
+                    if out_bytes >= max_object_bytes:
+                        seg_end = rec.end_offset
+                        await put("so", out, [StreamRange(stream_id, seg_start, seg_end)])
+                        res.objects_after += 1
+                        seg_start, out, out_bytes = seg_end, [], 0
+                if max_bytes_per_s > 0:
+                    pause = r.size / max_bytes_per_s - (time.monotonic() - t0)
+                    if pause > 0:
+                        await asyncio.sleep(pause)
+            if rest:
+                await put("sso", sorted(rest, key=lambda x: (x.stream_id, x.base_offset)), None)
+            if out:
+                await put("so", out, [StreamRange(stream_id, seg_start, res.end)])
+                res.objects_after += 1
+            if seg_start != res.end and not out:
+                raise ValueError("rewrite left the end of the range uncovered")
+            s = e.streams.get(stream_id)
+            old_ids = sorted({r.object_id for r in picked})
+            if s is None or s.deleted or any(oid not in e.reader.objects for oid in old_ids):
+                raise _Abandoned("stream deleted or objects cleaned up meanwhile")
+            crash_point("during_rewrite")
+            await e.io(e.meta.commit_objects, [n for n, _, _ in new], old_ids)
+        except BaseException as ex:
+            self.forget_later(prepared)
+            if isinstance(ex, _Abandoned):
+                log.info("rewrite of stream %d abandoned: %s", stream_id, ex)
+                return RewriteResult(res.start, res.start)
+            raise
+        # one synchronous step: a read sees either the old objects or the new ones
+        doomed = [(oid, e.reader.objects[oid][0].key) for oid in old_ids]
+        e.reader.remove(old_ids)
+        e.reader.add([ObjectRange(n.object_id, key, kind, n.size, rg.stream_id, rg.start_offset,
+                                  rg.end_offset) for n, key, kind in new for rg in n.ranges])
+        self._doomed.extend(doomed)
+        self.rewrites += 1
+        log.info("rewrote stream %d offsets %d..%d: %d objects -> %d, %d -> %d bytes",
+                 stream_id, res.start, res.end, res.objects_before, res.objects_after,
+                 res.bytes_before, res.bytes_after)
+        return res
+
+
+class _Abandoned(Exception):
+    """A rewrite whose inputs changed under it: nothing is committed."""
