@@ -36,6 +36,14 @@ _HELP = {
                       "(repeatable), e.g. retention.ms=3600000",
     "producer_id_expiration_ms": "producer.id.expiration.ms: idle idempotent producers are "
                                  "forgotten after this (default 86400000)",
+    "log_cleaner_enable": "log.cleaner.enable: compact topics with cleanup.policy=compact "
+                          "(default true)",
+    "log_cleaner_backoff_ms": "log.cleaner.backoff.ms: pause between log cleaner rounds "
+                              "(default 15000)",
+    "log_cleaner_dedupe_buffer_size": "log.cleaner.dedupe.buffer.size: bytes of the key -> "
+                                      "offset map of one cleaning pass (default 128MiB)",
+    "log_cleaner_io_max_bytes_per_second": "log.cleaner.io.max.bytes.per.second: cleaner read "
+                                           "rate cap, 0 = none (default 32MiB)",
     "transaction_max_timeout_ms": "transaction.max.timeout.ms: larger transaction.timeout.ms "
                                   "values get INVALID_TRANSACTION_TIMEOUT (default 900000)",
     "group_min_session_timeout_ms": "group.min.session.timeout.ms (default 6000)",

@@ -41,6 +41,10 @@ class BrokerConfig:
     shutdown_timeout_s: float = 30.0         # how long SIGTERM waits for in-flight requests
     retention_check_interval_ms: int = 300_000   # Kafka's log.retention.check.interval.ms
     producer_id_expiration_ms: int = 86_400_000  # Kafka's producer.id.expiration.ms
+    log_cleaner_enable: bool = True              # Kafka's log.cleaner.enable
+    log_cleaner_backoff_ms: int = 15_000         # Kafka's log.cleaner.backoff.ms
+    log_cleaner_dedupe_buffer_size: int = 128 << 20   # log.cleaner.dedupe.buffer.size
+    log_cleaner_io_max_bytes_per_second: float = 32 << 20  # log.cleaner.io.max.bytes.per.second
     transaction_max_timeout_ms: int = 900_000    # Kafka's transaction.max.timeout.ms
     group_min_session_timeout_ms: int = 6000
     group_max_session_timeout_ms: int = 1_800_000

@@ -1,9 +1,9 @@
 """Time and size retention: advances each partition's log start offset in the background.
 
 Kafka deletes whole segments; here the unit is a log-index chunk (~1 MiB of whole produce
-payloads), trimmed through ``Stream.trim`` so storage can drop the data. ``cleanup.policy``
-``compact`` is accepted but compaction is not performed; ``delete`` (and ``compact,delete``)
-apply retention.ms / retention.bytes.
+payloads), trimmed through ``Stream.trim`` so storage can drop the data. ``delete`` (and
+``compact,delete``) apply retention.ms / retention.bytes; ``compact`` (and ``compact,delete``)
+are compacted by the log cleaner (broker/compaction.py), started and stopped with this task.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any, Iterable
 
+from .compaction import LogCleaner
 from .partition import Partition
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,11 @@ class RetentionTask:
         exp = getattr(cfg, "producer_id_expiration_ms", None)
         self.producer_id_expiration_ms = int(exp) if exp else DEFAULT_PRODUCER_ID_EXPIRATION_MS
         self._task: asyncio.Task[None] | None = None
+        self.cleaner = LogCleaner(broker)
+        setattr(broker, "_log_cleaner", self.cleaner)
 
     def start(self) -> None:
+        self.cleaner.start()
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(),
                                                                  name="s3kafka-retention")
@@ -104,6 +108,7 @@ class RetentionTask:
                 p.snapshot()
 
     async def stop(self) -> None:
+        await self.cleaner.stop()
         if self._task is not None:
             self._task.cancel()
             try:

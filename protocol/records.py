@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 
 from . import compression as codecs
 from .batches import (
-    CONTROL_MASK, HEADER_SIZE, LOG_OVERHEAD, NO_TIMESTAMP, TIMESTAMP_TYPE_MASK,
+    COMPRESSION_MASK, CONTROL_MASK, DELETE_HORIZON_MASK, HEADER_SIZE, LOG_OVERHEAD, NO_TIMESTAMP, TIMESTAMP_TYPE_MASK,
     TRANSACTIONAL_MASK, BatchView, Buffer, iter_batches, rewrite_crc,
 )
 from .errors import CorruptRecordError
@@ -206,6 +206,42 @@ def build_batch(records: Sequence[Record] | Sequence[tuple[bytes | None, bytes |
     struct.pack_into(">qiibIhiqqqhii", buf, 0, recs[0].offset, length, partition_leader_epoch,
                      2, 0, attributes, recs[-1].offset - recs[0].offset, base_ts, max_timestamp,
                      producer_id, producer_epoch, base_sequence, len(recs))
+    buf[HEADER_SIZE:] = body
+    rewrite_crc(buf, 0)
+    return bytes(buf)
+
+
+def rebuild_batch(view: BatchView, records: Sequence[Record],
+                  delete_horizon: int | None = None) -> bytes:
+    """``view``'s batch holding only ``records`` (a subset of its own, as a log cleaner keeps).
+
+    As Kafka's cleaner writes it: base offset, last offset delta, producer id/epoch, base
+    sequence, leader epoch and attributes stay, so the producer's sequence window and the
+    batch's offset span survive; the records keep their offsets and timestamps and the
+    CRC-32C is recomputed. No records: an empty batch (header only, uncompressed), which
+    preserves the last offset and sequence. ``delete_horizon`` sets the delete-horizon flag
+    with the horizon as base timestamp (KIP-534); an existing horizon is kept."""
+    attributes = view.attributes
+    base_ts = view.base_timestamp
+    if delete_horizon is not None:
+        attributes |= DELETE_HORIZON_MASK
+        base_ts = delete_horizon
+    max_ts = view.max_timestamp
+    if records and view.timestamp_type == 0:
+        max_ts = max(r.timestamp for r in records)
+    if records:
+        body = encode_records(records, view.base_offset, base_ts)
+        if view.compression:
+            body = codecs.compress(view.compression, body)
+    else:
+        body = b""
+        attributes &= ~COMPRESSION_MASK
+    length = HEADER_SIZE - LOG_OVERHEAD + len(body)
+    buf = bytearray(HEADER_SIZE + len(body))
+    struct.pack_into(">qiibIhiqqqhii", buf, 0, view.base_offset, length,
+                     view.partition_leader_epoch, 2, 0, attributes, view.last_offset_delta,
+                     base_ts, max_ts, view.producer_id, view.producer_epoch,
+                     view.base_sequence, len(records))
     buf[HEADER_SIZE:] = body
     rewrite_crc(buf, 0)
     return bytes(buf)

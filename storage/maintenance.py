@@ -348,6 +348,7 @@ class Maintenance:
         e.reader.remove(old_ids)
         e.reader.add([ObjectRange(n.object_id, key, kind, n.size, rg.stream_id, rg.start_offset,
                                   rg.end_offset) for n, key, kind in new for rg in n.ranges])
+        e.cache.forget_below(stream_id, res.end)
         self._doomed.extend(doomed)
         self.rewrites += 1
         log.info("rewrote stream %d offsets %d..%d: %d objects -> %d, %d -> %d bytes",

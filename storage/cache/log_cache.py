@@ -138,6 +138,16 @@ class LogCache:
         sc = self._stream(stream_id)
         sc.start = max(sc.start, start_offset)
 
+    def forget_below(self, stream_id: int, end_offset: int) -> None:
+        """Stop serving a stream's committed entries below ``end_offset`` (their objects were
+        rewritten: reads must go there); the FIFO eviction releases their memory as usual."""
+        sc = self._streams.get(stream_id)
+        if sc is None:
+            return
+        end = min(end_offset, sc.committed)
+        while sc.head < len(sc.entries) and sc.entries[sc.head].next_offset <= end:
+            sc.pop_front()
+
     def drop_stream(self, stream_id: int) -> None:
         """Forget a deleted stream: its entries become evictable at once and leave pending."""
         sc = self._stream(stream_id)

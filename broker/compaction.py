@@ -1,0 +1,324 @@
+"""The log cleaner: ``cleanup.policy=compact`` keeps the latest record per key.
+
+Done as Kafka's LogCleaner does it, over the stream's objects instead of segments:
+
+- Only data already in objects is cleaned (``Stream.uploaded_offset``); the un-uploaded tail
+  plays the active segment. The first offset not yet cleaned (the "first dirty offset") is
+  kept per partition in memory; after a restart the whole log counts as dirty once.
+- A partition is cleaned when its dirty bytes are at least ``min.cleanable.dirty.ratio`` of
+  its bytes, or when its first dirty batch is older than ``max.compaction.lag.ms``. Batches
+  newer than ``min.compaction.lag.ms`` are not cleaned yet.
+- A pass reads the dirty section and builds an offset map (key hash -> latest offset) of at
+  most ``--log-cleaner-dedupe-buffer-size`` bytes; when the map fills, the pass stops there
+  and the rest waits for the next pass. The stream's objects from the log start up to the
+  end of the mapped section are then rewritten (``Stream.rewrite``, storage/maintenance.py):
+  a record is kept unless a later offset of its key is in the map. Batches keep their base
+  offset, last offset delta, producer id/epoch and base sequence (offsets are preserved; a
+  compacted log has gaps), kept records are re-encoded with their offsets and timestamps and a
+  new CRC-32C; a batch left without records is dropped, except the last batch of a producer
+  and the last batch of a payload storage needs to pin a range's end, kept empty (as Kafka
+  keeps empty batches to preserve producer state).
+- Tombstones (records with a key and a null value) get a delete horizon the first time the
+  cleaner processes them (KIP-534: the batch's delete-horizon flag, base timestamp = now +
+  ``delete.retention.ms``) and are removed by the first pass after it.
+- Keyless records are kept (the produce path refuses them on compacted topics). Control
+  batches are kept.
+
+Cost and pacing: every record of the log is decoded in Python on a low-priority thread,
+reads are paced to ``--log-cleaner-io-max-bytes-per-second``, and the rewrite holds one input
+and one output object at a time, so memory is bounded by the offset map plus two objects.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.batches import CONTROL_MASK, DELETE_HORIZON_MASK, iter_batches
+from protocol.errors import CorruptRecordError
+from protocol.records import decode_records, rebuild_batch
+from storage.thread_priority import background_executor
+
+from .partition import Partition
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BACKOFF_MS = 15_000                   # Kafka's log.cleaner.backoff.ms
+DEFAULT_DEDUPE_BUFFER = 128 << 20             # Kafka's log.cleaner.dedupe.buffer.size
+DEFAULT_IO_BYTES_PER_S = 32 << 20             # log.cleaner.io.max.bytes.per.second
+MAP_ENTRY_BYTES = 120                         # a Python dict entry int -> int, measured
+READ_BYTES = 1 << 20
+NO_PRODUCER = -1
+LONG_MAX = (1 << 63) - 1
+
+
+def _num(configs: dict[str, str], name: str, default: float) -> float:
+    try:
+        return float(configs.get(name, default))
+    except (TypeError, ValueError):
+        return default
+
+
+def is_compacted(configs: dict[str, str]) -> bool:
+    return "compact" in str(configs.get("cleanup.policy", "delete")).replace(" ", "").split(",")
+
+
+@dataclass
+class CleanResult:
+    """One pass over one partition (logged, and returned to tests and the benchmark)."""
+
+    start: int
+    end: int
+    map_end: int
+    keys: int
+    bytes_before: int
+    bytes_after: int
+    objects_before: int
+    objects_after: int
+    records_read: int = 0
+    records_dropped: int = 0
+    tombstones_dropped: int = 0
+
+
+@dataclass
+class _OffsetMap:
+    """Key hash -> latest offset over [start, end) of the dirty section, plus the offset of
+    each producer's last batch there (its batch is never dropped, even emptied)."""
+
+    capacity: int
+    start: int
+    end: int = -1
+    latest: dict[int, int] = field(default_factory=dict)
+    producer_last: dict[int, int] = field(default_factory=dict)
+    records: int = 0
+
+
+def _map_payloads(m: _OffsetMap, payloads: list[tuple[int, int, memoryview]], end: int,
+                  max_ts_allowed: int) -> bool:
+    """Map the keys of whole payloads (base, next offset, bytes) in order, advancing ``m.end``;
+    False once a payload cannot be mapped: past ``end``, the map full, a batch too recent for
+    min.compaction.lag.ms (or unreadable). Runs on the cleaner's thread."""
+    latest = m.latest
+    for base, nxt, payload in payloads:
+        if nxt <= m.end:
+            continue
+        if nxt > end or (latest and len(latest) + (nxt - base) > m.capacity):
+            return False
+        views = list(iter_batches(payload))
+        if any(v.max_timestamp > max_ts_allowed for v in views):
+            return False
+        for v in views:
+            if v.producer_id != NO_PRODUCER:
+                m.producer_last[v.producer_id] = v.base_offset
+            if v.attributes & CONTROL_MASK:
+                continue
+            for r in decode_records(v):
+                m.records += 1
+                if r.key is not None:
+                    latest[hash(r.key)] = r.offset
+        m.end = nxt
+    return True
+
+
+class _Filter:
+    """The payload filter handed to ``Stream.rewrite`` (runs on a storage thread)."""
+
+    def __init__(self, m: _OffsetMap, now_ms: int, delete_retention_ms: int) -> None:
+        self.m = m
+        self.now = now_ms
+        self.horizon = now_ms + delete_retention_ms
+        self.records = self.dropped = self.tombstones = 0
+
+    def __call__(self, base: int, count: int, data: memoryview, must_keep: bool
+                 ) -> bytes | memoryview | None:
+        if base >= self.m.end:
+            return data                      # past the mapped section: not cleaned yet
+        out = bytearray()
+        changed = False
+        views = list(iter_batches(data))
+        for i, v in enumerate(views):
+            raw = data[v.pos:v.pos + v.size]
+            if v.attributes & CONTROL_MASK:
+                out += raw
+                continue
+            recs = decode_records(v)
+            self.records += len(recs)
+            kept = []
+            has_horizon = bool(v.attributes & DELETE_HORIZON_MASK)
+            tombstones = False
+            for r in recs:
+                if r.key is not None:
+                    latest = self.m.latest.get(hash(r.key))
+                    if latest is not None and r.offset < latest:
+                        continue             # a later value of the key exists
+                    if r.value is None:
+                        if has_horizon and v.base_timestamp <= self.now:
+                            self.tombstones += 1
+                            continue         # delete.retention.ms has passed
+                        tombstones = True
+                kept.append(r)
+            self.dropped += len(recs) - len(kept)
+            new_horizon = self.horizon if tombstones and not has_horizon else None
+            if len(kept) == len(recs) and new_horizon is None:
+                out += raw
+                continue
+            changed = True
+            pid_last = self.m.producer_last.get(v.producer_id)
+            keep_empty = (must_keep and i == len(views) - 1) or (
+                v.producer_id != NO_PRODUCER and (pid_last is None or pid_last == v.base_offset))
+            if kept or keep_empty:
+                out += rebuild_batch(v, kept, new_horizon)
+        if not changed:
+            return data
+        return bytes(out) if out else None
+
+
+class LogCleaner:
+    """Background compaction of every compacted partition of a broker."""
+
+    def __init__(self, broker: Any) -> None:
+        cfg = getattr(broker, "config", None)
+        self.broker = broker
+        self.backoff_s = float(getattr(cfg, "log_cleaner_backoff_ms", DEFAULT_BACKOFF_MS)) / 1000
+        self.map_bytes = int(getattr(cfg, "log_cleaner_dedupe_buffer_size", DEFAULT_DEDUPE_BUFFER))
+        self.io_bytes_per_s = float(getattr(cfg, "log_cleaner_io_max_bytes_per_second",
+                                            DEFAULT_IO_BYTES_PER_S))
+        self.enabled = bool(getattr(cfg, "log_cleaner_enable", True))
+        self.dirty_from: dict[tuple[int, int], int] = {}   # (stream id, epoch 0) -> offset
+        self.passes = 0
+        self._task: asyncio.Task[None] | None = None
+        self._executor = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None and self.enabled:
+            self._task = asyncio.get_running_loop().create_task(self._run(),
+                                                                 name="s3kafka-log-cleaner")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+            self._task = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+
+    async def _run(self) -> None:
+        from .retention import broker_partitions  # noqa: PLC0415 - retention imports us
+        while True:
+            await asyncio.sleep(self.backoff_s)
+            for p in broker_partitions(self.broker):
+                if p.closed or not is_compacted(p.configs):
+                    continue
+                try:
+                    await self.clean(p)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 - one partition must not stop the cleaner
+                    log.exception("log cleaner failed topic=%s partition=%d", p.topic, p.index)
+
+    async def _in_thread(self, fn: Any, *args: Any) -> Any:
+        if self._executor is None:
+            self._executor = background_executor(1, "s3kafka-cleaner", 19, "idle")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # -- one partition ---------------------------------------------------------------------
+    def dirty_stats(self, p: Partition) -> tuple[int, int, int]:
+        """(first dirty offset, clean bytes, dirty bytes) of the uploaded part of the log."""
+        s = p.stream
+        first_dirty = max(self.dirty_from.get((s.stream_id, 0), 0), s.start_offset)
+        end = s.uploaded_offset
+        clean = dirty = 0
+        for start, stop, size in s.object_ranges():
+            if stop <= s.start_offset or start >= end:
+                continue
+            if stop <= first_dirty:
+                clean += size
+            elif start >= first_dirty:
+                dirty += size
+            else:                             # a range across the first dirty offset
+                share = (first_dirty - start) / max(1, stop - start)
+                clean += int(size * share)
+                dirty += size - int(size * share)
+        return first_dirty, clean, dirty
+
+    async def clean(self, p: Partition, now_ms: int | None = None, force: bool = False
+                    ) -> CleanResult | None:
+        """One cleaning pass of ``p`` if it is due (or ``force``); None when nothing was done."""
+        s = p.stream
+        if not hasattr(s, "rewrite"):
+            return None                       # memory storage: nothing to rewrite
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        first_dirty, clean, dirty = self.dirty_stats(p)
+        end = s.uploaded_offset
+        if first_dirty >= end or dirty <= 0:
+            return None
+        ratio = dirty / max(1, clean + dirty)
+        min_ratio = _num(p.configs, "min.cleanable.dirty.ratio", 0.5)
+        max_lag = _num(p.configs, "max.compaction.lag.ms", LONG_MAX)
+        due = force or ratio >= min_ratio
+        if not due and max_lag < LONG_MAX:
+            first_ts = await self._first_timestamp(p, first_dirty)
+            due = first_ts is not None and first_ts >= 0 and now - first_ts > max_lag
+        if not due:
+            return None
+        min_lag = int(_num(p.configs, "min.compaction.lag.ms", 0))
+        m = await self._build_map(p, first_dirty, end, now - min_lag)
+        if m.end <= first_dirty:
+            return None                       # the dirty section is too recent
+        f = _Filter(m, now, int(_num(p.configs, "delete.retention.ms", 86_400_000)))
+        res = await s.rewrite(s.start_offset, m.end, f,
+                              max_bytes_per_s=self.io_bytes_per_s)
+        if res.end <= res.start:
+            return None
+        # what lies past the rewritten ranges was mapped but not cleaned: dirty still
+        self.dirty_from[(s.stream_id, 0)] = max(first_dirty, min(res.end, m.end))
+        self.passes += 1
+        out = CleanResult(res.start, res.end, m.end, len(m.latest), res.bytes_before,
+                          res.bytes_after, res.objects_before, res.objects_after, f.records,
+                          f.dropped, f.tombstones)
+        log.info("log cleaner topic=%s partition=%d offsets=%d..%d keys=%d bytes=%d->%d "
+                 "objects=%d->%d records_dropped=%d tombstones_dropped=%d dirty_ratio=%.2f",
+                 p.topic, p.index, res.start, res.end, len(m.latest), res.bytes_before,
+                 res.bytes_after, res.objects_before, res.objects_after, f.dropped,
+                 f.tombstones, ratio)
+        return out
+
+    async def _first_timestamp(self, p: Partition, offset: int) -> int | None:
+        try:
+            batches = await p.stream.read(offset, 1)
+            for v in iter_batches(batches[0].payload) if batches else ():
+                return v.max_timestamp
+        except Exception:  # noqa: BLE001 - a read error only delays the lag check
+            return None
+        return None
+
+    async def _build_map(self, p: Partition, start: int, end: int, max_ts: int) -> _OffsetMap:
+        """Offset map of [start, end), stopping when full or at a too-recent batch; ``end``
+        of the result is the first offset not mapped (a payload boundary)."""
+        m = _OffsetMap(max(1, self.map_bytes // MAP_ENTRY_BYTES), start, start)
+        while m.end < end:
+            t0 = time.monotonic()
+            batches = await p.stream.read(m.end, READ_BYTES)
+            if not batches:
+                break
+            chunk = [(b.base_offset, b.next_offset, memoryview(b.payload)) for b in batches]
+            try:
+                more = await self._in_thread(_map_payloads, m, chunk, end, max_ts)
+            except CorruptRecordError as e:
+                log.error("log cleaner stopped at an unreadable batch topic=%s partition=%d "
+                          "offset=%d: %s", p.topic, p.index, m.end, e)
+                break
+            if not more:
+                break
+            if self.io_bytes_per_s > 0:
+                size = sum(len(b.payload) for b in batches)
+                pause = size / self.io_bytes_per_s - (time.monotonic() - t0)
+                if pause > 0:
+                    await asyncio.sleep(pause)
+        return m
