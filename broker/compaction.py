@@ -130,6 +130,7 @@ class _Filter:
         self.now = now_ms
         self.horizon = now_ms + delete_retention_ms
         self.records = self.dropped = self.tombstones = 0
+        self.next_horizon: int | None = None     # earliest horizon of a tombstone kept
 
     def __call__(self, base: int, count: int, data: memoryview, must_keep: bool
                  ) -> bytes | memoryview | None:
@@ -158,6 +159,9 @@ class _Filter:
                             self.tombstones += 1
                             continue         # delete.retention.ms has passed
                         tombstones = True
+                        h = v.base_timestamp if has_horizon else self.horizon
+                        if self.next_horizon is None or h < self.next_horizon:
+                            self.next_horizon = h
                 kept.append(r)
             self.dropped += len(recs) - len(kept)
             new_horizon = self.horizon if tombstones and not has_horizon else None
@@ -186,7 +190,8 @@ class LogCleaner:
         self.io_bytes_per_s = float(getattr(cfg, "log_cleaner_io_max_bytes_per_second",
                                             DEFAULT_IO_BYTES_PER_S))
         self.enabled = bool(getattr(cfg, "log_cleaner_enable", True))
-        self.dirty_from: dict[tuple[int, int], int] = {}   # (stream id, epoch 0) -> offset
+        self.dirty_from: dict[tuple[int, int], int] = {}   # (stream id, 0) -> first dirty
+        self.horizons: dict[int, int] = {}     # stream id -> earliest tombstone horizon kept
         self.passes = 0
         self._task: asyncio.Task[None] | None = None
         self._executor = None
@@ -256,12 +261,15 @@ class LogCleaner:
         now = int(time.time() * 1000) if now_ms is None else now_ms
         first_dirty, clean, dirty = self.dirty_stats(p)
         end = s.uploaded_offset
-        if first_dirty >= end or dirty <= 0:
+        # tombstones whose delete horizon passed are removed even with nothing dirty (KIP-534)
+        horizon = self.horizons.get(s.stream_id)
+        tombstones_due = horizon is not None and now >= horizon
+        if (first_dirty >= end or dirty <= 0) and not tombstones_due:
             return None
         ratio = dirty / max(1, clean + dirty)
         min_ratio = _num(p.configs, "min.cleanable.dirty.ratio", 0.5)
         max_lag = _num(p.configs, "max.compaction.lag.ms", LONG_MAX)
-        due = force or ratio >= min_ratio
+        due = force or tombstones_due or (dirty > 0 and ratio >= min_ratio)
         if not due and max_lag < LONG_MAX:
             first_ts = await self._first_timestamp(p, first_dirty)
             due = first_ts is not None and first_ts >= 0 and now - first_ts > max_lag
@@ -269,13 +277,17 @@ class LogCleaner:
             return None
         min_lag = int(_num(p.configs, "min.compaction.lag.ms", 0))
         m = await self._build_map(p, first_dirty, end, now - min_lag)
-        if m.end <= first_dirty:
+        if m.end <= first_dirty and not tombstones_due:
             return None                       # the dirty section is too recent
         f = _Filter(m, now, int(_num(p.configs, "delete.retention.ms", 86_400_000)))
         res = await s.rewrite(s.start_offset, m.end, f,
                               max_bytes_per_s=self.io_bytes_per_s)
         if res.end <= res.start:
             return None
+        if f.next_horizon is not None:
+            self.horizons[s.stream_id] = f.next_horizon
+        else:
+            self.horizons.pop(s.stream_id, None)
         # what lies past the rewritten ranges was mapped but not cleaned: dirty still
         self.dirty_from[(s.stream_id, 0)] = max(first_dirty, min(res.end, m.end))
         self.passes += 1

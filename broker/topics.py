@@ -56,7 +56,7 @@ def _ratio(v: str) -> bool:
 
 
 _DEFS = [
-    ConfigDef("cleanup.policy", "delete", LIST, "delete: retention trims the log; compact alone: nothing is deleted (compaction itself is not implemented)",
+    ConfigDef("cleanup.policy", "delete", LIST, "delete: retention trims the log; compact: the log cleaner keeps the latest record per key (broker/compaction.py), keyless records are refused (INVALID_RECORD)",
               "log.cleanup.policy", _list_of("delete", "compact")),
     ConfigDef("compression.type", "producer", STRING, "accepted and reported; batches are stored as the producer compressed them",
               "compression.type",
@@ -67,7 +67,7 @@ _DEFS = [
               lambda v: 1 <= int(v) <= 17),
     ConfigDef("compression.zstd.level", "3", INT, "zstd level", "compression.zstd.level",
               lambda v: -131072 <= int(v) <= 22),
-    ConfigDef("delete.retention.ms", "86400000", LONG, "tombstone retention (compaction)",
+    ConfigDef("delete.retention.ms", "86400000", LONG, "tombstones are kept this long after the cleaner first processes them",
               "log.cleaner.delete.retention.ms", _int_at_least(0)),
     ConfigDef("file.delete.delay.ms", "60000", LONG, "accepted for compatibility",
               "log.segment.delete.delay.ms", _int_at_least(0)),
@@ -85,7 +85,7 @@ _DEFS = [
               "log.local.retention.bytes", _int_at_least(-2)),
     ConfigDef("local.retention.ms", "-2", LONG, "accepted for compatibility",
               "log.local.retention.ms", _int_at_least(-2)),
-    ConfigDef("max.compaction.lag.ms", LONG_MAX, LONG, "accepted for compatibility",
+    ConfigDef("max.compaction.lag.ms", LONG_MAX, LONG, "dirty data older than this is compacted whatever the dirty ratio",
               "log.cleaner.max.compaction.lag.ms", _int_at_least(1)),
     ConfigDef("max.message.bytes", "1048588", INT, "largest record batch accepted; bigger ones get MESSAGE_TOO_LARGE (enforced)",
               "message.max.bytes", _int_at_least(0)),
@@ -111,9 +111,9 @@ _DEFS = [
               "CreateTime keeps producer timestamps; LogAppendTime stamps batches with broker "
               "time (enforced)",
               "log.message.timestamp.type", _one_of("CreateTime", "LogAppendTime")),
-    ConfigDef("min.cleanable.dirty.ratio", "0.5", DOUBLE, "accepted for compatibility",
+    ConfigDef("min.cleanable.dirty.ratio", "0.5", DOUBLE, "compact once dirty bytes are this share of the log's uploaded bytes",
               "log.cleaner.min.cleanable.ratio", _ratio),
-    ConfigDef("min.compaction.lag.ms", "0", LONG, "accepted for compatibility",
+    ConfigDef("min.compaction.lag.ms", "0", LONG, "batches newer than this are not compacted yet",
               "log.cleaner.min.compaction.lag.ms", _int_at_least(0)),
     ConfigDef("min.insync.replicas", "1", INT, "single node: 1 is the only meaningful value",
               "min.insync.replicas", _int_at_least(1)),
