@@ -84,8 +84,9 @@ class CleanResult:
 
 @dataclass
 class _OffsetMap:
-    """Key hash -> latest offset over [start, end) of the dirty section, plus the offset of
-    each producer's last batch there (its batch is never dropped, even emptied)."""
+    """Key hash -> latest offset over [start, end) of the dirty section, plus the base offset
+    of each live idempotent producer's last batch (never dropped, even emptied: it carries
+    the producer's sequence state, as in Kafka)."""
 
     capacity: int
     start: int
@@ -110,8 +111,6 @@ def _map_payloads(m: _OffsetMap, payloads: list[tuple[int, int, memoryview]], en
         if any(v.max_timestamp > max_ts_allowed for v in views):
             return False
         for v in views:
-            if v.producer_id != NO_PRODUCER:
-                m.producer_last[v.producer_id] = v.base_offset
             if v.attributes & CONTROL_MASK:
                 continue
             for r in decode_records(v):
@@ -171,7 +170,7 @@ class _Filter:
             changed = True
             pid_last = self.m.producer_last.get(v.producer_id)
             keep_empty = (must_keep and i == len(views) - 1) or (
-                v.producer_id != NO_PRODUCER and (pid_last is None or pid_last == v.base_offset))
+                v.producer_id != NO_PRODUCER and pid_last == v.base_offset)
             if kept or keep_empty:
                 out += rebuild_batch(v, kept, new_horizon)
         if not changed:
@@ -277,6 +276,9 @@ class LogCleaner:
             return None
         min_lag = int(_num(p.configs, "min.compaction.lag.ms", 0))
         m = await self._build_map(p, first_dirty, end, now - min_lag)
+        entries = getattr(getattr(p, "producers", None), "entries", {})
+        m.producer_last = {pid: e.batches[-1].base_offset for pid, e in list(entries.items())
+                           if getattr(e, "batches", None)}
         if m.end <= first_dirty and not tombstones_due:
             return None                       # the dirty section is too recent
         f = _Filter(m, now, int(_num(p.configs, "delete.retention.ms", 86_400_000)))
