@@ -113,3 +113,26 @@ def test_java_configs_and_log_dirs(java_answers):
         assert dirs["dirs"] == 1, (version, dirs)
         sizes = [v for k, v in dirs.items() if k.endswith("-compacted-0")]
         assert len(sizes) == 1 and sizes[0] > 0, (version, dirs)   # the keyed record's batch
+
+
+def test_kafka_python_describe_log_dirs(abroker):
+    """DescribeLogDirs answers: one log dir with its volume sizes, each partition's bytes."""
+    from kafka import KafkaAdminClient, KafkaProducer
+
+    topic = unique("logdirs")
+    p = KafkaProducer(bootstrap_servers=abroker.bootstrap)
+    try:
+        for _ in range(10):
+            p.send(topic, key=b"k", value=b"x" * 1000, partition=0).get(timeout=30)
+    finally:
+        p.close(timeout=10)
+    admin = KafkaAdminClient(bootstrap_servers=abroker.bootstrap)
+    try:
+        [node] = admin.describe_log_dirs()
+        [d] = node["log_dirs"]
+        assert d["error_code"] == 0 and d["log_dir"] == str(abroker.data_dir)
+        assert d["total_bytes"] >= d["usable_bytes"] > 0
+        sizes = {t["name"]: [p["partition_size"] for p in t["partitions"]] for t in d["topics"]}
+        assert sizes[topic][0] >= 10_000 and sizes["__consumer_offsets"] == [0]
+    finally:
+        admin.close()
