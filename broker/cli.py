@@ -181,10 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     from .server import run  # noqa: PLC0415 - keep --help fast
 
+    code = 1
     try:
-        return run(cfg, startup)
+        code = run(cfg, startup)
+        return code
     finally:
-        startup.release()
+        # a start that failed after the checks (exit 1 from run) removes the empty WAL file,
+        # lock file and directories it created; a broker that ran keeps them
+        startup.release(undo=code != 0 and not getattr(startup, "started", False))
 
 
 if __name__ == "__main__":

@@ -526,6 +526,8 @@ class Broker:
                  self.cluster_id, cfg.data_path, cfg.storage, ec.wal_path if ec else "-",
                  ec.wal_capacity if ec else "-",
                  redact_url(cfg.object_store_url) if engine else "-", cfg.metadata_url)
+        if self.startup is not None:
+            self.startup.started = True
         if engine and self.startup is not None and self.startup.store_error:
             self._store_watch = asyncio.create_task(watch_degraded_store(
                 cfg.object_store_url, self.startup.store_error, self.startup.degraded_reason),

@@ -44,16 +44,38 @@ class Startup:
     """What the checks hold for the life of the process (locks) and found (store state)."""
 
     lock_fds: list[int] = field(default_factory=list)
+    created: list[str] = field(default_factory=list)   # paths the locks created (undo list)
     store_error: str = ""           # "" = the object store check passed
     degraded_reason: str = ""       # why the broker starts although store_error is set
+    started: bool = False           # set once the broker serves (a later failure keeps files)
 
-    def release(self) -> None:
+    def release(self, undo: bool = False) -> None:
+        """Drop the locks; with undo (start-up failed) also remove what taking them created,
+        where it is still empty, so a failed start leaves the disk as it found it. Files go
+        while still locked, so no other broker can lock a file that is then removed."""
+        if undo:
+            for path in reversed(self.created):
+                try:
+                    if os.path.isdir(path):
+                        continue
+                    if os.path.getsize(path) == 0 or os.path.basename(path) == LOCK_FILE:
+                        os.unlink(path)
+                except OSError:
+                    pass
         for fd in self.lock_fds:
             try:
                 os.close(fd)
             except OSError:
                 pass
         self.lock_fds.clear()
+        if undo:
+            for path in reversed(self.created):
+                try:
+                    if os.path.isdir(path):
+                        os.rmdir(path)          # only when empty
+                except OSError:
+                    pass
+        self.created.clear()
 
 
 def redact_url(url: str) -> str:
@@ -182,6 +204,17 @@ def check_metadata(cfg: BrokerConfig) -> None:
     problem = _writable_dir(os.path.dirname(path))
     if problem:
         raise StartupError(f"metadata database {path} cannot be created: {problem}")
+    if os.path.exists(path):
+        import sqlite3  # noqa: PLC0415
+
+        try:            # read-only: a garbage or foreign file is refused before anything else
+            db = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+            try:
+                db.execute("PRAGMA schema_version").fetchone()
+            finally:
+                db.close()
+        except sqlite3.Error as e:
+            raise StartupError(f"metadata database {path} cannot be read: {e}") from None
 
 
 # ---- 2. the object store --------------------------------------------------------------------
@@ -218,13 +251,28 @@ def check_object_store(url: str, timeout: float = STORE_CHECK_TIMEOUT_S) -> str:
 
 
 # ---- 3. taking ownership ----------------------------------------------------------------------
-def lock_data_dir(cfg: BrokerConfig) -> int:
+def _makedirs(path: str, created: list[str]) -> None:
+    """os.makedirs that records each directory it creates (outermost first)."""
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    for d in reversed(missing):
+        os.mkdir(d)
+        created.append(d)
+
+
+def lock_data_dir(cfg: BrokerConfig, created: list[str]) -> int:
     """Create the data directory and hold an exclusive lock on its lock file for the life of
     the process; the file names the holder for the next broker that tries."""
     path = cfg.data_path
     try:
-        os.makedirs(path, exist_ok=True)
-        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        _makedirs(path, created)
+        lock_path = os.path.join(path, LOCK_FILE)
+        if not os.path.exists(lock_path):
+            created.append(lock_path)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise StartupError(f"data directory {path} cannot be used: {e.strerror}") from None
     try:
@@ -241,7 +289,7 @@ def lock_data_dir(cfg: BrokerConfig) -> int:
     return fd
 
 
-def lock_wal(cfg: BrokerConfig) -> int:
+def lock_wal(cfg: BrokerConfig, created: list[str]) -> int:
     """Hold an exclusive lock on the WAL file or device for the life of the process (the file
     is created empty here when new; the engine preallocates and formats it)."""
     from storage.wal.device import lock_exclusive  # noqa: PLC0415
@@ -249,7 +297,9 @@ def lock_wal(cfg: BrokerConfig) -> int:
 
     path = cfg.engine_config().wal_path
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        _makedirs(os.path.dirname(os.path.abspath(path)), created)
+        if not os.path.exists(path):
+            created.append(path)
         fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise StartupError(f"cannot open WAL {path}: {e.strerror}") from None
@@ -283,11 +333,11 @@ def prepare(cfg: BrokerConfig) -> Startup:
             else:
                 raise StartupError(line + " (pass --allow-degraded-start to start anyway)")
     try:
-        startup.lock_fds.append(lock_data_dir(cfg))
+        startup.lock_fds.append(lock_data_dir(cfg, startup.created))
         if cfg.storage == "engine":
-            startup.lock_fds.append(lock_wal(cfg))
+            startup.lock_fds.append(lock_wal(cfg, startup.created))
     except BaseException:
-        startup.release()
+        startup.release(undo=True)
         raise
     return startup
 

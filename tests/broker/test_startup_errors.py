@@ -438,3 +438,25 @@ def test_degraded_broker_warns_each_interval_until_the_store_works(tmp_path, cap
     assert "starting degraded (test)" in lines[0] and "first error" in lines[0]
     assert 1 <= sum("still unusable" in ln for ln in lines) <= 3, lines
     assert "usable again" in lines[-1]
+
+
+def test_a_start_that_fails_after_the_checks_removes_what_the_locks_created(tmp_path):
+    """prepare() creates the data dir, its lock file and an empty WAL file; a start that then
+    fails (run() exit 1) undoes exactly that, so the disk is as it was."""
+    from broker.cli import parse_config
+    from broker.startup_checks import prepare
+
+    before = snapshot(tmp_path)
+    cfg = parse_config(["serve", "--data-dir", str(tmp_path / "a" / "d"), "--wal",
+                        str(tmp_path / "w" / "wal"), "--wal-capacity", CAP, "--listen",
+                        f"127.0.0.1:{free_port()}", "--metrics-listen", "off"], env={})
+    startup = prepare(cfg)
+    assert (tmp_path / "a" / "d" / "broker.lock").exists() and (tmp_path / "w" / "wal").exists()
+    startup.release(undo=True)
+    assert snapshot(tmp_path) == before
+
+
+def test_metadata_database_that_is_not_sqlite(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "meta.db").write_bytes(b"not a database" * 512)
+    refused_unchanged(tmp_path, ["--data-dir", "d"], 1, "meta.db", "not a database")
