@@ -292,7 +292,9 @@ def lock_data_dir(cfg: BrokerConfig, created: list[str]) -> int:
 def lock_wal(cfg: BrokerConfig, created: list[str]) -> int:
     """Hold an exclusive lock on the WAL file or device for the life of the process (the file
     is created empty here when new; the engine preallocates and formats it)."""
-    from storage.wal.device import lock_exclusive  # noqa: PLC0415
+    import stat  # noqa: PLC0415
+
+    from storage.wal.device import busy_message, lock_exclusive, open_exclusive_probe  # noqa: PLC0415
     from storage.wal.errors import WALError  # noqa: PLC0415
 
     path = cfg.engine_config().wal_path
@@ -300,8 +302,12 @@ def lock_wal(cfg: BrokerConfig, created: list[str]) -> int:
         _makedirs(os.path.dirname(os.path.abspath(path)), created)
         if not os.path.exists(path):
             created.append(path)
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        else:       # a block device is also claimed with O_EXCL for the process's life
+            fd = open_exclusive_probe(path, stat.S_ISBLK(os.stat(path).st_mode))
     except OSError as e:
+        if e.errno == errno.EBUSY:
+            raise StartupError(busy_message(path, os.path.abspath(path))) from None
         raise StartupError(f"cannot open WAL {path}: {e.strerror}") from None
     try:
         lock_exclusive(fd, path)

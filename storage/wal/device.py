@@ -133,6 +133,23 @@ def lock_exclusive(fd: int, path: str, what: str = "WAL") -> None:
                              + "; stop that broker first or give this one its own --wal") from None
 
 
+def open_exclusive_probe(path: str, is_block_device: bool) -> int:
+    """A read-only descriptor; on a block device with O_EXCL, which the kernel refuses (EBUSY)
+    while the device is mounted or claimed by another O_EXCL opener through any device node,
+    not only this path (flock sees only this inode)."""
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    if is_block_device:
+        flags |= os.O_EXCL
+    return os.open(path, flags)
+
+
+def busy_message(path: str, apath: str) -> str:
+    holder = lock_holder(apath)
+    return (f"WAL {path} is in use (" + (f"another broker: {holder}" if holder else
+                                         "mounted, or claimed by another process")
+            + "); stop it first or give this broker its own --wal")
+
+
 def classify(head: bytes | memoryview) -> tuple[str, WALHeader | None]:
     """What the first bytes of a file/device hold: ("wal", header), ("blank", None) for all
     zeros, or ("foreign", None) for data that is not an s3kafka WAL."""
@@ -180,8 +197,10 @@ def inspect_wal_path(path: str, capacity: int, allow_format: bool = False) -> st
     if not is_blk and not stat.S_ISREG(st.st_mode):
         raise WALPathError(f"WAL path {path} is neither a regular file nor a block device")
     try:
-        fd = os.open(apath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_exclusive_probe(apath, is_blk)
     except OSError as e:
+        if e.errno == errno.EBUSY:
+            raise WALLockedError(busy_message(path, apath)) from None
         raise WALPathError(f"cannot open WAL {path}: {e.strerror}") from None
     try:
         size = _device_size(fd, os.fstat(fd))

@@ -190,12 +190,20 @@ def loop_device(tmp_path):
 
 
 def test_wal_on_a_block_device(tmp_path, loop_device):
-    """Foreign data on a device is refused unchanged, a device smaller than the capacity is
-    one line, --wal-format formats it, and a second broker on the device is refused."""
+    """A device claimed elsewhere (mounted: O_EXCL gets EBUSY) is refused even with
+    --wal-format; foreign data on a device is refused unchanged, a device smaller than the
+    capacity is one line, --wal-format formats it, and a second broker on it is refused."""
     dev, backing = loop_device
     with open(dev, "r+b") as f:                   # something that looks like a filesystem
         f.write(b"\xeb\x52\x90NTFS    " + os.urandom(4096))
     before = hashlib.sha256(backing.read_bytes()).hexdigest()
+    claim = os.open(dev, os.O_RDONLY | os.O_EXCL)    # as a mount or another claimer would
+    try:
+        refused_unchanged(tmp_path, ["--data-dir", "d", "--wal", dev, "--wal-capacity", CAP,
+                                     "--wal-format"], 1, f"WAL {dev} is in use",
+                          "mounted, or claimed by another process")
+    finally:
+        os.close(claim)
     refused_unchanged(tmp_path, ["--data-dir", "d", "--wal", dev, "--wal-capacity", CAP], 1,
                       dev, "not an s3kafka WAL", "--wal-format")
     refused_unchanged(tmp_path, ["--data-dir", "d", "--wal", dev, "--wal-capacity", "64MiB",
