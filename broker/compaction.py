@@ -3,8 +3,10 @@
 Done as Kafka's LogCleaner does it, over the stream's objects instead of segments:
 
 - Only data already in objects is cleaned (``Stream.uploaded_offset``); the un-uploaded tail
-  plays the active segment. The first offset not yet cleaned (the "first dirty offset") is
-  kept per partition in memory; after a restart the whole log counts as dirty once.
+  plays the active segment. The first offset not yet cleaned (the "first dirty offset") and
+  the earliest delete horizon of a kept tombstone are kept per stream in
+  ``<data-dir>/cleaner-offset-checkpoint`` (Kafka's file of that name); without it (lost, or
+  the partition moved to another broker) the whole log counts as dirty once.
 - A partition is cleaned when its dirty bytes are at least ``min.cleanable.dirty.ratio`` of
   its bytes, or when its first dirty batch is older than ``max.compaction.lag.ms``. Batches
   newer than ``min.compaction.lag.ms`` are not cleaned yet.
@@ -31,7 +33,9 @@ and one output object at a time, so memory is bounded by the offset map plus two
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +54,7 @@ DEFAULT_DEDUPE_BUFFER = 128 << 20             # Kafka's log.cleaner.dedupe.buffe
 DEFAULT_IO_BYTES_PER_S = 32 << 20             # log.cleaner.io.max.bytes.per.second
 MAP_ENTRY_BYTES = 120                         # a Python dict entry int -> int, measured
 READ_BYTES = 1 << 20
+CHECKPOINT_FILE = "cleaner-offset-checkpoint"
 NO_PRODUCER = -1
 LONG_MAX = (1 << 63) - 1
 
@@ -189,11 +194,47 @@ class LogCleaner:
         self.io_bytes_per_s = float(getattr(cfg, "log_cleaner_io_max_bytes_per_second",
                                             DEFAULT_IO_BYTES_PER_S))
         self.enabled = bool(getattr(cfg, "log_cleaner_enable", True))
-        self.dirty_from: dict[tuple[int, int], int] = {}   # (stream id, 0) -> first dirty
+        self.dirty_from: dict[int, int] = {}   # stream id -> first dirty offset
         self.horizons: dict[int, int] = {}     # stream id -> earliest tombstone horizon kept
+        data_dir = getattr(cfg, "data_dir", None)
+        self.checkpoint_path = (os.path.join(data_dir, CHECKPOINT_FILE)
+                                if isinstance(data_dir, str) and data_dir else None)
+        self._load_checkpoint()
         self.passes = 0
         self._task: asyncio.Task[None] | None = None
         self._executor = None
+
+    # -- checkpoint ------------------------------------------------------------------------
+    def _load_checkpoint(self) -> None:
+        if self.checkpoint_path is None or not os.path.exists(self.checkpoint_path):
+            return
+        try:
+            with open(self.checkpoint_path, encoding="utf-8") as f:
+                state = json.load(f)
+            for sid, st in state["streams"].items():
+                self.dirty_from[int(sid)] = int(st["dirty_from"])
+                if st.get("horizon") is not None:
+                    self.horizons[int(sid)] = int(st["horizon"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("ignoring %s (the logs are cleaned whole once): %s",
+                        self.checkpoint_path, e)
+            self.dirty_from.clear()
+            self.horizons.clear()
+
+    def _save_checkpoint(self) -> None:
+        """Write the checkpoint (small; atomically replaced; losing it costs one full pass)."""
+        if self.checkpoint_path is None:
+            return
+        state = {"version": 1, "streams": {
+            str(sid): {"dirty_from": off, "horizon": self.horizons.get(sid)}
+            for sid, off in self.dirty_from.items()}}
+        tmp = self.checkpoint_path + ".tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(state, f)
+            os.replace(tmp, self.checkpoint_path)
+        except OSError as e:
+            log.warning("could not write %s: %s", self.checkpoint_path, e)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -235,7 +276,10 @@ class LogCleaner:
     def dirty_stats(self, p: Partition) -> tuple[int, int, int]:
         """(first dirty offset, clean bytes, dirty bytes) of the uploaded part of the log."""
         s = p.stream
-        first_dirty = max(self.dirty_from.get((s.stream_id, 0), 0), s.start_offset)
+        first_dirty = self.dirty_from.get(s.stream_id, 0)
+        if first_dirty > s.end_offset:          # a checkpoint that does not fit this log
+            first_dirty = 0
+        first_dirty = max(first_dirty, s.start_offset)
         end = s.uploaded_offset
         clean = dirty = 0
         for start, stop, size in s.object_ranges():
@@ -291,7 +335,8 @@ class LogCleaner:
         else:
             self.horizons.pop(s.stream_id, None)
         # what lies past the rewritten ranges was mapped but not cleaned: dirty still
-        self.dirty_from[(s.stream_id, 0)] = max(first_dirty, min(res.end, m.end))
+        self.dirty_from[s.stream_id] = max(first_dirty, min(res.end, m.end))
+        self._save_checkpoint()
         self.passes += 1
         out = CleanResult(res.start, res.end, m.end, len(m.latest), res.bytes_before,
                           res.bytes_after, res.objects_before, res.objects_after, f.records,
