@@ -7,8 +7,9 @@ Writes a keyed log (``--keys`` keys updated round-robin in random order, ``--val
 values, 100 records a batch) through a Partition on a real engine (WAL file + file:// object
 store in a temporary directory), uploads it, then runs the log cleaner until nothing is left
 to clean, and prints: bytes and objects before and after, passes, time, the offset map size,
-and the process's peak RSS during the cleaning compared with its RSS before (the peak is reset
-through /proc/self/clear_refs first, so the write phase does not count). Too slow for the test
+the process's peak RSS during the cleaning compared with its RSS before (the peak is reset
+through /proc/self/clear_refs first, so the write phase does not count), and the latency of a
+small producer appending to another partition every 5 ms, before and during the cleaning. Too slow for the test
 suite (tests/compaction holds the small versions); not part of ``make bench``.
 """
 from __future__ import annotations
@@ -30,6 +31,27 @@ from protocol.records import Record
 from storage.engine import EngineConfig, open_engine
 
 BATCH = 100
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else float("nan")
+
+
+async def probe(p: Partition, stop: asyncio.Event, out: list[float]) -> None:
+    """A small producer on another partition: one 1 KiB batch every 5 ms, latency of each."""
+    value = b"x" * 1024
+    while not stop.is_set():
+        t = time.perf_counter()
+        res = await p.append(build_batch([(b"probe", value)]))
+        assert res.error == 0
+        out.append(time.perf_counter() - t)
+        await asyncio.sleep(0.005)
+
+
+def summary(xs: list[float]) -> str:
+    return (f"{len(xs)} appends p50 {pct(xs, 0.5):.2f} ms, p99 {pct(xs, 0.99):.2f} ms, "
+            f"max {max(xs) * 1000 if xs else float('nan'):.1f} ms")
 
 
 def rss_kib(field: str = "VmRSS") -> int:
@@ -99,6 +121,17 @@ async def run(args: argparse.Namespace) -> None:
         print(f"wrote {records} records, {written / 2**20:.0f} MiB of batches in "
               f"{t_write:.1f} s; {n0} objects, {bytes0 / 2**20:.0f} MiB")
         eng.drop_caches()
+        p2 = await Partition.open(broker, "probe", uuid.uuid4(), 0, await eng.create_stream(),
+                                  {})
+        base: list[float] = []
+        stop = asyncio.Event()
+        task = asyncio.create_task(probe(p2, stop, base))
+        await asyncio.sleep(3)
+        stop.set()
+        await task
+        during: list[float] = []
+        stop = asyncio.Event()
+        task = asyncio.create_task(probe(p2, stop, during))
         cleaner = LogCleaner(broker)
         rss0 = rss_kib()
         peak_ok = reset_peak()
@@ -112,6 +145,8 @@ async def run(args: argparse.Namespace) -> None:
                   f"{r.objects_after}, {time.monotonic() - t1:.1f} s")
         t_clean = time.monotonic() - t1
         peak = rss_kib("VmHWM")
+        stop.set()
+        await task
         await eng.maintenance.purge()
         n1, bytes1 = objects(root)
         print(f"compacted in {t_clean:.1f} s ({bytes0 / 2**20 / max(t_clean, 1e-9):.0f} MiB/s), "
@@ -120,6 +155,8 @@ async def run(args: argparse.Namespace) -> None:
         print(f"RSS before cleaning {rss0 / 1024:.0f} MiB, peak during cleaning "
               f"{peak / 1024:.0f} MiB" + ("" if peak_ok else " (peak not reset: whole run)")
               + f"; offset map limit {args.dedupe_mib} MiB")
+        print(f"produce on another partition, before cleaning: {summary(base)}")
+        print(f"produce on another partition, while cleaning:  {summary(during)}")
         await eng.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -272,7 +272,15 @@ class Maintenance:
             await e.io(e.store.put, key, data)
             new.append((NewObject(oid, len(data), rng or ranges), key, kind))
 
-        def run_filter(recs: list[Record], last_end: int) -> tuple[list[Record], int, int, int]:
+        def run_filter(data: bytes | memoryview, r: ObjectRange, last_end: int
+                       ) -> tuple[list[Record], list[Record], int, int, int]:
+            """Decode one input object and filter its payloads of the stream (on a thread:
+            Python work over every record); other streams' records are copied unchanged."""
+            records = list(decode_object(data))
+            recs = [x for x in records if x.stream_id == stream_id
+                    and r.start_offset <= x.base_offset < r.end_offset]
+            others = [Record(x.stream_id, x.base_offset, x.count, bytes(x.payload))
+                      for x in records if x.stream_id != stream_id]
             kept: list[Record] = []
             before = after = dropped = 0
             for rec in recs:
@@ -287,27 +295,22 @@ class Maintenance:
                 rep = bytes(rep)          # a copy: the input object's buffer can go
                 kept.append(Record(rec.stream_id, rec.base_offset, rec.count, rep))
                 after += len(rep)
-            return kept, before, after, dropped
+            return kept, others, before, after, dropped
 
         try:
             for i, r in enumerate(picked):
                 t0 = time.monotonic()
                 data = await e.cold_io(e.store.get, r.key, 0, None)
-                records = list(decode_object(data))
-                mine = [x for x in records if x.stream_id == stream_id
-                        and r.start_offset <= x.base_offset < r.end_offset]
-                others = [x for x in records if x.stream_id != stream_id]
-                # the filter is Python work over every record: a low-priority thread
-                kept, before, after, dropped = await loop.run_in_executor(
-                    e._cold_executor, run_filter, mine, res.end)
+                # a low-priority thread: the event loop keeps serving meanwhile
+                kept, others, before, after, dropped = await loop.run_in_executor(
+                    e._cold_executor, run_filter, data, r, res.end)
                 res.objects_before += 1
                 res.bytes_before += before
                 res.bytes_after += after
                 res.payloads_dropped += dropped
-                for x in others:            # a stream set object: the rest passes unchanged
-                    rest.append(Record(x.stream_id, x.base_offset, x.count, bytes(x.payload)))
-                    rest_bytes += len(x.payload)
-                del records, mine, others, data
+                rest.extend(others)         # a stream set object: the rest passes unchanged
+                rest_bytes += sum(len(x.payload) for x in others)
+                del others, data
                 if rest_bytes >= max_object_bytes:
                     await put("sso", sorted(rest, key=lambda x: (x.stream_id, x.base_offset)),
                               None)
