@@ -1,8 +1,9 @@
 """Test hook: die at a named point to prove crash safety.
 
 Set ``S3KAFKA_CRASH_POINT`` to ``before_commit`` (objects uploaded, metadata not committed),
-``after_commit`` (committed, WAL not yet trimmed) or ``during_compaction`` (compacted objects
-uploaded, not committed) and the process exits with ``os._exit(137)`` - like kill -9, nothing is
+``after_commit`` (committed, WAL not yet trimmed), ``during_compaction`` (compacted objects
+uploaded, not committed) or ``during_rewrite`` (a stream's rewritten objects uploaded, not
+committed) and the process exits with ``os._exit(137)`` - like kill -9, nothing is
 flushed - the first time (or the Nth time, ``S3KAFKA_CRASH_AFTER=N``) it gets there. Never set
 it in production.
 """
