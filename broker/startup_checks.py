@@ -221,8 +221,11 @@ def check_metadata(cfg: BrokerConfig) -> None:
 def check_object_store(url: str, timeout: float = STORE_CHECK_TIMEOUT_S) -> str:
     """Write, read back and delete a small object; "" when that works, else the error (one
     line). Bounded by `timeout` even if the store's client would wait longer."""
-    if urlsplit(url).scheme in ("file", ""):
-        root = urlsplit(url).path if url.startswith("file:") else url
+    parts = urlsplit(url)
+    if parts.scheme in ("file", ""):
+        # the directory open_object_store would use (file://DIR, file://localhost/DIR, DIR)
+        root = url if not parts.scheme else (
+            parts.netloc + parts.path if parts.netloc not in ("", "localhost") else parts.path)
         if not os.path.isdir(root):             # not created yet: nothing to write into
             problem = _writable_dir(root)
             return f"{root}: {problem}" if problem else ""
