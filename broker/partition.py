@@ -22,6 +22,7 @@ import protocol
 from protocol import ErrorCode
 from storage.stream import Batch, OffsetOutOfRange, RetriableStorageError, StorageError, Stream
 
+from .eager import start_now
 from .producer_state import (NO_PRODUCER_ID, BatchMeta, PartitionProducers, ProducerError,
                              ProducerStore, producer_store_for)
 
@@ -34,6 +35,10 @@ REPLAY_READ_BYTES = 8 << 20
 CHUNK_BYTES = 1 << 20
 LONG_MAX = 2**63 - 1
 LEADER_EPOCH = 0  # one node, leadership never moves
+DEFAULT_ADMISSION_TIMEOUT_S = 5.0  # the engine's default backpressure_timeout_s
+REPLAY_FOREGROUND_S = 0.5  # open() waits this long for the log-tail replay, then it goes on
+                           # in the background (the object store may be down)
+REPLAY_RETRY_MAX_S = 5.0
 
 
 @dataclass(slots=True)
@@ -183,6 +188,17 @@ class Partition:
         self._closed = False
         self.bytes_in = 0    # produced payload bytes and records (batch header counts),
         self.records_in = 0  # read by broker.metrics at scrape time
+        self._admission = asyncio.Lock()     # held from offset assignment to the stream taking them
+        self._tail: asyncio.Future[bool] | None = None  # outcome of the latest taken append
+        self._offline: str | None = None     # why appends are refused until restart
+        self._producers_ready = True         # False while the log tail is still being replayed
+        self._replay_task: asyncio.Task[None] | None = None
+        engine = getattr(getattr(broker, "config", None), "engine", None) or {}
+        try:
+            wait = float(engine.get("backpressure_timeout_s", DEFAULT_ADMISSION_TIMEOUT_S))
+        except (TypeError, ValueError, AttributeError):
+            wait = DEFAULT_ADMISSION_TIMEOUT_S
+        self._admission_timeout_s = wait     # longest wait behind an append that waits for room
 
     # --- life cycle ------------------------------------------------------------------------
     @classmethod
@@ -226,23 +242,44 @@ class Partition:
                             self.topic, self.index, e)
         offset = max(start, snap_end)
         self.log_index.truncate_below(start)
-        while offset < end:
+        if offset >= end:
+            self._replayed(end)
+            return
+        # producer state is incomplete until the tail is replayed: idempotent produces are
+        # refused (retriably) until then, never checked against a guess
+        self._producers_ready = False
+        self._replay_task = asyncio.get_running_loop().create_task(
+            self._replay(offset, end), name=f"s3kafka-replay-{self.topic}-{self.index}")
+        await asyncio.wait({self._replay_task}, timeout=REPLAY_FOREGROUND_S)
+        if not self._replay_task.done():
+            log.warning("producer state replay continues in the background topic=%s "
+                        "partition=%d offsets=%d..%d", self.topic, self.index, offset, end)
+
+    async def _replay(self, offset: int, end: int) -> None:
+        """Replay batch headers in [offset, end) into the producer windows and the log index,
+        retrying reads that fail (object store down) until the whole range is read."""
+        delay = 0.2
+        while offset < end and not self._closed:
             try:
-                batches = await self.stream.read(offset, REPLAY_READ_BYTES)
+                batches = await self.stream.read(max(offset, self.stream.start_offset),
+                                                 REPLAY_READ_BYTES)
             except StorageError as e:
-                log.error("replay stopped topic=%s partition=%d offset=%d: %s",
-                          self.topic, self.index, offset, e)
-                break
+                log.error("replay waits for storage topic=%s partition=%d offset=%d "
+                          "(retry in %.1fs): %s", self.topic, self.index, offset, delay, e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, REPLAY_RETRY_MAX_S)
+                continue
             if not batches:
                 break
+            offset = max(offset, self.stream.start_offset)
             for b in batches:
-                if b.next_offset <= offset:
+                if b.next_offset <= offset or b.base_offset >= end:
                     continue
                 max_ts = -1
                 try:
                     for view in protocol.iter_batches(b.payload):
                         max_ts = max(max_ts, view.max_timestamp)
-                        if view.producer_id != NO_PRODUCER_ID and view.base_offset >= snap_end:
+                        if view.producer_id != NO_PRODUCER_ID:
                             self.producers.record(view.producer_id, view.producer_epoch,
                                                   view.base_sequence, view.last_offset_delta + 1,
                                                   view.base_offset, view.max_timestamp)
@@ -252,15 +289,30 @@ class Partition:
                               self.topic, self.index, b.base_offset, e)
                 self.log_index.add(b.base_offset, len(b.payload), max_ts, b.next_offset)
                 offset = b.next_offset
-        self.producers.expire_below(start)
-        # appends continue from the durable end (skipping a region replay could not read)
-        self.log_index.end_offset = self.stream.end_offset
+        self._replayed(end)
+
+    def _replayed(self, end: int) -> None:
+        """The tail up to ``end`` is replayed: producer state is complete."""
+        self.producers.expire_below(self.stream.start_offset)
+        # appends taken meanwhile (non-idempotent ones) wait in _index_pending from ``end``
+        self.log_index.end_offset = end
+        self.log_index.truncate_below(self.stream.start_offset)
+        idx = self.log_index
+        while idx.end_offset in self._index_pending:
+            b = idx.end_offset
+            size, max_ts, nxt = self._index_pending.pop(b)
+            idx.add(b, size, max_ts, nxt)
+        if not self._producers_ready:
+            log.info("producer state replayed topic=%s partition=%d", self.topic, self.index)
+        self._producers_ready = True
+        self._dirty = True
 
     def snapshot(self, force: bool = False) -> "concurrent.futures.Future[None] | None":
         """Persist producer state and log index up to the indexed end (called periodically;
         skipped when nothing changed since the last one). The write runs on the store's
         thread; the returned future completes when it is durable."""
-        if self._producer_store is None or not (force or self._dirty):
+        if self._producer_store is None or not (force or self._dirty) \
+                or not self._producers_ready:
             return None
         self._batches_since_snapshot = 0
         self._dirty = False
@@ -293,6 +345,8 @@ class Partition:
             return
         self._closed = True
         self._wake()
+        if self._replay_task is not None and not self._replay_task.done():
+            self._replay_task.cancel()
         fut = self.snapshot()
         if fut is not None:
             try:
@@ -399,63 +453,105 @@ class Partition:
             max_ts_of.append(max_ts)
             count += view.last_offset_delta + 1
 
-        # idempotence checks (all batches of the request stand or fall together, like Kafka)
-        producers = self.producers
-        pending: dict[int, tuple[int, int]] = {}  # pid -> (epoch, last seq) within this request
-        for _pos, view in views:
-            pid = view.producer_id
-            if pid == NO_PRODUCER_ID:
-                continue
-            try:
-                if pid in pending:
-                    epoch, last = pending[pid]
-                    if view.producer_epoch != epoch or view.base_sequence != last + 1:
-                        raise ProducerError("OUT_OF_ORDER_SEQUENCE_NUMBER",
-                                            "sequence gap inside one request")
-                    dup = None
-                else:
-                    dup = producers.check(pid, view.producer_epoch, view.base_sequence,
-                                          view.last_offset_delta + 1)
-            except ProducerError as e:
-                res.error, res.message = ErrorCode[e.code], str(e)
-                return res
-            if dup is not None:
-                return await self._answer_duplicate(dup, res)
-            pending[pid] = (view.producer_epoch,
-                            view.base_sequence + view.last_offset_delta)
-
-        # offsets and timestamps, in place
-        base = self.stream.end_offset
-        next_offset = base
-        recorded: list[tuple[int, BatchMeta]] = []
-        payload_max_ts = -1
-        for (pos, view), max_ts in zip(views, max_ts_of):
-            protocol.set_base_offset(buf, pos, next_offset)
-            protocol.set_partition_leader_epoch(buf, pos, LEADER_EPOCH)
-            if log_append:
-                protocol.set_log_append_time(buf, pos, now)
-                max_ts = now
-            payload_max_ts = max(payload_max_ts, max_ts)
-            if view.producer_id != NO_PRODUCER_ID:
-                recorded.append((view.producer_id, producers.record(
-                    view.producer_id, view.producer_epoch, view.base_sequence,
-                    view.last_offset_delta + 1, next_offset, max_ts)))
-            next_offset += view.last_offset_delta + 1
-
-        try:
-            await self.stream.append(buf, base, count)
-        except RetriableStorageError as e:
-            for pid, meta in recorded:
-                producers.forget(pid, meta)
-            res.error, res.message = ErrorCode.NOT_ENOUGH_REPLICAS, f"storage busy: {e}"
+        # one append at a time goes from here to the stream taking its offsets: a batch that
+        # waits for room holds the ones behind it, so each is checked against the true outcome
+        # of everything before it (never against a predecessor that may still fail)
+        idempotent = [(v.producer_id, v.producer_epoch, v.base_sequence)
+                      for _pos, v in views if v.producer_id != NO_PRODUCER_ID]
+        if idempotent and not self._producers_ready:
+            res.error = ErrorCode.NOT_ENOUGH_REPLICAS
+            res.message = "producer state of this partition is still being rebuilt; retry"
             return res
-        except Exception as e:  # noqa: BLE001 - StorageError or a storage bug: not appended
-            for pid, meta in recorded:
-                producers.forget(pid, meta)
-            if self.stream.end_offset > base:  # offsets consumed: keep the index chain going
-                self._indexed(base, 0, -1, base + count)
-            log.error("append failed topic=%s partition=%d error=%r", self.topic, self.index, e)
-            res.error, res.message = ErrorCode.KAFKA_STORAGE_ERROR, str(e)
+        if self._offline is not None:
+            res.error, res.message = ErrorCode.KAFKA_STORAGE_ERROR, self._offline
+            return res
+        admission = self._admission
+        if admission.locked():
+            try:
+                await asyncio.wait_for(admission.acquire(), self._admission_timeout_s)
+            except asyncio.TimeoutError:
+                return self._not_appended(res, idempotent, ErrorCode.NOT_ENOUGH_REPLICAS,
+                                          "storage busy: earlier appends still wait; retry")
+        else:
+            await admission.acquire()         # free: returns without suspending
+        try:
+            if self._closed or self._offline is not None:
+                return self._not_appended(
+                    res, idempotent, ErrorCode.KAFKA_STORAGE_ERROR if self._offline
+                    else ErrorCode.NOT_LEADER_OR_FOLLOWER, self._offline)
+            # idempotence checks (all batches of the request stand or fall together, like Kafka)
+            producers = self.producers
+            pending: dict[int, tuple[int, int]] = {}  # pid -> (epoch, last seq) in this request
+            dup: BatchMeta | None = None
+            for _pos, view in views:
+                pid = view.producer_id
+                if pid == NO_PRODUCER_ID:
+                    continue
+                try:
+                    if pid in pending:
+                        epoch, last = pending[pid]
+                        if view.producer_epoch != epoch or view.base_sequence != last + 1:
+                            raise ProducerError("OUT_OF_ORDER_SEQUENCE_NUMBER",
+                                                "sequence gap inside one request")
+                    else:
+                        dup = producers.check(pid, view.producer_epoch, view.base_sequence,
+                                              view.last_offset_delta + 1)
+                except ProducerError as e:
+                    res.error, res.message = ErrorCode[e.code], str(e)
+                    return res
+                if dup is not None:
+                    break
+                pending[pid] = (view.producer_epoch,
+                                view.base_sequence + view.last_offset_delta)
+            if dup is None:
+                # offsets and timestamps, in place
+                base = self.stream.end_offset
+                next_offset = base
+                payload_max_ts = -1
+                for (pos, view), max_ts in zip(views, max_ts_of):
+                    protocol.set_base_offset(buf, pos, next_offset)
+                    protocol.set_partition_leader_epoch(buf, pos, LEADER_EPOCH)
+                    if log_append:
+                        protocol.set_log_append_time(buf, pos, now)
+                    next_offset += view.last_offset_delta + 1
+                task = start_now(self.stream.append(buf, base, count))
+                if self.stream.end_offset < base + count and not task.done():
+                    # back-pressure: the stream has not taken the offsets yet; keep the
+                    # admission until it does or gives up (then nothing of it remains)
+                    await asyncio.wait({task})
+                if self.stream.end_offset < base + count:
+                    exc = task.exception() if not task.cancelled() else None
+                    retriable = exc is None or isinstance(exc, RetriableStorageError)
+                    if not retriable:
+                        log.error("append failed topic=%s partition=%d error=%r",
+                                  self.topic, self.index, exc)
+                    return self._not_appended(
+                        res, idempotent, ErrorCode.NOT_ENOUGH_REPLICAS if retriable
+                        else ErrorCode.KAFKA_STORAGE_ERROR,
+                        f"storage busy: {exc}" if retriable else str(exc))
+                # taken: the producer windows remember the batches, pending until durable
+                outcome: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+                prev, self._tail = self._tail, outcome
+                next_offset = base
+                for (pos, view), max_ts in zip(views, max_ts_of):
+                    if log_append:
+                        max_ts = now
+                    payload_max_ts = max(payload_max_ts, max_ts)
+                    if view.producer_id != NO_PRODUCER_ID:
+                        producers.record(view.producer_id, view.producer_epoch,
+                                         view.base_sequence, view.last_offset_delta + 1,
+                                         next_offset, max_ts, outcome)
+                    next_offset += view.last_offset_delta + 1
+        finally:
+            admission.release()
+        if dup is not None:
+            return await self._answer_duplicate(dup, res)
+
+        self._settle_when_done(task, prev, outcome)
+        ok = await asyncio.shield(outcome)
+        if not ok:
+            self._indexed(base, 0, -1, base + count)  # offsets consumed: keep the chain
+            res.error, res.message = ErrorCode.KAFKA_STORAGE_ERROR, self._offline
             return res
         self._indexed(base, len(buf), payload_max_ts, base + count)
         self.bytes_in += len(buf)
@@ -469,6 +565,50 @@ class Partition:
         res.log_append_time = now if log_append else -1
         res.log_start_offset = self.log_start_offset
         return res
+
+    def _not_appended(self, res: AppendResult, idempotent: list[tuple[int, int, int]],
+                      error: int, message: str | None) -> AppendResult:
+        """Answer an append that never reached the stream: its producers' windows are as if
+        it never arrived, and their later batches wait for its retry (failed marks)."""
+        for pid, epoch, first_seq in idempotent:
+            self.producers.fail(pid, epoch, first_seq)
+        res.error, res.message = error, message
+        return res
+
+    def _settle_when_done(self, task: "asyncio.Future[None]", prev: "asyncio.Future[bool] | None",
+                          outcome: "asyncio.Future[bool]") -> None:
+        """Resolve ``outcome``: True once this append and every earlier one of the partition
+        are durable (never ack past a hole). Done in callbacks, so the outcome holds whatever
+        happens to the request that waits on it."""
+
+        def finish(ok: bool, why: str) -> None:
+            if not ok:
+                self._go_offline(why)
+            if not outcome.done():
+                outcome.set_result(ok)
+
+        def own_done(t: "asyncio.Future[None]") -> None:
+            if t.cancelled() or t.exception() is not None:
+                exc = None if t.cancelled() else t.exception()
+                finish(False, f"WAL write failed: {exc!r}")
+            elif prev is None:
+                finish(True, "")
+            elif prev.done():
+                finish(prev.result(), "an earlier append of this partition failed")
+            else:
+                prev.add_done_callback(lambda p: finish(
+                    p.result(), "an earlier append of this partition failed"))
+
+        task.add_done_callback(own_done)
+
+    def _go_offline(self, why: str) -> None:
+        """An append the stream had taken failed: whether its bytes survive is unknown until
+        restart (the cache may still upload them), so no later produce is acknowledged on
+        top of it (KAFKA_STORAGE_ERROR, like a Kafka log directory gone offline); a restart
+        rebuilds producer state from what was actually stored."""
+        if self._offline is None:
+            self._offline = f"partition offline until restart: {why}"
+            log.error("partition offline topic=%s partition=%d: %s", self.topic, self.index, why)
 
     def _indexed(self, base: int, size: int, max_ts: int, end: int) -> None:
         """Add a completed payload to the log index in offset order (completions of
@@ -501,8 +641,16 @@ class Partition:
         return buf, views
 
     async def _answer_duplicate(self, dup: BatchMeta, res: AppendResult) -> AppendResult:
-        """A retried batch: wait until the original is durable and answer with its offset."""
-        await self.wait_for(dup.last_offset + 1)
+        """A retried batch: wait until the original is durable and answer with its offset
+        (only that batch's own outcome counts: a high watermark passing its offsets could be
+        another batch's after it failed)."""
+        if dup.outcome is not None:
+            if not await asyncio.shield(dup.outcome):
+                res.error = ErrorCode.KAFKA_STORAGE_ERROR
+                res.message = self._offline or "the original append failed"
+                return res
+        else:
+            await self.wait_for(dup.last_offset + 1)
         res.base_offset = dup.base_offset
         res.log_start_offset = self.log_start_offset
         if self.configs.get("message.timestamp.type", "CreateTime") == "LogAppendTime":

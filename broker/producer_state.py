@@ -6,6 +6,12 @@ sequence numbers is OUT_OF_ORDER_SEQUENCE_NUMBER and an older epoch is fenced. T
 survive restarts, so producer ids are allocated through a durable counter in the metadata
 database and each partition's windows are snapshotted there (tables prefixed ``kafka_producer_``);
 the log tail written after the last snapshot is replayed from batch headers on start.
+
+A batch enters a window only once the stream has taken its offsets (never while it waits for
+room), and an append that fails before that leaves no trace: the window stays exactly as if
+the batch had never arrived. What it does leave is a *failed mark* (producer, epoch, first
+sequence): a later batch of that producer is refused with a retriable error until the failed
+one is retried, so nothing is ever appended after a hole in the sequence (docs/datapath.md).
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from storage import sqldb
 
@@ -27,6 +34,9 @@ NO_SEQUENCE = -1
 WINDOW = 5  # Kafka keeps the last 5 batches per producer (max.in.flight for idempotence)
 INT32_MAX = 2**31 - 1
 EPOCH_MAX = 2**15 - 1
+# how long a failed mark holds back a producer's later batches: the clients' default
+# delivery.timeout.ms, after which they give the failed batch up (and Kafka's rules apply)
+FAILED_MARK_S = 120.0
 
 
 class ProducerError(Exception):
@@ -46,6 +56,9 @@ class BatchMeta:
     base_offset: int
     last_offset: int
     timestamp: int
+    # asyncio.Future[bool] of an append still in flight (True once it and every earlier
+    # append of the partition are durable); None for batches known durable (replayed)
+    outcome: Any = None
 
 
 @dataclass(slots=True)
@@ -75,6 +88,11 @@ def _in_sequence(last_seq: int, first_seq: int) -> bool:
     return first_seq == last_seq + 1 or (last_seq == INT32_MAX and first_seq == 0)
 
 
+def _after(seq: int, ref: int) -> bool:
+    """``seq`` comes after ``ref`` in sequence space (which wraps at INT32_MAX)."""
+    return 0 < (seq - ref) % (INT32_MAX + 1) < (INT32_MAX + 1) // 2
+
+
 def _last_seq(first_seq: int, count: int) -> int:
     last = first_seq + count - 1
     return last - INT32_MAX - 1 if last > INT32_MAX else last
@@ -85,6 +103,9 @@ class PartitionProducers:
 
     def __init__(self) -> None:
         self.entries: dict[int, ProducerEntry] = {}
+        # producer id -> (epoch, first sequence, monotonic time) of a batch whose append
+        # failed after validation; later batches wait for its retry
+        self.failed: dict[int, tuple[int, int, float]] = {}
 
     def check(self, producer_id: int, epoch: int, first_seq: int, count: int) -> BatchMeta | None:
         """Validate a batch before it is appended.
@@ -94,11 +115,22 @@ class PartitionProducers:
         a producer this partition has no state for (new, or expired by retention) may start at
         any sequence; a new epoch must start at sequence 0."""
         entry = self.entries.get(producer_id)
+        if entry is not None:
+            dup = entry.find_duplicate(epoch, first_seq, _last_seq(first_seq, count))
+            if dup is not None:
+                return dup
+        mark = self.failed.get(producer_id)
+        if mark is not None:
+            m_epoch, m_seq, t = mark
+            if epoch > m_epoch or time.monotonic() - t > FAILED_MARK_S:
+                del self.failed[producer_id]
+            elif epoch == m_epoch and _after(first_seq, m_seq):
+                raise ProducerError(
+                    "NOT_ENOUGH_REPLICAS",
+                    f"producer {producer_id}: the batch at sequence {m_seq} failed and must be "
+                    f"retried before sequence {first_seq}")
         if entry is None:
             return None
-        dup = entry.find_duplicate(epoch, first_seq, _last_seq(first_seq, count))
-        if dup is not None:
-            return dup
         if epoch < entry.epoch:
             raise ProducerError(
                 "INVALID_PRODUCER_EPOCH",
@@ -116,8 +148,12 @@ class PartitionProducers:
         return None
 
     def record(self, producer_id: int, epoch: int, first_seq: int, count: int,
-               base_offset: int, timestamp: int) -> BatchMeta:
-        """Remember an appended (or replayed) batch."""
+               base_offset: int, timestamp: int, outcome: Any = None) -> BatchMeta:
+        """Remember a batch the stream took (or a replayed one); ``outcome`` resolves to
+        whether it became durable."""
+        mark = self.failed.get(producer_id)
+        if mark is not None and (epoch > mark[0] or (epoch == mark[0] and first_seq == mark[1])):
+            del self.failed[producer_id]      # the failed batch's retry (or a new epoch)
         entry = self.entries.get(producer_id)
         if entry is None or epoch != entry.epoch:
             if entry is not None and epoch < entry.epoch:
@@ -127,23 +163,27 @@ class PartitionProducers:
             entry = ProducerEntry(epoch)
             self.entries[producer_id] = entry
         meta = BatchMeta(first_seq, _last_seq(first_seq, count), base_offset,
-                         base_offset + count - 1, timestamp)
+                         base_offset + count - 1, timestamp, outcome)
         entry.batches.append(meta)
         entry.last_timestamp = max(entry.last_timestamp, timestamp)
         entry.last_seen_ms = int(time.time() * 1000)
         return meta
 
-    def forget(self, producer_id: int, meta: BatchMeta) -> None:
-        """Undo ``record`` for a batch whose append failed (so the client's retry is accepted)."""
+    def fail(self, producer_id: int, epoch: int, first_seq: int) -> None:
+        """A batch that passed validation was not appended (back-pressure, storage error,
+        shutdown): its window is untouched, and the producer's later batches are refused
+        (retriably) until this one is retried. A batch at or before the window's last
+        sequence (a duplicate) leaves no mark."""
         entry = self.entries.get(producer_id)
-        if entry is None:
+        if entry is not None and entry.epoch == epoch and entry.batches \
+                and not _after(first_seq, entry.last_seq):
             return
-        try:
-            entry.batches.remove(meta)
-        except ValueError:
+        if entry is not None and epoch < entry.epoch:
             return
-        if not entry.batches:
-            del self.entries[producer_id]
+        mark = self.failed.get(producer_id)
+        if mark is not None and mark[0] == epoch and _after(first_seq, mark[1]):
+            return                            # an earlier failure already holds them back
+        self.failed[producer_id] = (epoch, first_seq, time.monotonic())
 
     def expire_below(self, log_start_offset: int) -> None:
         """Drop producers whose every remembered batch fell below the log start (retention)."""
@@ -157,6 +197,9 @@ class PartitionProducers:
         idle = [pid for pid, e in self.entries.items() if now_ms - e.last_seen_ms > max_idle_ms]
         for pid in idle:
             del self.entries[pid]
+        mono = time.monotonic()
+        for pid in [p for p, m in self.failed.items() if mono - m[2] > FAILED_MARK_S]:
+            del self.failed[pid]
         return len(idle)
 
     # --- snapshots -------------------------------------------------------------------------

@@ -5,8 +5,8 @@ entry -> completes once the WAL says the record is durable. Upload path: unuploa
 a threshold, an interval passes, or the cache/WAL fill up -> objects are written to the object
 store, committed to the metadata store in one transaction, then the WAL is trimmed and the
 cache entries become evictable. Read path: LogCache, else objects through the BlockCache.
-Start-up: clean up objects a crash left prepared/destroyed, replay the WAL (dropping what is
-already committed), upload it, trim.
+Start-up: note objects a crash left prepared/destroyed (deleted in the background), replay the
+WAL (dropping what is already committed), upload it, trim.
 """
 from __future__ import annotations
 
@@ -374,10 +374,9 @@ class Engine(StreamStore):
         self.reader = ObjectReader(self.store, self.cold_io, c.block_cache_bytes,
                                    c.readahead_max_bytes)
         self.maintenance = Maintenance(self)
-        try:
-            await self.maintenance.delete_leftovers()
-        except Exception as e:          # store unreachable: the rows stay, next start retries
-            log.warning("could not delete leftover objects yet: %s", e)
+        # metadata only: the deletes run in the background (maintenance.run), so a broker
+        # restarted while the object store is down still recovers its WAL and listens
+        await self.maintenance.find_leftovers()
         for m in await self.io(self.meta.streams):
             self.streams[m.stream_id] = EngineStream(self, m)
             self.cache.set_stream_state(m.stream_id, m.end_offset, m.start_offset)

@@ -1,7 +1,8 @@
 """Background upkeep of the object store: delete dead objects, compact small ones.
 
 - Leftovers (start-up): objects prepared but never committed (a crash between put and commit)
-  and objects destroyed but not yet deleted are removed from the store and the metadata.
+  and objects destroyed but not yet deleted are noted at start-up (metadata only) and removed
+  from the store and the metadata in the background, so start-up never waits on the store.
 - Cleanup: an object whose every range lies below its stream's start offset (retention,
   DeleteRecords) or belongs to a deleted stream is marked destroyed, and its key is deleted one
   pass later (a read that already looked it up can still finish).
@@ -66,24 +67,43 @@ class Maintenance:
         self.rewrites = 0
         # compaction and rewrites both replace objects: never at the same time
         self.lock = asyncio.Lock()
+        self._leftovers: list[tuple[int, str]] = []  # (object id, key) a crash left behind
 
     def forget_later(self, objects: list[tuple[int, str]]) -> None:
         """Objects of a failed upload: delete their keys and rows on the next cleanup pass."""
         self._doomed.extend(objects)
 
-    async def delete_leftovers(self) -> None:
-        """Remove what a crash left: this node's prepared (never committed) objects (another
-        broker sharing the metadata may be uploading its own right now) and destroyed ones."""
+    async def find_leftovers(self) -> None:
+        """Note what a crash left: this node's prepared (never committed) objects (another
+        broker sharing the metadata may be uploading its own right now) and destroyed ones.
+        Metadata only, so start-up never waits on the object store; called before the first
+        upload, so no prepared row of this run is among them; ``run`` deletes them in the
+        background."""
         e = self.engine
         left = await e.io(e.meta.objects_in_state, "prepared", e.config.node_id)
         left += await e.io(e.meta.objects_in_state, "destroyed")
+        self._leftovers = left
+
+    async def delete_leftovers(self) -> None:
+        """Remove the leftovers ``find_leftovers`` noted (raises while the store is down)."""
+        e = self.engine
+        left = self._leftovers
         if left:
             await e.io(e.store.delete, [k for _, k in left])
             await e.io(e.meta.forget_objects, [oid for oid, _ in left])
             log.info("deleted %d leftover objects", len(left))
+        self._leftovers = []
 
     async def run(self) -> None:
         c = self.engine.config
+        while self._leftovers:          # first, in the background: the store may be down
+            try:
+                await self.delete_leftovers()
+            except asyncio.CancelledError:
+                raise
+            except Exception as ex:     # store unreachable: the rows stay, retry
+                self.failing.hit(f"could not delete leftover objects yet, retrying: {ex}")
+                await asyncio.sleep(min(c.cleanup_interval_s, 5.0))
         while True:
             await asyncio.sleep(min(c.cleanup_interval_s, c.compaction_interval_s))
             try:

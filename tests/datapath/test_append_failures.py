@@ -1,0 +1,227 @@
+"""Appends that fail after validation leave no trace (issue 21), over a Stream whose room and
+durability the test controls: back-pressure that times out, a predecessor that fails while a
+successor waits, a retried duplicate whose original fails, storage errors, shutdown, a WAL
+write that fails after the offsets were taken, and a restart whose replay cannot read yet."""
+from __future__ import annotations
+
+import asyncio
+
+from broker.partition import Partition
+from protocol import ErrorCode
+from storage.memory import MemoryStream
+from storage.stream import RetriableStorageError, StorageError
+
+from .batches import make_batch, read_records
+from .test_partition import TOPIC_ID, fake_broker, open_partition, read_all
+
+RETRIABLE = {ErrorCode.NOT_ENOUGH_REPLICAS, ErrorCode.REQUEST_TIMED_OUT,
+             ErrorCode.KAFKA_STORAGE_ERROR}
+
+
+class GatedStream(MemoryStream):
+    """A MemoryStream with engine-like back-pressure: without ``room`` an append waits (the
+    end offset unchanged) up to ``timeout`` and then raises RetriableStorageError; with
+    ``hold_durability`` a taken append waits for ``durable`` (which the test may fail)."""
+
+    def __init__(self, stream_id: int = 1, timeout: float = 0.3) -> None:
+        super().__init__(stream_id)
+        self.room = asyncio.Event()
+        self.room.set()
+        self.timeout = timeout
+        self.error: Exception | None = None        # raised before the offsets are taken
+        self.hold_durability = False
+        self.durable: list[asyncio.Future[None]] = []
+        self.read_error: Exception | None = None
+
+    async def append(self, payload, base_offset, count):
+        if self.error is not None:
+            raise self.error
+        if not self.room.is_set():
+            try:
+                await asyncio.wait_for(self.room.wait(), self.timeout)
+            except asyncio.TimeoutError:
+                raise RetriableStorageError("storage is full of unuploaded data; retry") from None
+            if self.error is not None:
+                raise self.error
+            if base_offset != self._end:
+                raise RetriableStorageError("stream moved on while waiting for room; retry")
+        await super().append(payload, base_offset, count)
+        if self.hold_durability:
+            fut = asyncio.get_running_loop().create_future()
+            self.durable.append(fut)
+            await fut
+
+    async def read(self, start_offset, max_bytes):
+        if self.read_error is not None:
+            raise self.read_error
+        return await super().read(start_offset, max_bytes)
+
+
+def idem(value: bytes, seq: int, pid: int = 7, epoch: int = 0) -> bytes:
+    return make_batch([value], producer_id=pid, epoch=epoch, base_sequence=seq)
+
+
+async def values(p: Partition) -> list[tuple[int, bytes]]:
+    return [(o, v) for o, _, v in await read_all(p)]
+
+
+async def test_successor_of_a_failed_waiting_batch_is_refused(tmp_path):
+    """Issue 21, scenario 1: seq 0 waits on back-pressure, seq 1 is pipelined behind it, seq 0
+    fails, room appears: seq 1 must not be appended (a retriable error), and the retries of
+    seq 0 and seq 1 then land in order."""
+    stream = GatedStream()
+    p, *_ = await open_partition(tmp_path, stream=stream)
+    stream.room.clear()
+    a = asyncio.ensure_future(p.append(idem(b"A", 0)))
+    await asyncio.sleep(0.1)
+    b = asyncio.ensure_future(p.append(idem(b"B", 1)))
+    ra = await a
+    assert ra.error == ErrorCode.NOT_ENOUGH_REPLICAS
+    stream.room.set()
+    rb = await b
+    assert rb.error in RETRIABLE, rb
+    assert rb.error != ErrorCode.OUT_OF_ORDER_SEQUENCE_NUMBER
+    assert await values(p) == []
+    # a batch arriving after the failure is held back too, until seq 0 is retried
+    rb = await p.append(idem(b"B", 1))
+    assert rb.error == ErrorCode.NOT_ENOUGH_REPLICAS
+    ra = await p.append(idem(b"A", 0))
+    rb = await p.append(idem(b"B", 1))
+    assert (ra.error, ra.base_offset, rb.error, rb.base_offset) == (0, 0, 0, 1)
+    assert await values(p) == [(0, b"A"), (1, b"B")]
+
+
+async def test_duplicate_of_a_failed_batch_is_not_answered_with_other_offsets(tmp_path):
+    """Issue 21, scenario 2: seq 0 waits; the same batch arrives again (a retry on a second
+    connection); seq 0 fails; a plain producer writes C. The retry is appended itself (or
+    refused): never answered with the offset where C lives."""
+    stream = GatedStream()
+    p, *_ = await open_partition(tmp_path, stream=stream)
+    stream.room.clear()
+    first = asyncio.ensure_future(p.append(idem(b"A2", 0, pid=9)))
+    await asyncio.sleep(0.05)
+    retry = asyncio.ensure_future(p.append(idem(b"A2", 0, pid=9)))
+    r1 = await first
+    assert r1.error == ErrorCode.NOT_ENOUGH_REPLICAS
+    stream.room.set()
+    rc = await p.append(make_batch([b"C"]))
+    r2 = await retry
+    assert rc.error == 0
+    log = dict(await values(p))
+    assert log[rc.base_offset] == b"C"
+    if r2.error == 0:
+        assert log[r2.base_offset] == b"A2"
+    else:
+        assert r2.error in RETRIABLE
+    assert list(log.values()).count(b"A2") == (1 if r2.error == 0 else 0)
+
+
+async def test_duplicate_waits_for_its_own_original(tmp_path):
+    """A retry of a batch still in flight is answered with that batch's offsets once it is
+    durable, and with an error when it fails, whatever else becomes durable meanwhile."""
+    stream = GatedStream()
+    p, *_ = await open_partition(tmp_path, stream=stream)
+    stream.hold_durability = True
+    first = asyncio.ensure_future(p.append(idem(b"X", 0)))
+    await asyncio.sleep(0)
+    dup = asyncio.ensure_future(p.append(idem(b"X", 0)))
+    await asyncio.sleep(0.05)
+    assert not dup.done()
+    stream.durable[0].set_result(None)
+    r1, r2 = await first, await dup
+    assert (r1.error, r1.base_offset, r2.error, r2.base_offset) == (0, 0, 0, 0)
+
+
+async def test_failed_taken_append_fails_its_successors(tmp_path):
+    """A WAL write that fails after the stream took the offsets: neither it nor anything
+    behind it is acknowledged (the successor's own write may succeed), and the partition
+    refuses produces until restart instead of guessing what survived."""
+    stream = GatedStream()
+    p, *_ = await open_partition(tmp_path, stream=stream)
+    stream.hold_durability = True
+    a = asyncio.ensure_future(p.append(idem(b"A", 0)))
+    await asyncio.sleep(0)
+    b = asyncio.ensure_future(p.append(idem(b"B", 1)))
+    c = asyncio.ensure_future(p.append(make_batch([b"C"])))
+    dup = asyncio.ensure_future(p.append(idem(b"A", 0)))
+    await asyncio.sleep(0.01)
+    assert len(stream.durable) == 3
+    stream.durable[1].set_result(None)
+    stream.durable[2].set_result(None)
+    stream.durable[0].set_exception(OSError("disk gone"))
+    for fut in (a, b, c, dup):
+        r = await fut
+        assert r.error == ErrorCode.KAFKA_STORAGE_ERROR, r
+    stream.hold_durability = False
+    r = await p.append(make_batch([b"D"]))
+    assert r.error == ErrorCode.KAFKA_STORAGE_ERROR
+
+
+async def test_storage_error_and_full_wal_leave_no_trace(tmp_path):
+    """A non-retriable storage error (stream deleted) and a full WAL (back-pressure timeout)
+    before the offsets are taken: nothing appended, the window untouched, the retry works."""
+    stream = GatedStream()
+    p, *_ = await open_partition(tmp_path, stream=stream)
+    assert (await p.append(idem(b"A", 0))).error == 0
+    stream.error = StorageError("stream 1 is deleted")
+    r = await p.append(idem(b"B", 1))
+    assert r.error == ErrorCode.KAFKA_STORAGE_ERROR
+    stream.error = None
+    stream.room.clear()
+    r = await p.append(idem(b"B", 1))
+    assert r.error == ErrorCode.NOT_ENOUGH_REPLICAS
+    assert (await p.append(idem(b"C", 2))).error == ErrorCode.NOT_ENOUGH_REPLICAS
+    stream.room.set()
+    r = await p.append(idem(b"B", 1))
+    assert (r.error, r.base_offset) == (0, 1)
+    assert (await p.append(idem(b"C", 2))).base_offset == 2
+    assert await values(p) == [(0, b"A"), (1, b"B"), (2, b"C")]
+
+
+async def test_shutdown_while_waiting_leaves_no_trace(tmp_path):
+    """Closing the partition (broker stopping, topic deleted) while appends wait: every one
+    answered with an error, nothing in the log or the producer state."""
+    stream = GatedStream(timeout=5)
+    p, *_ = await open_partition(tmp_path, stream=stream)
+    stream.room.clear()
+    a = asyncio.ensure_future(p.append(idem(b"A", 0)))
+    await asyncio.sleep(0.01)
+    b = asyncio.ensure_future(p.append(idem(b"B", 1)))
+    await asyncio.sleep(0.01)
+    stream.error = RetriableStorageError("engine closing")
+    await p.close()
+    stream.room.set()
+    ra, rb = await a, await b
+    assert ra.error != 0 and rb.error != 0
+    assert await values(p) == [] and p.producers.entries == {}
+
+
+async def test_restart_waits_for_producer_state_before_idempotent_appends(tmp_path):
+    """Issue 21, scenario 3: the log tail cannot be read at open (object store down). The
+    partition answers idempotent produces with a retriable error (plain ones are appended)
+    until the replay completes; then a retry of a replayed batch is a duplicate with its
+    original offset, and the next sequence follows."""
+    stream = GatedStream()
+    p, store, _, broker = await open_partition(tmp_path, stream=stream)
+    for i in range(3):
+        assert (await p.append(idem(f"v{i}".encode(), i))).error == 0
+    # reopen without the snapshot: the state must come from the log
+    stream.read_error = StorageError("object store unreachable")
+    p2 = await Partition.open(None, "t", TOPIC_ID, 0, stream, {})
+    r = await p2.append(idem(b"v2", 2))
+    assert r.error == ErrorCode.NOT_ENOUGH_REPLICAS
+    r = await p2.append(make_batch([b"plain"]))
+    assert (r.error, r.base_offset) == (0, 3)
+    stream.read_error = None
+    for _ in range(100):
+        if p2._producers_ready:
+            break
+        await asyncio.sleep(0.05)
+    r = await p2.append(idem(b"v2", 2))
+    assert (r.error, r.base_offset) == (0, 2)          # duplicate of the replayed batch
+    r = await p2.append(idem(b"v3", 3))
+    assert (r.error, r.base_offset) == (0, 4)
+    assert [v for _, v in await values(p2)] == [b"v0", b"v1", b"v2", b"plain", b"v3"]
+    # the index kept the plain append taken during the replay
+    assert p2.log_index.end_offset == 5
+    await p2.close()
