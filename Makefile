@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: run test test-fast bench venv test-deps clean
+.PHONY: run test test-fast bench venv test-deps clean chaos-backpressure
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,12 @@ test: test-deps
 ## Quick loop for developers: skip the slow suites.
 test-fast: test-deps
 	$(BIN)/python -m pytest -q -ra -m "not slow" $(ARGS)
+
+## Long fault schedule for issue 21: small WAL, object store cut/black-holed/restored, kill -9.
+CHAOS_ROUNDS ?= 20
+chaos-backpressure: test-deps
+	CHAOS_ROUNDS=$(CHAOS_ROUNDS) $(BIN)/python -m pytest -q -s -ra \
+		tests/chaos/test_backpressure_faults.py -k long $(ARGS)
 
 bench: $(VENV)/.test-installed
 	$(BIN)/pip install -q -e '.[bench]'

@@ -1,0 +1,156 @@
+"""Runs a fault schedule against one broker while the queue workload writes, then checks.
+
+A schedule is a list of steps: ``("run", seconds)`` lets the writers work, ``"cut"`` /
+``"blackhole"`` / ``"restore"`` change the object store proxy, ``"kill"`` is kill -9 and
+``"restart"`` starts the broker again on the same port and data (whatever the store's state),
+timing how long until it answers ApiVersions, takes a plain produce and takes an idempotent
+produce (``Restart`` rows). Everything runs on 127.0.0.1 with bounded waits.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from datapath.batches import make_batch
+from datapath.wire import WireClient
+
+from .faults import broker_args, proxy_for, s3_bucket_url
+from .workload import Ledger, Report, check, read_all, start_writers
+
+PROBE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Restart:
+    store: str            # the object store's state during the restart
+    listen_s: float       # kill -> ApiVersions answered
+    produce_s: float      # kill -> a plain produce acknowledged
+    idempotent_s: float   # kill -> an idempotent produce acknowledged (-1: not within 30 s)
+
+    def __str__(self) -> str:
+        return (f"restart(store {self.store}): listen {self.listen_s:.1f}s, produce "
+                f"{self.produce_s:.1f}s, idempotent produce {self.idempotent_s:.1f}s")
+
+
+@dataclass
+class Outcome:
+    report: Report
+    restarts: list[Restart] = field(default_factory=list)
+    steps: list[str] = field(default_factory=list)
+    writer_errors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        lines = [self.report.summary(), f"schedule: {' '.join(self.steps)} ({self.seconds:.0f}s)"]
+        lines += [str(r) for r in self.restarts]
+        lines += [f"writer error: {e}" for e in self.writer_errors]
+        return "\n".join(lines)
+
+
+def short_schedule() -> list[Any]:
+    """About 45 s of faults: a cut long enough to back-pressure, kill -9 and restart while
+    cut, kill -9 and restart while black-holed, each followed by recovery."""
+    return [("run", 3), "cut", ("run", 6), "restore", ("run", 3), "cut", ("run", 3), "kill",
+            "restart", ("run", 4), "restore", ("run", 3), "blackhole", ("run", 3), "kill",
+            "restart", ("run", 4), "restore", ("run", 4)]
+
+
+def long_schedule(rounds: int, seed: int) -> list[Any]:
+    """``rounds`` random rounds of the same faults (cut/blackhole of 2-15 s, kill -9 and
+    restart in any store state)."""
+    rnd = random.Random(seed)
+    steps: list[Any] = [("run", 3)]
+    for _ in range(rounds):
+        fault = rnd.choice(["cut", "blackhole"])
+        steps += [fault, ("run", rnd.uniform(2, 15))]
+        if rnd.random() < 0.6:
+            steps += ["kill", ("run", rnd.uniform(0, 2)), "restart", ("run", rnd.uniform(1, 6))]
+        steps += ["restore", ("run", rnd.uniform(2, 8))]
+        if rnd.random() < 0.3:
+            steps += ["kill", "restart", ("run", 3)]
+    return steps
+
+
+def _probe(host: str, port: int, topic: str, since: float, idempotent: bool) -> float:
+    """Seconds from ``since`` until one produce to partition 0 is acknowledged (-1: never)."""
+    deadline = since + PROBE_TIMEOUT_S
+    pid = epoch = -1
+    while time.monotonic() < deadline:
+        try:
+            with WireClient(host, port, timeout=10) as c:
+                if idempotent and pid < 0:
+                    pid, epoch = c.init_producer_id()
+                batch = make_batch([b"probe"], producer_id=pid, epoch=epoch,
+                                   base_sequence=0 if idempotent else -1)
+                while time.monotonic() < deadline:
+                    r = c.produce(topic, batch, partition=0)
+                    if r.error_code == 0:
+                        return time.monotonic() - since
+                    time.sleep(0.1)
+        except (OSError, AssertionError, ValueError):
+            time.sleep(0.1)
+    return -1.0
+
+
+def run_schedule(broker_factory: Any, s3_endpoint: Any, steps: list[Any], *,
+                 partitions: int = 3, confluent: int = 3, kafka_python: int = 2,
+                 rate: float = 400.0, wal_capacity: int = 64 << 20,
+                 log_cache: int = 4 << 20, log: Any = print) -> Outcome:
+    """Start a broker behind a store proxy, write, apply ``steps``, stop, read, check."""
+    proxy = proxy_for(s3_endpoint)
+    url = s3_bucket_url(s3_endpoint.url, proxy.url, f"chaos-{time.time_ns()}")
+    bp = broker_factory(broker_args(url, wal_capacity=wal_capacity, log_cache=log_cache))
+    topic = "chaos"
+    with WireClient(bp.host, bp.port) as c:
+        c.create_topic(topic, partitions)
+    ledger = Ledger()
+    stop = threading.Event()
+    writers = start_writers(bp.bootstrap, topic, partitions, ledger, stop,
+                            confluent=confluent, kafka_python=kafka_python, rate=rate)
+    out = Outcome(report=None)  # type: ignore[arg-type]
+    t_start = time.monotonic()
+    killed_at = 0.0
+    try:
+        for step in steps:
+            name = step[0] if isinstance(step, tuple) else step
+            if name == "run":
+                time.sleep(step[1])
+                out.steps.append(f"run{step[1]:.0f}")
+                continue
+            out.steps.append(name)
+            if name == "cut":
+                proxy.cut()
+            elif name == "blackhole":
+                proxy.blackhole()
+            elif name == "restore":
+                proxy.restore()
+            elif name == "kill":
+                bp.kill()
+                killed_at = time.monotonic()
+            elif name == "restart":
+                t0 = killed_at or time.monotonic()
+                bp.start()
+                listen = time.monotonic() - t0
+                produce = _probe(bp.host, bp.port, topic, t0, idempotent=False)
+                idem = _probe(bp.host, bp.port, topic, t0, idempotent=True)
+                r = Restart(proxy.state, listen, produce, idem)
+                out.restarts.append(r)
+                log(f"chaos: {r}")
+            log(f"chaos: {name} at {time.monotonic() - t_start:.1f}s, acked so far "
+                f"{len(ledger.acked)}")
+        proxy.restore()
+        stop.set()
+        for w in writers:
+            w.join(180)
+        out.writer_errors = [f"{w.name}: {w.error!r}" for w in writers if w.error is not None]
+        out.writer_errors += [f"{w.name}: still running" for w in writers if w.is_alive()]
+        records = read_all(bp.bootstrap, topic, partitions, timeout=120)
+        out.report = check(ledger, records)
+        out.seconds = time.monotonic() - t_start
+        return out
+    finally:
+        stop.set()
+        proxy.close()
