@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import concurrent.futures
 import json
 import logging
@@ -22,7 +23,6 @@ import protocol
 from protocol import ErrorCode
 from storage.stream import Batch, OffsetOutOfRange, RetriableStorageError, StorageError, Stream
 
-from .eager import start_now
 from .producer_state import (NO_PRODUCER_ID, BatchMeta, PartitionProducers, ProducerError,
                              ProducerStore, producer_store_for)
 
@@ -188,7 +188,7 @@ class Partition:
         self._closed = False
         self.bytes_in = 0    # produced payload bytes and records (batch header counts),
         self.records_in = 0  # read by broker.metrics at scrape time
-        self._admission = asyncio.Lock()     # held from offset assignment to the stream taking them
+        self._admission = _Admission()       # held from offset assignment to the stream taking them
         self._tail: asyncio.Future[bool] | None = None  # outcome of the latest taken append
         self._offline: str | None = None     # why appends are refused until restart
         self._producers_ready = True         # False while the log tail is still being replayed
@@ -457,7 +457,8 @@ class Partition:
         # waits for room holds the ones behind it, so each is checked against the true outcome
         # of everything before it (never against a predecessor that may still fail)
         idempotent = [(v.producer_id, v.producer_epoch, v.base_sequence)
-                      for _pos, v in views if v.producer_id != NO_PRODUCER_ID]
+                      for _pos, v in views if v.producer_id != NO_PRODUCER_ID] \
+            if views[0][1].producer_id != NO_PRODUCER_ID or len(views) > 1 else []
         if idempotent and not self._producers_ready:
             res.error = ErrorCode.NOT_ENOUGH_REPLICAS
             res.message = "producer state of this partition is still being rebuilt; retry"
@@ -466,14 +467,14 @@ class Partition:
             res.error, res.message = ErrorCode.KAFKA_STORAGE_ERROR, self._offline
             return res
         admission = self._admission
-        if admission.locked():
-            try:
-                await asyncio.wait_for(admission.acquire(), self._admission_timeout_s)
-            except asyncio.TimeoutError:
-                return self._not_appended(res, idempotent, ErrorCode.NOT_ENOUGH_REPLICAS,
-                                          "storage busy: earlier appends still wait; retry")
-        else:
-            await admission.acquire()         # free: returns without suspending
+        if not admission.try_take() and not await admission.take(self._admission_timeout_s):
+            return self._not_appended(res, idempotent, ErrorCode.NOT_ENOUGH_REPLICAS,
+                                      "storage busy: earlier appends still wait; retry")
+        held = True
+        dup: BatchMeta | None = None
+        outcome: asyncio.Future[bool] | None = None
+        prev: asyncio.Future[bool] | None = None
+        error: Exception | None = None
         try:
             if self._closed or self._offline is not None:
                 return self._not_appended(
@@ -482,8 +483,7 @@ class Partition:
             # idempotence checks (all batches of the request stand or fall together, like Kafka)
             producers = self.producers
             pending: dict[int, tuple[int, int]] = {}  # pid -> (epoch, last seq) in this request
-            dup: BatchMeta | None = None
-            for _pos, view in views:
+            for _pos, view in views if idempotent else ():
                 pid = view.producer_id
                 if pid == NO_PRODUCER_ID:
                     continue
@@ -506,6 +506,7 @@ class Partition:
             if dup is None:
                 # offsets and timestamps, in place
                 base = self.stream.end_offset
+                end = base + count
                 next_offset = base
                 payload_max_ts = -1
                 for (pos, view), max_ts in zip(views, max_ts_of):
@@ -513,47 +514,80 @@ class Partition:
                     protocol.set_partition_leader_epoch(buf, pos, LEADER_EPOCH)
                     if log_append:
                         protocol.set_log_append_time(buf, pos, now)
+                    payload_max_ts = max(payload_max_ts, now if log_append else max_ts)
                     next_offset += view.last_offset_delta + 1
-                task = start_now(self.stream.append(buf, base, count))
-                if self.stream.end_offset < base + count and not task.done():
-                    # back-pressure: the stream has not taken the offsets yet; keep the
-                    # admission until it does or gives up (then nothing of it remains)
-                    await asyncio.wait({task})
-                if self.stream.end_offset < base + count:
-                    exc = task.exception() if not task.cancelled() else None
-                    retriable = exc is None or isinstance(exc, RetriableStorageError)
-                    if not retriable:
-                        log.error("append failed topic=%s partition=%d error=%r",
-                                  self.topic, self.index, exc)
-                    return self._not_appended(
-                        res, idempotent, ErrorCode.NOT_ENOUGH_REPLICAS if retriable
-                        else ErrorCode.KAFKA_STORAGE_ERROR,
-                        f"storage busy: {exc}" if retriable else str(exc))
-                # taken: the producer windows remember the batches, pending until durable
-                outcome: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-                prev, self._tail = self._tail, outcome
-                next_offset = base
-                for (pos, view), max_ts in zip(views, max_ts_of):
-                    if log_append:
-                        max_ts = now
-                    payload_max_ts = max(payload_max_ts, max_ts)
-                    if view.producer_id != NO_PRODUCER_ID:
-                        producers.record(view.producer_id, view.producer_epoch,
-                                         view.base_sequence, view.last_offset_delta + 1,
-                                         next_offset, max_ts, outcome)
-                    next_offset += view.last_offset_delta + 1
+
+                def take() -> None:
+                    """The stream took the offsets: the windows remember the batches
+                    (pending until durable) and the next append is admitted."""
+                    nonlocal held, outcome, prev
+                    outcome = asyncio.get_running_loop().create_future()
+                    prev, self._tail = self._tail, outcome
+                    if idempotent:
+                        first = base
+                        for (_pos, view), max_ts in zip(views, max_ts_of):
+                            if view.producer_id != NO_PRODUCER_ID:
+                                producers.record(view.producer_id, view.producer_epoch,
+                                                 view.base_sequence,
+                                                 view.last_offset_delta + 1, first,
+                                                 now if log_append else max_ts, outcome)
+                            first += view.last_offset_delta + 1
+                    held = False
+                    admission.release()
+
+                def on_suspend() -> bool:
+                    # the stream's append waits: for room (offsets not taken yet: keep the
+                    # admission, the appends behind wait for its fate) or for durability
+                    if self.stream.end_offset < end:
+                        return False
+                    take()
+                    return True
+
+                try:
+                    await _WatchSuspend(self.stream.append(buf, base, count), on_suspend)
+                except Exception as e:  # noqa: BLE001 - StorageError or a storage bug
+                    error = e
+                except BaseException:   # cancelled (broker stopping)
+                    if outcome is not None:
+                        self._settle(outcome, False, "append cancelled")
+                    else:
+                        self._not_appended(res, idempotent, 0, None)
+                    raise
+                if outcome is None:
+                    if self.stream.end_offset < end:
+                        # never taken: nothing of it remains
+                        retriable = error is None or isinstance(error, RetriableStorageError)
+                        if not retriable:
+                            log.error("append failed topic=%s partition=%d error=%r",
+                                      self.topic, self.index, error)
+                        return self._not_appended(
+                            res, idempotent, ErrorCode.NOT_ENOUGH_REPLICAS if retriable
+                            else ErrorCode.KAFKA_STORAGE_ERROR,
+                            f"storage busy: {error}" if retriable else str(error))
+                    take()                    # taken and done in one step
         finally:
-            admission.release()
+            if held:
+                admission.release()
         if dup is not None:
             return await self._answer_duplicate(dup, res)
 
-        self._settle_when_done(task, prev, outcome)
-        ok = await asyncio.shield(outcome)
+        # acknowledged only when this append and every earlier one are durable
+        assert outcome is not None
+        ok, why = error is None, f"WAL write failed: {error!r}"
+        if ok and prev is not None:
+            if not prev.done():
+                try:
+                    await asyncio.shield(prev)
+                except BaseException:
+                    self._settle(outcome, False, "append cancelled")
+                    raise
+            ok, why = prev.result(), "an earlier append of this partition failed"
+        self._settle(outcome, ok, why)
         if not ok:
-            self._indexed(base, 0, -1, base + count)  # offsets consumed: keep the chain
+            self._indexed(base, 0, -1, end)  # offsets consumed: keep the chain
             res.error, res.message = ErrorCode.KAFKA_STORAGE_ERROR, self._offline
             return res
-        self._indexed(base, len(buf), payload_max_ts, base + count)
+        self._indexed(base, len(buf), payload_max_ts, end)
         self.bytes_in += len(buf)
         self.records_in += count
         self._wake()
@@ -575,31 +609,12 @@ class Partition:
         res.error, res.message = error, message
         return res
 
-    def _settle_when_done(self, task: "asyncio.Future[None]", prev: "asyncio.Future[bool] | None",
-                          outcome: "asyncio.Future[bool]") -> None:
-        """Resolve ``outcome``: True once this append and every earlier one of the partition
-        are durable (never ack past a hole). Done in callbacks, so the outcome holds whatever
-        happens to the request that waits on it."""
-
-        def finish(ok: bool, why: str) -> None:
-            if not ok:
-                self._go_offline(why)
-            if not outcome.done():
-                outcome.set_result(ok)
-
-        def own_done(t: "asyncio.Future[None]") -> None:
-            if t.cancelled() or t.exception() is not None:
-                exc = None if t.cancelled() else t.exception()
-                finish(False, f"WAL write failed: {exc!r}")
-            elif prev is None:
-                finish(True, "")
-            elif prev.done():
-                finish(prev.result(), "an earlier append of this partition failed")
-            else:
-                prev.add_done_callback(lambda p: finish(
-                    p.result(), "an earlier append of this partition failed"))
-
-        task.add_done_callback(own_done)
+    def _settle(self, outcome: "asyncio.Future[bool]", ok: bool, why: str) -> None:
+        """Resolve a taken append's outcome (duplicates and later appends wait on it)."""
+        if not ok:
+            self._go_offline(why)
+        if not outcome.done():
+            outcome.set_result(ok)
 
     def _go_offline(self, why: str) -> None:
         """An append the stream had taken failed: whether its bytes survive is unknown until
@@ -785,6 +800,90 @@ class Partition:
             first = e.batches[0].base_offset if e.batches else -1
             rows.append((pid, e.epoch, e.last_seq, e.last_timestamp, first))
         return rows
+
+
+class _Admission:
+    """A FIFO lock for Partition.append: free, it is taken with one attribute test (the hot
+    path); held, appends queue in arrival order and ``release`` hands it to the first."""
+
+    __slots__ = ("held", "_waiters")
+
+    def __init__(self) -> None:
+        self.held = False
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def try_take(self) -> bool:
+        if self.held:
+            return False
+        self.held = True
+        return True
+
+    async def take(self, timeout: float) -> bool:
+        """Wait in line (at most ``timeout`` s); True once this caller holds it."""
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)  # returns when handed over, even at timeout
+            return True
+        except asyncio.TimeoutError:
+            return False
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release()                    # handed over as we were cancelled
+            raise
+        finally:
+            if not fut.done() or fut.cancelled():
+                try:
+                    self._waiters.remove(fut)
+                except ValueError:
+                    pass
+
+    def release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)              # handed over: stays held
+                return
+        self.held = False
+
+
+class _WatchSuspend:
+    """Awaits ``coro`` in the awaiting task (no task of its own: the produce hot path) and
+    calls ``on_suspend()`` each time the coroutine suspends, until it returns True.
+
+    Partition.append learns this way when the stream has taken its offsets (the stream's
+    append suspends first for room, if any, then for durability) without a second task."""
+
+    __slots__ = ("_coro", "_on_suspend")
+
+    def __init__(self, coro: Any, on_suspend: Any) -> None:
+        self._coro = coro
+        self._on_suspend = on_suspend
+
+    def __await__(self):  # -> Generator[Any, Any, Any]
+        coro, cb = self._coro, self._on_suspend
+        try:
+            value = coro.send(None)
+        except StopIteration as stop:
+            return stop.value
+        while True:
+            if cb is not None and cb():
+                cb = None
+            try:
+                sent = yield value
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # noqa: BLE001 - cancellation goes into the coroutine
+                try:
+                    value = coro.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    value = coro.send(sent)
+                except StopIteration as stop:
+                    return stop.value
 
 
 def _views_with_pos(payload: bytes | memoryview) -> list[tuple[int, Any]]:

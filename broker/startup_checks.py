@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = "broker.lock"
 STORE_CHECK_TIMEOUT_S = 15.0        # upper bound on the whole object store check
+RESTART_STORE_CHECK_S = 2.0         # ... on a restart (WAL holds data), where it never refuses:
+                                    # a black-holed store must not keep the listener closed
 DEGRADED_WARN_INTERVAL_S = 60.0     # a degraded broker re-checks and warns this often
 
 
@@ -329,7 +331,8 @@ def prepare(cfg: BrokerConfig) -> Startup:
     startup = Startup()
     if cfg.storage == "engine":
         url = cfg.object_store_url
-        err = check_object_store(url)
+        err = check_object_store(url, RESTART_STORE_CHECK_S if wal_state == "wal"
+                                 else STORE_CHECK_TIMEOUT_S)
         if err:
             startup.store_error = err
             line = f"object store {redact_url(url)} is not usable: {err}"
