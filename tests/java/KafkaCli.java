@@ -489,6 +489,27 @@ public final class KafkaCli {
             }
             res.put("zombie_commit", outcome(() -> { first.commitTransaction(); return null; }));
         }
+        // (3) Admin's view of an open transaction: describeTransactions, listTransactions,
+        // describeProducers (its current transaction's first offset)
+        String dtid = prefix + "-desc-tid";
+        TopicPartition ftp = new TopicPartition(fence, 0);
+        try (KafkaProducer<String, String> open = new KafkaProducer<>(txnProducerProps(a, dtid));
+             Admin admin = Admin.create(common(a))) {
+            open.initTransactions();
+            open.beginTransaction();
+            long first = open.send(new ProducerRecord<>(fence, 0, "d", "described")).get().offset();
+            TransactionDescription d = admin.describeTransactions(List.of(dtid)).description(dtid).get();
+            res.put("describe_state", d.state().toString());
+            res.put("describe_partitions", d.topicPartitions().toString());
+            res.put("list_has", admin.listTransactions().all().get().stream()
+                    .anyMatch(l -> l.transactionalId().equals(dtid) && l.producerId() == d.producerId()));
+            long start = -2;
+            for (ProducerState ps : admin.describeProducers(List.of(ftp)).partitionResult(ftp).get().activeProducers()) {
+                if (ps.producerId() == d.producerId()) start = ps.currentTransactionStartOffset().orElse(-1L);
+            }
+            res.put("producer_txn_start_matches", start == first);
+            open.abortTransaction();
+        }
         res.put("fence_values", readCommitted(a, fence, 1));
         return res;
     }
