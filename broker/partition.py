@@ -25,6 +25,8 @@ from storage.stream import Batch, OffsetOutOfRange, RetriableStorageError, Stora
 
 from .producer_state import (NO_PRODUCER_ID, BatchMeta, PartitionProducers, ProducerError,
                              ProducerStore, producer_store_for)
+from .transactions import PartitionTxns, coordinator_for, ensure_transactions
+from .transactions.markers import build_marker, marker_is_commit
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ REPLAY_READ_BYTES = 8 << 20
 CHUNK_BYTES = 1 << 20
 LONG_MAX = 2**63 - 1
 LEADER_EPOCH = 0  # one node, leadership never moves
+TXN_ATTRS = protocol.batches.TRANSACTIONAL_MASK | protocol.batches.CONTROL_MASK
 DEFAULT_ADMISSION_TIMEOUT_S = 5.0  # the engine's default backpressure_timeout_s
 REPLAY_FOREGROUND_S = 0.5  # open() waits this long for the log-tail replay, then it goes on
                            # in the background (the object store may be down)
@@ -61,6 +64,7 @@ class ReadResult:
     last_stable_offset: int = -1
     log_start_offset: int = -1
     batches: list[Batch] = field(default_factory=list)
+    aborted: list[tuple[int, int]] | None = None  # read_committed: (producer id, first offset)
 
     @property
     def size(self) -> int:
@@ -180,6 +184,7 @@ class Partition:
         self.configs = configs
         self.producers = PartitionProducers()
         self.log_index = LogIndex()
+        self.txns = PartitionTxns()
         self._producer_store = producer_store
         self._waiters: set[asyncio.Future[None]] = set()
         self._batches_since_snapshot = 0
@@ -213,6 +218,11 @@ class Partition:
                 log.exception("producer state store unavailable; idempotence not durable")
         p = cls(broker, topic, topic_id, index, stream, configs, store)
         await p._restore()
+        if broker is not None and getattr(broker, "config", None) is not None:
+            try:  # the coordinator finishes transactions a restart interrupted
+                await ensure_transactions(broker)
+            except Exception:  # noqa: BLE001 - transactions then start on first use
+                log.exception("transaction coordinator did not start")
         if broker is not None:
             from .retention import ensure_retention  # noqa: PLC0415 - retention imports us
             ensure_retention(broker)
@@ -232,10 +242,11 @@ class Partition:
                 state = json.loads(snap[1])
                 producers = PartitionProducers.from_json(json.dumps(state["producers"]))
                 index = LogIndex.from_state(state["index"])
+                txns = PartitionTxns.from_state(state.get("txns"))
                 if not (snap[0] == index.end_offset or index.end_offset == -1) \
                         or snap[0] > end:
                     raise ValueError(f"snapshot end {snap[0]} does not fit log end {end}")
-                self.producers, self.log_index = producers, index
+                self.producers, self.log_index, self.txns = producers, index, txns
                 snap_end = snap[0]
             except (ValueError, KeyError, TypeError) as e:
                 log.warning("ignoring producer snapshot topic=%s partition=%d: %s",
@@ -259,6 +270,7 @@ class Partition:
         """Replay batch headers in [offset, end) into the producer windows and the log index,
         retrying reads that fail (object store down) until the whole range is read."""
         delay = 0.2
+        floor = offset                        # batches below it are in the snapshot
         while offset < end and not self._closed:
             try:
                 batches = await self.stream.read(max(offset, self.stream.start_offset),
@@ -279,6 +291,12 @@ class Partition:
                 try:
                     for view in protocol.iter_batches(b.payload):
                         max_ts = max(max_ts, view.max_timestamp)
+                        if view.base_offset < floor:
+                            continue
+                        if view.attributes & TXN_ATTRS:
+                            self._replay_txn(view)
+                            if view.is_control:
+                                continue
                         if view.producer_id != NO_PRODUCER_ID:
                             self.producers.record(view.producer_id, view.producer_epoch,
                                                   view.base_sequence, view.last_offset_delta + 1,
@@ -294,6 +312,7 @@ class Partition:
     def _replayed(self, end: int) -> None:
         """The tail up to ``end`` is replayed: producer state is complete."""
         self.producers.expire_below(self.stream.start_offset)
+        self.txns.trim_below(self.stream.start_offset)
         # appends taken meanwhile (non-idempotent ones) wait in _index_pending from ``end``
         self.log_index.end_offset = end
         self.log_index.truncate_below(self.stream.start_offset)
@@ -322,7 +341,8 @@ class Partition:
         if covered < 0:
             covered = self.stream.start_offset
         state = json.dumps({"producers": json.loads(self.producers.to_json(covered)),
-                            "index": self.log_index.to_state()})
+                            "index": self.log_index.to_state(),
+                            "txns": self.txns.to_state(covered)})
         try:
             fut = self._producer_store.save_snapshot_later(
                 str(self.topic_id), self.index, self.stream.stream_id, covered, state)
@@ -374,8 +394,8 @@ class Partition:
 
     @property
     def last_stable_offset(self) -> int:
-        """No transactions are supported, so everything durable is stable."""
-        return self.stream.confirmed_offset
+        """The first offset of the oldest ongoing transaction, else the high watermark."""
+        return self.txns.lso(self.stream.confirmed_offset)
 
     @property
     def log_end_offset(self) -> int:
@@ -383,7 +403,8 @@ class Partition:
 
     # --- produce ---------------------------------------------------------------------------
     async def append(self, records: bytes | bytearray | memoryview | None,
-                     api_version: int = 9, owned: bool = False) -> AppendResult:
+                     api_version: int = 9, owned: bool = False,
+                     control: bool = False) -> AppendResult:
         """Validate, assign offsets in place and append one produce payload durably.
 
         ``owned``: ``records`` is a writable buffer nobody else reads or reuses (the server's
@@ -391,7 +412,8 @@ class Partition:
         stream may keep the buffer it is given (the engine's LogCache does): an owned frame
         is then held by the cache, a caller's buffer is copied first.
         Returns when the payload is durable (acks=1/all); the caller decides whether to answer.
-        Errors are returned as Kafka error codes, never raised."""
+        Errors are returned as Kafka error codes, never raised. ``control``: the broker's own
+        transaction marker (clients may not write control batches)."""
         res = AppendResult(log_start_offset=self.log_start_offset)
         if self._closed:
             res.error = ErrorCode.NOT_LEADER_OR_FOLLOWER
@@ -413,6 +435,7 @@ class Partition:
         log_append = self.configs.get("message.timestamp.type", "CreateTime") == "LogAppendTime"
         count = 0
         max_ts_of: list[int] = []
+        transactional = False
         now = _now_ms()
         if not log_append:
             # KIP-937 bounds on CreateTime, checked on the batch header (first timestamp and
@@ -427,10 +450,16 @@ class Partition:
             if view.compression == COMPRESSION_ZSTD and api_version < 7:
                 res.error = ErrorCode.UNSUPPORTED_COMPRESSION_TYPE
                 return res
-            if view.is_transactional or view.is_control:
-                res.error = ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED
-                res.message = "transactions are not supported"
-                return res
+            if view.attributes & TXN_ATTRS:
+                if view.is_control and not control:
+                    res.error = ErrorCode.INVALID_RECORD
+                    res.message = "clients may not write control batches"
+                    return res
+                if view.producer_id == NO_PRODUCER_ID:
+                    res.error = ErrorCode.INVALID_RECORD
+                    res.message = "a transactional batch needs a producer id"
+                    return res
+                transactional = True
             if view.compression > COMPRESSION_ZSTD:
                 res.error, res.message = ErrorCode.CORRUPT_MESSAGE, "unknown compression codec"
                 return res
@@ -456,10 +485,10 @@ class Partition:
         # one append at a time goes from here to the stream taking its offsets: a batch that
         # waits for room holds the ones behind it, so each is checked against the true outcome
         # of everything before it (never against a predecessor that may still fail)
-        idempotent = [(v.producer_id, v.producer_epoch, v.base_sequence)
-                      for _pos, v in views if v.producer_id != NO_PRODUCER_ID] \
+        idempotent = [(v.producer_id, v.producer_epoch, v.base_sequence) for _pos, v in views
+                      if v.producer_id != NO_PRODUCER_ID and not v.is_control] \
             if views[0][1].producer_id != NO_PRODUCER_ID or len(views) > 1 else []
-        if idempotent and not self._producers_ready:
+        if (idempotent or control) and not self._producers_ready:
             res.error = ErrorCode.NOT_ENOUGH_REPLICAS
             res.message = "producer state of this partition is still being rebuilt; retry"
             return res
@@ -485,7 +514,7 @@ class Partition:
             pending: dict[int, tuple[int, int]] = {}  # pid -> (epoch, last seq) in this request
             for _pos, view in views if idempotent else ():
                 pid = view.producer_id
-                if pid == NO_PRODUCER_ID:
+                if pid == NO_PRODUCER_ID or view.is_control:
                     continue
                 try:
                     if pid in pending:
@@ -503,6 +532,13 @@ class Partition:
                     break
                 pending[pid] = (view.producer_epoch,
                                 view.base_sequence + view.last_offset_delta)
+            if dup is None and transactional and not control:
+                err = self._verify_txn(views)
+                if err:
+                    res.error = err
+                    res.message = ("transactional batch outside an ongoing transaction of this "
+                                   "partition")
+                    return res
             if dup is None:
                 # offsets and timestamps, in place
                 base = self.stream.end_offset
@@ -526,7 +562,10 @@ class Partition:
                     if idempotent:
                         first = base
                         for (_pos, view), max_ts in zip(views, max_ts_of):
-                            if view.producer_id != NO_PRODUCER_ID:
+                            if transactional and view.is_transactional \
+                                    and not view.is_control:
+                                self.txns.begin(view.producer_id, first)
+                            if view.producer_id != NO_PRODUCER_ID and not view.is_control:
                                 producers.record(view.producer_id, view.producer_epoch,
                                                  view.base_sequence,
                                                  view.last_offset_delta + 1, first,
@@ -624,6 +663,49 @@ class Partition:
         if self._offline is None:
             self._offline = f"partition offline until restart: {why}"
             log.error("partition offline topic=%s partition=%d: %s", self.topic, self.index, why)
+
+    # --- transactions ------------------------------------------------------------------------
+    def _verify_txn(self, views: list[tuple[int, Any]]) -> int:
+        """Server-side verification of transactional batches (KIP-890 part 1): the producer's
+        transaction is ongoing at the coordinator and holds this partition; a batch of an
+        epoch older than its last marker is a zombie's."""
+        coord = coordinator_for(self.broker)
+        for _pos, view in views:
+            if not view.is_transactional:
+                continue
+            if self.txns.fenced(view.producer_id, view.producer_epoch):
+                return ErrorCode.INVALID_PRODUCER_EPOCH
+            if coord is None:
+                return ErrorCode.INVALID_TXN_STATE
+            err = coord.verify(view.producer_id, view.producer_epoch, self.topic, self.index)
+            if err:
+                return err
+        return ErrorCode.NONE
+
+    async def write_marker(self, producer_id: int, epoch: int, commit: bool,
+                           coordinator_epoch: int) -> int:
+        """Append a COMMIT/ABORT marker durably and end the producer's transaction here
+        (the LSO moves past it, an abort enters the aborted index); an error code."""
+        res = await self.append(build_marker(producer_id, epoch, commit, coordinator_epoch,
+                                             _now_ms()), owned=True, control=True)
+        if res.error:
+            return int(res.error)
+        self.txns.end(producer_id, epoch, commit, res.base_offset)
+        self._dirty = True
+        self._wake()  # read_committed fetches wait for the LSO
+        return ErrorCode.NONE
+
+    def _replay_txn(self, view: Any) -> None:
+        """Rebuild transaction state from a replayed transactional batch or marker."""
+        if view.is_control:
+            kind = marker_is_commit(view)
+            if kind is not None:
+                self.txns.end(view.producer_id, view.producer_epoch, kind, view.base_offset)
+        else:
+            self.txns.begin(view.producer_id, view.base_offset)
+
+    def aborted_between(self, start: int, end: int) -> list[tuple[int, int]]:
+        return self.txns.aborted_between(start, end)
 
     def _indexed(self, base: int, size: int, max_ts: int, end: int) -> None:
         """Add a completed payload to the log index in offset order (completions of
@@ -729,8 +811,13 @@ class Partition:
                       self.topic, self.index, offset, e)
             res.error = ErrorCode.KAFKA_STORAGE_ERROR
             return res
-        limit = hw if not read_committed else self.last_stable_offset
+        if not read_committed:
+            res.batches = [b for b in batches if b.base_offset < hw]
+            return res
+        limit = res.last_stable_offset
         res.batches = [b for b in batches if b.base_offset < limit]
+        if self.txns.aborted and res.batches:
+            res.aborted = self.txns.aborted_between(offset, res.batches[-1].next_offset)
         return res
 
     # --- list offsets ----------------------------------------------------------------------
@@ -791,14 +878,16 @@ class Partition:
             self._dirty = True
             self.log_index.truncate_below(self.log_start_offset)
             self.producers.expire_below(self.log_start_offset)
+            self.txns.trim_below(self.log_start_offset)
         return self.log_start_offset
 
     def producer_rows(self) -> list[tuple[int, int, int, int, int]]:
-        """(producer id, epoch, last sequence, last timestamp, first offset) for DescribeProducers."""
+        """(producer id, epoch, last sequence, last timestamp, first offset of its ongoing
+        transaction or -1) for DescribeProducers."""
         rows = []
         for pid, e in self.producers.entries.items():
-            first = e.batches[0].base_offset if e.batches else -1
-            rows.append((pid, e.epoch, e.last_seq, e.last_timestamp, first))
+            rows.append((pid, e.epoch, e.last_seq, e.last_timestamp,
+                         self.txns.ongoing.get(pid, -1)))
         return rows
 
 

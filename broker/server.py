@@ -591,6 +591,12 @@ class Broker:
                 await retention.stop()
             except Exception:  # noqa: BLE001
                 log.exception("retention stop failed")
+        try:
+            from .transactions import stop_transactions  # noqa: PLC0415
+
+            await stop_transactions(self)
+        except Exception:  # noqa: BLE001
+            log.exception("transaction coordinator stop failed")
         if self.groups is not None:
             try:
                 await self.groups.close()

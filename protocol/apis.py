@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from kafka.protocol.admin import (
+    DescribeTransactionsRequest, DescribeTransactionsResponse, ListTransactionsRequest,
+    ListTransactionsResponse,
     AlterConfigsRequest, AlterConfigsResponse, CreatePartitionsRequest, CreatePartitionsResponse,
     CreateTopicsRequest, CreateTopicsResponse, DeleteGroupsRequest, DeleteGroupsResponse,
     DeleteRecordsRequest, DeleteRecordsResponse, DeleteTopicsRequest, DeleteTopicsResponse,
@@ -31,7 +33,10 @@ from kafka.protocol.metadata import (
     MetadataRequest, MetadataResponse,
 )
 from kafka.protocol.producer import (
-    InitProducerIdRequest, InitProducerIdResponse, ProduceRequest, ProduceResponse,
+    AddOffsetsToTxnRequest, AddOffsetsToTxnResponse, AddPartitionsToTxnRequest,
+    AddPartitionsToTxnResponse, EndTxnRequest, EndTxnResponse, InitProducerIdRequest,
+    InitProducerIdResponse, ProduceRequest, ProduceResponse, TxnOffsetCommitRequest,
+    TxnOffsetCommitResponse,
 )
 
 # api_key -> (min, max) advertised in ApiVersions.  Why these bounds:
@@ -46,6 +51,8 @@ from kafka.protocol.producer import (
 # - FindCoordinator v5 (TRANSACTION_ABORTABLE, never sent) and v6 (share groups: refused).
 # - OffsetForLeaderEpoch 2-4: Java clients validate positions only with v3+.
 # - ApiVersions 0-4: kafka-python 3.x sends v4 first, aiokafka v0.
+# - Transactions (24-26, 28, 65, 66) at Kafka 4.1's maxima; WriteTxnMarkers (27) is between
+#   brokers only (markers are written in-process).
 _SUPPORTED: dict[int, tuple[int, int, type, type]] = {
     0: (0, 13, ProduceRequest, ProduceResponse),
     1: (0, 18, FetchRequest, FetchResponse),
@@ -66,6 +73,10 @@ _SUPPORTED: dict[int, tuple[int, int, type, type]] = {
     21: (0, 2, DeleteRecordsRequest, DeleteRecordsResponse),
     22: (0, 5, InitProducerIdRequest, InitProducerIdResponse),
     23: (2, 4, OffsetForLeaderEpochRequest, OffsetForLeaderEpochResponse),
+    24: (0, 5, AddPartitionsToTxnRequest, AddPartitionsToTxnResponse),
+    25: (0, 4, AddOffsetsToTxnRequest, AddOffsetsToTxnResponse),
+    26: (0, 5, EndTxnRequest, EndTxnResponse),
+    28: (0, 5, TxnOffsetCommitRequest, TxnOffsetCommitResponse),
     32: (1, 4, DescribeConfigsRequest, DescribeConfigsResponse),
     33: (0, 2, AlterConfigsRequest, AlterConfigsResponse),
     35: (1, 4, DescribeLogDirsRequest, DescribeLogDirsResponse),
@@ -75,6 +86,8 @@ _SUPPORTED: dict[int, tuple[int, int, type, type]] = {
     47: (0, 0, OffsetDeleteRequest, OffsetDeleteResponse),
     60: (0, 2, DescribeClusterRequest, DescribeClusterResponse),
     61: (0, 0, DescribeProducersRequest, DescribeProducersResponse),
+    65: (0, 0, DescribeTransactionsRequest, DescribeTransactionsResponse),
+    66: (0, 2, ListTransactionsRequest, ListTransactionsResponse),
     75: (0, 0, DescribeTopicPartitionsRequest, DescribeTopicPartitionsResponse),
 }
 
@@ -87,8 +100,8 @@ SUPPORTED_APIS: dict[int, tuple[int, int]] = {k: (v[0], v[1]) for k, v in _SUPPO
 KAFKA_RELEASE = (4, 1)
 KAFKA_41_MAX: dict[int, int] = {
     0: 13, 1: 18, 2: 10, 3: 13, 8: 9, 9: 9, 10: 6, 11: 9, 12: 4, 13: 5, 14: 5, 15: 6, 16: 5,
-    18: 4, 19: 7, 20: 6, 21: 2, 22: 5, 23: 4, 32: 4, 33: 2, 35: 4, 37: 3, 42: 2, 44: 1, 47: 0,
-    60: 2, 61: 0, 75: 0,
+    18: 4, 19: 7, 20: 6, 21: 2, 22: 5, 23: 4, 24: 5, 25: 4, 26: 5, 28: 5, 32: 4, 33: 2, 35: 4, 37: 3, 42: 2, 44: 1, 47: 0,
+    60: 2, 61: 0, 65: 0, 66: 2, 75: 0,
 }
 
 API_VERSIONS_KEY = 18

@@ -17,6 +17,8 @@ from typing import Any, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from storage.episodes import Episode
+
 # WAL appends: durable in ~0.1-2 ms on a good disk, up to seconds when the device stalls
 WAL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                0.5, 1.0, 2.5)
@@ -224,8 +226,28 @@ class StorageCollector(Collector):
         for op, n in errs.items():
             fam.add_metric([op], n)
         yield fam
-        # -- compaction, retention, cleanup
+        # -- episodes (a full WAL, back-pressured producers, a failing object store or
+        # maintenance round): the same conditions the log reports once per episode
         m = getattr(eng, "maintenance", None)
+        active = GaugeMetricFamily(p + "episode_active", "1 while the condition lasts (logged "
+                                   "once when it starts and once when it ends)",
+                                   labels=["episode"])
+        count = CounterMetricFamily(p + "episodes", "Episodes of the condition so far",
+                                    labels=["episode"])
+        secs = CounterMetricFamily(p + "episode_seconds", "Time spent in the condition, the "
+                                   "current episode included", labels=["episode"])
+        now = time.monotonic()
+        for ep in (getattr(eng, "wal_full", None), getattr(eng, "backpressure", None),
+                   getattr(eng, "store_failing", None), getattr(m, "failing", None)):
+            if not isinstance(ep, Episode):
+                continue
+            active.add_metric([ep.what], 1.0 if ep.active else 0.0)
+            count.add_metric([ep.what], ep.episodes)
+            secs.add_metric([ep.what], ep.total_s + (now - ep.started if ep.active else 0.0))
+        yield active
+        yield count
+        yield secs
+        # -- compaction, retention, cleanup
         yield _c(p + "compactions", "Compaction rounds that replaced objects",
                  getattr(m, "compactions", 0))
         yield _c(p + "compacted_objects", "Objects replaced by compaction", st.compacted_objects)

@@ -590,6 +590,21 @@ class GroupCoordinator:
             self.groups.setdefault(group_id, Group(group_id))
         return E.NONE
 
+    async def commit_txn_offsets(self, group_id: str,
+                                 offsets: list[tuple[str, int, int, int, str | None]]) -> None:
+        """A committed transaction's offsets (TxnOffsetCommit, validated when they were sent)
+        become the group's committed offsets; durable before this returns."""
+        if not offsets:
+            return
+        now = int(time.time() * 1000)
+        records = [OffsetRecord(group_id, t, p, o, ep, md, now) for t, p, o, ep, md in offsets]
+        assert self._store is not None
+        await self._run(self._store.commit_offsets, records)
+        committed = self.offsets.setdefault(group_id, {})
+        for r in records:
+            committed[(r.topic, r.partition)] = CommittedOffset(r.offset, r.leader_epoch, r.metadata, r.commit_ts_ms)
+        self.groups.setdefault(group_id, Group(group_id))
+
     def _validate_commit(self, group: Group, generation_id: int, member_id: str, instance_id: str | None) -> int:
         if group.state == S.DEAD:
             return E.COORDINATOR_NOT_AVAILABLE

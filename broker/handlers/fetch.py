@@ -71,6 +71,7 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
     Resp = protocol.response_class(FETCH)
     TopicResp = Resp.FetchableTopicResponse
     PartResp = TopicResp.PartitionData
+    AbortedTxn = PartResp.AbortedTransaction
     broker = ctx.broker
 
     read_committed = version >= 4 and getattr(req, "isolation_level", 0) == READ_COMMITTED
@@ -149,7 +150,9 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
                 partition_index=index, error_code=int(r.error),
                 high_watermark=r.high_watermark, last_stable_offset=r.last_stable_offset,
                 log_start_offset=r.log_start_offset,
-                aborted_transactions=[] if read_committed else None,
+                aborted_transactions=(
+                    [AbortedTxn(producer_id=pid, first_offset=first) for pid, first in r.aborted]
+                    if r.aborted else []) if read_committed else None,
                 preferred_read_replica=-1, records=records))
         if nbytes:
             stats.fetched(tname, nbytes, nrecords)

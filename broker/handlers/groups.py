@@ -51,11 +51,8 @@ def _bytes(value: Any) -> bytes:
 # ------------------------------------------------------------------------- FindCoordinator
 @handler(FIND_COORDINATOR)
 async def find_coordinator(ctx: RequestContext, req: Any) -> Any:
-    """This single node coordinates every group. Transactional ids are answered with this node
-    too, as Kafka answers a client allowed to describe them: InitProducerId, which clients send
-    next, then refuses the id at once (TRANSACTIONAL_ID_AUTHORIZATION_FAILED, fatal in every
-    client; see handlers/producers.py), instead of clients retrying COORDINATOR_NOT_AVAILABLE
-    until they time out. Share groups (key type 2, v6) are refused with INVALID_REQUEST."""
+    """This single node coordinates every group and every transactional id (key type 1).
+    Share groups (key type 2, v6) are refused with INVALID_REQUEST."""
     cls = response_class(FIND_COORDINATOR)
     cfg = ctx.broker.config
     node, host, port = cfg.node_id, cfg.advertised_host, cfg.advertised_port

@@ -55,9 +55,6 @@ async def handle_produce(ctx: RequestContext, req: Any) -> Any:
     refused: AppendResult | None = None
     if acks not in (-1, 0, 1):
         refused = AppendResult(error=ErrorCode.INVALID_REQUIRED_ACKS)
-    elif getattr(req, "transactional_id", None):
-        refused = AppendResult(error=ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
-                               message="transactions are not supported")
 
     # (topic key for the answer, [(partition index, result or pending append)])
     plan: list[tuple[Any, list[tuple[int, Any]]]] = []

@@ -1,12 +1,10 @@
 """InitProducerId (22) and DescribeProducers (61).
 
 Idempotent producers get a fresh producer id with epoch 0 every time (as Kafka does without a
-transactional id); ids come from a durable counter, so none is reused after a restart.
-Transactions are not offered: a transactional id is refused at once with
-TRANSACTIONAL_ID_AUTHORIZATION_FAILED, which librdkafka, Java and kafka-python all treat as
-fatal (an answer with a producer id would let ``init_transactions()`` succeed and every later
-send time out). A ``transaction.timeout.ms`` above ``transaction.max.timeout.ms`` is checked
-first and gets INVALID_TRANSACTION_TIMEOUT, as Kafka's coordinator answers.
+transactional id); ids come from a durable counter, so none is reused after a restart. A
+transactional id goes to the transaction coordinator (``broker/transactions/``): same producer
+id, bumped epoch (fencing the previous instance), INVALID_TRANSACTION_TIMEOUT above
+``transaction.max.timeout.ms``.
 """
 from __future__ import annotations
 
@@ -19,6 +17,7 @@ from protocol import ErrorCode
 
 from ..partition import Partition
 from ..producer_state import producer_store_for
+from ..transactions import ensure_transactions
 from .per_partition import answer_partitions
 from .registry import RequestContext, handler
 
@@ -33,14 +32,18 @@ async def handle_init_producer_id(ctx: RequestContext, req: Any) -> Any:
     Resp = protocol.response_class(INIT_PRODUCER_ID)
     txn_id = getattr(req, "transactional_id", None)
     if txn_id:
-        if req.transaction_timeout_ms > ctx.broker.config.transaction_max_timeout_ms:
-            err = ErrorCode.INVALID_TRANSACTION_TIMEOUT
-        else:
-            err = ErrorCode.TRANSACTIONAL_ID_AUTHORIZATION_FAILED
-        log.info("transactional producer refused transactional_id=%s error=%s peer=%s", txn_id,
-                 err.name, getattr(ctx.conn, "peer", "?"))
+        try:
+            coord = await ensure_transactions(ctx.broker)
+            err, pid, epoch = await coord.init_producer_id(
+                txn_id, req.transaction_timeout_ms, getattr(req, "producer_id", -1),
+                getattr(req, "producer_epoch", -1))
+        except Exception:  # noqa: BLE001 - the database may be busy/broken: retriable
+            log.exception("InitProducerId failed transactional_id=%s", txn_id)
+            err, pid, epoch = ErrorCode.COORDINATOR_NOT_AVAILABLE, -1, -1
+        if err == ErrorCode.PRODUCER_FENCED and ctx.version < 4:
+            err = ErrorCode.INVALID_PRODUCER_EPOCH  # PRODUCER_FENCED is v4+ (KIP-588)
         return Resp(version=ctx.version, throttle_time_ms=0, error_code=int(err),
-                    producer_id=-1, producer_epoch=-1)
+                    producer_id=pid, producer_epoch=epoch)
     try:
         store = producer_store_for(ctx.broker)
         pid, epoch = await asyncio.to_thread(store.allocate_producer_id), 0
@@ -64,8 +67,9 @@ async def handle_describe_producers(ctx: RequestContext, req: Any) -> Any:
             return PartResp(partition_index=index, error_code=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
                             error_message=None, active_producers=[])
         active = [State(producer_id=pid, producer_epoch=epoch, last_sequence=seq,
-                        last_timestamp=ts, coordinator_epoch=-1, current_txn_start_offset=-1)
-                  for pid, epoch, seq, ts, _first in partition.producer_rows()]
+                        last_timestamp=ts, coordinator_epoch=0 if first >= 0 else -1,
+                        current_txn_start_offset=first)
+                  for pid, epoch, seq, ts, first in partition.producer_rows()]
         return PartResp(partition_index=index, error_code=0, error_message=None,
                         active_producers=active)
 

@@ -200,6 +200,14 @@ def test_metrics_present_and_moving(activity: Activity) -> None:
     assert total(o, "s3kafka_wal_used_bytes") > 0 and total(o, "s3kafka_wal_fill_ratio") > 0
     assert total(f, "s3kafka_wal_capacity_bytes") == 64 << 20
     assert total(o, "s3kafka_backpressure_wait_seconds_total") > 0
+    # episodes: active during the outage, counted and timed after it
+    assert total(o, "s3kafka_episode_active", episode="producers_backpressured") == 1
+    assert total(o, "s3kafka_episode_active", episode="object_store_failing") == 1
+    assert total(f, "s3kafka_episode_active", episode="object_store_failing") == 0
+    assert total(f, "s3kafka_episodes_total", episode="object_store_failing") >= 1
+    assert total(f, "s3kafka_episode_seconds_total", episode="producers_backpressured") > 0
+    for ep in ("wal_full", "maintenance_failing"):     # present (total raises KeyError if not)
+        total(f, "s3kafka_episode_active", episode=ep)
     # caches
     assert total(f, "s3kafka_log_cache_bytes") > 0
     assert total(f, "s3kafka_log_cache_capacity_bytes") == 1 << 20

@@ -16,7 +16,9 @@ import org.apache.kafka.common.serialization.StringSerializer;
  * Compiles against kafka-clients 3.9 and 4.x alike (only APIs present in both are used).
  * Usage: KafkaCli <command> --bootstrap host:port [--key value ...]; prints one JSON object.
  * Commands: produce, produce-matrix, consume-assign, consume-group, group-rebalance, admin,
- * answers (Kafka's answers clients depend on: one JVM, one JSON object of outcomes).
+ * answers (Kafka's answers clients depend on: one JVM, one JSON object of outcomes),
+ * txn (transactions: consume-transform-produce with sendOffsetsToTransaction, commit, abort,
+ * a second instance fencing the first; one JVM, one JSON object of outcomes).
  */
 public final class KafkaCli {
     private KafkaCli() {}
@@ -38,6 +40,7 @@ public final class KafkaCli {
             case "group-rebalance": out = groupRebalance(a); break;
             case "admin": out = admin(a); break;
             case "answers": out = answers(a); break;
+            case "txn": out = txn(a); break;
             default: throw new IllegalArgumentException("unknown command " + argv[0]);
         }
         System.out.println(Json.write(out));
@@ -372,6 +375,143 @@ public final class KafkaCli {
         for (org.apache.kafka.common.acl.AclOperation o : s) out.add(o.name());
         Collections.sort(out);
         return out;
+    }
+
+    static Properties txnProducerProps(Map<String, String> a, String tid) {
+        Properties p = producerProps(a);
+        p.put("acks", "all");
+        p.put("enable.idempotence", "true");
+        p.put("transactional.id", tid);
+        p.put("transaction.timeout.ms", a.getOrDefault("txn-timeout-ms", "60000"));
+        return p;
+    }
+
+    /** Every value of ``topic`` a read_committed consumer gets (until --idle-ms without data). */
+    static List<String> readCommitted(Map<String, String> a, String topic, int partitions) {
+        Properties cp = consumerProps(a, null);
+        cp.put("isolation.level", "read_committed");
+        List<String> values = new ArrayList<>();
+        try (KafkaConsumer<String, String> c = new KafkaConsumer<>(cp)) {
+            List<TopicPartition> tps = new ArrayList<>();
+            for (int i = 0; i < partitions; i++) tps.add(new TopicPartition(topic, i));
+            c.assign(tps);
+            c.seekToBeginning(tps);
+            long idle = Long.parseLong(a.getOrDefault("idle-ms", "2000"));
+            long last = System.currentTimeMillis();
+            while (System.currentTimeMillis() - last < idle) {
+                for (ConsumerRecord<String, String> r : c.poll(Duration.ofMillis(200))) {
+                    values.add(r.value());
+                    last = System.currentTimeMillis();
+                }
+            }
+        }
+        return values;
+    }
+
+    /**
+     * Transactions (--topic: prefix of the topics it creates): (1) consume-transform-produce of
+     * --count records in three transactions (commit, abort, redo + commit) with the consumer's
+     * offsets sent to each transaction; (2) a second producer instance with the same
+     * transactional id fences the first, whose commit then fails.
+     */
+    static Map<String, Object> txn(Map<String, String> a) throws Exception {
+        String prefix = req(a, "topic");
+        int count = Integer.parseInt(a.getOrDefault("count", "40"));
+        String in = prefix + "-in", out = prefix + "-out", fence = prefix + "-fence";
+        String group = prefix + "-ctp";
+        Map<String, Object> res = new LinkedHashMap<>();
+        try (Admin admin = Admin.create(common(a))) {
+            admin.createTopics(List.of(new NewTopic(in, 2, (short) 1), new NewTopic(out, 2, (short) 1),
+                    new NewTopic(fence, 1, (short) 1))).all().get();
+        }
+        try (KafkaProducer<String, String> pr = new KafkaProducer<>(producerProps(a))) {
+            for (int i = 0; i < count; i++) pr.send(new ProducerRecord<>(in, i % 2, "k" + i, "in-" + i));
+            pr.flush();
+        }
+        // (1) consume-transform-produce
+        Properties cp = consumerProps(a, group);
+        cp.put("isolation.level", "read_committed");
+        cp.put("max.poll.records", Integer.toString(Math.max(1, count / 4)));
+        List<String> outcomes = new ArrayList<>();
+        try (KafkaConsumer<String, String> c = new KafkaConsumer<>(cp);
+             KafkaProducer<String, String> p = new KafkaProducer<>(txnProducerProps(a, prefix + "-ctp-tid"))) {
+            p.initTransactions();
+            c.subscribe(List.of(in));
+            int txns = 0, done = 0;
+            long deadline = System.currentTimeMillis() + 60000;
+            while (done < count && System.currentTimeMillis() < deadline) {
+                ConsumerRecords<String, String> recs = c.poll(Duration.ofMillis(300));
+                if (recs.isEmpty()) continue;
+                p.beginTransaction();
+                Map<TopicPartition, OffsetAndMetadata> offsets = new HashMap<>();
+                for (ConsumerRecord<String, String> r : recs) {
+                    p.send(new ProducerRecord<>(out, r.partition(), r.key(), r.value().replace("in-", "out-")));
+                    offsets.put(new TopicPartition(r.topic(), r.partition()), new OffsetAndMetadata(r.offset() + 1));
+                }
+                p.sendOffsetsToTransaction(offsets, c.groupMetadata());
+                txns++;
+                if (txns == 2) {
+                    p.abortTransaction();
+                    outcomes.add("abort");
+                    // reprocess: back to the last committed offsets of the group
+                    Map<TopicPartition, OffsetAndMetadata> committed = c.committed(c.assignment());
+                    for (TopicPartition tp : c.assignment()) {
+                        OffsetAndMetadata om = committed.get(tp);
+                        if (om != null) c.seek(tp, om.offset()); else c.seekToBeginning(List.of(tp));
+                    }
+                } else {
+                    p.commitTransaction();
+                    outcomes.add("commit");
+                    done += recs.count();
+                }
+            }
+            res.put("ctp_txns", outcomes);
+        }
+        try (Admin admin = Admin.create(common(a))) {
+            long committedTotal = 0;
+            for (Map.Entry<TopicPartition, OffsetAndMetadata> e : admin.listConsumerGroupOffsets(group)
+                    .partitionsToOffsetAndMetadata().get().entrySet()) {
+                committedTotal += e.getValue().offset();
+            }
+            res.put("ctp_group_offsets", committedTotal);
+        }
+        res.put("ctp_out", readCommitted(a, out, 2));
+        // (2) fencing
+        try (KafkaProducer<String, String> first = new KafkaProducer<>(txnProducerProps(a, prefix + "-fence-tid"))) {
+            first.initTransactions();
+            first.beginTransaction();
+            first.send(new ProducerRecord<>(fence, 0, "z", "zombie")).get();
+            try (KafkaProducer<String, String> second = new KafkaProducer<>(txnProducerProps(a, prefix + "-fence-tid"))) {
+                second.initTransactions();
+                second.beginTransaction();
+                second.send(new ProducerRecord<>(fence, 0, "s", "second")).get();
+                second.commitTransaction();
+            }
+            res.put("zombie_commit", outcome(() -> { first.commitTransaction(); return null; }));
+        }
+        // (3) Admin's view of an open transaction: describeTransactions, listTransactions,
+        // describeProducers (its current transaction's first offset)
+        String dtid = prefix + "-desc-tid";
+        TopicPartition ftp = new TopicPartition(fence, 0);
+        try (KafkaProducer<String, String> open = new KafkaProducer<>(txnProducerProps(a, dtid));
+             Admin admin = Admin.create(common(a))) {
+            open.initTransactions();
+            open.beginTransaction();
+            long first = open.send(new ProducerRecord<>(fence, 0, "d", "described")).get().offset();
+            TransactionDescription d = admin.describeTransactions(List.of(dtid)).description(dtid).get();
+            res.put("describe_state", d.state().toString());
+            res.put("describe_partitions", d.topicPartitions().toString());
+            res.put("list_has", admin.listTransactions().all().get().stream()
+                    .anyMatch(l -> l.transactionalId().equals(dtid) && l.producerId() == d.producerId()));
+            long start = -2;
+            for (ProducerState ps : admin.describeProducers(List.of(ftp)).partitionResult(ftp).get().activeProducers()) {
+                if (ps.producerId() == d.producerId()) start = ps.currentTransactionStartOffset().orElse(-1L);
+            }
+            res.put("producer_txn_start_matches", start == first);
+            open.abortTransaction();
+        }
+        res.put("fence_values", readCommitted(a, fence, 1));
+        return res;
     }
 
     /** One outcome per answer of issue 18 (--topic: prefix of the topics it creates). */
