@@ -119,6 +119,9 @@ class EngineStream(Stream):
         self._confirmed = meta.end_offset
         self.committed = meta.end_offset
         self.deleted = meta.deleted
+        # False while another node writes the stream (a cluster sharing the object store):
+        # appends are refused and compaction leaves its objects alone
+        self.owned = True
 
     @property
     def start_offset(self) -> int:
@@ -146,6 +149,8 @@ class EngineStream(Stream):
         eng = self._engine
         if self.deleted:
             raise StorageError(f"stream {self.stream_id} is deleted")
+        if not self.owned:
+            raise StorageError(f"stream {self.stream_id} is released to another node")
         if base_offset != self._end:
             raise ValueError(f"append at {base_offset}, expected {self._end}")
         if count <= 0:
@@ -499,6 +504,55 @@ class Engine(StreamStore):
         s.deleted = True
         self.cache.drop_stream(stream_id)
         await self.io(self.meta.delete_stream, stream_id)
+
+    # -- handing streams between nodes (a cluster sharing one object store) ----------------
+    async def release_stream(self, stream_id: int, upload: bool = True) -> int:
+        """Close a stream for handoff: wait for its appends in flight, upload everything
+        pending (so its whole log is in the object store), stop accepting appends. Returns
+        the committed end offset the next owner continues from."""
+        s = self.streams.get(stream_id)
+        if s is None:
+            return 0
+        s.owned = False                       # no new appends from here on
+        if upload:
+            deadline = time.monotonic() + 30
+            while s._confirmed < s._end and time.monotonic() < deadline:
+                await asyncio.sleep(0.002)     # appends in flight reach the WAL first
+            await self._drain_uploads()
+            if s.committed < s._end:
+                raise StorageError(f"stream {stream_id}: only {s.committed} of {s._end} "
+                                   "offsets reached the object store")
+        return s.committed
+
+    async def acquire_stream(self, stream_id: int, epoch: int) -> Stream:
+        """Open a stream another node wrote, at ``epoch``: claim it in the metadata store
+        (compare-and-set: a lower epoch never wins, and the previous owner's commits are
+        refused from then on), then take its committed state and objects from the store.
+        Appends continue from the committed end offset."""
+        c = self.config
+        if not await self.io(self.meta.claim_stream, stream_id, c.node_id, epoch):
+            raise StorageError(f"stream {stream_id} is claimed at an epoch above {epoch}")
+        m = await self.io(self.meta.stream, stream_id)
+        if m is None or m.deleted:
+            raise StorageError(f"no stream {stream_id}")
+        ranges = await self.io(self.meta.stream_ranges, stream_id)
+        s = self.streams.get(stream_id)
+        if s is None:
+            s = self.streams[stream_id] = EngineStream(self, m)
+        else:
+            s._start, s._end, s._confirmed, s.committed = (m.start_offset, m.end_offset,
+                                                           m.end_offset, m.end_offset)
+        s.owned = True
+        sc = self.cache._stream(stream_id)
+        sc.committed, sc.start = m.end_offset, m.start_offset
+        self.reader.replace_stream(stream_id, ranges)
+        return s
+
+    def disown_stream(self, stream_id: int) -> None:
+        """A stream this node knows but another node writes (cluster start-up)."""
+        s = self.streams.get(stream_id)
+        if s is not None:
+            s.owned = False
 
     # -- upload -----------------------------------------------------------------------------
     def note_wal(self, wal_next: int) -> None:

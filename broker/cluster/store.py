@@ -1,0 +1,295 @@
+"""The cluster's tables in the shared metadata database: brokers, controller, assignments.
+
+Standard SQL only (``?`` placeholders, INSERT ... ON CONFLICT), so the same statements run on
+SQLite (several processes on one file: WAL journal mode, busy timeout) and PostgreSQL. Every
+change another broker must notice bumps ``cluster_state.version`` in the same transaction, so
+watchers poll one row and reload the rest only when it moved. Changes a stale broker could
+make are compare-and-set on an epoch (controller epoch, partition leader epoch).
+"""
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+from contextlib import contextmanager
+
+SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS cluster_brokers (
+        node_id INTEGER PRIMARY KEY, host TEXT NOT NULL, port INTEGER NOT NULL, rack TEXT,
+        instance TEXT NOT NULL, state TEXT NOT NULL, lease_until_ms INTEGER NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS cluster_controller (
+        id INTEGER PRIMARY KEY, node_id INTEGER NOT NULL, epoch INTEGER NOT NULL,
+        lease_until_ms INTEGER NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS cluster_state (id INTEGER PRIMARY KEY, version INTEGER NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS cluster_assignments (
+        topic_id TEXT NOT NULL, partition_index INTEGER NOT NULL, leader INTEGER NOT NULL,
+        leader_epoch INTEGER NOT NULL, replicas INTEGER NOT NULL, state TEXT NOT NULL,
+        target INTEGER NOT NULL, PRIMARY KEY (topic_id, partition_index))""",
+    """CREATE TABLE IF NOT EXISTS cluster_leader_epochs (
+        topic_id TEXT NOT NULL, partition_index INTEGER NOT NULL, leader_epoch INTEGER NOT NULL,
+        start_offset INTEGER NOT NULL, PRIMARY KEY (topic_id, partition_index, leader_epoch))""",
+]
+
+ACTIVE, MOVING = "active", "moving"
+LIVE, DRAINING, STOPPED = "live", "draining", "stopped"
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class BrokerRow:
+    node_id: int
+    host: str
+    port: int
+    rack: str | None
+    instance: str
+    state: str
+    lease_until_ms: int
+
+
+@dataclass
+class Assignment:
+    topic_id: str
+    partition: int
+    leader: int
+    leader_epoch: int
+    replicas: int
+    state: str
+    target: int
+
+
+class NodeIdInUse(Exception):
+    """Another live broker registered this node id."""
+
+
+class ClusterStore:
+    """Blocking calls (run them in a thread); one connection guarded by a lock."""
+
+    def __init__(self, url: str) -> None:
+        path = sqlite_path(url)
+        if path != ":memory:":
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
+                                   timeout=30.0)
+        self._lock = threading.Lock()
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # leases and assignments are re-derived from heartbeats: no fsync per heartbeat
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        with self._tx() as db:
+            for stmt in SCHEMA:
+                db.execute(stmt)
+            db.execute("INSERT INTO cluster_state(id, version) VALUES (1, 0) "
+                       "ON CONFLICT (id) DO NOTHING")
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    @staticmethod
+    def _bump(db: sqlite3.Connection) -> None:
+        db.execute("UPDATE cluster_state SET version = version + 1 WHERE id = 1")
+
+    def version(self) -> int:
+        return int(self._query("SELECT version FROM cluster_state WHERE id = 1")[0][0])
+
+    def bump(self) -> None:
+        with self._tx() as db:
+            self._bump(db)
+
+    # ---- membership ---------------------------------------------------------------------
+    def register(self, node_id: int, host: str, port: int, rack: str | None, instance: str,
+                 lease_ms: int) -> None:
+        """Insert or take over this node id's row; NodeIdInUse while another instance holds a
+        live lease (unless it advertised the same endpoint: a restart of the same broker)."""
+        now = now_ms()
+        with self._tx() as db:
+            row = db.execute("SELECT host, port, instance, state, lease_until_ms FROM "
+                             "cluster_brokers WHERE node_id = ?", (node_id,)).fetchone()
+            if row is not None and row[2] != instance and row[3] != STOPPED \
+                    and row[4] > now and (row[0], row[1]) != (host, port):
+                raise NodeIdInUse(f"node id {node_id} is already used by a live broker at "
+                                  f"{row[0]}:{row[1]}")
+            db.execute("INSERT INTO cluster_brokers(node_id, host, port, rack, instance, state, "
+                       "lease_until_ms) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (node_id) DO "
+                       "UPDATE SET host = excluded.host, port = excluded.port, rack = "
+                       "excluded.rack, instance = excluded.instance, state = excluded.state, "
+                       "lease_until_ms = excluded.lease_until_ms",
+                       (node_id, host, port, rack, instance, LIVE, now + lease_ms))
+            self._bump(db)
+
+    def heartbeat(self, node_id: int, instance: str, lease_ms: int) -> bool:
+        """Renew the lease; False when another instance took the node id over."""
+        with self._tx() as db:
+            cur = db.execute("UPDATE cluster_brokers SET lease_until_ms = ? WHERE node_id = ? "
+                             "AND instance = ?", (now_ms() + lease_ms, node_id, instance))
+            return cur.rowcount == 1
+
+    def set_state(self, node_id: int, instance: str, state: str, expire: bool = False) -> None:
+        with self._tx() as db:
+            if expire:
+                db.execute("UPDATE cluster_brokers SET state = ?, lease_until_ms = 0 WHERE "
+                           "node_id = ? AND instance = ?", (state, node_id, instance))
+            else:
+                db.execute("UPDATE cluster_brokers SET state = ? WHERE node_id = ? AND "
+                           "instance = ?", (state, node_id, instance))
+            self._bump(db)
+
+    def brokers(self) -> list[BrokerRow]:
+        return [BrokerRow(*r) for r in self._query(
+            "SELECT node_id, host, port, rack, instance, state, lease_until_ms FROM "
+            "cluster_brokers ORDER BY node_id")]
+
+    # ---- controller ---------------------------------------------------------------------
+    def elect(self, node_id: int, epoch: int, lease_ms: int) -> tuple[int, int]:
+        """Renew our controller lease, or take it over when it expired. Returns the current
+        (controller node id, controller epoch)."""
+        now = now_ms()
+        with self._tx() as db:
+            row = db.execute("SELECT node_id, epoch, lease_until_ms FROM cluster_controller "
+                             "WHERE id = 1").fetchone()
+            if row is None:
+                db.execute("INSERT INTO cluster_controller(id, node_id, epoch, lease_until_ms) "
+                           "VALUES (1, ?, 1, ?)", (node_id, now + lease_ms))
+                self._bump(db)
+                return node_id, 1
+            cur_node, cur_epoch, until = row
+            if cur_node == node_id and cur_epoch == epoch:
+                db.execute("UPDATE cluster_controller SET lease_until_ms = ? WHERE id = 1 AND "
+                           "epoch = ?", (now + lease_ms, epoch))
+                return node_id, epoch
+            if until < now:
+                db.execute("UPDATE cluster_controller SET node_id = ?, epoch = ?, "
+                           "lease_until_ms = ? WHERE id = 1 AND epoch = ?",
+                           (node_id, cur_epoch + 1, now + lease_ms, cur_epoch))
+                self._bump(db)
+                return node_id, cur_epoch + 1
+            return cur_node, cur_epoch
+
+    def resign(self, node_id: int, epoch: int) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE cluster_controller SET lease_until_ms = 0 WHERE id = 1 AND "
+                       "node_id = ? AND epoch = ?", (node_id, epoch))
+            self._bump(db)
+
+    # ---- assignments --------------------------------------------------------------------
+    def assignments(self) -> list[Assignment]:
+        return [Assignment(*r) for r in self._query(
+            "SELECT topic_id, partition_index, leader, leader_epoch, replicas, state, target "
+            "FROM cluster_assignments")]
+
+    def assign_new(self, topic_id: str, first: int, leaders: list[int], replicas: int) -> None:
+        """Rows for new partitions (written before the topic itself, so that no broker ever
+        sees the topic without them; a leftover of a failed creation is overwritten)."""
+        with self._tx() as db:
+            for i, leader in enumerate(leaders):
+                db.execute("INSERT INTO cluster_assignments(topic_id, partition_index, leader, "
+                           "leader_epoch, replicas, state, target) VALUES (?, ?, ?, 0, ?, ?, -1) "
+                           "ON CONFLICT (topic_id, partition_index) DO UPDATE SET leader = "
+                           "excluded.leader, leader_epoch = 0, replicas = excluded.replicas, "
+                           "state = excluded.state, target = -1",
+                           (topic_id, first + i, leader, replicas, ACTIVE))
+            self._bump(db)
+
+    def claim_unassigned(self, topic_id: str, count: int, node_id: int) -> None:
+        """Partitions without a row (topics from before the cluster existed) go to ``node_id``."""
+        with self._tx() as db:
+            for i in range(count):
+                db.execute("INSERT INTO cluster_assignments(topic_id, partition_index, leader, "
+                           "leader_epoch, replicas, state, target) VALUES (?, ?, ?, 0, 1, ?, -1) "
+                           "ON CONFLICT (topic_id, partition_index) DO NOTHING",
+                           (topic_id, i, node_id, ACTIVE))
+
+    def delete_topic(self, topic_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM cluster_assignments WHERE topic_id = ?", (topic_id,))
+            db.execute("DELETE FROM cluster_leader_epochs WHERE topic_id = ?", (topic_id,))
+            self._bump(db)
+
+    def start_move(self, topic_id: str, partition: int, leader_epoch: int, target: int,
+                   controller: tuple[int, int] | None = None) -> bool:
+        """Ask the leader to hand the partition to ``target`` (CAS on the leader epoch and, for
+        the controller's own moves, on the controller epoch)."""
+        with self._tx() as db:
+            if controller is not None and not self._is_controller(db, *controller):
+                return False
+            cur = db.execute("UPDATE cluster_assignments SET state = ?, target = ? WHERE "
+                             "topic_id = ? AND partition_index = ? AND leader_epoch = ? AND "
+                             "leader <> ?", (MOVING, target, topic_id, partition, leader_epoch,
+                                             target))
+            if cur.rowcount == 1:
+                self._bump(db)
+            return cur.rowcount == 1
+
+    def cancel_move(self, topic_id: str, partition: int, leader_epoch: int) -> bool:
+        with self._tx() as db:
+            cur = db.execute("UPDATE cluster_assignments SET state = ?, target = -1 WHERE "
+                             "topic_id = ? AND partition_index = ? AND leader_epoch = ? AND "
+                             "state = ?", (ACTIVE, topic_id, partition, leader_epoch, MOVING))
+            if cur.rowcount == 1:
+                self._bump(db)
+            return cur.rowcount == 1
+
+    def hand_over(self, topic_id: str, partition: int, node_id: int, leader_epoch: int,
+                  end_offset: int) -> int | None:
+        """The old leader, after releasing the partition: leadership passes to the target at
+        leader_epoch + 1 (CAS). Returns the new leader, None when the row changed meanwhile."""
+        with self._tx() as db:
+            row = db.execute("SELECT target FROM cluster_assignments WHERE topic_id = ? AND "
+                             "partition_index = ? AND leader = ? AND leader_epoch = ? AND "
+                             "state = ?", (topic_id, partition, node_id, leader_epoch,
+                                           MOVING)).fetchone()
+            if row is None or row[0] < 0:
+                return None
+            db.execute("UPDATE cluster_assignments SET leader = ?, leader_epoch = ?, state = ?, "
+                       "target = -1 WHERE topic_id = ? AND partition_index = ?",
+                       (row[0], leader_epoch + 1, ACTIVE, topic_id, partition))
+            db.execute("INSERT INTO cluster_leader_epochs(topic_id, partition_index, "
+                       "leader_epoch, start_offset) VALUES (?, ?, ?, ?) ON CONFLICT "
+                       "(topic_id, partition_index, leader_epoch) DO NOTHING",
+                       (topic_id, partition, leader_epoch + 1, end_offset))
+            self._bump(db)
+            return int(row[0])
+
+    def leader_epochs(self, topic_id: str, partition: int) -> list[tuple[int, int]]:
+        """(leader epoch, start offset) of every epoch after the first, ascending."""
+        return [(int(a), int(b)) for a, b in self._query(
+            "SELECT leader_epoch, start_offset FROM cluster_leader_epochs WHERE topic_id = ? "
+            "AND partition_index = ? ORDER BY leader_epoch", (topic_id, partition))]
+
+    @staticmethod
+    def _is_controller(db: sqlite3.Connection, node_id: int, epoch: int) -> bool:
+        row = db.execute("SELECT 1 FROM cluster_controller WHERE id = 1 AND node_id = ? AND "
+                         "epoch = ?", (node_id, epoch)).fetchone()
+        return row is not None
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def sqlite_path(url: str) -> str:
+    if url.startswith("sqlite:///"):
+        return url[len("sqlite:///"):] or ":memory:"
+    if "://" in url:
+        raise ValueError(f"unsupported metadata URL {url!r}")
+    return url
+
+
+def describe(rows: list[Any]) -> str:
+    return ",".join(str(r) for r in rows)

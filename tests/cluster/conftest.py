@@ -1,0 +1,32 @@
+"""Several broker processes sharing one object store and one metadata database."""
+from __future__ import annotations
+
+import pathlib
+import time
+from typing import Callable
+
+import pytest
+
+
+@pytest.fixture
+def cluster_factory(broker_factory, tmp_path: pathlib.Path) -> Callable:
+    """cluster_factory(n) -> [BrokerProcess] with node ids 0..n-1 on one file:// store and
+    one SQLite metadata file; call it again (n=1, first_id=k) to add a broker."""
+    shared = ["--object-store", f"file://{tmp_path}/objects",
+              "--metadata", f"sqlite:///{tmp_path}/meta.db",
+              "--upload-interval-s", "2"]
+
+    def make(n: int, first_id: int = 0, extra: tuple[str, ...] = ()) -> list:
+        return [broker_factory(["--node-id", str(first_id + i), "--rack", f"r{first_id + i}",
+                                *shared, *extra]) for i in range(n)]
+    return make
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 30.0, what: str = "") -> object:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what or cond}")
