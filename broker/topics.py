@@ -513,6 +513,12 @@ class TopicManager:
         except Exception:
             for sid in ids:
                 await self._drop_stream(sid)
+            if first == 0 and self._cluster is not None:
+                await self._cluster.forget_topic(topic.topic_id)
+                names = {r.name for r in await asyncio.to_thread(self.meta.load_topics)}
+                if topic.name in names:   # another broker created it a moment ago
+                    raise TopicError(ErrorCode.TOPIC_ALREADY_EXISTS,
+                                     f"topic {topic.name!r} already exists") from None
             raise
         from .partition import Partition  # noqa: PLC0415
 

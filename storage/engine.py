@@ -345,6 +345,7 @@ class Engine(StreamStore):
         self._wal_trimmed = 0
         self._tasks: list[asyncio.Task] = []
         self._uploading = False
+        self._release_lock = asyncio.Lock()
         self.maintenance: Any = None
         self.upload_errors = 0
         self.stats = StorageStats()          # read by storage.metrics.StorageCollector
@@ -518,7 +519,13 @@ class Engine(StreamStore):
             deadline = time.monotonic() + 30
             while s._confirmed < s._end and time.monotonic() < deadline:
                 await asyncio.sleep(0.002)     # appends in flight reach the WAL first
-            await self._drain_uploads()
+            # another caller (the uploader, a concurrent release) may hold some entries
+            # in an upload right now: drain until this stream's end is committed
+            async with self._release_lock:   # one drain at a time (WAL trim order)
+                while s.committed < s._end and time.monotonic() < deadline:
+                    await self._drain_uploads()
+                    if s.committed < s._end:
+                        await asyncio.sleep(0.005)
             if s.committed < s._end:
                 raise StorageError(f"stream {stream_id}: only {s.committed} of {s._end} "
                                    "offsets reached the object store")
@@ -543,8 +550,7 @@ class Engine(StreamStore):
             s._start, s._end, s._confirmed, s.committed = (m.start_offset, m.end_offset,
                                                            m.end_offset, m.end_offset)
         s.owned = True
-        sc = self.cache._stream(stream_id)
-        sc.committed, sc.start = m.end_offset, m.start_offset
+        self.cache.reset_stream(stream_id, m.end_offset, m.start_offset)
         self.reader.replace_stream(stream_id, ranges)
         return s
 
