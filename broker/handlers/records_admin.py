@@ -81,11 +81,11 @@ async def handle_offset_for_leader_epoch(ctx: RequestContext, req: Any) -> Any:
             err, epoch, end = ErrorCode.UNKNOWN_LEADER_EPOCH, UNDEFINED, UNDEFINED
         elif current is not None and 0 <= current < latest:
             err, epoch, end = ErrorCode.FENCED_LEADER_EPOCH, UNDEFINED, UNDEFINED
-        elif p.leader_epoch >= latest:
+        elif p.leader_epoch == latest:
             # like Kafka: the log end offset of the latest epoch (never below any
             # consumer position, so clients cannot mistake it for a truncation)
             err, epoch, end = ErrorCode.NONE, latest, partition.log_end_offset
-        elif p.leader_epoch < 0:
+        elif p.leader_epoch < 0 or p.leader_epoch > latest:   # unknown epoch, like Kafka
             err, epoch, end = ErrorCode.NONE, UNDEFINED, UNDEFINED
         else:
             # an older epoch: it ends where the next epoch (a move) started

@@ -192,3 +192,53 @@ def test_three_brokers_move_partitions_under_load(cluster_factory):
                for tp, om in committed.items()}
     assert offsets == ends
     admin.close()
+
+
+def test_second_broker_with_the_same_node_id_is_refused(cluster_factory, broker_factory,
+                                                         tmp_path):
+    (first,) = cluster_factory(1)
+    with pytest.raises(RuntimeError) as exc:
+        broker_factory(["--node-id", "0", "--object-store", f"file://{tmp_path}/objects",
+                        "--metadata", f"sqlite:///{tmp_path}/meta.db"])
+    text = str(exc.value)
+    assert "exited with 2" in text
+    assert "node id 0 is already used by a live broker at " + first.bootstrap in text
+    assert "Traceback" not in text
+    # the first one keeps serving, alone in its cluster
+    admin = KafkaAdminClient(bootstrap_servers=first.bootstrap)
+    assert [b["broker_id"] for b in admin.describe_cluster()["brokers"]] == [0]
+    admin.close()
+
+
+def test_kafka_python_follows_a_move(cluster_factory):
+    """kafka-python producer and group consumer across a reassignment: NOT_LEADER answers
+    send them to the new leader; nothing lost, nothing twice."""
+    from kafka import KafkaConsumer, KafkaProducer  # noqa: PLC0415
+
+    brokers = cluster_factory(2)
+    boot = [b.bootstrap for b in brokers]
+    admin = KafkaAdminClient(bootstrap_servers=boot[0])
+    wait_for(lambda: len(admin.describe_cluster()["brokers"]) == 2, what="2 live brokers")
+    admin.create_topics([NewTopic("kp", 2, 2)])
+    p = KafkaProducer(bootstrap_servers=boot, acks="all", enable_idempotence=True,
+                      metadata_max_age_ms=1000)
+    for i in range(200):
+        p.send("kp", value=f"a{i}".encode(), partition=i % 2)
+    p.flush()
+    old = leaders(admin, "kp")
+    for part, (leader, epoch) in old.items():
+        admin.alter_partition_reassignments({TopicPartition("kp", part): [1 - leader]})
+    wait_for(lambda: all(leaders(admin, "kp")[q] == (1 - l, e + 1) for q, (l, e) in old.items()),
+             what="both partitions moved")
+    for i in range(200, 400):
+        p.send("kp", value=f"a{i}".encode(), partition=i % 2).get(timeout=30)
+    p.close()
+    c = KafkaConsumer("kp", bootstrap_servers=boot, group_id="kp-g",
+                      auto_offset_reset="earliest", consumer_timeout_ms=8000)
+    got = [(m.partition, m.offset, m.value) for m in c]
+    c.close()
+    assert sorted(v for _, _, v in got) == sorted(f"a{i}".encode() for i in range(400))
+    for part in (0, 1):
+        offs = [o for q, o, _ in got if q == part]
+        assert offs == list(range(200)), part
+    admin.close()
