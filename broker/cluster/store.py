@@ -8,30 +8,29 @@ make are compare-and-set on an epoch (controller epoch, partition leader epoch).
 """
 from __future__ import annotations
 
-import os
-import sqlite3
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
-from contextlib import contextmanager
+from typing import Any
 
-SCHEMA = [
-    """CREATE TABLE IF NOT EXISTS cluster_brokers (
-        node_id INTEGER PRIMARY KEY, host TEXT NOT NULL, port INTEGER NOT NULL, rack TEXT,
-        instance TEXT NOT NULL, state TEXT NOT NULL, lease_until_ms INTEGER NOT NULL)""",
-    """CREATE TABLE IF NOT EXISTS cluster_controller (
-        id INTEGER PRIMARY KEY, node_id INTEGER NOT NULL, epoch INTEGER NOT NULL,
-        lease_until_ms INTEGER NOT NULL)""",
-    """CREATE TABLE IF NOT EXISTS cluster_state (id INTEGER PRIMARY KEY, version INTEGER NOT NULL)""",
-    """CREATE TABLE IF NOT EXISTS cluster_assignments (
-        topic_id TEXT NOT NULL, partition_index INTEGER NOT NULL, leader INTEGER NOT NULL,
-        leader_epoch INTEGER NOT NULL, replicas INTEGER NOT NULL, state TEXT NOT NULL,
-        target INTEGER NOT NULL, PRIMARY KEY (topic_id, partition_index))""",
-    """CREATE TABLE IF NOT EXISTS cluster_leader_epochs (
-        topic_id TEXT NOT NULL, partition_index INTEGER NOT NULL, leader_epoch INTEGER NOT NULL,
-        start_offset INTEGER NOT NULL, PRIMARY KEY (topic_id, partition_index, leader_epoch))""",
-]
+from storage import sqldb
+
+STEPS: list[sqldb.Step] = [(1, """
+CREATE TABLE IF NOT EXISTS cluster_brokers (
+    node_id BIGINT PRIMARY KEY, host TEXT NOT NULL, port INTEGER NOT NULL, rack TEXT,
+    instance TEXT NOT NULL, state TEXT NOT NULL, lease_until_ms BIGINT NOT NULL);
+CREATE TABLE IF NOT EXISTS cluster_controller (
+    id INTEGER PRIMARY KEY, node_id BIGINT NOT NULL, epoch BIGINT NOT NULL,
+    lease_until_ms BIGINT NOT NULL);
+CREATE TABLE IF NOT EXISTS cluster_state (id INTEGER PRIMARY KEY, version BIGINT NOT NULL);
+CREATE TABLE IF NOT EXISTS cluster_assignments (
+    topic_id TEXT NOT NULL, partition_index INTEGER NOT NULL, leader BIGINT NOT NULL,
+    leader_epoch BIGINT NOT NULL, replicas INTEGER NOT NULL, state TEXT NOT NULL,
+    target BIGINT NOT NULL, PRIMARY KEY (topic_id, partition_index));
+CREATE TABLE IF NOT EXISTS cluster_leader_epochs (
+    topic_id TEXT NOT NULL, partition_index INTEGER NOT NULL, leader_epoch BIGINT NOT NULL,
+    start_offset BIGINT NOT NULL, PRIMARY KEY (topic_id, partition_index, leader_epoch));
+INSERT INTO cluster_state(id, version) VALUES (1, 0) ON CONFLICT (id) DO NOTHING
+""")]
 
 ACTIVE, MOVING = "active", "moving"
 LIVE, DRAINING, STOPPED = "live", "draining", "stopped"
@@ -68,49 +67,31 @@ class NodeIdInUse(Exception):
 
 
 class ClusterStore:
-    """Blocking calls (run them in a thread); one connection guarded by a lock."""
+    """Blocking calls (run them in a thread) on one ``storage.sqldb`` connection (SQLite or
+    PostgreSQL); every multi-row change is one transaction."""
 
     def __init__(self, url: str) -> None:
-        path = sqlite_path(url)
-        if path != ":memory:":
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
-                                   timeout=30.0)
-        self._lock = threading.Lock()
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # leases and assignments are re-derived from heartbeats: no fsync per heartbeat
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        with self._tx() as db:
-            for stmt in SCHEMA:
-                db.execute(stmt)
-            db.execute("INSERT INTO cluster_state(id, version) VALUES (1, 0) "
-                       "ON CONFLICT (id) DO NOTHING")
+        self.db = sqldb.connect(url)
+        self.db.migrate("cluster", STEPS)
 
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+    def _tx(self, body: Any) -> Any:
+        """Run ``body(tx)`` in one transaction (retried on PostgreSQL serialization failures)."""
+        return self.db.transact(body)
 
     def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
+        return self.db.query(sql, args)
 
     @staticmethod
-    def _bump(db: sqlite3.Connection) -> None:
+    def _bump(db: Any) -> None:
         db.execute("UPDATE cluster_state SET version = version + 1 WHERE id = 1")
 
     def version(self) -> int:
         return int(self._query("SELECT version FROM cluster_state WHERE id = 1")[0][0])
 
     def bump(self) -> None:
-        with self._tx() as db:
+        def body(db: Any) -> Any:
             self._bump(db)
+        return self._tx(body)
 
     # ---- membership ---------------------------------------------------------------------
     def register(self, node_id: int, host: str, port: int, rack: str | None, instance: str,
@@ -118,9 +99,9 @@ class ClusterStore:
         """Insert or take over this node id's row; NodeIdInUse while another instance holds a
         live lease (unless it advertised the same endpoint: a restart of the same broker)."""
         now = now_ms()
-        with self._tx() as db:
-            row = db.execute("SELECT host, port, instance, state, lease_until_ms FROM "
-                             "cluster_brokers WHERE node_id = ?", (node_id,)).fetchone()
+        def body(db: Any) -> Any:
+            row = db.query_one("SELECT host, port, instance, state, lease_until_ms FROM "
+                             "cluster_brokers WHERE node_id = ?", (node_id,))
             if row is not None and row[2] != instance and row[3] != STOPPED \
                     and row[4] > now and (row[0], row[1]) != (host, port):
                 raise NodeIdInUse(f"node id {node_id} is already used by a live broker at "
@@ -132,16 +113,18 @@ class ClusterStore:
                        "lease_until_ms = excluded.lease_until_ms",
                        (node_id, host, port, rack, instance, LIVE, now + lease_ms))
             self._bump(db)
+        return self._tx(body)
 
     def heartbeat(self, node_id: int, instance: str, lease_ms: int) -> bool:
         """Renew the lease; False when another instance took the node id over."""
-        with self._tx() as db:
-            cur = db.execute("UPDATE cluster_brokers SET lease_until_ms = ? WHERE node_id = ? "
+        def body(db: Any) -> Any:
+            n = db.execute("UPDATE cluster_brokers SET lease_until_ms = ? WHERE node_id = ? "
                              "AND instance = ?", (now_ms() + lease_ms, node_id, instance))
-            return cur.rowcount == 1
+            return n == 1
+        return self._tx(body)
 
     def set_state(self, node_id: int, instance: str, state: str, expire: bool = False) -> None:
-        with self._tx() as db:
+        def body(db: Any) -> Any:
             if expire:
                 db.execute("UPDATE cluster_brokers SET state = ?, lease_until_ms = 0 WHERE "
                            "node_id = ? AND instance = ?", (state, node_id, instance))
@@ -149,6 +132,7 @@ class ClusterStore:
                 db.execute("UPDATE cluster_brokers SET state = ? WHERE node_id = ? AND "
                            "instance = ?", (state, node_id, instance))
             self._bump(db)
+        return self._tx(body)
 
     def brokers(self) -> list[BrokerRow]:
         return [BrokerRow(*r) for r in self._query(
@@ -160,9 +144,9 @@ class ClusterStore:
         """Renew our controller lease, or take it over when it expired. Returns the current
         (controller node id, controller epoch)."""
         now = now_ms()
-        with self._tx() as db:
-            row = db.execute("SELECT node_id, epoch, lease_until_ms FROM cluster_controller "
-                             "WHERE id = 1").fetchone()
+        def body(db: Any) -> Any:
+            row = db.query_one("SELECT node_id, epoch, lease_until_ms FROM cluster_controller "
+                             "WHERE id = 1")
             if row is None:
                 db.execute("INSERT INTO cluster_controller(id, node_id, epoch, lease_until_ms) "
                            "VALUES (1, ?, 1, ?)", (node_id, now + lease_ms))
@@ -180,12 +164,14 @@ class ClusterStore:
                 self._bump(db)
                 return node_id, cur_epoch + 1
             return cur_node, cur_epoch
+        return self._tx(body)
 
     def resign(self, node_id: int, epoch: int) -> None:
-        with self._tx() as db:
+        def body(db: Any) -> Any:
             db.execute("UPDATE cluster_controller SET lease_until_ms = 0 WHERE id = 1 AND "
                        "node_id = ? AND epoch = ?", (node_id, epoch))
             self._bump(db)
+        return self._tx(body)
 
     # ---- assignments --------------------------------------------------------------------
     def assignments(self) -> list[Assignment]:
@@ -196,7 +182,7 @@ class ClusterStore:
     def assign_new(self, topic_id: str, first: int, leaders: list[int], replicas: int) -> None:
         """Rows for new partitions (written before the topic itself, so that no broker ever
         sees the topic without them; a leftover of a failed creation is overwritten)."""
-        with self._tx() as db:
+        def body(db: Any) -> Any:
             for i, leader in enumerate(leaders):
                 db.execute("INSERT INTO cluster_assignments(topic_id, partition_index, leader, "
                            "leader_epoch, replicas, state, target) VALUES (?, ?, ?, 0, ?, ?, -1) "
@@ -205,55 +191,60 @@ class ClusterStore:
                            "state = excluded.state, target = -1",
                            (topic_id, first + i, leader, replicas, ACTIVE))
             self._bump(db)
+        return self._tx(body)
 
     def claim_unassigned(self, topic_id: str, count: int, node_id: int) -> None:
         """Partitions without a row (topics from before the cluster existed) go to ``node_id``."""
-        with self._tx() as db:
+        def body(db: Any) -> Any:
             for i in range(count):
                 db.execute("INSERT INTO cluster_assignments(topic_id, partition_index, leader, "
                            "leader_epoch, replicas, state, target) VALUES (?, ?, ?, 0, 1, ?, -1) "
                            "ON CONFLICT (topic_id, partition_index) DO NOTHING",
                            (topic_id, i, node_id, ACTIVE))
+        return self._tx(body)
 
     def delete_topic(self, topic_id: str) -> None:
-        with self._tx() as db:
+        def body(db: Any) -> Any:
             db.execute("DELETE FROM cluster_assignments WHERE topic_id = ?", (topic_id,))
             db.execute("DELETE FROM cluster_leader_epochs WHERE topic_id = ?", (topic_id,))
             self._bump(db)
+        return self._tx(body)
 
     def start_move(self, topic_id: str, partition: int, leader_epoch: int, target: int,
                    controller: tuple[int, int] | None = None) -> bool:
         """Ask the leader to hand the partition to ``target`` (CAS on the leader epoch and, for
         the controller's own moves, on the controller epoch)."""
-        with self._tx() as db:
+        def body(db: Any) -> Any:
             if controller is not None and not self._is_controller(db, *controller):
                 return False
-            cur = db.execute("UPDATE cluster_assignments SET state = ?, target = ? WHERE "
+            n = db.execute("UPDATE cluster_assignments SET state = ?, target = ? WHERE "
                              "topic_id = ? AND partition_index = ? AND leader_epoch = ? AND "
                              "leader <> ?", (MOVING, target, topic_id, partition, leader_epoch,
                                              target))
-            if cur.rowcount == 1:
+            if n == 1:
                 self._bump(db)
-            return cur.rowcount == 1
+            return n == 1
+        return self._tx(body)
 
     def cancel_move(self, topic_id: str, partition: int, leader_epoch: int) -> bool:
-        with self._tx() as db:
-            cur = db.execute("UPDATE cluster_assignments SET state = ?, target = -1 WHERE "
+        def body(db: Any) -> Any:
+            n = db.execute("UPDATE cluster_assignments SET state = ?, target = -1 WHERE "
                              "topic_id = ? AND partition_index = ? AND leader_epoch = ? AND "
                              "state = ?", (ACTIVE, topic_id, partition, leader_epoch, MOVING))
-            if cur.rowcount == 1:
+            if n == 1:
                 self._bump(db)
-            return cur.rowcount == 1
+            return n == 1
+        return self._tx(body)
 
     def hand_over(self, topic_id: str, partition: int, node_id: int, leader_epoch: int,
                   end_offset: int) -> int | None:
         """The old leader, after releasing the partition: leadership passes to the target at
         leader_epoch + 1 (CAS). Returns the new leader, None when the row changed meanwhile."""
-        with self._tx() as db:
-            row = db.execute("SELECT target FROM cluster_assignments WHERE topic_id = ? AND "
+        def body(db: Any) -> Any:
+            row = db.query_one("SELECT target FROM cluster_assignments WHERE topic_id = ? AND "
                              "partition_index = ? AND leader = ? AND leader_epoch = ? AND "
                              "state = ?", (topic_id, partition, node_id, leader_epoch,
-                                           MOVING)).fetchone()
+                                           MOVING))
             if row is None or row[0] < 0:
                 return None
             db.execute("UPDATE cluster_assignments SET leader = ?, leader_epoch = ?, state = ?, "
@@ -265,6 +256,7 @@ class ClusterStore:
                        (topic_id, partition, leader_epoch + 1, end_offset))
             self._bump(db)
             return int(row[0])
+        return self._tx(body)
 
     def leader_epochs(self, topic_id: str, partition: int) -> list[tuple[int, int]]:
         """(leader epoch, start offset) of every epoch after the first, ascending."""
@@ -273,22 +265,13 @@ class ClusterStore:
             "AND partition_index = ? ORDER BY leader_epoch", (topic_id, partition))]
 
     @staticmethod
-    def _is_controller(db: sqlite3.Connection, node_id: int, epoch: int) -> bool:
-        row = db.execute("SELECT 1 FROM cluster_controller WHERE id = 1 AND node_id = ? AND "
-                         "epoch = ?", (node_id, epoch)).fetchone()
+    def _is_controller(db: Any, node_id: int, epoch: int) -> bool:
+        row = db.query_one("SELECT 1 FROM cluster_controller WHERE id = 1 AND node_id = ? AND "
+                         "epoch = ?", (node_id, epoch))
         return row is not None
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
-
-def sqlite_path(url: str) -> str:
-    if url.startswith("sqlite:///"):
-        return url[len("sqlite:///"):] or ":memory:"
-    if "://" in url:
-        raise ValueError(f"unsupported metadata URL {url!r}")
-    return url
+        self.db.close()
 
 
 def describe(rows: list[Any]) -> str:
