@@ -9,16 +9,17 @@ import pytest
 
 
 @pytest.fixture
-def cluster_factory(broker_factory, tmp_path: pathlib.Path) -> Callable:
+def cluster_factory(broker_factory, tmp_path: pathlib.Path, metadata_url: str) -> Callable:
     """cluster_factory(n) -> [BrokerProcess] with node ids 0..n-1 on one file:// store and
-    one SQLite metadata file; call it again (n=1, first_id=k) to add a broker."""
-    shared = ["--object-store", f"file://{tmp_path}/objects",
-              "--metadata", f"sqlite:///{tmp_path}/meta.db",
+    one metadata database (SQLite file, then PostgreSQL: the tests run on both); call it
+    again (n=1, first_id=k) to add a broker. ``cluster_factory.shared`` are the shared flags."""
+    shared = ["--object-store", f"file://{tmp_path}/objects", "--metadata", metadata_url,
               "--upload-interval-s", "2"]
 
     def make(n: int, first_id: int = 0, extra: tuple[str, ...] = ()) -> list:
         return [broker_factory(["--node-id", str(first_id + i), "--rack", f"r{first_id + i}",
                                 *shared, *extra]) for i in range(n)]
+    make.shared = shared  # type: ignore[attr-defined]
     return make
 
 

@@ -194,12 +194,10 @@ def test_three_brokers_move_partitions_under_load(cluster_factory):
     admin.close()
 
 
-def test_second_broker_with_the_same_node_id_is_refused(cluster_factory, broker_factory,
-                                                         tmp_path):
+def test_second_broker_with_the_same_node_id_is_refused(cluster_factory, broker_factory):
     (first,) = cluster_factory(1)
     with pytest.raises(RuntimeError) as exc:
-        broker_factory(["--node-id", "0", "--object-store", f"file://{tmp_path}/objects",
-                        "--metadata", f"sqlite:///{tmp_path}/meta.db"])
+        broker_factory(["--node-id", "0", *cluster_factory.shared])
     text = str(exc.value)
     assert "exited with 2" in text
     assert "node id 0 is already used by a live broker at " + first.bootstrap in text
