@@ -193,6 +193,17 @@ def test_three_brokers_move_partitions_under_load(cluster_factory):
     assert offsets == ends
     admin.close()
 
+    # 4. SIGTERM the controller (also the group coordinator): another broker takes over the
+    # controller lease and the groups; the committed offsets are still there
+    brokers[0].stop()
+    admin = KafkaAdminClient(bootstrap_servers=brokers[2].bootstrap)
+    wait_for(lambda: admin.describe_cluster()["controller_id"] in (1, 2), what="new controller")
+    wait_for(lambda: all(leader in (1, 2) for leader, _ in leaders(admin, "orders").values()),
+             timeout=5, what="partitions off the stopped controller")
+    committed = admin.list_group_offsets("g1")["g1"]
+    assert {tp.partition: om.offset for tp, om in committed.items()} == ends
+    admin.close()
+
 
 def test_second_broker_with_the_same_node_id_is_refused(cluster_factory, broker_factory):
     (first,) = cluster_factory(1)
