@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 import uuid
 from typing import Any
@@ -63,8 +65,10 @@ class ClusterRoom:
         cfg = self.broker.config
         self.store = await asyncio.to_thread(ClusterStore, cfg.metadata_url)
         try:
+            home = f"{socket.gethostname()}:{os.path.abspath(cfg.wal_path)}"
             await asyncio.to_thread(self.store.register, self.node_id, cfg.advertised_host,
-                                    cfg.advertised_port, self.rack, self.instance, LEASE_MS)
+                                    cfg.advertised_port, self.rack, self.instance, LEASE_MS,
+                                    home)
         except NodeIdInUse as e:
             raise ClusterError(str(e)) from None
         await self._elect()

@@ -17,7 +17,8 @@ from storage import sqldb
 STEPS: list[sqldb.Step] = [(1, """
 CREATE TABLE IF NOT EXISTS cluster_brokers (
     node_id BIGINT PRIMARY KEY, host TEXT NOT NULL, port INTEGER NOT NULL, rack TEXT,
-    instance TEXT NOT NULL, state TEXT NOT NULL, lease_until_ms BIGINT NOT NULL);
+    instance TEXT NOT NULL, state TEXT NOT NULL, lease_until_ms BIGINT NOT NULL,
+    home TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS cluster_controller (
     id INTEGER PRIMARY KEY, node_id BIGINT NOT NULL, epoch BIGINT NOT NULL,
     lease_until_ms BIGINT NOT NULL);
@@ -95,23 +96,25 @@ class ClusterStore:
 
     # ---- membership ---------------------------------------------------------------------
     def register(self, node_id: int, host: str, port: int, rack: str | None, instance: str,
-                 lease_ms: int) -> None:
+                 lease_ms: int, home: str) -> None:
         """Insert or take over this node id's row; NodeIdInUse while another instance holds a
-        live lease (unless it advertised the same endpoint: a restart of the same broker)."""
+        live lease, unless it has the same ``home`` (host and WAL: the same broker restarted
+        after a crash; the WAL's lock proves the old process is gone)."""
         now = now_ms()
         def body(db: Any) -> Any:
-            row = db.query_one("SELECT host, port, instance, state, lease_until_ms FROM "
-                             "cluster_brokers WHERE node_id = ?", (node_id,))
+            row = db.query_one("SELECT host, port, instance, state, lease_until_ms, home FROM "
+                               "cluster_brokers WHERE node_id = ?", (node_id,))
             if row is not None and row[2] != instance and row[3] != STOPPED \
-                    and row[4] > now and (row[0], row[1]) != (host, port):
+                    and row[4] > now and row[5] != home:
                 raise NodeIdInUse(f"node id {node_id} is already used by a live broker at "
                                   f"{row[0]}:{row[1]}")
             db.execute("INSERT INTO cluster_brokers(node_id, host, port, rack, instance, state, "
-                       "lease_until_ms) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (node_id) DO "
-                       "UPDATE SET host = excluded.host, port = excluded.port, rack = "
-                       "excluded.rack, instance = excluded.instance, state = excluded.state, "
-                       "lease_until_ms = excluded.lease_until_ms",
-                       (node_id, host, port, rack, instance, LIVE, now + lease_ms))
+                       "lease_until_ms, home) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT "
+                       "(node_id) DO UPDATE SET host = excluded.host, port = excluded.port, "
+                       "rack = excluded.rack, instance = excluded.instance, state = "
+                       "excluded.state, lease_until_ms = excluded.lease_until_ms, home = "
+                       "excluded.home", (node_id, host, port, rack, instance, LIVE,
+                                         now + lease_ms, home))
             self._bump(db)
         return self._tx(body)
 
