@@ -63,11 +63,15 @@ async def find_coordinator(ctx: RequestContext, req: Any) -> Any:
         ep = cluster.endpoint(cluster.controller_id)
         if ep is not None:
             node, (host, port) = cluster.controller_id, ep
+        else:                      # the controller just left; a new one is being elected
+            node = -1
     key_type = req.key_type
 
     def answer(key: str) -> tuple[int, str | None, int, str, int]:
         if key_type not in (KEY_TYPE_GROUP, KEY_TYPE_TRANSACTION):
             return E.INVALID_REQUEST, f"unsupported coordinator key type {key_type}", -1, "", -1
+        if node < 0:
+            return E.COORDINATOR_NOT_AVAILABLE, "the controller is changing", -1, "", -1
         return E.NONE, None, node, host, port
 
     if ctx.version >= 4:
