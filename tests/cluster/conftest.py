@@ -24,10 +24,16 @@ def cluster_factory(broker_factory, tmp_path: pathlib.Path, metadata_url: str) -
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 30.0, what: str = "") -> object:
+    """Poll ``cond`` until truthy; an exception counts as not yet (a client may still try
+    a broker that just stopped), the last one is reported on timeout."""
     end = time.monotonic() + timeout
+    last: Exception | None = None
     while time.monotonic() < end:
-        v = cond()
+        try:
+            v = cond()
+        except Exception as exc:  # noqa: BLE001
+            last, v = exc, None
         if v:
             return v
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what or cond}")
+    raise AssertionError(f"timed out waiting for {what or cond} (last error: {last!r})")
