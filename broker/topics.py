@@ -343,7 +343,8 @@ class TopicManager:
                 if topic is None:
                     topic = Topic(rec.name, rec.topic_id, configs=self.effective(rec.configs),
                                   overrides=dict(rec.configs), stream_ids=list(rec.stream_ids),
-                                  partitions=[None] * len(rec.stream_ids))
+                                  partitions=[None] * len(rec.stream_ids),
+                                  is_internal=rec.name in INTERNAL_TOPICS)
                     self.topics[name] = topic
                     log.info("topic created elsewhere topic=%s partitions=%d", name,
                              len(rec.stream_ids))
@@ -382,6 +383,9 @@ class TopicManager:
             try:
                 await self.create(CONSUMER_OFFSETS, INTERNAL_TOPIC_PARTITIONS,
                                   dict(INTERNAL_TOPIC_CONFIGS))
+            except TopicError as exc:  # another broker of the cluster created it just now
+                if exc.code != ErrorCode.TOPIC_ALREADY_EXISTS:
+                    log.error("cannot create internal topic=%s: %s", CONSUMER_OFFSETS, exc)
             except Exception:  # noqa: BLE001 - only clients listing it would miss it
                 log.exception("cannot create internal topic=%s", CONSUMER_OFFSETS)
         log.info("topics loaded count=%d", len(self.topics))
