@@ -141,3 +141,23 @@ async def test_map_full_cleans_in_passes(engine, tmp_path) -> None:
     got = await records(p)
     assert sorted(k for _, k, _ in got) == sorted(b"k%d" % i for i in range(100))
     assert {v for _, _, v in got} == {b"2"}
+
+
+async def test_compact_delete_policy_trims_and_compacts(engine, tmp_path, monkeypatch) -> None:
+    import broker.partition as partition_mod
+    from broker.compaction import is_compacted
+    monkeypatch.setattr(partition_mod, "CHUNK_BYTES", 1)    # retention at batch granularity
+    from broker.retention import apply_retention
+    assert is_compacted({"cleanup.policy": "compact, delete"})
+    assert not is_compacted({"cleanup.policy": "delete"}) and not is_compacted({})
+    configs = {"cleanup.policy": "compact,delete", "retention.ms": str(5 * DAY)}
+    p, cleaner = await open_p(engine, tmp_path, configs)
+    await p.append(batch([(b"a", b"old"), (b"b", b"old")], ts=NOW - 9 * DAY))
+    await p.append(batch([(b"a", b"1"), (b"c", b"1")], ts=NOW - 2 * DAY))
+    await p.append(batch([(b"a", b"2"), (b"c", b"2")], ts=NOW - DAY))
+    await engine.flush()
+    await apply_retention([p], now_ms=NOW)
+    assert p.log_start_offset == 2                       # b's only value is gone with retention
+    assert await cleaner.clean(p, NOW)
+    engine.drop_caches()
+    assert await records(p) == [(4, b"a", b"2"), (5, b"c", b"2")]
