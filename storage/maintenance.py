@@ -303,7 +303,7 @@ class Maintenance:
             return kept, others, before, after, dropped
 
         try:
-            for i, r in enumerate(picked):
+            for r in picked:
                 t0 = time.monotonic()
                 data = await e.cold_io(e.store.get, r.key, 0, None)
                 # a low-priority thread: the event loop keeps serving meanwhile
