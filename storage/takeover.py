@@ -179,9 +179,11 @@ def _take_over(dev: Device, path: str, node_id: int, node_epoch: int, taker: int
         log.info("takeover: WAL %s of node %d already %s", path, node_id,
                  hdr.describe_takeover())
         return res
-    if hdr.takeover_state == TAKEOVER_FENCED and hdr.taken_over_epoch > taker_epoch:
+    if hdr.takeover_state == TAKEOVER_FENCED and (
+            (hdr.taken_over_epoch, hdr.taken_over_by != taker) > (taker_epoch, False)):
         raise TakeoverError(f"WAL {path} is being taken over by node {hdr.taken_over_by} at "
-                            f"epoch {hdr.taken_over_epoch} > {taker_epoch}")
+                            f"epoch {hdr.taken_over_epoch} (>= {taker_epoch}): one taker per "
+                            "epoch")
     if not meta.begin_wal_takeover(node_id, node_epoch, taker, taker_epoch):
         raise TakeoverError(f"the registry refuses node {taker}'s takeover of node {node_id}'s "
                             f"WAL at epoch {taker_epoch}: {meta.wal(node_id)}")

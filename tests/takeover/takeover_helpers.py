@@ -82,7 +82,8 @@ def committed(meta: MetaStore, store: ObjectStore) -> dict[int, list[tuple[int, 
         got = out.setdefault(m.stream_id, [])
         for r in meta.stream_ranges(m.stream_id):
             for rec in decode_object(bytes(store.get(r.key))):
-                if rec.stream_id == m.stream_id and r.start_offset <= rec.base_offset < r.end_offset:
+                if (rec.stream_id == m.stream_id
+                        and r.start_offset <= rec.base_offset < r.end_offset):
                     got.append((rec.base_offset, rec.count, bytes(rec.payload)))
         got.sort()
     return out
