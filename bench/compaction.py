@@ -38,6 +38,14 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else float("nan")
 
 
+async def loop_lag(stop: asyncio.Event, out: list[float]) -> None:
+    """How late a 1 ms sleep wakes up: event-loop stalls, apart from disk waits."""
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(0.001)
+        out.append(time.perf_counter() - t - 0.001)
+
+
 async def probe(p: Partition, stop: asyncio.Event, out: list[float]) -> None:
     """A small producer on another partition: one 1 KiB batch every 5 ms, latency of each."""
     value = b"x" * 1024
@@ -124,14 +132,18 @@ async def run(args: argparse.Namespace) -> None:
         p2 = await Partition.open(broker, "probe", uuid.uuid4(), 0, await eng.create_stream(),
                                   {})
         base: list[float] = []
+        lag0: list[float] = []
         stop = asyncio.Event()
-        task = asyncio.create_task(probe(p2, stop, base))
+        tasks = [asyncio.create_task(probe(p2, stop, base)),
+                 asyncio.create_task(loop_lag(stop, lag0))]
         await asyncio.sleep(3)
         stop.set()
-        await task
+        await asyncio.gather(*tasks)
         during: list[float] = []
+        lag1: list[float] = []
         stop = asyncio.Event()
-        task = asyncio.create_task(probe(p2, stop, during))
+        tasks = [asyncio.create_task(probe(p2, stop, during)),
+                 asyncio.create_task(loop_lag(stop, lag1))]
         cleaner = LogCleaner(broker)
         rss0 = rss_kib()
         peak_ok = reset_peak()
@@ -146,7 +158,7 @@ async def run(args: argparse.Namespace) -> None:
         t_clean = time.monotonic() - t1
         peak = rss_kib("VmHWM")
         stop.set()
-        await task
+        await asyncio.gather(*tasks)
         await eng.maintenance.purge()
         n1, bytes1 = objects(root)
         print(f"compacted in {t_clean:.1f} s ({bytes0 / 2**20 / max(t_clean, 1e-9):.0f} MiB/s), "
@@ -157,6 +169,8 @@ async def run(args: argparse.Namespace) -> None:
               + f"; offset map limit {args.dedupe_mib} MiB")
         print(f"produce on another partition, before cleaning: {summary(base)}")
         print(f"produce on another partition, while cleaning:  {summary(during)}")
+        print(f"event-loop lag before: p99 {pct(lag0, 0.99):.2f} ms, max {max(lag0) * 1000:.1f} ms;"
+              f" while cleaning: p99 {pct(lag1, 0.99):.2f} ms, max {max(lag1) * 1000:.1f} ms")
         await eng.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -19,7 +19,8 @@ _HELP = {
     "object_store": "file://DIR, s3://bucket/prefix?endpoint_url=..., mem:// "
                     "(default file://<data-dir>/objects)",
     "metadata": "metadata database URL (default sqlite:///<data-dir>/meta.db)",
-    "node_id": "this broker's node id (default 0)",
+    "node_id": "this broker's node id (default 0; unique in a cluster)",
+    "rack": "broker.rack: this broker's rack, reported to clients (default none)",
     "storage": "engine (durable, default) or memory (tests only; nothing survives a restart)",
     "auto_create_topics": "auto.create.topics.enable: create unknown topics on Metadata/Produce "
                           "(default true)",

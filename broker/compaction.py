@@ -23,8 +23,11 @@ Done as Kafka's LogCleaner does it, over the stream's objects instead of segment
 - Tombstones (records with a key and a null value) get a delete horizon the first time the
   cleaner processes them (KIP-534: the batch's delete-horizon flag, base timestamp = now +
   ``delete.retention.ms``) and are removed by the first pass after it.
-- Keyless records are kept (the produce path refuses them on compacted topics). Control
-  batches are kept.
+- Keyless records are kept (the produce path refuses them on compacted topics).
+- Transactions: nothing at or past the last stable offset is cleaned (an ongoing transaction
+  may still abort); aborted transactional batches (the partition's aborted index) are neither
+  mapped nor changed, and markers are kept, so read_committed readers see what they saw before.
+  Removing aborted data and markers no longer needed is not done yet.
 
 Cost and pacing: every record of the log is decoded in Python on a low-priority thread,
 reads are paced to ``--log-cleaner-io-max-bytes-per-second``, and the rewrite holds one input
@@ -40,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.batches import CONTROL_MASK, DELETE_HORIZON_MASK, iter_batches
+from protocol.batches import CONTROL_MASK, DELETE_HORIZON_MASK, TRANSACTIONAL_MASK, iter_batches
 from protocol.errors import CorruptRecordError
 from protocol.records import decode_records, rebuild_batch
 from storage.thread_priority import background_executor
@@ -99,6 +102,10 @@ class _OffsetMap:
     latest: dict[int, int] = field(default_factory=dict)
     producer_last: dict[int, int] = field(default_factory=dict)
     records: int = 0
+    aborted: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # pid -> (first, last)
+
+    def is_aborted(self, producer_id: int, offset: int) -> bool:
+        return any(first <= offset < last for first, last in self.aborted.get(producer_id, ()))
 
 
 def _map_payloads(m: _OffsetMap, payloads: list[tuple[int, int, memoryview]], end: int,
@@ -118,6 +125,8 @@ def _map_payloads(m: _OffsetMap, payloads: list[tuple[int, int, memoryview]], en
         for v in views:
             if v.attributes & CONTROL_MASK:
                 continue
+            if v.attributes & TRANSACTIONAL_MASK and m.is_aborted(v.producer_id, v.base_offset):
+                continue                 # aborted data never supersedes anything
             for r in decode_records(v):
                 m.records += 1
                 if r.key is not None:
@@ -145,8 +154,9 @@ class _Filter:
         views = list(iter_batches(data))
         for i, v in enumerate(views):
             raw = data[v.pos:v.pos + v.size]
-            if v.attributes & CONTROL_MASK:
-                out += raw
+            if v.attributes & CONTROL_MASK or (v.attributes & TRANSACTIONAL_MASK and
+                                               self.m.is_aborted(v.producer_id, v.base_offset)):
+                out += raw                   # markers and aborted data stay as they are
                 continue
             recs = decode_records(v)
             self.records += len(recs)
@@ -303,7 +313,8 @@ class LogCleaner:
             return None                       # memory storage: nothing to rewrite
         now = int(time.time() * 1000) if now_ms is None else now_ms
         first_dirty, clean, dirty = self.dirty_stats(p)
-        end = s.uploaded_offset
+        # never past an ongoing transaction: its records may still be aborted
+        end = min(s.uploaded_offset, p.last_stable_offset)
         # tombstones whose delete horizon passed are removed even with nothing dirty (KIP-534)
         horizon = self.horizons.get(s.stream_id)
         tombstones_due = horizon is not None and now >= horizon
@@ -319,7 +330,10 @@ class LogCleaner:
         if not due:
             return None
         min_lag = int(_num(p.configs, "min.compaction.lag.ms", 0))
-        m = await self._build_map(p, first_dirty, end, now - min_lag)
+        aborted: dict[int, list[tuple[int, int]]] = {}
+        for pid, first, last in list(getattr(getattr(p, "txns", None), "aborted", ())):
+            aborted.setdefault(pid, []).append((first, last))
+        m = await self._build_map(p, first_dirty, end, now - min_lag, aborted)
         entries = getattr(getattr(p, "producers", None), "entries", {})
         m.producer_last = {pid: e.batches[-1].base_offset for pid, e in list(entries.items())
                            if getattr(e, "batches", None)}
@@ -357,10 +371,12 @@ class LogCleaner:
             return None
         return None
 
-    async def _build_map(self, p: Partition, start: int, end: int, max_ts: int) -> _OffsetMap:
+    async def _build_map(self, p: Partition, start: int, end: int, max_ts: int,
+                         aborted: dict[int, list[tuple[int, int]]] | None = None) -> _OffsetMap:
         """Offset map of [start, end), stopping when full or at a too-recent batch; ``end``
         of the result is the first offset not mapped (a payload boundary)."""
-        m = _OffsetMap(max(1, self.map_bytes // MAP_ENTRY_BYTES), start, start)
+        m = _OffsetMap(max(1, self.map_bytes // MAP_ENTRY_BYTES), start, start,
+                       aborted=aborted or {})
         while m.end < end:
             t0 = time.monotonic()
             batches = await p.stream.read(m.end, READ_BYTES)

@@ -32,6 +32,7 @@ class BrokerConfig:
     object_store: str = ""                   # "" = file://<data_dir>/objects
     metadata: str = ""                       # "" = sqlite:///<data_dir>/meta.db
     node_id: int = 0
+    rack: str = ""                           # Kafka's broker.rack (reported in Metadata)
     storage: str = "engine"                  # engine | memory (memory: nothing survives a restart)
     auto_create_topics: bool = True          # Kafka's auto.create.topics.enable
     default_partitions: int = 1              # Kafka's num.partitions

@@ -31,6 +31,7 @@ from .handlers import HANDLERS
 from .handlers.registry import RequestContext
 from .metrics import RequestStats, start_metrics, timed
 from .metastore import MetadataStore, open_metadata_store
+from .cluster import ClusterError, ClusterRoom
 from .topics import Topic, TopicManager
 
 log = logging.getLogger(__name__)
@@ -471,6 +472,7 @@ class Broker:
         self.store: Any = None
         self.groups: Any = None
         self.topic_manager: TopicManager | None = None
+        self.cluster: Any = None           # broker.cluster.ClusterRoom
         self.cluster_id = ""
         self.connections: set[Connection] = set()
         self._server: asyncio.base_events.Server | None = None
@@ -488,7 +490,8 @@ class Broker:
     @property
     def partitions(self) -> dict[tuple[str, int], Any]:
         """(topic, index) -> Partition, a snapshot of every open partition."""
-        return {(t.name, i): p for t in self.topics.values() for i, p in enumerate(t.partitions)}
+        return {(t.name, i): p for t in self.topics.values() for i, p in enumerate(t.partitions)
+                if p is not None}
 
     @property
     def node_id(self) -> int:
@@ -508,9 +511,12 @@ class Broker:
             await asyncio.to_thread(self.meta.bind_object_store, cfg.object_store_url)
         self.store = self._open_store()
         await self.store.start()
+        self.cluster = ClusterRoom(self)
+        await self.cluster.start()
         self.topic_manager = TopicManager(self, self.meta)
         await self.topic_manager.load()
         self.groups = await self._start_groups()
+        self.cluster.run()
         self._server = await asyncio.get_running_loop().create_server(
             lambda: Connection(self), cfg.listen_host, cfg.listen_port, reuse_address=True,
             backlog=1024)
@@ -573,6 +579,12 @@ class Broker:
         log.info("broker stopping connections=%d", len(self.connections))
         if self._store_watch is not None:
             self._store_watch.cancel()
+        if self.cluster is not None:
+            try:
+                await self.cluster.drain()     # controlled shutdown: partitions move first
+            except Exception:  # noqa: BLE001
+                log.exception("controlled shutdown failed")
+            await self.cluster.stop()
         if self._server is not None:
             self._server.close()
         for c in list(self.connections):
@@ -686,4 +698,7 @@ def run(config: BrokerConfig, startup: Any = None) -> int:
     except (OSError, ValueError, WALError, ObjectStoreError) as exc:
         log.error("cannot start: %s", " ".join(str(exc).split()))
         return 1
+    except ClusterError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
     return 0

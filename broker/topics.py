@@ -291,22 +291,88 @@ class TopicManager:
     async def set_overrides(self, topic: Topic, overrides: dict[str, str]) -> None:
         """Persist new overrides and update the live dict the partitions read."""
         await asyncio.to_thread(self.meta.set_topic_configs, topic.name, overrides)
+        self._apply_overrides(topic, overrides)
+        self._changed()
+        log.info("topic configs changed topic=%s overrides=%s", topic.name, overrides)
+
+    def _apply_overrides(self, topic: Topic, overrides: dict[str, str]) -> None:
         topic.overrides = dict(overrides)
         eff = self.effective(topic.overrides)
         topic.configs.clear()
         topic.configs.update(eff)
-        log.info("topic configs changed topic=%s overrides=%s", topic.name, overrides)
+
+    # ---- the cluster room (broker/cluster): which partitions this broker leads ----------
+    @property
+    def _cluster(self) -> Any:
+        return getattr(self.broker, "cluster", None)
+
+    def _changed(self) -> None:
+        if self._cluster is not None:
+            self._cluster.topic_changed()
+
+    async def _leaders(self, topic: Topic, first: int, count: int, rf: int) -> list[int]:
+        """Leaders of new partitions, recorded before the topic is (a cluster of one: us)."""
+        c = self._cluster
+        if c is None:
+            return [self.broker.config.node_id] * count
+        leaders = c.placement(count)
+        await c.assign_new(topic.topic_id, first, leaders, max(1, rf))
+        return leaders
+
+    def _disown(self, stream_id: int) -> None:
+        disown = getattr(self.broker.store, "disown_stream", None)
+        if disown is not None:
+            disown(stream_id)
+
+    async def sync(self) -> None:
+        """Take topic changes other brokers made (the cluster room calls this when the
+        shared metadata changed): new, deleted and grown topics and config changes.
+        Partitions are opened by the cluster room once they are assigned here."""
+        async with self._lock:
+            records = {r.name: r for r in await asyncio.to_thread(self.meta.load_topics)}
+            for name in [n for n, t in self.topics.items()
+                         if n not in records or records[n].topic_id != t.topic_id]:
+                topic = self.topics.pop(name)
+                for p in topic.partitions:
+                    if p is not None:
+                        await p.close()
+                        self._disown(p.stream.stream_id)
+                log.info("topic deleted elsewhere topic=%s", name)
+            for name, rec in records.items():
+                topic = self.topics.get(name)
+                if topic is None:
+                    topic = Topic(rec.name, rec.topic_id, configs=self.effective(rec.configs),
+                                  overrides=dict(rec.configs), stream_ids=list(rec.stream_ids),
+                                  partitions=[None] * len(rec.stream_ids),
+                                  is_internal=rec.name in INTERNAL_TOPICS)
+                    self.topics[name] = topic
+                    log.info("topic created elsewhere topic=%s partitions=%d", name,
+                             len(rec.stream_ids))
+                    continue
+                if len(rec.stream_ids) > len(topic.partitions):
+                    topic.stream_ids = list(rec.stream_ids)
+                    topic.partitions.extend([None] * (len(rec.stream_ids) -
+                                                      len(topic.partitions)))
+                if rec.configs != topic.overrides:
+                    self._apply_overrides(topic, rec.configs)
 
     # ---- lifecycle -------------------------------------------------------------------
     async def load(self) -> None:
-        """Open every stored topic's partitions (at start-up)."""
+        """Open every stored topic's partitions this broker leads (at start-up)."""
         records = await asyncio.to_thread(self.meta.load_topics)
+        c = self._cluster
         for rec in records:
             topic = Topic(rec.name, rec.topic_id, configs=self.effective(rec.configs),
                           overrides=dict(rec.configs), stream_ids=list(rec.stream_ids),
                           is_internal=rec.name in INTERNAL_TOPICS)
             try:
+                if c is not None:
+                    await c.claim_unassigned(rec.topic_id, len(rec.stream_ids))
                 for i, sid in enumerate(rec.stream_ids):
+                    if c is not None and not c.should_open(rec.topic_id, i):
+                        topic.partitions.append(None)
+                        self._disown(sid)
+                        continue
                     topic.partitions.append(await self._open_partition(topic, i, sid,
                                                                         create=False))
             except Exception:  # noqa: BLE001 - one broken topic must not stop the broker
@@ -317,6 +383,9 @@ class TopicManager:
             try:
                 await self.create(CONSUMER_OFFSETS, INTERNAL_TOPIC_PARTITIONS,
                                   dict(INTERNAL_TOPIC_CONFIGS))
+            except TopicError as exc:  # another broker of the cluster created it just now
+                if exc.code != ErrorCode.TOPIC_ALREADY_EXISTS:
+                    log.error("cannot create internal topic=%s: %s", CONSUMER_OFFSETS, exc)
             except Exception:  # noqa: BLE001 - only clients listing it would miss it
                 log.exception("cannot create internal topic=%s", CONSUMER_OFFSETS)
         log.info("topics loaded count=%d", len(self.topics))
@@ -339,6 +408,9 @@ class TopicManager:
         if name in self.topics:
             raise TopicError(ErrorCode.TOPIC_ALREADY_EXISTS, f"topic {name!r} already exists")
         node = self.broker.config.node_id
+        live = sorted(self._cluster.live) if self._cluster is not None else [node]
+        if not live:
+            live = [node]
         if assignments:
             if num_partitions not in (-1, 0) or replication_factor not in (-1, 0):
                 raise TopicError(ErrorCode.INVALID_REQUEST, "both partition count/replication "
@@ -348,9 +420,7 @@ class TopicManager:
                 raise TopicError(ErrorCode.INVALID_REPLICATION_ASSIGNMENT,
                                  "partition indexes must be 0..n-1")
             for _, brokers in assignments:
-                if list(brokers) != [node]:
-                    raise TopicError(ErrorCode.INVALID_REPLICATION_ASSIGNMENT,
-                                     f"this single-node cluster has only broker {node}")
+                _check_replicas(list(brokers), live)
             count = len(idx)
         else:
             count = self.broker.config.default_partitions if num_partitions == -1 \
@@ -358,17 +428,22 @@ class TopicManager:
             if count <= 0:
                 raise TopicError(ErrorCode.INVALID_PARTITIONS,
                                  "number of partitions must be larger than 0")
-            if replication_factor not in (-1, 1):
+            if replication_factor != -1 and not 1 <= replication_factor <= len(live):
+                n = len(live)
                 raise TopicError(ErrorCode.INVALID_REPLICATION_FACTOR,
                                  f"replication factor {replication_factor} is larger than the "
-                                 "1 available broker" if replication_factor > 1 else
+                                 f"{n} available broker{'s' if n > 1 else ''}"
+                                 if replication_factor > 1 else
                                  "replication factor must be larger than 0")
         if count > 100_000:
             raise TopicError(ErrorCode.INVALID_PARTITIONS, "too many partitions")
         return count, self.validate_configs(configs)
 
-    async def create(self, name: str, count: int, overrides: dict[str, str]) -> Topic:
-        """Create a validated topic: streams first, then one metadata transaction."""
+    async def create(self, name: str, count: int, overrides: dict[str, str],
+                     replication_factor: int = 1,
+                     leaders: list[int] | None = None) -> Topic:
+        """Create a validated topic: streams first, then one metadata transaction.
+        ``leaders``: a manual assignment's first broker per partition."""
         async with self._lock:
             if name in self.topics:
                 raise TopicError(ErrorCode.TOPIC_ALREADY_EXISTS, f"topic {name!r} already exists")
@@ -376,8 +451,10 @@ class TopicManager:
                           overrides=dict(overrides), is_internal=name in INTERNAL_TOPICS)
             topic.stream_ids = await self._open_new_partitions(
                 topic, count, lambda ids: self.meta.create_topic(TopicRecord(
-                    name, topic.topic_id, dict(overrides), list(ids))))
+                    name, topic.topic_id, dict(overrides), list(ids))),
+                replication_factor, leaders)
             self.topics[name] = topic
+            self._changed()
             log.info("topic created topic=%s id=%s partitions=%d configs=%s", name,
                      topic.topic_id, count, overrides)
             return topic
@@ -406,7 +483,11 @@ class TopicManager:
                                  f"Cannot delete internal topic {name}.")
             await asyncio.to_thread(self.meta.delete_topic, name)
             del self.topics[name]
+            if self._cluster is not None:
+                await self._cluster.forget_topic(topic.topic_id)
             for p in topic.partitions:
+                if p is None:
+                    continue
                 try:
                     await p.close()
                 except Exception:  # noqa: BLE001
@@ -419,22 +500,38 @@ class TopicManager:
             await groups.on_topic_deleted(name)
 
     async def _open_new_partitions(self, topic: Topic, count: int,
-                                   record: Callable[[list[int]], None]) -> list[int]:
+                                   record: Callable[[list[int]], None], rf: int = 1,
+                                   leaders: list[int] | None = None) -> list[int]:
         """Append ``count`` partitions to ``topic``: streams first, then ``record(stream ids)``
         (one metadata transaction, run in a thread; the streams are dropped again if it fails),
         then the partitions are opened. Returns the new stream ids."""
         streams = [await self.broker.store.create_stream() for _ in range(count)]
         ids = [s.stream_id for s in streams]
+        first = len(topic.partitions)
         try:
+            if leaders is not None and self._cluster is not None:
+                await self._cluster.assign_new(topic.topic_id, first, leaders, max(1, rf))
+            else:
+                leaders = await self._leaders(topic, first, count, rf if rf > 0 else 1)
             await asyncio.to_thread(record, ids)
         except Exception:
             for sid in ids:
                 await self._drop_stream(sid)
+            if first == 0 and self._cluster is not None:
+                await self._cluster.forget_topic(topic.topic_id)
+                names = {r.name for r in await asyncio.to_thread(self.meta.load_topics)}
+                if topic.name in names:   # another broker created it a moment ago
+                    raise TopicError(ErrorCode.TOPIC_ALREADY_EXISTS,
+                                     f"topic {topic.name!r} already exists") from None
             raise
         from .partition import Partition  # noqa: PLC0415
 
-        first = len(topic.partitions)
+        node = self.broker.config.node_id
         for i, s in enumerate(streams):
+            if leaders[i] != node:        # led by another broker, which opens it
+                topic.partitions.append(None)
+                self._disown(s.stream_id)
+                continue
             topic.partitions.append(await Partition.open(
                 self.broker, topic.name, topic.topic_id, first + i, s, topic.configs))
         return ids
@@ -463,10 +560,9 @@ class TopicManager:
                 raise TopicError(ErrorCode.INVALID_REPLICATION_ASSIGNMENT,
                                  f"expected {count - have} assignments, got {len(assignments)}")
             node = self.broker.config.node_id
+            live = sorted(self._cluster.live) if self._cluster is not None else [node]
             for brokers in assignments:
-                if list(brokers) != [node]:
-                    raise TopicError(ErrorCode.INVALID_REPLICATION_ASSIGNMENT,
-                                     f"this single-node cluster has only broker {node}")
+                _check_replicas(list(brokers), live or [node])
         return topic
 
     async def add_partitions(self, name: str, count: int) -> None:
@@ -476,12 +572,25 @@ class TopicManager:
             ids = await self._open_new_partitions(
                 topic, count - have, lambda ids: self.meta.add_partitions(name, have, ids))
             topic.stream_ids.extend(ids)
+            self._changed()
             log.info("partitions added topic=%s partitions=%d->%d", name, have, count)
 
     async def close(self) -> None:
         for topic in list(self.topics.values()):
             for p in topic.partitions:
+                if p is None:
+                    continue
                 try:
                     await p.close()
                 except Exception:  # noqa: BLE001
                     log.exception("closing partition failed topic=%s", topic.name)
+
+
+def _check_replicas(brokers: list[int], live: list[int]) -> None:
+    """A manual assignment may name live brokers only, each once."""
+    if len(live) == 1 and brokers != live:
+        raise TopicError(ErrorCode.INVALID_REPLICATION_ASSIGNMENT,
+                         f"this single-node cluster has only broker {live[0]}")
+    if not brokers or len(set(brokers)) != len(brokers) or any(b not in live for b in brokers):
+        raise TopicError(ErrorCode.INVALID_REPLICATION_ASSIGNMENT,
+                         f"replicas {brokers} must be distinct live brokers of {live}")

@@ -20,6 +20,8 @@ from kafka.protocol.admin import (
     DescribeProducersRequest, DescribeProducersResponse, DescribeTopicPartitionsRequest,
     DescribeTopicPartitionsResponse, IncrementalAlterConfigsRequest,
     IncrementalAlterConfigsResponse, ListGroupsRequest, ListGroupsResponse,
+    AlterPartitionReassignmentsRequest, AlterPartitionReassignmentsResponse, ElectLeadersRequest,
+    ElectLeadersResponse, ListPartitionReassignmentsRequest, ListPartitionReassignmentsResponse,
 )
 from kafka.protocol.consumer import (
     FetchRequest, FetchResponse, HeartbeatRequest, HeartbeatResponse, JoinGroupRequest,
@@ -82,7 +84,10 @@ _SUPPORTED: dict[int, tuple[int, int, type, type]] = {
     35: (1, 4, DescribeLogDirsRequest, DescribeLogDirsResponse),
     37: (0, 3, CreatePartitionsRequest, CreatePartitionsResponse),
     42: (0, 2, DeleteGroupsRequest, DeleteGroupsResponse),
+    43: (0, 2, ElectLeadersRequest, ElectLeadersResponse),
     44: (0, 1, IncrementalAlterConfigsRequest, IncrementalAlterConfigsResponse),
+    45: (0, 0, AlterPartitionReassignmentsRequest, AlterPartitionReassignmentsResponse),
+    46: (0, 0, ListPartitionReassignmentsRequest, ListPartitionReassignmentsResponse),
     47: (0, 0, OffsetDeleteRequest, OffsetDeleteResponse),
     60: (0, 2, DescribeClusterRequest, DescribeClusterResponse),
     61: (0, 0, DescribeProducersRequest, DescribeProducersResponse),

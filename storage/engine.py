@@ -51,6 +51,8 @@ class EngineConfig:
     object_store: str = ""                   # "" = file://<data_dir>/objects
     metadata_url: str = ""                   # "" = sqlite:///<data_dir>/meta.db
     node_id: int = 0
+    node_epoch: int = 0                      # this node's epoch (the cluster layer bumps it);
+                                             # written into the WAL header and the registry
     log_cache_bytes: int = 1 << 30
     block_cache_bytes: int = 256 << 20
     upload_threshold_bytes: int = 64 << 20
@@ -67,6 +69,8 @@ class EngineConfig:
     backpressure_timeout_s: float = 5.0      # append waits this long for cache/WAL room
     wal_sync_mode: str = "dsync"
     wal_format: bool = False                 # erase and format a WAL path holding foreign data
+    wal_reformat_taken_over: bool = False    # format afresh a WAL another node took over (its
+                                             # records are committed; needs a newer node_epoch)
     wal_flush_interval_s: float = 1 / 3000
     wal_io_engine: str = "aio"               # "aio": the event loop writes the WAL with native
                                              # AIO; "threads": IO threads do (docs/wal.md)
@@ -119,6 +123,9 @@ class EngineStream(Stream):
         self._confirmed = meta.end_offset
         self.committed = meta.end_offset
         self.deleted = meta.deleted
+        # False while another node writes the stream (a cluster sharing the object store):
+        # appends are refused and compaction leaves its objects alone
+        self.owned = True
 
     @property
     def start_offset(self) -> int:
@@ -146,6 +153,8 @@ class EngineStream(Stream):
         eng = self._engine
         if self.deleted:
             raise StorageError(f"stream {self.stream_id} is deleted")
+        if not self.owned:
+            raise StorageError(f"stream {self.stream_id} is released to another node")
         if base_offset != self._end:
             raise ValueError(f"append at {base_offset}, expected {self._end}")
         if count <= 0:
@@ -340,6 +349,7 @@ class Engine(StreamStore):
         self._wal_trimmed = 0
         self._tasks: list[asyncio.Task] = []
         self._uploading = False
+        self._release_lock = asyncio.Lock()
         self.maintenance: Any = None
         self.upload_errors = 0
         self.stats = StorageStats()          # read by storage.metrics.StorageCollector
@@ -384,12 +394,15 @@ class Engine(StreamStore):
                 self.cache.drop_stream(m.stream_id)
         self.reader.add(await self.io(self.meta.ranges))
         self.wal = DeltaWAL(WALConfig(path=c.wal_path, capacity=c.wal_capacity, node_id=c.node_id,
+                                      node_epoch=c.node_epoch,
                                       sync_mode=c.wal_sync_mode,
                                       flush_interval_s=c.wal_flush_interval_s,
                                       io_engine=c.wal_io_engine,
-                                      allow_format=c.wal_format))
+                                      allow_format=c.wal_format,
+                                      reformat_taken_over=c.wal_reformat_taken_over))
         recovered = await self.io(lambda: list(self.wal.open()))
         self.wal.attach_loop()
+        await self._register_wal()
         self._wal_trimmed = self.wal.trim_offset
         self._recover(recovered)
         self._tasks = [asyncio.create_task(self._upload_loop(), name="s3kafka-uploader"),
@@ -400,6 +413,34 @@ class Engine(StreamStore):
         elif recovered:
             last_off, last_body = recovered[-1]
             await self.io(self.wal.trim, last_off + WAL_RECORD_HEADER + len(last_body))
+
+    async def _register_wal(self) -> None:
+        """Record this node's WAL (path, device, capacity, epoch) in the metadata store, where
+        a controller finds it to hand it to a taker (storage/takeover.py)."""
+        from .takeover import wal_identity
+        c = self.config
+        try:
+            info = wal_identity(c.wal_path, c.node_id, c.node_epoch, c.wal_capacity)
+            if not await self.io(self.meta.register_wal, info):
+                log.warning("WAL registry holds a newer epoch of node %d than %d: not updated",
+                            c.node_id, c.node_epoch)
+        except Exception as e:            # the registry is for failover; serving goes on
+            log.warning("could not register the WAL in the metadata store: %s", e)
+
+    async def take_over_wal(self, path: str, node_id: int, node_epoch: int,
+                            taker_epoch: int, force_lock: bool = False) -> Any:
+        """Take over node ``node_id``'s WAL at ``path`` (fenced at ``node_epoch``) for this
+        node at ``taker_epoch``: fence it, commit its records through this engine's metadata
+        and object stores, mark it done (storage/takeover.py). Never touches this node's own
+        WAL. Returns a storage.takeover.TakeoverResult; streams opened here afterwards (e.g.
+        acquire_stream) see the recovered records."""
+        from .takeover import take_over_wal
+        c = self.config
+        return await self.io(functools.partial(
+            take_over_wal, path, node_id=node_id, node_epoch=node_epoch, taker=c.node_id,
+            taker_epoch=taker_epoch, meta=self.meta, store=self.store,
+            own_wal_path=c.wal_path, force_lock=force_lock,
+            object_block_bytes=c.object_block_bytes))
 
     def _recover(self, records: list[tuple[int, bytes]]) -> None:
         """Re-append WAL records not yet committed to objects into the cache, in order."""
@@ -498,6 +539,60 @@ class Engine(StreamStore):
         s.deleted = True
         self.cache.drop_stream(stream_id)
         await self.io(self.meta.delete_stream, stream_id)
+
+    # -- handing streams between nodes (a cluster sharing one object store) ----------------
+    async def release_stream(self, stream_id: int, upload: bool = True) -> int:
+        """Close a stream for handoff: wait for its appends in flight, upload everything
+        pending (so its whole log is in the object store), stop accepting appends. Returns
+        the committed end offset the next owner continues from."""
+        s = self.streams.get(stream_id)
+        if s is None:
+            return 0
+        s.owned = False                       # no new appends from here on
+        if upload:
+            deadline = time.monotonic() + 30
+            while s._confirmed < s._end and time.monotonic() < deadline:
+                await asyncio.sleep(0.002)     # appends in flight reach the WAL first
+            # another caller (the uploader, a concurrent release) may hold some entries
+            # in an upload right now: drain until this stream's end is committed
+            async with self._release_lock:   # one drain at a time (WAL trim order)
+                while s.committed < s._end and time.monotonic() < deadline:
+                    await self._drain_uploads()
+                    if s.committed < s._end:
+                        await asyncio.sleep(0.005)
+            if s.committed < s._end:
+                raise StorageError(f"stream {stream_id}: only {s.committed} of {s._end} "
+                                   "offsets reached the object store")
+        return s.committed
+
+    async def acquire_stream(self, stream_id: int, epoch: int) -> Stream:
+        """Open a stream another node wrote, at ``epoch``: claim it in the metadata store
+        (compare-and-set: a lower epoch never wins, and the previous owner's commits are
+        refused from then on), then take its committed state and objects from the store.
+        Appends continue from the committed end offset."""
+        c = self.config
+        if not await self.io(self.meta.claim_stream, stream_id, c.node_id, epoch):
+            raise StorageError(f"stream {stream_id} is claimed at an epoch above {epoch}")
+        m = await self.io(self.meta.stream, stream_id)
+        if m is None or m.deleted:
+            raise StorageError(f"no stream {stream_id}")
+        ranges = await self.io(self.meta.stream_ranges, stream_id)
+        s = self.streams.get(stream_id)
+        if s is None:
+            s = self.streams[stream_id] = EngineStream(self, m)
+        else:
+            s._start, s._end, s._confirmed, s.committed = (m.start_offset, m.end_offset,
+                                                           m.end_offset, m.end_offset)
+        s.owned = True
+        self.cache.reset_stream(stream_id, m.end_offset, m.start_offset)
+        self.reader.replace_stream(stream_id, ranges)
+        return s
+
+    def disown_stream(self, stream_id: int) -> None:
+        """A stream this node knows but another node writes (cluster start-up)."""
+        s = self.streams.get(stream_id)
+        if s is not None:
+            s.owned = False
 
     # -- upload -----------------------------------------------------------------------------
     def note_wal(self, wal_next: int) -> None:

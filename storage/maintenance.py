@@ -119,7 +119,8 @@ class Maintenance:
 
     def _dead(self, r: ObjectRange) -> bool:
         s = self.engine.streams.get(r.stream_id)
-        return s is None or s.deleted or r.end_offset <= s.start_offset
+        # a stream another node writes: its start offset here may be stale, never delete
+        return s is None or s.deleted or (s.owned and r.end_offset <= s.start_offset)
 
     async def cleanup(self) -> int:
         """One cleanup pass; returns how many objects were marked destroyed."""
@@ -155,11 +156,15 @@ class Maintenance:
     async def _compact(self) -> int:
         e = self.engine
         c = e.config
-        ssos = [(oid, rs) for oid, rs in e.reader.objects.items() if rs and rs[0].kind == "sso"]
+        # only objects whose every stream this node writes: another node's reader keeps
+        # its own map of the objects of the streams it owns (a shared object store)
+        mine = {oid: rs for oid, rs in e.reader.objects.items()
+                if rs and all(getattr(e.streams.get(r.stream_id), "owned", False) for r in rs)}
+        ssos = [(oid, rs) for oid, rs in mine.items() if rs[0].kind == "sso"]
         in_sso = {r.stream_id for _, rs in ssos for r in rs}
         small: dict[int, list[tuple[int, list[ObjectRange]]]] = {}
-        for oid, rs in e.reader.objects.items():
-            if rs and rs[0].kind == "so" and rs[0].size < c.small_object_bytes:
+        for oid, rs in mine.items():
+            if rs[0].kind == "so" and rs[0].size < c.small_object_bytes:
                 small.setdefault(rs[0].stream_id, []).append((oid, rs))
         # a lone small stream object is left alone unless new data of its stream arrived:
         # otherwise every round would rewrite it
@@ -318,7 +323,7 @@ class Maintenance:
             return kept, others, before, after, dropped
 
         try:
-            for i, r in enumerate(picked):
+            for r in picked:
                 t0 = time.monotonic()
                 data = await e.cold_io(e.store.get, r.key, 0, None)
                 # a low-priority thread: the event loop keeps serving meanwhile

@@ -53,6 +53,34 @@ class StreamFenced(sqldb.StaleEpoch):
     """Another node claimed the stream at a higher epoch: this node may not commit to it."""
 
 
+class TakeoverConflict(sqldb.StaleEpoch):
+    """A takeover's commit found the metadata moved on: another taker committed these ranges,
+    a newer taker owns the takeover, or a stream's owner changed. Nothing was committed."""
+
+
+WAL_ACTIVE = "active"              # its owner writes it
+WAL_TAKING_OVER = "taking_over"    # taken_over_by recovers it (at taken_over_epoch)
+WAL_TAKEN_OVER = "taken_over"      # recovered and committed; the owner must format afresh
+
+
+@dataclass
+class WALInfo:
+    """Where a node's WAL lives (s3_wals): what a controller needs to hand it to a taker.
+    device_id/inode identify the file or device (st_rdev for a block device, else st_dev)."""
+
+    node_id: int
+    node_epoch: int
+    path: str
+    host: str
+    device_id: int
+    inode: int
+    capacity: int
+    state: str = WAL_ACTIVE
+    taken_over_by: int | None = None
+    taken_over_epoch: int | None = None
+    updated_ms: int = 0
+
+
 class MetaStore(abc.ABC):
     """What the engine needs from a metadata database."""
 
@@ -114,6 +142,40 @@ class MetaStore(abc.ABC):
     def forget_objects(self, object_ids: list[int]) -> None:
         """Remove rows of objects whose keys are gone from the store."""
 
+    # -- the WAL registry (storage/takeover.py; docs/wal.md "Takeover and fencing") --------
+    def register_wal(self, info: WALInfo) -> bool:
+        """Record (or update) this node's WAL; refused (False) when the registry holds a newer
+        epoch of the node. A new epoch makes the row active again."""
+        raise NotImplementedError
+
+    def wal(self, node_id: int) -> WALInfo | None:
+        """A node's registered WAL, None when it never registered one."""
+        raise NotImplementedError
+
+    def wals(self) -> list[WALInfo]:
+        """Every registered WAL, by node id."""
+        raise NotImplementedError
+
+    def begin_wal_takeover(self, node_id: int, node_epoch: int, taker: int,
+                           taker_epoch: int) -> bool:
+        """Compare-and-set: ``taker`` owns the takeover of node_id's WAL (at node_epoch) from
+        now on. Refused when the node registered a newer epoch, the takeover is done, or
+        another taker holds it at a higher taker epoch. True also when no row exists."""
+        raise NotImplementedError
+
+    def finish_wal_takeover(self, node_id: int, taker: int, taker_epoch: int) -> bool:
+        """Mark the WAL taken over (done) if this taker still owns its takeover."""
+        raise NotImplementedError
+
+    def commit_takeover(self, new: list[NewObject], owners: dict[int, tuple[int, int] | None],
+                        wal_node: int, taker: int, taker_epoch: int) -> None:
+        """Commit a takeover's objects in one transaction, conditioned on epochs: each
+        stream's owner is still ``owners[stream]`` (None: unclaimed), each range starts
+        exactly at its stream's committed end (so nothing is committed twice), and, if the
+        WAL is registered, ``taker`` still owns its takeover at ``taker_epoch``. Raises
+        TakeoverConflict (nothing committed) otherwise."""
+        raise NotImplementedError
+
     def close(self) -> None: ...
 
 
@@ -149,7 +211,24 @@ CREATE TABLE IF NOT EXISTS s3_stream_owners (
     epoch BIGINT NOT NULL);
 CREATE INDEX IF NOT EXISTS s3_objects_state ON s3_objects(state)
 """),
+    (3, """
+CREATE TABLE IF NOT EXISTS s3_wals (
+    node_id BIGINT PRIMARY KEY,
+    node_epoch BIGINT NOT NULL,
+    path TEXT NOT NULL,
+    host TEXT NOT NULL,
+    device_id BIGINT NOT NULL,
+    inode BIGINT NOT NULL,
+    capacity BIGINT NOT NULL,
+    state TEXT NOT NULL,
+    taken_over_by BIGINT,
+    taken_over_epoch BIGINT,
+    updated_ms BIGINT NOT NULL)
+"""),
 ]
+
+_WAL_COLS = ("node_id, node_epoch, path, host, device_id, inode, capacity, state, taken_over_by,"
+             " taken_over_epoch, updated_ms")
 
 
 def _now_ms() -> int:
@@ -290,6 +369,90 @@ class SqlMetaStore(MetaStore):
             rows = [(oid,) for oid in object_ids]
             tx.executemany("DELETE FROM s3_objects WHERE object_id=?", rows)
             tx.executemany("DELETE FROM s3_object_ranges WHERE object_id=?", rows)
+        self.db.transact(body)
+
+    # -- the WAL registry ---------------------------------------------------------------
+    def register_wal(self, info: WALInfo) -> bool:
+        return self.db.transact(lambda tx: tx.execute(
+            "INSERT INTO s3_wals(" + _WAL_COLS + ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL,"
+            " ?) ON CONFLICT (node_id) DO UPDATE SET node_epoch=excluded.node_epoch,"
+            " path=excluded.path, host=excluded.host, device_id=excluded.device_id,"
+            " inode=excluded.inode, capacity=excluded.capacity,"
+            " state=CASE WHEN s3_wals.node_epoch < excluded.node_epoch THEN excluded.state"
+            " ELSE s3_wals.state END,"
+            " taken_over_by=CASE WHEN s3_wals.node_epoch < excluded.node_epoch THEN NULL"
+            " ELSE s3_wals.taken_over_by END,"
+            " taken_over_epoch=CASE WHEN s3_wals.node_epoch < excluded.node_epoch THEN NULL"
+            " ELSE s3_wals.taken_over_epoch END,"
+            " updated_ms=excluded.updated_ms WHERE s3_wals.node_epoch <= excluded.node_epoch",
+            (info.node_id, info.node_epoch, info.path, info.host, info.device_id, info.inode,
+             info.capacity, WAL_ACTIVE, _now_ms()))) == 1
+
+    def wal(self, node_id: int) -> WALInfo | None:
+        r = self.db.query_one("SELECT " + _WAL_COLS + " FROM s3_wals WHERE node_id=?",
+                              (node_id,))
+        return None if r is None else WALInfo(*r)
+
+    def wals(self) -> list[WALInfo]:
+        return [WALInfo(*r) for r in self.db.query("SELECT " + _WAL_COLS + " FROM s3_wals"
+                                                   " ORDER BY node_id")]
+
+    def begin_wal_takeover(self, node_id: int, node_epoch: int, taker: int,
+                           taker_epoch: int) -> bool:
+        def body(tx: sqldb.Tx) -> bool:
+            row = tx.query_one("SELECT node_epoch, state, taken_over_by, taken_over_epoch FROM"
+                               " s3_wals WHERE node_id=?", (node_id,))
+            if row is None:
+                return True
+            epoch, state, by, by_epoch = row
+            if epoch > node_epoch or state == WAL_TAKEN_OVER:
+                return False
+            if state == WAL_TAKING_OVER and (by_epoch, by != taker) > (taker_epoch, False):
+                return False              # a newer taker (or another at the same epoch) has it
+            tx.execute("UPDATE s3_wals SET state=?, taken_over_by=?, taken_over_epoch=?,"
+                       " updated_ms=? WHERE node_id=?",
+                       (WAL_TAKING_OVER, taker, taker_epoch, _now_ms(), node_id))
+            return True
+        return self.db.transact(body)
+
+    def finish_wal_takeover(self, node_id: int, taker: int, taker_epoch: int) -> bool:
+        return self.db.transact(lambda tx: tx.execute(
+            "UPDATE s3_wals SET state=?, updated_ms=? WHERE node_id=? AND state=? AND"
+            " taken_over_by=? AND taken_over_epoch=?",
+            (WAL_TAKEN_OVER, _now_ms(), node_id, WAL_TAKING_OVER, taker, taker_epoch))) == 1
+
+    def commit_takeover(self, new: list[NewObject], owners: dict[int, tuple[int, int] | None],
+                        wal_node: int, taker: int, taker_epoch: int) -> None:
+        def body(tx: sqldb.Tx) -> None:
+            row = tx.query_one("SELECT state, taken_over_by, taken_over_epoch FROM s3_wals"
+                               " WHERE node_id=?", (wal_node,))
+            if row is not None and tuple(row) != (WAL_TAKING_OVER, taker, taker_epoch):
+                raise TakeoverConflict(f"the takeover of node {wal_node}'s WAL is no longer "
+                                       f"node {taker}'s at epoch {taker_epoch} (now {row})")
+            for sid, want in sorted(owners.items()):
+                got = tx.query_one("SELECT node_id, epoch FROM s3_stream_owners WHERE"
+                                   " stream_id=?", (sid,))
+                if (None if got is None else (int(got[0]), int(got[1]))) != want:
+                    raise TakeoverConflict(f"stream {sid} is now owned by {got}, the takeover "
+                                           f"expected {want}")
+            now = _now_ms()
+            for obj in new:
+                n = tx.execute("UPDATE s3_objects SET state='committed', size=?, committed_ms=?"
+                               " WHERE object_id=? AND state='prepared'",
+                               (obj.size, now, obj.object_id))
+                if n != 1:
+                    raise TakeoverConflict(f"object {obj.object_id} is not prepared")
+                for r in obj.ranges:
+                    if tx.execute("UPDATE s3_streams SET end_offset=? WHERE stream_id=? AND"
+                                  " end_offset=? AND deleted=0",
+                                  (r.end_offset, r.stream_id, r.start_offset)) != 1:
+                        raise TakeoverConflict(
+                            f"stream {r.stream_id} no longer ends at {r.start_offset} "
+                            "(committed by another taker, or deleted)")
+                tx.executemany("INSERT INTO s3_object_ranges(object_id, stream_id, start_offset,"
+                               " end_offset) VALUES (?, ?, ?, ?)",
+                               [(obj.object_id, r.stream_id, r.start_offset, r.end_offset)
+                                for r in obj.ranges])
         self.db.transact(body)
 
     def close(self) -> None:

@@ -61,6 +61,18 @@ class ObjectReader:
             self._ranges[sid] = rs
             self._starts[sid] = [r.start_offset for r in rs]
 
+    def replace_stream(self, stream_id: int, ranges: list[ObjectRange]) -> None:
+        """Forget what this node knew of one stream's objects and take ``ranges`` (the
+        database's current view, e.g. when the stream arrives from another node)."""
+        for r in self._ranges.pop(stream_id, []):
+            kept = [x for x in self.objects.get(r.object_id, []) if x.stream_id != stream_id]
+            if kept:
+                self.objects[r.object_id] = kept
+            else:
+                self.objects.pop(r.object_id, None)
+        self._starts.pop(stream_id, None)
+        self.add(ranges)
+
     def stream_ranges(self, stream_id: int) -> list[ObjectRange]:
         return list(self._ranges.get(stream_id, []))
 

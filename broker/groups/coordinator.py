@@ -101,6 +101,29 @@ class GroupCoordinator:
             self._restore_group(grec)
         log.info("group coordinator started: %d groups, %d with committed offsets", len(self.groups), len(self.offsets))
 
+    async def reload(self) -> None:
+        """Take over every group from the metadata store (this broker just became their
+        coordinator in a cluster): state another coordinator saved replaces what this one
+        remembered from earlier."""
+        for group in self.groups.values():
+            self._cancel_rebalance_timer(group)
+            for handle in group.pending_members.values():
+                handle.cancel()
+            for m in group.members.values():
+                m.cancel_timer()
+        self.groups, self.offsets = {}, {}
+        offsets = await self._run(self._store.load_offsets)
+        records = await self._run(self._store.load_groups)
+        for rec in offsets:
+            self.offsets.setdefault(rec.group_id, {})[(rec.topic, rec.partition)] = CommittedOffset(
+                rec.offset, rec.leader_epoch, rec.metadata, rec.commit_ts_ms
+            )
+            self.groups.setdefault(rec.group_id, Group(rec.group_id))
+        for grec in records:
+            self._restore_group(grec)
+        log.info("groups taken over: %d groups, %d with committed offsets", len(self.groups),
+                 len(self.offsets))
+
     async def close(self) -> None:
         """Stop timers, fail parked calls so clients retry elsewhere, finish pending group
         writes (an Empty group must not come back with its departed members), close the store."""

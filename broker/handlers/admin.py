@@ -54,6 +54,7 @@ async def create_topics(ctx: RequestContext, req: Any) -> Any:
     for t in req.topics:
         topic: Topic | None = None
         count = -1
+        rf = 1
         try:
             _check_named_once(names, t.name)
             configs: dict[str, str | None] = {}
@@ -62,8 +63,11 @@ async def create_topics(ctx: RequestContext, req: Any) -> Any:
             assignments = [(a.partition_index, list(a.broker_ids)) for a in t.assignments or []]
             count, overrides = mgr.check_create(t.name, t.num_partitions, t.replication_factor,
                                                 assignments, configs)
+            rf = len(assignments[0][1]) if assignments else \
+                (t.replication_factor if t.replication_factor > 0 else 1)
             if not validate_only:
-                topic = await mgr.create(t.name, count, overrides)
+                leaders = [b[0] for _, b in sorted(assignments)] if assignments else None
+                topic = await mgr.create(t.name, count, overrides, rf, leaders)
             err, msg = ErrorCode.NONE, None
         except Exception as exc:  # noqa: BLE001 - answered per topic
             err, msg = _err(exc)
@@ -74,7 +78,7 @@ async def create_topics(ctx: RequestContext, req: Any) -> Any:
             if err == ErrorCode.NONE:
                 overrides_now = topic.overrides if topic is not None else overrides
                 tmp = Topic(t.name, ZERO_UUID, overrides=dict(overrides_now))
-                res.update(num_partitions=count, replication_factor=1, configs=[
+                res.update(num_partitions=count, replication_factor=rf, configs=[
                     ccls(name=n, value=val, read_only=False, config_source=src,
                          is_sensitive=False) for n, val, src in mgr.describe(tmp)])
             else:
@@ -397,3 +401,98 @@ async def describe_log_dirs(ctx: RequestContext, req: Any) -> Any:
     result = rcls(error_code=0, log_dir=path, topics=topics, total_bytes=total,
                   usable_bytes=usable, is_cordoned=False)
     return cls(version=v, throttle_time_ms=0, error_code=0, results=[result])
+
+
+# ---- partition moves (broker/cluster) -------------------------------------------------
+ELECT_LEADERS, ALTER_PARTITION_REASSIGNMENTS, LIST_PARTITION_REASSIGNMENTS = 43, 45, 46
+
+
+@handler(ALTER_PARTITION_REASSIGNMENTS)
+async def alter_partition_reassignments(ctx: RequestContext, req: Any) -> Any:
+    """The first broker of a partition's new replica list becomes its leader (the data stays
+    in the object store: a move hands the stream over, nothing is copied); a null list
+    cancels a move still in progress."""
+    broker = ctx.broker
+    cls = response_class(ALTER_PARTITION_REASSIGNMENTS)
+    tcls = cls.ReassignableTopicResponse
+    pcls = tcls.ReassignablePartitionResponse
+    out = []
+    for t in req.topics or []:
+        topic = broker.topics.get(t.name)
+        parts = []
+        for p in t.partitions or []:
+            if topic is None or not 0 <= p.partition_index < len(topic.partitions):
+                err: int = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+            elif p.replicas is not None and (not p.replicas or
+                                             len(set(p.replicas)) != len(p.replicas)):
+                err = ErrorCode.INVALID_REPLICATION_ASSIGNMENT
+            else:
+                target = p.replicas[0] if p.replicas is not None else None
+                try:
+                    err = await broker.cluster.request_move(topic, p.partition_index, target)
+                except Exception as exc:  # noqa: BLE001 - answered per partition
+                    err, _ = _err(exc)
+            parts.append(pcls(partition_index=p.partition_index, error_code=err,
+                              error_message=None if not err else ErrorCode(err).name))
+        out.append(tcls(name=t.name, partitions=parts))
+    return cls(version=ctx.version, throttle_time_ms=0, error_code=0, error_message=None,
+               responses=out)
+
+
+@handler(LIST_PARTITION_REASSIGNMENTS)
+async def list_partition_reassignments(ctx: RequestContext, req: Any) -> Any:
+    """Moves in progress: the leader is being removed, the target added."""
+    broker = ctx.broker
+    cluster = broker.cluster
+    cls = response_class(LIST_PARTITION_REASSIGNMENTS)
+    tcls = cls.OngoingTopicReassignment
+    pcls = tcls.OngoingPartitionReassignment
+    if req.topics is None:
+        wanted = [(t, range(len(t.partitions))) for t in broker.topics.values()]
+    else:
+        wanted = [(broker.topics[t.name], t.partition_indexes) for t in req.topics
+                  if t.name in broker.topics]
+    out = []
+    for topic, idxs in sorted(wanted, key=lambda w: w[0].name):
+        parts = []
+        for i in idxs:
+            a = cluster.assign.get((str(topic.topic_id), i))
+            if a is not None and a.state == "moving" and a.target >= 0:
+                parts.append(pcls(partition_index=i, replicas=[a.leader, a.target],
+                                  adding_replicas=[a.target], removing_replicas=[a.leader]))
+        if parts:
+            out.append(tcls(name=topic.name, partitions=parts))
+    return cls(version=ctx.version, throttle_time_ms=0, error_code=0, error_message=None,
+               topics=out)
+
+
+@handler(ELECT_LEADERS)
+async def elect_leaders(ctx: RequestContext, req: Any) -> Any:
+    """Every partition's leader is its preferred replica (the first of the list reported),
+    so a preferred election is never needed; an unclean one has nothing to do either."""
+    broker = ctx.broker
+    cls = response_class(ELECT_LEADERS)
+    rcls = cls.ReplicaElectionResult
+    pcls = rcls.PartitionResult
+    if req.topic_partitions is None:
+        wanted = [(t.name, list(range(len(t.partitions)))) for t in broker.topics.values()]
+    else:
+        wanted = [(t.topic, list(t.partitions)) for t in req.topic_partitions]
+    out = []
+    for name, idxs in wanted:
+        topic = broker.topics.get(name)
+        parts = []
+        for i in idxs:
+            if topic is None or not 0 <= i < len(topic.partitions):
+                parts.append(pcls(partition_id=i,
+                                  error_code=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
+                                  error_message="unknown topic or partition"))
+            elif broker.cluster.leader(topic, i)[0] < 0:
+                parts.append(pcls(partition_id=i, error_code=ErrorCode.ELIGIBLE_LEADERS_NOT_AVAILABLE,
+                                  error_message="its broker is offline"))
+            else:
+                parts.append(pcls(partition_id=i, error_code=ErrorCode.ELECTION_NOT_NEEDED,
+                                  error_message="the partition is led by its preferred replica"))
+        out.append(rcls(topic=name, partition_result=parts))
+    kw: dict[str, Any] = {"error_code": 0} if ctx.version >= 1 else {}
+    return cls(version=ctx.version, throttle_time_ms=0, replica_election_results=out, **kw)

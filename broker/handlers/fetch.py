@@ -85,6 +85,7 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
         return Resp(version=version, throttle_time_ms=0,
                     error_code=ErrorCode.FETCH_SESSION_ID_NOT_FOUND, session_id=0, responses=[])
 
+    cluster = getattr(broker, "cluster", None)
     slots: list[tuple[Partition | None, int, int, int]] = []
     layout: list[tuple[Any, list[int]]] = []
     for ft in req.topics or []:
@@ -97,7 +98,14 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
         idxs = []
         for fp in ft.partitions or []:
             part = get_partition(topic, fp.partition)
-            slots.append((part, fp.fetch_offset, fp.partition_max_bytes, missing))
+            err = missing
+            if cluster is not None and topic is not None and \
+                    0 <= fp.partition < len(topic.partitions):
+                err = leader_error(cluster, topic, fp.partition,
+                                   getattr(fp, "current_leader_epoch", -1), part)
+                if err:
+                    part = None
+            slots.append((part, fp.fetch_offset, fp.partition_max_bytes, err))
             idxs.append(fp.partition)
         layout.append((ft, idxs, topic.name if topic is not None else None))
 
@@ -131,6 +139,7 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
                 waiter.cancel()
 
     responses = []
+    leaders: set[int] = set()
     i = 0
     stats = stats_of(broker)
     for ft, idxs, tname in layout:
@@ -146,7 +155,18 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
                 stats.error(FETCH, version, int(r.error))
             # a list of stored payloads: the protocol's Fetch encoder sends them uncopied
             records = [b.payload for b in r.batches] if r.batches else b""
-            parts.append(PartResp(
+            extra = {}
+            if r.error == ErrorCode.NOT_LEADER_OR_FOLLOWER and version >= 12 and \
+                    cluster is not None:   # KIP-951: where to go instead
+                topic = find_topic_by_id(broker, ft.topic_id) if version >= 13 \
+                    else find_topic(broker, ft.topic)
+                if topic is not None:
+                    leader, epoch = cluster.leader(topic, index)
+                    extra["current_leader"] = PartResp.LeaderIdAndEpoch(leader_id=leader,
+                                                                        leader_epoch=epoch)
+                    if leader >= 0:
+                        leaders.add(leader)
+            parts.append(PartResp(**extra,
                 partition_index=index, error_code=int(r.error),
                 high_watermark=r.high_watermark, last_stable_offset=r.last_stable_offset,
                 log_start_offset=r.log_start_offset,
@@ -160,5 +180,26 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
             responses.append(TopicResp(topic_id=ft.topic_id, partitions=parts))
         else:
             responses.append(TopicResp(topic=ft.topic, partitions=parts))
+    extra_resp = {}
+    if leaders and version >= 16:
+        extra_resp["node_endpoints"] = [
+            Resp.NodeEndpoint(node_id=n, host=ep[0], port=ep[1], rack=None)
+            for n in sorted(leaders) if (ep := cluster.endpoint(n)) is not None]
     return Resp(version=version, throttle_time_ms=0, error_code=0, session_id=0,
-                responses=responses)
+                responses=responses, **extra_resp)
+
+
+def leader_error(cluster: Any, topic: Any, index: int, leader_epoch: int | None,
+                 partition: Partition | None) -> int:
+    """NOT_LEADER_OR_FOLLOWER when another broker leads the partition (or it is moving);
+    FENCED_LEADER_EPOCH / UNKNOWN_LEADER_EPOCH when the client's epoch is older / newer than
+    ours; 0 otherwise."""
+    leader, epoch = cluster.leader(topic, index)
+    if leader_epoch is not None and leader_epoch >= 0:
+        if leader_epoch < epoch:
+            return ErrorCode.FENCED_LEADER_EPOCH
+        if leader_epoch > epoch:
+            return ErrorCode.UNKNOWN_LEADER_EPOCH
+    if partition is None:
+        return ErrorCode.NOT_LEADER_OR_FOLLOWER
+    return 0

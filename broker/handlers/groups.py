@@ -12,7 +12,7 @@ from typing import Any, Iterable
 from protocol import ErrorCode as E, response_class
 
 from ..groups import GroupCoordinator
-from ..partition import find_topic, find_topic_by_id, get_partition
+from ..partition import find_topic, find_topic_by_id
 from .authorized import GROUP_OPS, ops_if
 from .registry import RequestContext, handler
 
@@ -56,11 +56,22 @@ async def find_coordinator(ctx: RequestContext, req: Any) -> Any:
     cls = response_class(FIND_COORDINATOR)
     cfg = ctx.broker.config
     node, host, port = cfg.node_id, cfg.advertised_host, cfg.advertised_port
+    cluster = getattr(ctx.broker, "cluster", None)
+    if cluster is not None and cluster.controller_id != node:
+        # in a cluster the controller coordinates every group (their state and offsets
+        # live in the metadata database; a new controller takes them over)
+        ep = cluster.endpoint(cluster.controller_id)
+        if ep is not None:
+            node, (host, port) = cluster.controller_id, ep
+        else:                      # the controller just left; a new one is being elected
+            node = -1
     key_type = req.key_type
 
     def answer(key: str) -> tuple[int, str | None, int, str, int]:
         if key_type not in (KEY_TYPE_GROUP, KEY_TYPE_TRANSACTION):
             return E.INVALID_REQUEST, f"unsupported coordinator key type {key_type}", -1, "", -1
+        if node < 0:
+            return E.COORDINATOR_NOT_AVAILABLE, "the controller is changing", -1, "", -1
         return E.NONE, None, node, host, port
 
     if ctx.version >= 4:
@@ -167,7 +178,8 @@ async def leave_group(ctx: RequestContext, req: Any) -> Any:
 
 # ------------------------------------------------------------------------- OffsetCommit
 def _partition_exists(ctx: RequestContext, topic: str | None, partition: int) -> bool:
-    return get_partition(find_topic(ctx.broker, topic), partition) is not None
+    t = find_topic(ctx.broker, topic)   # in a cluster another broker may lead it
+    return t is not None and 0 <= partition < len(t.partitions)
 
 
 def _name_of(ctx: RequestContext, topic_id: Any) -> str | None:

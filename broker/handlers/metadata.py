@@ -1,4 +1,5 @@
-"""Metadata, DescribeCluster and DescribeTopicPartitions: this node leads every partition."""
+"""Metadata, DescribeCluster and DescribeTopicPartitions: brokers and partition leaders as the
+cluster room (broker/cluster) sees them; a single broker leads every partition at epoch 0."""
 from __future__ import annotations
 
 import logging
@@ -46,12 +47,39 @@ async def resolve_topic(ctx: RequestContext, name: str, allow_create: bool
 
 
 def _partitions(pcls: Any, topic: Topic, node: int, start: int = 0, limit: int | None = None,
-                extra: dict[str, Any] | None = None) -> list[Any]:
+                extra: dict[str, Any] | None = None, cluster: Any = None) -> list[Any]:
     n = len(topic.partitions)
     end = n if limit is None else min(n, start + limit)
-    return [pcls(error_code=0, partition_index=i, leader_id=node, leader_epoch=LEADER_EPOCH,
-                 replica_nodes=[node], isr_nodes=[node], offline_replicas=[], **(extra or {}))
-            for i in range(start, end)]
+    if cluster is None:
+        return [pcls(error_code=0, partition_index=i, leader_id=node, leader_epoch=LEADER_EPOCH,
+                     replica_nodes=[node], isr_nodes=[node], offline_replicas=[],
+                     **(extra or {})) for i in range(start, end)]
+    out = []
+    for i in range(start, end):
+        leader, epoch = cluster.leader(topic, i)
+        replicas = cluster.replicas(topic, i, leader)
+        out.append(pcls(error_code=0 if leader >= 0 else ErrorCode.LEADER_NOT_AVAILABLE,
+                        partition_index=i, leader_id=leader, leader_epoch=epoch,
+                        replica_nodes=replicas, isr_nodes=list(replicas), offline_replicas=[],
+                        **(extra or {})))
+    return out
+
+
+def _brokers(broker: Any) -> list[tuple[int, str, int, str | None]]:
+    """(node id, host, port, rack) of every live broker; this one always among them."""
+    cfg = broker.config
+    me = (cfg.node_id, cfg.advertised_host, cfg.advertised_port, getattr(cfg, "rack", "") or None)
+    cluster = getattr(broker, "cluster", None)
+    if cluster is None:
+        return [me]
+    out = [(b.node_id, b.host, b.port, b.rack or None) for b in cluster.live_brokers()
+           if b.node_id != cfg.node_id]
+    return sorted(out + [me])
+
+
+def _controller(broker: Any) -> int:
+    cluster = getattr(broker, "cluster", None)
+    return cluster.controller_id if cluster is not None else broker.config.node_id
 
 
 @handler(METADATA)
@@ -73,7 +101,8 @@ async def metadata(ctx: RequestContext, req: Any) -> Any:
         for topic in sorted(broker.topics.values(), key=lambda t: t.name):
             topics_out.append(tcls(error_code=0, name=topic.name, topic_id=topic.topic_id,
                                    is_internal=topic.is_internal,
-                                   partitions=_partitions(pcls, topic, node),
+                                   partitions=_partitions(pcls, topic, node,
+                                                          cluster=getattr(broker, "cluster", None)),
                                    authorized_operations=topic_ops))
     else:
         for t in wanted:
@@ -96,13 +125,14 @@ async def metadata(ctx: RequestContext, req: Any) -> Any:
                 continue
             topics_out.append(tcls(error_code=0, name=topic.name, topic_id=topic.topic_id,
                                    is_internal=topic.is_internal,
-                                   partitions=_partitions(pcls, topic, node),
+                                   partitions=_partitions(pcls, topic, node,
+                                                          cluster=getattr(broker, "cluster", None)),
                                    authorized_operations=topic_ops))
-    brokers = [cls.MetadataResponseBroker(node_id=node, host=cfg.advertised_host,
-                                          port=cfg.advertised_port, rack=None)]
+    brokers = [cls.MetadataResponseBroker(node_id=n, host=h, port=p, rack=r)
+               for n, h, p, r in _brokers(broker)]
     return cls(version=v, throttle_time_ms=0, brokers=brokers, cluster_id=broker.cluster_id,
-               controller_id=node, topics=topics_out, authorized_operations=cluster_ops,
-               error_code=0)
+               controller_id=_controller(broker), topics=topics_out,
+               authorized_operations=cluster_ops, error_code=0)
 
 
 @handler(DESCRIBE_CLUSTER)
@@ -111,14 +141,14 @@ async def describe_cluster(ctx: RequestContext, req: Any) -> Any:
     cfg = broker.config
     cls = response_class(DESCRIBE_CLUSTER)
     endpoint_type = getattr(req, "endpoint_type", 1) if v >= 1 else 1
-    brokers = [cls.DescribeClusterBroker(broker_id=cfg.node_id, host=cfg.advertised_host,
-                                         port=cfg.advertised_port, rack=None, is_fenced=False)]
+    brokers = [cls.DescribeClusterBroker(broker_id=n, host=h, port=p, rack=r, is_fenced=False)
+               for n, h, p, r in _brokers(broker)]
     err, msg = ErrorCode.NONE, None
     if endpoint_type not in (1, 2):
         err, msg, brokers = ErrorCode.UNSUPPORTED_ENDPOINT_TYPE, "unknown endpoint type", []
     return cls(version=v, throttle_time_ms=0, error_code=err, error_message=msg,
                endpoint_type=endpoint_type, cluster_id=broker.cluster_id,
-               controller_id=cfg.node_id, brokers=brokers,
+               controller_id=_controller(broker), brokers=brokers,
                authorized_operations=ops_if(req.include_cluster_authorized_operations,
                                             CLUSTER_OPS))
 
@@ -156,7 +186,8 @@ async def describe_topic_partitions(ctx: RequestContext, req: Any) -> Any:
         if budget <= 0:
             next_cursor = cls.Cursor(topic_name=name, partition_index=start)
             break
-        parts = _partitions(pcls, topic, node, start, budget, extra)
+        parts = _partitions(pcls, topic, node, start, budget, extra,
+                            getattr(broker, "cluster", None))
         budget -= len(parts)
         out.append(tcls(error_code=0, name=name, topic_id=topic.topic_id,
                         is_internal=topic.is_internal, partitions=parts,

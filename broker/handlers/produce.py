@@ -34,6 +34,8 @@ PRODUCE = 0
 async def _append(topic: Any, index: int, records: Any, version: int) -> AppendResult:
     partition = get_partition(topic, index)
     if partition is None:
+        if topic is not None and 0 <= index < len(topic.partitions):
+            return AppendResult(error=ErrorCode.NOT_LEADER_OR_FOLLOWER)  # led elsewhere
         return AppendResult(error=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION)
     keyless = keyless_record_error(topic, index, records)   # compacted topics only
     if keyless is not None:

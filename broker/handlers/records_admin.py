@@ -63,20 +63,39 @@ async def handle_offset_for_leader_epoch(ctx: RequestContext, req: Any) -> Any:
     TopicResp = Resp.OffsetForLeaderTopicResult
     PartResp = TopicResp.EpochEndOffset
 
+    cluster = getattr(ctx.broker, "cluster", None)
+
     async def answer(name: str, p: Any, partition: Partition | None) -> Any:
         current = getattr(p, "current_leader_epoch", -1)
+        topic = ctx.broker.topics.get(name)
+        latest = LEADER_EPOCH
+        if cluster is not None and topic is not None and \
+                0 <= p.partition < len(topic.partitions):
+            latest = cluster.leader(topic, p.partition)[1]
         if partition is None:
-            err, epoch, end = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, UNDEFINED, UNDEFINED
-        elif current is not None and current > LEADER_EPOCH:
+            err = ErrorCode.UNKNOWN_TOPIC_OR_PARTITION if topic is None or \
+                not 0 <= p.partition < len(topic.partitions) \
+                else ErrorCode.NOT_LEADER_OR_FOLLOWER
+            epoch, end = UNDEFINED, UNDEFINED
+        elif current is not None and current > latest:
             err, epoch, end = ErrorCode.UNKNOWN_LEADER_EPOCH, UNDEFINED, UNDEFINED
-        elif current is not None and 0 <= current < LEADER_EPOCH:
+        elif current is not None and 0 <= current < latest:
             err, epoch, end = ErrorCode.FENCED_LEADER_EPOCH, UNDEFINED, UNDEFINED
-        elif p.leader_epoch == LEADER_EPOCH:
+        elif p.leader_epoch == latest:
             # like Kafka: the log end offset of the latest epoch (never below any
             # consumer position, so clients cannot mistake it for a truncation)
-            err, epoch, end = ErrorCode.NONE, LEADER_EPOCH, partition.log_end_offset
-        else:
+            err, epoch, end = ErrorCode.NONE, latest, partition.log_end_offset
+        elif p.leader_epoch < 0 or p.leader_epoch > latest:   # unknown epoch, like Kafka
             err, epoch, end = ErrorCode.NONE, UNDEFINED, UNDEFINED
+        else:
+            # an older epoch: it ends where the next epoch (a move) started
+            history = [(0, 0)] + (await cluster.leader_epochs(topic, p.partition)
+                                  if cluster is not None else [])
+            older = [h for h in history if h[0] <= p.leader_epoch]
+            later = [h for h in history if h[0] > p.leader_epoch]
+            err = ErrorCode.NONE
+            epoch = older[-1][0] if older else UNDEFINED
+            end = later[0][1] if later else partition.log_end_offset
         return PartResp(error_code=int(err), partition=p.partition, leader_epoch=epoch,
                         end_offset=end)
 

@@ -158,6 +158,14 @@ class LogCache:
         self._evict(self.used)
         self._space.set()
 
+    def reset_stream(self, stream_id: int, committed: int, start: int) -> None:
+        """Stop serving a stream's cached entries (another node wrote it meanwhile, so the
+        cache would have a gap) and set its state anew; the entries leave memory through the
+        FIFO as usual (they are all committed)."""
+        sc = self._stream(stream_id)
+        sc.entries, sc.bases, sc.head = [], [], 0
+        sc.committed, sc.start = committed, start
+
     def _evictable(self, e: CacheEntry) -> bool:
         sc = self._streams[e.stream_id]
         return e.next_offset <= sc.committed

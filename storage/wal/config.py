@@ -49,6 +49,11 @@ class WALConfig:
     # format a file/device that holds data which is not an s3kafka WAL (erasing it); without
     # it such a path is refused. Blank (all-zero) space and new files are formatted anyway.
     allow_format: bool = False
+    # a WAL whose header says another node took it over (takeover done) is refused at open;
+    # with this set, and a node_epoch above the one recorded in it, open() formats it afresh
+    # instead (its records are committed elsewhere). A takeover still in progress is refused
+    # in any case. See docs/wal.md "Takeover and fencing".
+    reformat_taken_over: bool = False
 
     def validate(self) -> None:
         """Reject settings that would make the on-disk format or recovery unsound."""

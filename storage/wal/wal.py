@@ -29,8 +29,8 @@ from .errors import (CapacityMismatchError, FencedError, OverCapacityError,
                      RecordTooLargeError, WALClosedError, WALError, WALPathError)
 from .loop_driver import LoopDriver
 from .format import (ALIGN, HEADER_AREA, HEADER_SLOT_SIZE, RECORD_HEADER_SIZE,
-                     SHUTDOWN_CLEAN, SHUTDOWN_UNCLEAN, WALHeader, align_up, body_crc,
-                     pack_record_header)
+                     SHUTDOWN_CLEAN, SHUTDOWN_UNCLEAN, TAKEOVER_DONE, WALHeader, align_up,
+                     body_crc, newest_header, pack_record_header)
 from .recovery import scan
 
 log = logging.getLogger(__name__)
@@ -163,10 +163,23 @@ class DeltaWAL:
                 raise CapacityMismatchError(
                     f"WAL on {cfg.path} was formatted with capacity {hdr.capacity}, "
                     f"configured {cfg.capacity}")
+            reformat = False
+            if hdr.fenced:
+                reformat = self._may_reformat(hdr)
             if hdr.node_epoch > cfg.node_epoch:
                 raise FencedError(
                     f"WAL on {cfg.path} belongs to node {hdr.node_id} epoch {hdr.node_epoch} "
                     f"> our epoch {cfg.node_epoch}")
+            if reformat:
+                # every old record lies below old trim + one lap: start a lap beyond, so the
+                # scan rejects them all (their stored offsets differ from the position read)
+                lap = (hdr.trim_offset // self.ring_size + 2) * self.ring_size
+                log.warning("WAL %s was %s; formatting it afresh for node %d epoch %d (allowed "
+                            "explicitly)", cfg.path, hdr.describe_takeover(), cfg.node_id,
+                            cfg.node_epoch)
+                hdr = WALHeader(capacity=cfg.capacity, trim_offset=lap,
+                                window_max_length=cfg.window_initial,
+                                write_counter=hdr.write_counter)
             # bound record length by the ring, not by today's max_record_size: a record written
             # under a larger setting must still be recovered
             result = scan(dev, self.ring_size, hdr.trim_offset, hdr.window_max_length,
@@ -187,7 +200,7 @@ class DeltaWAL:
             hdr.node_id = cfg.node_id
             hdr.node_epoch = cfg.node_epoch
             with self._header_lock:
-                self._write_header()
+                self._write_header(check=False)
         except BaseException:
             dev.close()
             raise
@@ -202,10 +215,61 @@ class DeltaWAL:
             t.start()
         return iter(result.records)
 
-    def _write_header(self) -> None:
-        """Write the next header copy into the other slot; caller holds _header_lock."""
+    def _may_reformat(self, hdr: WALHeader) -> bool:
+        """A WAL another node took over: True when it may be formatted afresh (takeover done,
+        asked for explicitly, a newer epoch of its owner), else FencedError."""
+        cfg = self.config
+        if (hdr.takeover_state == TAKEOVER_DONE and cfg.reformat_taken_over
+                and cfg.node_epoch > hdr.node_epoch):
+            return True
+        why = ("a takeover is still in progress" if hdr.takeover_state != TAKEOVER_DONE else
+               f"re-register with an epoch above {hdr.node_epoch} and format it afresh"
+               if cfg.node_epoch <= hdr.node_epoch or not cfg.reformat_taken_over else "")
+        raise FencedError(f"WAL on {cfg.path} was {hdr.describe_takeover()}; refusing to "
+                          f"write it ({why})")
+
+    def _device_header(self) -> WALHeader | None:
+        """The newest valid header on the device now (another node may have written it)."""
+        assert self._device is not None
+        buf = aligned_buffer(HEADER_AREA)
+        try:
+            self._device.read_into(buf, 0)
+            return newest_header(memoryview(buf)[:HEADER_SLOT_SIZE],
+                                 memoryview(buf)[HEADER_SLOT_SIZE:HEADER_AREA])
+        finally:
+            buf.close()
+
+    def _check_fence(self) -> None:
+        """Raise FencedError when the device's header says another node took this WAL over
+        (or a newer epoch of this node owns it). Read before every header write after open
+        (trim, window growth, close: never per append), so a zombie never overwrites a fence
+        and stops at its next trim; caller holds _header_lock."""
+        cur = self._device_header()
+        ours = self._header
+        assert ours is not None
+        if cur is not None and (cur.fenced or cur.node_epoch > ours.node_epoch):
+            raise FencedError(
+                f"WAL on {self.config.path} was " + (cur.describe_takeover() if cur.fenced else
+                f"claimed by node {cur.node_id} epoch {cur.node_epoch}")
+                + f"; node {ours.node_id} epoch {ours.node_epoch} may no longer write it")
+
+    def check_fenced(self) -> None:
+        """Re-read the header; when another node took the WAL over, stop it (appends fail
+        from now on) and raise FencedError. Cheap (an 8 KiB read): call it periodically."""
+        with self._header_lock:
+            try:
+                self._check_fence()
+            except FencedError as e:
+                self._fail(e)
+                raise
+
+    def _write_header(self, check: bool = True) -> None:
+        """Write the next header copy into the other slot; caller holds _header_lock. With
+        ``check`` the device's header is read first and a fence raises FencedError."""
         hdr = self._header
         assert hdr is not None and self._device is not None
+        if check:
+            self._check_fence()
         hdr.write_counter += 1
         self.stats["header_writes"] += 1
         buf = aligned_buffer(HEADER_SLOT_SIZE)
@@ -318,6 +382,8 @@ class DeltaWAL:
         """Place the record in the current block; caller holds the lock. The hot path of every
         append: attribute lookups and calls are kept to a minimum (CPython cost is per record)."""
         if self._failed is not None:
+            if isinstance(self._failed, FencedError):
+                raise FencedError(str(self._failed))
             raise WALClosedError(f"WAL stopped after an IO error: {self._failed}")
         if not self._opened or self._closing:
             raise WALClosedError("WAL is not open")
@@ -509,8 +575,15 @@ class DeltaWAL:
                       max(self.config.window_max, need))
         with self._header_lock:
             assert self._header is not None
+            try:
+                self._check_fence()
+            except FencedError as e:      # a zombie: write nothing more; fail off the lock
+                if self._failed is None:
+                    self._failed = e
+                    threading.Thread(target=self._fail, args=(e,), daemon=True).start()
+                return False
             self._header.window_max_length = new_len
-            self._write_header()
+            self._write_header(check=False)
         self._window_len = new_len
         return True
 
@@ -671,8 +744,13 @@ class DeltaWAL:
         with self._header_lock:
             assert self._header is not None
             if offset > self._header.trim_offset:
+                try:
+                    self._check_fence()
+                except FencedError as e:
+                    self._fail(e)
+                    raise
                 self._header.trim_offset = offset
-                self._write_header()
+                self._write_header(check=False)
         with self._lock:
             self._trim = max(self._trim, offset)
 
@@ -707,8 +785,13 @@ class DeltaWAL:
             if self._failed is None:
                 with self._header_lock:
                     assert self._header is not None
-                    self._header.shutdown_type = SHUTDOWN_CLEAN
-                    self._write_header()
+                    try:
+                        self._check_fence()
+                    except FencedError as e:   # taken over: leave its header alone
+                        log.warning("WAL close: %s", e)
+                    else:
+                        self._header.shutdown_type = SHUTDOWN_CLEAN
+                        self._write_header(check=False)
         finally:
             with self._cond:
                 self._pool.close()

@@ -89,7 +89,7 @@ def test_broker_on_postgres_keeps_topics_offsets_and_commits(broker_factory, pos
     # pgt (2 partitions) and the internal __consumer_offsets (1) every broker keeps
     assert counts["kafka_topics"] == 2 and counts["kafka_partitions"] == 3
     assert counts["kafka_group_offsets"] == 2 and counts["kafka_cluster"] == 2  # id, store
-    assert components == {"engine", "kafka", "groups", "producers", "transactions"}
+    assert components == {"engine", "kafka", "groups", "producers", "transactions", "cluster"}
 
 
 def _topic_resource(name: str):

@@ -21,6 +21,11 @@ PY = sys.executable
 CAP = "16MiB"
 
 
+# data dirs of brokers running during a snapshot (their SQLite WAL and shared-memory files
+# change with every cluster heartbeat)
+_LIVE_DIRS: set[str] = set()
+
+
 def snapshot(root: pathlib.Path) -> dict[str, str]:
     """Every path under root with its type and content hash: equal snapshots = nothing
     changed on disk."""
@@ -31,6 +36,8 @@ def snapshot(root: pathlib.Path) -> dict[str, str]:
         for f in filenames:
             if f.startswith("broker-") and f.endswith(".log"):
                 continue                     # logs of brokers this test runs
+            if f.startswith("meta.db-") and _LIVE_DIRS & {dirpath, os.path.dirname(dirpath)}:
+                continue                     # a running broker's lease heartbeats
             p = os.path.join(dirpath, f)
             with open(p, "rb") as fh:
                 out[os.path.relpath(p, root)] = hashlib.sha256(fh.read()).hexdigest()
@@ -390,6 +397,9 @@ class Broker:
 def start_broker(cwd: pathlib.Path, args: list[str]) -> Broker:
     b = Broker(cwd, args)
     wait_for_line(b, "broker started")
+    if "--data-dir" in args:
+        b.live_dir = str(cwd / args[args.index("--data-dir") + 1])
+        _LIVE_DIRS.add(b.live_dir)
     return b
 
 
@@ -415,6 +425,7 @@ def stop(b: Broker) -> str:
         code = b.proc.wait(30)
     finally:
         b._fh.close()
+        _LIVE_DIRS.discard(getattr(b, "live_dir", ""))
     log = b.log()
     b.log_path.unlink()
     assert code == 0, log

@@ -9,7 +9,6 @@ import pathlib
 import threading
 import time
 
-import pytest
 
 from clients.e2e_helpers import JavaCli, compile_java, unique
 
