@@ -427,3 +427,61 @@ def test_takeover_of_a_loop_device_wal(loop_device, tmp_path, stores):
     assert header_of(loop_device).takeover_state == TAKEOVER_DONE
     with pytest.raises(FencedError):
         open_wal(loop_device, 4 << 20, 1).open()
+
+
+async def test_live_zombie_engine_stops_and_commits_nothing(tmp_path, stores):
+    """A whole engine as the zombie: its WAL is taken over while it runs. Its uploads are
+    refused by the metadata store from the moment the takeover began (so it never commits
+    what the taker commits), within about a second its appends fail, and its close() leaves
+    the fence in place."""
+    import asyncio
+    from storage.metastore import StreamFenced
+    from storage.stream import StorageError
+    meta, store, meta_url, store_url = stores
+    eng = open_engine(EngineConfig(
+        data_dir=str(tmp_path / "n1"), metadata_url=meta_url, object_store=store_url,
+        node_id=1, upload_threshold_bytes=64 << 20, upload_interval_s=3600,
+        wal_capacity=4 << 20, compaction_interval_s=3600, cleanup_interval_s=3600,
+        wal_sync_mode="fdatasync"))
+    await eng.start()
+    try:
+        s = await eng.create_stream()
+        for base in range(50):
+            await s.append(payload(s.stream_id, base), base, 1)
+        res = await asyncio.to_thread(take, eng.config.wal_path, meta, store)
+        assert res.committed_records == 50
+        with pytest.raises(StreamFenced, match="taking_over|taken_over"):
+            await s.append(payload(s.stream_id, 50), 50, 1)    # acked by the WAL, but...
+            await eng.flush()                                   # ...its upload is refused
+        for _ in range(60):
+            if eng.wal_fenced:
+                break
+            await asyncio.sleep(0.05)
+        assert eng.wal_fenced
+        with pytest.raises(StorageError, match="taken over by node 2"):
+            await s.append(payload(s.stream_id, 51), 51, 1)
+    finally:
+        await eng.close()
+    assert header_of(eng.config.wal_path).takeover_state == TAKEOVER_DONE
+    assert meta.stream(s.stream_id).end_offset == 50
+    check_exactly_once(meta, store, [(s.stream_id, b, 1) for b in range(50)])
+    # the zombie restarts: refused on its old epoch, then re-registers at a newer one and
+    # formats afresh explicitly; it continues from what the taker committed
+    cfg = dict(data_dir=str(tmp_path / "n1"), metadata_url=meta_url, object_store=store_url,
+               node_id=1, wal_capacity=4 << 20, wal_sync_mode="fdatasync",
+               compaction_interval_s=3600, cleanup_interval_s=3600)
+    again = open_engine(EngineConfig(**cfg, wal_reformat_taken_over=True))
+    with pytest.raises(FencedError, match="re-register with an epoch above 0"):
+        await again.start()
+    await again.close()
+    again = open_engine(EngineConfig(**cfg, node_epoch=1, wal_reformat_taken_over=True))
+    await again.start()
+    try:
+        assert (meta.wal(1).state, meta.wal(1).node_epoch) == (WAL_ACTIVE, 1)
+        s2 = await again.open_stream(s.stream_id)
+        assert s2.end_offset == 50
+        await s2.append(payload(s.stream_id, 50), 50, 1)
+        await again.flush()
+    finally:
+        await again.close()
+    check_exactly_once(meta, store, [(s.stream_id, b, 1) for b in range(51)])
