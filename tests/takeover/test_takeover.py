@@ -485,3 +485,34 @@ async def test_live_zombie_engine_stops_and_commits_nothing(tmp_path, stores):
     finally:
         await again.close()
     check_exactly_once(meta, store, [(s.stream_id, b, 1) for b in range(51)])
+
+
+def test_broker_on_a_taken_over_wal_refuses_to_start(tmp_path):
+    """A broker restarted on its WAL after another node took it over: one line, exit 1."""
+    data = tmp_path / "data"
+    data.mkdir()
+    meta = open_metastore(f"sqlite:///{data}/meta.db")
+    store = open_object_store(f"file://{data}/objects")
+    try:
+        build_dead_wal(str(data / "wal"), meta, store, node_id=0, records=10, uploaded=0,
+                       capacity=8 << 20)
+        take(str(data / "wal"), meta, store, node_id=0)
+    finally:
+        meta.close()
+    r = subprocess.run([sys.executable, "-m", "broker", "serve", "--listen",
+                        f"127.0.0.1:{_free_port()}", "--data-dir", str(data),
+                        "--wal-capacity", str(8 << 20)], cwd=REPO, capture_output=True,
+                       text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO),
+                       stdin=subprocess.DEVNULL)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert any("taken over by node 2 at epoch 1" in ln and "re-register" in ln for ln in lines), \
+        r.stderr
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
