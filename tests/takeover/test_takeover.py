@@ -516,3 +516,68 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_racing_owner_header_write_cannot_erase_the_fence(tmp_path, stores):
+    """The owner wrote its header (trim) in the same instant the fence went in, unchecked:
+    the fence is in both slots with a counter far above the owner's, so one owner write
+    replaces at most one copy and the fence still wins."""
+    meta, store, *_ = stores
+    path = str(tmp_path / "wal-1")
+    sid = meta.create_stream()
+    w = open_wal(path, 4 << 20, 1)
+    list(w.open())
+    w.append(framed(sid, 0, 1), sid).future.result(timeout=10)
+    take(path, meta, store)
+    with w._header_lock:
+        w._header.trim_offset = 1
+        w._write_header(check=False)        # as if it had read the header just before
+    hdr = header_of(path)
+    assert hdr.takeover_state == TAKEOVER_DONE and hdr.taken_over_by == 2
+    with pytest.raises(FencedError):       # and its next checked write stops it
+        w.trim(w.end_offset)
+    w.close()
+    assert header_of(path).takeover_state == TAKEOVER_DONE
+
+
+def test_locked_wal_is_refused_unless_forced(tmp_path, stores):
+    """The owner process still holds the WAL's flock (alive on this host: paused): refused
+    naming the holder; force_lock (its lease surely gone) proceeds on the fence alone."""
+    import fcntl
+    from storage.wal import WALLockedError
+    meta, store, *_ = stores
+    path = str(tmp_path / "wal-1")
+    acked = build_dead_wal(path, meta, store, node_id=1, records=40, uploaded=10)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(WALLockedError, match=f"pid {os.getpid()}"):
+            take(path, meta, store)
+        assert header_of(path).takeover_state == TAKEOVER_NONE
+        assert take(path, meta, store, force_lock=True).committed_records == 30
+    finally:
+        os.close(fd)
+    check_exactly_once(meta, store, acked)
+
+
+@pytest.fixture
+def any_stores(metadata_url, tmp_path):
+    meta = open_metastore(metadata_url)
+    yield meta, open_object_store(f"file://{tmp_path}/objects"), metadata_url
+    meta.close()
+
+
+def test_takeover_and_second_taker_on_each_metadata_store(tmp_path, any_stores):
+    """The whole takeover on SQLite and PostgreSQL: a taker dies after its commit, a second
+    one completes without committing anything twice."""
+    meta, store, meta_url = any_stores
+    path = str(tmp_path / "wal-1")
+    acked = build_dead_wal(path, meta, store, node_id=1, records=120, uploaded=20)
+    r = run_py("run_takeover.py", path, meta_url, f"file://{tmp_path}/objects", "1", "0", "2",
+               "1", env={"S3KAFKA_CRASH_POINT": "takeover_after_commit"})
+    assert r.returncode == 137, r.stderr
+    assert meta.wal(1).state == WAL_TAKING_OVER
+    res = take(path, meta, store, taker=3, taker_epoch=2)
+    assert (res.committed_records, res.skipped_records) == (0, 100)
+    assert meta.wal(1).state == WAL_TAKEN_OVER and meta.wal(1).taken_over_by == 3
+    assert check_exactly_once(meta, store, acked) == 120
