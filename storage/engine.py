@@ -41,6 +41,10 @@ WAL_RECORD_HEADER = 24                      # the WAL's own per-record header (o
 CATCHUP_GAIN = 1.5                          # a paced catch-up reader gets >= this x the append rate
 
 
+class _NotFenced(Exception):
+    """Placeholder until start() imports storage.wal's FencedError (never raised)."""
+
+
 @dataclass
 class EngineConfig:
     """Every engine option with its default (docs/storage.md explains each)."""
@@ -175,6 +179,8 @@ class EngineStream(Stream):
                     t0 = time.perf_counter()
                     res = eng.wal.append_loop((header, payload), self.stream_id)
                     break
+                except eng.fenced_error as e:   # another node took this WAL over
+                    raise StorageError(str(e)) from None
                 except eng.over_capacity_error:
                     eng.request_upload("wal full")
                     reason = "wal_full"
@@ -329,6 +335,7 @@ class Engine(StreamStore):
         self.closing = False
         self.wal: Any = None
         self.over_capacity_error: type[BaseException] = Exception
+        self.fenced_error: type[BaseException] = _NotFenced     # storage.wal's, from start()
         self.meta: MetaStore
         self.store: ObjectStore
         self.reader: ObjectReader
@@ -349,6 +356,8 @@ class Engine(StreamStore):
         self._wal_trimmed = 0
         self._tasks: list[asyncio.Task] = []
         self._uploading = False
+        self.wal_fenced = False              # another node took this WAL over (_check_fenced)
+        self._fence_checked = 0.0
         self._release_lock = asyncio.Lock()
         self.maintenance: Any = None
         self.upload_errors = 0
@@ -373,12 +382,13 @@ class Engine(StreamStore):
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
-        from .wal import DeltaWAL, OverCapacityError, WALConfig
+        from .wal import DeltaWAL, FencedError, OverCapacityError, WALConfig
         from .maintenance import Maintenance
         c = self.config
         self._loop = asyncio.get_running_loop()
         os.makedirs(c.data_dir, exist_ok=True)
         self.over_capacity_error = OverCapacityError
+        self.fenced_error = FencedError
         self.meta = await self.io(open_metastore, c.metadata_url)
         self.store = MeasuredStore(await self.io(open_object_store, c.object_store), self.stats)
         self.reader = ObjectReader(self.store, self.cold_io, c.block_cache_bytes,
@@ -413,6 +423,25 @@ class Engine(StreamStore):
         elif recovered:
             last_off, last_body = recovered[-1]
             await self.io(self.wal.trim, last_off + WAL_RECORD_HEADER + len(last_body))
+
+    async def _check_fenced(self) -> None:
+        """Once a second: has another node taken this WAL over (this node is a zombie: paused
+        or partitioned past its lease)? Then the WAL stops, appends fail, uploads are refused
+        by the metadata store; logged once. One 8 KiB read."""
+        if self.wal_fenced or self.wal is None:
+            return
+        now = time.monotonic()
+        if now - self._fence_checked < 1.0:
+            return
+        self._fence_checked = now
+        try:
+            await self.io(self.wal.check_fenced)
+        except self.fenced_error as e:
+            self.wal_fenced = True
+            log.error("this node's WAL was taken over by another node; appends and uploads "
+                      "stop: %s", e)
+        except Exception as e:             # noqa: BLE001 - a failed read is the WAL's episode
+            log.debug("WAL fence check failed: %s", e)
 
     async def _register_wal(self) -> None:
         """Record this node's WAL (path, device, capacity, epoch) in the metadata store, where
@@ -644,6 +673,7 @@ class Engine(StreamStore):
             except asyncio.TimeoutError:
                 pass
             self._upload_wakeup.clear()
+            await self._check_fenced()
             self.wal_full.expire()
             self.backpressure.expire()
             while self.cache.pending:
@@ -712,7 +742,10 @@ class Engine(StreamStore):
                 self.stats.uploaded_bytes += len(data)
             crash_point("before_commit")
             if new:
-                await self.io(self.meta.commit_objects, [n for n, _, _ in new], [])
+                # conditioned on this node's WAL not being taken over (a zombie never
+                # commits what a taker commits: storage/takeover.py)
+                await self.io(self.meta.commit_objects, [n for n, _, _ in new], [], None,
+                              (c.node_id, c.node_epoch))
         except Exception:
             # never committed: delete them later (or at the next start, from their rows)
             self.maintenance.forget_later(prepared)

@@ -102,12 +102,16 @@ class MetaStore(abc.ABC):
 
     @abc.abstractmethod
     def commit_objects(self, new: list[NewObject], destroy: list[int],
-                       epochs: dict[int, int] | None = None) -> None:
+                       epochs: dict[int, int] | None = None,
+                       wal_owner: tuple[int, int] | None = None) -> None:
         """In one transaction: mark ``new`` committed with their ranges (advancing each stream's
         committed end), and mark ``destroy`` destroyed (compaction replaced them). With
         ``epochs`` (stream id -> the epoch the writer holds) the commit is refused with
         ``StreamFenced`` if any of those streams was claimed at another epoch meanwhile. Ranges
-        of a stream claimed by another node than the object's are refused in any case."""
+        of a stream claimed by another node than the object's are refused in any case. With
+        ``wal_owner`` (node id, node epoch: the uploader whose WAL holds these records) it is
+        refused too once that WAL's registry row is being taken over or has a newer epoch (a
+        zombie's upload never races a takeover's commit)."""
 
     @abc.abstractmethod
     def claim_stream(self, stream_id: int, node_id: int, epoch: int) -> bool:
@@ -301,9 +305,17 @@ class SqlMetaStore(MetaStore):
         return self.db.transact(body)
 
     def commit_objects(self, new: list[NewObject], destroy: list[int],
-                       epochs: dict[int, int] | None = None) -> None:
+                       epochs: dict[int, int] | None = None,
+                       wal_owner: tuple[int, int] | None = None) -> None:
         def body(tx: sqldb.Tx) -> None:
             now = _now_ms()
+            if wal_owner is not None:
+                row = tx.query_one("SELECT node_epoch, state, taken_over_by, taken_over_epoch"
+                                   " FROM s3_wals WHERE node_id=?", (wal_owner[0],))
+                if row is not None and (row[0] > wal_owner[1] or row[1] != WAL_ACTIVE):
+                    raise StreamFenced(
+                        f"node {wal_owner[0]} epoch {wal_owner[1]} may not commit: its WAL is "
+                        f"{row[1]} (epoch {row[0]}, taker {row[2]} at epoch {row[3]})")
             for stream_id, epoch in sorted((epochs or {}).items()):
                 # the writer must still hold the stream at its epoch (compare-and-set)
                 try:

@@ -427,3 +427,157 @@ def test_takeover_of_a_loop_device_wal(loop_device, tmp_path, stores):
     assert header_of(loop_device).takeover_state == TAKEOVER_DONE
     with pytest.raises(FencedError):
         open_wal(loop_device, 4 << 20, 1).open()
+
+
+async def test_live_zombie_engine_stops_and_commits_nothing(tmp_path, stores):
+    """A whole engine as the zombie: its WAL is taken over while it runs. Its uploads are
+    refused by the metadata store from the moment the takeover began (so it never commits
+    what the taker commits), within about a second its appends fail, and its close() leaves
+    the fence in place."""
+    import asyncio
+    from storage.metastore import StreamFenced
+    from storage.stream import StorageError
+    meta, store, meta_url, store_url = stores
+    eng = open_engine(EngineConfig(
+        data_dir=str(tmp_path / "n1"), metadata_url=meta_url, object_store=store_url,
+        node_id=1, upload_threshold_bytes=64 << 20, upload_interval_s=3600,
+        wal_capacity=4 << 20, compaction_interval_s=3600, cleanup_interval_s=3600,
+        wal_sync_mode="fdatasync"))
+    await eng.start()
+    try:
+        s = await eng.create_stream()
+        for base in range(50):
+            await s.append(payload(s.stream_id, base), base, 1)
+        res = await asyncio.to_thread(take, eng.config.wal_path, meta, store)
+        assert res.committed_records == 50
+        with pytest.raises(StreamFenced, match="taking_over|taken_over"):
+            await s.append(payload(s.stream_id, 50), 50, 1)    # acked by the WAL, but...
+            await eng.flush()                                   # ...its upload is refused
+        for _ in range(60):
+            if eng.wal_fenced:
+                break
+            await asyncio.sleep(0.05)
+        assert eng.wal_fenced
+        with pytest.raises(StorageError, match="taken over by node 2"):
+            await s.append(payload(s.stream_id, 51), 51, 1)
+    finally:
+        await eng.close()
+    assert header_of(eng.config.wal_path).takeover_state == TAKEOVER_DONE
+    assert meta.stream(s.stream_id).end_offset == 50
+    check_exactly_once(meta, store, [(s.stream_id, b, 1) for b in range(50)])
+    # the zombie restarts: refused on its old epoch, then re-registers at a newer one and
+    # formats afresh explicitly; it continues from what the taker committed
+    cfg = dict(data_dir=str(tmp_path / "n1"), metadata_url=meta_url, object_store=store_url,
+               node_id=1, wal_capacity=4 << 20, wal_sync_mode="fdatasync",
+               compaction_interval_s=3600, cleanup_interval_s=3600)
+    again = open_engine(EngineConfig(**cfg, wal_reformat_taken_over=True))
+    with pytest.raises(FencedError, match="re-register with an epoch above 0"):
+        await again.start()
+    await again.close()
+    again = open_engine(EngineConfig(**cfg, node_epoch=1, wal_reformat_taken_over=True))
+    await again.start()
+    try:
+        assert (meta.wal(1).state, meta.wal(1).node_epoch) == (WAL_ACTIVE, 1)
+        s2 = await again.open_stream(s.stream_id)
+        assert s2.end_offset == 50
+        await s2.append(payload(s.stream_id, 50), 50, 1)
+        await again.flush()
+    finally:
+        await again.close()
+    check_exactly_once(meta, store, [(s.stream_id, b, 1) for b in range(51)])
+
+
+def test_broker_on_a_taken_over_wal_refuses_to_start(tmp_path):
+    """A broker restarted on its WAL after another node took it over: one line, exit 1."""
+    data = tmp_path / "data"
+    data.mkdir()
+    meta = open_metastore(f"sqlite:///{data}/meta.db")
+    store = open_object_store(f"file://{data}/objects")
+    try:
+        build_dead_wal(str(data / "wal"), meta, store, node_id=0, records=10, uploaded=0,
+                       capacity=8 << 20)
+        take(str(data / "wal"), meta, store, node_id=0)
+    finally:
+        meta.close()
+    r = subprocess.run([sys.executable, "-m", "broker", "serve", "--listen",
+                        f"127.0.0.1:{_free_port()}", "--data-dir", str(data),
+                        "--wal-capacity", str(8 << 20)], cwd=REPO, capture_output=True,
+                       text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO),
+                       stdin=subprocess.DEVNULL)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert any("taken over by node 2 at epoch 1" in ln and "re-register" in ln for ln in lines), \
+        r.stderr
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_racing_owner_header_write_cannot_erase_the_fence(tmp_path, stores):
+    """The owner wrote its header (trim) in the same instant the fence went in, unchecked:
+    the fence is in both slots with a counter far above the owner's, so one owner write
+    replaces at most one copy and the fence still wins."""
+    meta, store, *_ = stores
+    path = str(tmp_path / "wal-1")
+    sid = meta.create_stream()
+    w = open_wal(path, 4 << 20, 1)
+    list(w.open())
+    w.append(framed(sid, 0, 1), sid).future.result(timeout=10)
+    take(path, meta, store)
+    with w._header_lock:
+        w._header.trim_offset = 1
+        w._write_header(check=False)        # as if it had read the header just before
+    hdr = header_of(path)
+    assert hdr.takeover_state == TAKEOVER_DONE and hdr.taken_over_by == 2
+    with pytest.raises(FencedError):       # and its next checked write stops it
+        w.trim(w.end_offset)
+    w.close()
+    assert header_of(path).takeover_state == TAKEOVER_DONE
+
+
+def test_locked_wal_is_refused_unless_forced(tmp_path, stores):
+    """The owner process still holds the WAL's flock (alive on this host: paused): refused
+    naming the holder; force_lock (its lease surely gone) proceeds on the fence alone."""
+    import fcntl
+    from storage.wal import WALLockedError
+    meta, store, *_ = stores
+    path = str(tmp_path / "wal-1")
+    acked = build_dead_wal(path, meta, store, node_id=1, records=40, uploaded=10)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(WALLockedError, match=f"pid {os.getpid()}"):
+            take(path, meta, store)
+        assert header_of(path).takeover_state == TAKEOVER_NONE
+        assert take(path, meta, store, force_lock=True).committed_records == 30
+    finally:
+        os.close(fd)
+    check_exactly_once(meta, store, acked)
+
+
+@pytest.fixture
+def any_stores(metadata_url, tmp_path):
+    meta = open_metastore(metadata_url)
+    yield meta, open_object_store(f"file://{tmp_path}/objects"), metadata_url
+    meta.close()
+
+
+def test_takeover_and_second_taker_on_each_metadata_store(tmp_path, any_stores):
+    """The whole takeover on SQLite and PostgreSQL: a taker dies after its commit, a second
+    one completes without committing anything twice."""
+    meta, store, meta_url = any_stores
+    path = str(tmp_path / "wal-1")
+    acked = build_dead_wal(path, meta, store, node_id=1, records=120, uploaded=20)
+    r = run_py("run_takeover.py", path, meta_url, f"file://{tmp_path}/objects", "1", "0", "2",
+               "1", env={"S3KAFKA_CRASH_POINT": "takeover_after_commit"})
+    assert r.returncode == 137, r.stderr
+    assert meta.wal(1).state == WAL_TAKING_OVER
+    res = take(path, meta, store, taker=3, taker_epoch=2)
+    assert (res.committed_records, res.skipped_records) == (0, 100)
+    assert meta.wal(1).state == WAL_TAKEN_OVER and meta.wal(1).taken_over_by == 3
+    assert check_exactly_once(meta, store, acked) == 120
