@@ -12,7 +12,7 @@ import pytest
 
 from broker.compaction import LogCleaner
 from broker.partition import Partition
-from broker.transactions import coordinator_for, stop_transactions
+from broker.transactions import coordinator_for, ensure_transactions, stop_transactions
 from protocol import build_batch, decode_records, iter_batches
 from protocol.records import Record
 from storage.engine import open_engine
@@ -55,6 +55,7 @@ async def setup(tmp_path):
     stream = await eng.create_stream()
     p = await Partition.open(broker, "t", uuid.uuid4(), 0, stream, {"cleanup.policy": "compact"})
     broker.topics["t"] = types.SimpleNamespace(partitions=[p])
+    await ensure_transactions(broker)
     yield eng, broker, p
     await p.close()
     await stop_transactions(broker)
