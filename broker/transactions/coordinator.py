@@ -344,6 +344,14 @@ class TransactionCoordinator:
         results = await asyncio.gather(*(one(t, p) for t, p in sorted(meta.partitions)))
         return all(results)
 
+    def pending_offset_partitions(self, group_id: str) -> set[tuple[str, int]]:
+        """(topic, partition) of ``group_id`` with offsets pending in an unfinished transaction."""
+        out: set[tuple[str, int]] = set()
+        for meta in self.txns.values():
+            if meta.pending_offsets and meta.state in (ONGOING, PREPARE_COMMIT, PREPARE_ABORT):
+                out.update(meta.pending_offsets.get(group_id, ()))
+        return out
+
     # --- describe ------------------------------------------------------------------------------
     def describe(self, tid: str) -> TxnMeta | None:
         return self.txns.get(tid)
