@@ -117,18 +117,22 @@ class TransactionCoordinator:
         first = True
         while not self._closed:
             try:
-                await self._tick(first)
-                first = False
+                if await self._tick(first):
+                    first = False
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - keep the coordinator alive, retry next tick
                 log.exception("transaction coordinator check failed")
             await asyncio.sleep(self.check_interval_s)
 
-    async def _tick(self, recovering: bool) -> None:
+    async def _tick(self, recovering: bool) -> bool:
+        """One pass; False while the broker is still opening its topics (a marker for a
+        partition not open yet must not be taken for one of a deleted topic)."""
+        if getattr(self.broker, "_server", True) is None:
+            return False
         if not self.is_active():
             self._active = False  # another broker coordinates: never act on stale state
-            return
+            return True
         if not self._active:
             await self._load()    # became the coordinator: take the state over
             recovering = True
@@ -148,6 +152,7 @@ class TransactionCoordinator:
                                  "producer_id=%d epoch=%d timeout_ms=%d", meta.transactional_id,
                                  meta.producer_id, meta.epoch, meta.timeout_ms)
                         await self._abort_with_bump(meta)
+        return True
 
     # --- InitProducerId ----------------------------------------------------------------------
     async def init_producer_id(self, tid: str, timeout_ms: int, producer_id: int = -1,
@@ -430,6 +435,7 @@ async def ensure_transactions(broker: Any) -> TransactionCoordinator:
 
 async def stop_transactions(broker: Any) -> None:
     coord = getattr(broker, "_txn_coordinator", None)
+    broker._txn_starting = None
     if coord is not None:
         broker._txn_coordinator = None
         await coord.close()
