@@ -218,7 +218,7 @@ class Partition:
                 log.exception("producer state store unavailable; idempotence not durable")
         p = cls(broker, topic, topic_id, index, stream, configs, store)
         await p._restore()
-        if broker is not None and getattr(broker, "config", None) is not None:
+        if broker is not None and getattr(broker, "meta", None) is not None:
             try:  # the coordinator finishes transactions a restart interrupted
                 await ensure_transactions(broker)
             except Exception:  # noqa: BLE001 - transactions then start on first use

@@ -13,6 +13,7 @@ from protocol import ErrorCode as E, response_class
 
 from ..groups import GroupCoordinator
 from ..partition import find_topic, find_topic_by_id
+from ..transactions import coordinator_for
 from .authorized import GROUP_OPS, ops_if
 from .registry import RequestContext, handler
 
@@ -236,10 +237,18 @@ async def offset_commit(ctx: RequestContext, req: Any) -> Any:
 
 # ------------------------------------------------------------------------- OffsetFetch
 def _fetch_group(
-    ctx: RequestContext, group_id: str, req_topics: Iterable[Any] | None, use_ids: bool
+    ctx: RequestContext, group_id: str, req_topics: Iterable[Any] | None, use_ids: bool,
+    require_stable: bool = False,
 ) -> list[tuple[str, Any, list[tuple[int, int, int, str, int]]]]:
-    """[(topic name, topic id, [(partition, offset, leader epoch, metadata, error)])]."""
+    """[(topic name, topic id, [(partition, offset, leader epoch, metadata, error)])].
+    ``require_stable`` (KIP-447): a partition with offsets pending in an open transaction
+    answers UNSTABLE_OFFSET_COMMIT (retriable) until the transaction ends."""
     coord = _coordinator(ctx)
+    unstable: set[tuple[str, int]] = set()
+    if require_stable:
+        txn_coord = coordinator_for(ctx.broker)
+        if txn_coord is not None:
+            unstable = txn_coord.pending_offset_partitions(group_id)
     if req_topics is None:
         wanted = None
     else:
@@ -251,7 +260,9 @@ def _fetch_group(
     rows = coord.fetch_offsets(group_id, wanted)
     out: dict[str, list[tuple[int, int, int, str, int]]] = {}
     for topic, partition, c in rows:
-        if c is None:
+        if (topic, partition) in unstable:
+            out.setdefault(topic, []).append((partition, -1, -1, "", E.UNSTABLE_OFFSET_COMMIT))
+        elif c is None:
             out.setdefault(topic, []).append((partition, -1, -1, "", E.NONE))
         else:
             out.setdefault(topic, []).append((partition, c.offset, c.leader_epoch, c.metadata or "", E.NONE))
@@ -263,14 +274,15 @@ def _fetch_group(
 
 @handler(OFFSET_FETCH)
 async def offset_fetch(ctx: RequestContext, req: Any) -> Any:
-    """All partitions when topics is null (v2+); v8+ batches groups. require_stable is
-    accepted: there are no pending transactional offsets that could make a read unstable."""
+    """All partitions when topics is null (v2+); v8+ batches groups. require_stable (v7+)
+    answers UNSTABLE_OFFSET_COMMIT for offsets pending in an open transaction."""
     cls = response_class(OFFSET_FETCH)
     v = ctx.version
     if v < 8:
         tcls = cls.OffsetFetchResponseTopic
         pcls = tcls.OffsetFetchResponsePartition
-        result = _fetch_group(ctx, req.group_id, req.topics, use_ids=False)
+        result = _fetch_group(ctx, req.group_id, req.topics, use_ids=False,
+                              require_stable=v >= 7 and bool(getattr(req, "require_stable", False)))
         return cls(
             throttle_time_ms=0,
             error_code=E.NONE,
@@ -287,7 +299,8 @@ async def offset_fetch(ctx: RequestContext, req: Any) -> Any:
     pcls = tcls.OffsetFetchResponsePartitions
     groups = []
     for g in req.groups or []:
-        result = _fetch_group(ctx, g.group_id, g.topics, use_ids=v >= 10)
+        result = _fetch_group(ctx, g.group_id, g.topics, use_ids=v >= 10,
+                              require_stable=bool(getattr(req, "require_stable", False)))
         groups.append(gcls(
             group_id=g.group_id,
             error_code=E.NONE,

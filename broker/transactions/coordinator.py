@@ -58,6 +58,7 @@ class TransactionCoordinator:
             max_workers=1, thread_name_prefix="s3kafka-txn-state")
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._active = True
         cfg = getattr(broker, "config", None)
         self.max_timeout_ms = int(getattr(cfg, "transaction_max_timeout_ms", 900_000))
         self.check_interval_s = float(getattr(cfg, "transaction_check_interval_s",
@@ -66,9 +67,7 @@ class TransactionCoordinator:
     # --- life cycle ------------------------------------------------------------------------
     async def start(self) -> None:
         """Load every transactional id; unfinished transactions are finished by the loop."""
-        for meta in await self._run(self.store.load_all):
-            self.txns[meta.transactional_id] = meta
-            self.by_pid[meta.producer_id] = meta
+        await self._load()
         self._task = asyncio.get_running_loop().create_task(self._loop(),
                                                             name="s3kafka-txn-coordinator")
 
@@ -82,6 +81,23 @@ class TransactionCoordinator:
                 pass
         self._io.shutdown(wait=True)
         self.store.close()
+
+    async def _load(self) -> None:
+        """(Re)read every transactional id's state from the metadata store."""
+        metas = await self._run(self.store.load_all)
+        self.txns = {m.transactional_id: m for m in metas}
+        self.by_pid = {m.producer_id: m for m in metas}
+        self._active = self.is_active()
+
+    def is_active(self) -> bool:
+        """In a cluster only the controller coordinates transactions (FindCoordinator sends
+        clients there); the state is in the shared metadata store, so a broker that becomes
+        the controller reloads it and finishes what the previous one left."""
+        cluster = getattr(self.broker, "cluster", None)
+        if cluster is None:
+            return True
+        node = getattr(getattr(self.broker, "config", None), "node_id", None)
+        return getattr(cluster, "controller_id", node) == node
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
@@ -101,15 +117,25 @@ class TransactionCoordinator:
         first = True
         while not self._closed:
             try:
-                await self._tick(first)
-                first = False
+                if await self._tick(first):
+                    first = False
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - keep the coordinator alive, retry next tick
                 log.exception("transaction coordinator check failed")
             await asyncio.sleep(self.check_interval_s)
 
-    async def _tick(self, recovering: bool) -> None:
+    async def _tick(self, recovering: bool) -> bool:
+        """One pass; False while the broker is still opening its topics (a marker for a
+        partition not open yet must not be taken for one of a deleted topic)."""
+        if getattr(self.broker, "_server", True) is None:
+            return False
+        if not self.is_active():
+            self._active = False  # another broker coordinates: never act on stale state
+            return True
+        if not self._active:
+            await self._load()    # became the coordinator: take the state over
+            recovering = True
         now = _now_ms()
         for meta in list(self.txns.values()):
             if meta.state in (PREPARE_COMMIT, PREPARE_ABORT):
@@ -126,6 +152,7 @@ class TransactionCoordinator:
                                  "producer_id=%d epoch=%d timeout_ms=%d", meta.transactional_id,
                                  meta.producer_id, meta.epoch, meta.timeout_ms)
                         await self._abort_with_bump(meta)
+        return True
 
     # --- InitProducerId ----------------------------------------------------------------------
     async def init_producer_id(self, tid: str, timeout_ms: int, producer_id: int = -1,
@@ -134,6 +161,8 @@ class TransactionCoordinator:
         finishing whatever transaction the previous instance left."""
         if timeout_ms <= 0 or timeout_ms > self.max_timeout_ms:
             return E.INVALID_TRANSACTION_TIMEOUT, -1, -1
+        if not self.is_active():
+            return E.NOT_COORDINATOR, -1, -1
         async with self._lock(tid):
             meta = self.txns.get(tid)
             if meta is None:
@@ -211,6 +240,8 @@ class TransactionCoordinator:
                              exists: Any) -> dict[tuple[str, int], int]:
         """Add partitions to the transaction; error code per partition (Kafka: all fail
         together, the unknown ones with their own code, the others OPERATION_NOT_ATTEMPTED)."""
+        if not self.is_active():
+            return {tp: E.NOT_COORDINATOR for tp in partitions}
         unknown = [tp for tp in partitions if not exists(*tp)]
         if unknown:
             return {tp: (E.UNKNOWN_TOPIC_OR_PARTITION if tp in unknown
@@ -249,6 +280,8 @@ class TransactionCoordinator:
             meta.pending_offsets = {}
 
     async def add_offsets(self, tid: str, producer_id: int, epoch: int, group_id: str) -> int:
+        if not self.is_active():
+            return E.NOT_COORDINATOR
         try:
             async with self._lock(tid):
                 meta = self._check(tid, producer_id, epoch)
@@ -265,6 +298,8 @@ class TransactionCoordinator:
     async def txn_offset_commit(self, tid: str, group_id: str, producer_id: int, epoch: int,
                                 offsets: list[tuple[str, int, int, int, str | None]]) -> int:
         """Hold the offsets with the transaction; the group sees them only on commit."""
+        if not self.is_active():
+            return E.NOT_COORDINATOR
         try:
             async with self._lock(tid):
                 meta = self._check(tid, producer_id, epoch)
@@ -280,6 +315,8 @@ class TransactionCoordinator:
 
     # --- EndTxn --------------------------------------------------------------------------------
     async def end_txn(self, tid: str, producer_id: int, epoch: int, commit: bool) -> int:
+        if not self.is_active():
+            return E.NOT_COORDINATOR
         try:
             async with self._lock(tid):
                 meta = self._check(tid, producer_id, epoch)
@@ -344,6 +381,14 @@ class TransactionCoordinator:
         results = await asyncio.gather(*(one(t, p) for t, p in sorted(meta.partitions)))
         return all(results)
 
+    def pending_offset_partitions(self, group_id: str) -> set[tuple[str, int]]:
+        """(topic, partition) of ``group_id`` with offsets pending in an unfinished transaction."""
+        out: set[tuple[str, int]] = set()
+        for meta in self.txns.values():
+            if meta.pending_offsets and meta.state in (ONGOING, PREPARE_COMMIT, PREPARE_ABORT):
+                out.update(meta.pending_offsets.get(group_id, ()))
+        return out
+
     # --- describe ------------------------------------------------------------------------------
     def describe(self, tid: str) -> TxnMeta | None:
         return self.txns.get(tid)
@@ -390,6 +435,7 @@ async def ensure_transactions(broker: Any) -> TransactionCoordinator:
 
 async def stop_transactions(broker: Any) -> None:
     coord = getattr(broker, "_txn_coordinator", None)
+    broker._txn_starting = None
     if coord is not None:
         broker._txn_coordinator = None
         await coord.close()

@@ -508,6 +508,16 @@ public final class KafkaCli {
                 if (ps.producerId() == d.producerId()) start = ps.currentTransactionStartOffset().orElse(-1L);
             }
             res.put("producer_txn_start_matches", start == first);
+            // read_committed: the end offset is the LSO (the open transaction's first offset),
+            // read_uncommitted: the high watermark past it
+            Properties rc = consumerProps(a, null);
+            rc.put("isolation.level", "read_committed");
+            try (KafkaConsumer<String, String> c = new KafkaConsumer<>(rc)) {
+                res.put("lso_is_txn_start", c.endOffsets(List.of(ftp)).get(ftp) == first);
+            }
+            try (KafkaConsumer<String, String> c = new KafkaConsumer<>(consumerProps(a, null))) {
+                res.put("hw_past_txn", c.endOffsets(List.of(ftp)).get(ftp) == first + 1);
+            }
             open.abortTransaction();
         }
         res.put("fence_values", readCommitted(a, fence, 1));

@@ -33,3 +33,4 @@ def test_java_transactions(tbroker, java_classpath, version):
     assert out["describe_state"].lower() == "ongoing", out
     assert out["describe_partitions"] == f"[{prefix}-fence-0]", out
     assert out["list_has"] and out["producer_txn_start_matches"], out
+    assert out["lso_is_txn_start"] and out["hw_past_txn"], out

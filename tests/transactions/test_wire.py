@@ -138,3 +138,40 @@ def test_transaction_timeout_bounds(tbroker):
             r = call(c, 22, 4, transactional_id=unique("tmo"), transaction_timeout_ms=timeout,
                      producer_id=-1, producer_epoch=-1)
             assert r.error_code == E.INVALID_TRANSACTION_TIMEOUT
+
+
+def test_txn_offsets_visible_only_on_commit(tbroker):
+    topic, tid, group = unique("wto"), unique("wto-tid"), unique("wto-group")
+    with WireClient(tbroker.host, tbroker.port, timeout=30) as c:
+        c.create_topic(topic, 1)
+
+        def fetch_offset(require_stable: bool) -> tuple[int, int]:
+            T = protocol.request_class(9).OffsetFetchRequestTopic
+            r = call(c, 9, 7, group_id=group, require_stable=require_stable,
+                     topics=[T(name=topic, partition_indexes=[0])])
+            p = r.topics[0].partitions[0]
+            return p.committed_offset, p.error_code
+
+        def commit_in_txn(offset: int, commit: bool) -> None:
+            pid, epoch = init(c, tid)
+            assert call(c, 25, 3, transactional_id=tid, producer_id=pid, producer_epoch=epoch,
+                        group_id=group).error_code == 0
+            T = protocol.request_class(28).TxnOffsetCommitRequestTopic
+            P = T.TxnOffsetCommitRequestPartition
+            r = call(c, 28, 3, transactional_id=tid, group_id=group, producer_id=pid,
+                     producer_epoch=epoch, generation_id=-1, member_id="", group_instance_id=None,
+                     topics=[T(name=topic, partitions=[P(partition_index=0, committed_offset=offset,
+                                                         committed_leader_epoch=-1,
+                                                         committed_metadata="")])])
+            assert r.topics[0].partitions[0].error_code == 0
+            # pending: invisible, and unstable for a reader that asks (KIP-447)
+            assert fetch_offset(False) == (prev[0], 0)
+            assert fetch_offset(True)[1] == E.UNSTABLE_OFFSET_COMMIT
+            assert call(c, 26, 3, transactional_id=tid, producer_id=pid, producer_epoch=epoch,
+                        committed=commit).error_code == 0
+
+        prev = [-1]
+        commit_in_txn(5, commit=False)
+        assert fetch_offset(True) == (-1, 0)
+        commit_in_txn(9, commit=True)
+        assert fetch_offset(True) == (9, 0)

@@ -1,0 +1,110 @@
+"""The coordinator in-process over a real engine: a transaction a crash left prepared is
+completed by the next coordinator (markers written, offsets committed), an Ongoing one past its
+timeout is aborted with the epoch bumped, and the state survives in the metadata store."""
+from __future__ import annotations
+
+import pathlib
+import sys
+import types
+import uuid
+
+import pytest
+
+from broker.partition import Partition
+from broker.producer_state import _meta_db_url
+from broker.transactions import coordinator_for, ensure_transactions, stop_transactions
+from broker.transactions.coordinator import TransactionCoordinator
+from broker.transactions.store import (COMPLETE_ABORT, COMPLETE_COMMIT, ONGOING, PREPARE_COMMIT,
+                                       TxnStore)
+from protocol import build_batch
+from protocol.records import Record
+from storage.engine import open_engine
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "storage"))
+from storage_helpers import small_config  # noqa: E402
+
+
+class Groups:
+    """Stands in for the group coordinator: records what a commit makes visible."""
+
+    def __init__(self) -> None:
+        self.committed: dict[str, list] = {}
+
+    async def commit_txn_offsets(self, group_id, offsets) -> None:
+        self.committed.setdefault(group_id, []).extend(offsets)
+
+
+@pytest.fixture
+async def setup(tmp_path):
+    eng = open_engine(small_config(tmp_path / "data", compaction_min_objects=2))
+    await eng.start()
+    broker = types.SimpleNamespace(config=types.SimpleNamespace(data_dir=str(tmp_path)),
+                                   topics={}, groups=Groups())
+    stream = await eng.create_stream()
+    p = await Partition.open(broker, "t", uuid.uuid4(), 0, stream, {})
+    broker.topics["t"] = types.SimpleNamespace(partitions=[p])
+    await ensure_transactions(broker)
+    yield broker, p
+    await p.close()
+    await stop_transactions(broker)
+    await eng.close()
+
+
+async def begin(broker, p, tid: str, timeout_ms: int = 60_000) -> tuple[int, int]:
+    coord = coordinator_for(broker)
+    err, pid, epoch = await coord.init_producer_id(tid, timeout_ms)
+    assert err == 0
+    assert await coord.add_partitions(tid, pid, epoch, [("t", 0)], lambda t, i: True) \
+        == {("t", 0): 0}
+    batch = build_batch([Record(0, 1, b"k", b"v")], producer_id=pid, producer_epoch=epoch,
+                        base_sequence=0, transactional=True)
+    assert (await p.append(batch)).error == 0
+    return pid, epoch
+
+
+async def restart_coordinator(broker) -> TransactionCoordinator:
+    await stop_transactions(broker)
+    return await ensure_transactions(broker)
+
+
+async def test_prepared_commit_is_completed_after_a_crash(setup) -> None:
+    broker, p = setup
+    pid, epoch = await begin(broker, p, "prep")
+    coord = coordinator_for(broker)
+    assert await coord.add_offsets("prep", pid, epoch, "g") == 0
+    assert await coord.txn_offset_commit("prep", "g", pid, epoch, [("t", 0, 1, -1, "")]) == 0
+    assert broker.groups.committed == {}
+    # the crash: PrepareCommit durable, no marker written yet
+    meta = coord.txns["prep"]
+    meta.state = PREPARE_COMMIT
+    await coord._save(meta)
+    assert p.last_stable_offset == 0
+    coord = await restart_coordinator(broker)
+    assert coord.txns["prep"].state == PREPARE_COMMIT
+    assert await coord._tick(True)
+    assert coord.txns["prep"].state == COMPLETE_COMMIT
+    assert p.last_stable_offset == p.high_watermark == 2   # record + COMMIT marker
+    assert broker.groups.committed == {"g": [("t", 0, 1, -1, "")]}
+    assert p.aborted_between(0, 2) == []
+    store = TxnStore(_meta_db_url(broker))
+    try:
+        assert [m.state for m in store.load_all()] == [COMPLETE_COMMIT]
+    finally:
+        store.close()
+
+
+async def test_timed_out_transaction_is_aborted_and_its_producer_fenced(setup) -> None:
+    broker, p = setup
+    pid, epoch = await begin(broker, p, "slow", timeout_ms=1)
+    coord = coordinator_for(broker)
+    coord.txns["slow"].start_ms -= 10
+    assert coord.txns["slow"].state == ONGOING
+    assert await coord._tick(False)
+    meta = coord.txns["slow"]
+    assert (meta.state, meta.epoch) == (COMPLETE_ABORT, epoch + 1)
+    assert p.last_stable_offset == p.high_watermark == 2
+    assert p.aborted_between(0, 2) == [(pid, 0)]
+    assert await coord.end_txn("slow", pid, epoch, True) != 0   # the old epoch is fenced
+    late = build_batch([Record(0, 1, b"k", b"late")], producer_id=pid, producer_epoch=epoch,
+                       base_sequence=1, transactional=True)
+    assert (await p.append(late)).error != 0
