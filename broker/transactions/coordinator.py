@@ -31,6 +31,7 @@ from .store import (COMPLETE_ABORT, COMPLETE_COMMIT, EMPTY, ONGOING, PREPARE_ABO
 log = logging.getLogger(__name__)
 
 COORDINATOR_EPOCH = 0  # one node: the coordinator never moves (yet)
+EXPIRATION_MS = 604_800_000  # Kafka's transactional.id.expiration.ms (7 days)
 CHECK_INTERVAL_S = 1.0  # Kafka's transaction.abort.timed.out.transaction.cleanup.interval.ms is 10 s
 MARKER_ATTEMPTS = 5
 
@@ -63,6 +64,7 @@ class TransactionCoordinator:
         self.max_timeout_ms = int(getattr(cfg, "transaction_max_timeout_ms", 900_000))
         self.check_interval_s = float(getattr(cfg, "transaction_check_interval_s",
                                               CHECK_INTERVAL_S))
+        self.expiration_ms = int(getattr(cfg, "transactional_id_expiration_ms", EXPIRATION_MS))
 
     # --- life cycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -145,6 +147,10 @@ class TransactionCoordinator:
                             log.info("completing transaction transactional_id=%s state=%s",
                                      meta.transactional_id, meta.state)
                         await self._complete(meta)
+            elif meta.state in (EMPTY, COMPLETE_COMMIT, COMPLETE_ABORT) \
+                    and now - meta.update_ms > self.expiration_ms:
+                async with self._lock(meta.transactional_id):
+                    await self._expire(meta)
             elif meta.state == ONGOING and now - meta.start_ms > meta.timeout_ms:
                 async with self._lock(meta.transactional_id):
                     if meta.state == ONGOING and _now_ms() - meta.start_ms > meta.timeout_ms:
@@ -153,6 +159,21 @@ class TransactionCoordinator:
                                  meta.producer_id, meta.epoch, meta.timeout_ms)
                         await self._abort_with_bump(meta)
         return True
+
+    async def _expire(self, meta: TxnMeta) -> None:
+        """Forget a transactional id idle for transactional.id.expiration.ms (as Kafka): its
+        next InitProducerId starts again with a new producer id."""
+        tid = meta.transactional_id
+        if self.txns.get(tid) is not meta or meta.state not in (EMPTY, COMPLETE_COMMIT,
+                                                                 COMPLETE_ABORT):
+            return
+        await self._run(self.store.delete, tid)
+        self.txns.pop(tid, None)
+        if self.by_pid.get(meta.producer_id) is meta:
+            del self.by_pid[meta.producer_id]
+        self._locks.pop(tid, None)
+        log.info("transactional id expired transactional_id=%s producer_id=%d", tid,
+                 meta.producer_id)
 
     # --- InitProducerId ----------------------------------------------------------------------
     async def init_producer_id(self, tid: str, timeout_ms: int, producer_id: int = -1,

@@ -101,5 +101,10 @@ class TxnStore:
             " pending_offsets=excluded.pending_offsets, start_ms=excluded.start_ms,"
             " update_ms=excluded.update_ms", row)
 
+    def delete(self, transactional_id: str) -> None:
+        """Forget an expired transactional id."""
+        self._db.execute("DELETE FROM kafka_txn_state WHERE transactional_id = ?",
+                         (transactional_id,))
+
     def close(self) -> None:
         self._db.close()

@@ -108,3 +108,24 @@ async def test_timed_out_transaction_is_aborted_and_its_producer_fenced(setup) -
     late = build_batch([Record(0, 1, b"k", b"late")], producer_id=pid, producer_epoch=epoch,
                        base_sequence=1, transactional=True)
     assert (await p.append(late)).error != 0
+
+
+async def test_idle_transactional_ids_expire(setup) -> None:
+    broker, p = setup
+    pid, epoch = await begin(broker, p, "idle")
+    coord = coordinator_for(broker)
+    assert await coord.end_txn("idle", pid, epoch, True) == 0
+    assert await coord._tick(False) and "idle" in coord.txns   # not idle long enough yet
+    coord.expiration_ms = 0
+    coord.txns["idle"].update_ms -= 10
+    store = TxnStore(_meta_db_url(broker))
+    try:
+        assert [m.transactional_id for m in store.load_all()] == ["idle"]
+        assert await coord._tick(False)
+        assert "idle" not in coord.txns and pid not in coord.by_pid
+        assert store.load_all() == []
+        # a new instance starts over with a new producer id
+        err, pid2, epoch2 = await coord.init_producer_id("idle", 60_000)
+        assert (err, epoch2) == (0, 0) and pid2 != pid
+    finally:
+        store.close()
