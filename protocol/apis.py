@@ -86,7 +86,7 @@ _SUPPORTED: dict[int, tuple[int, int, type, type]] = {
     42: (0, 2, DeleteGroupsRequest, DeleteGroupsResponse),
     43: (0, 2, ElectLeadersRequest, ElectLeadersResponse),
     44: (0, 1, IncrementalAlterConfigsRequest, IncrementalAlterConfigsResponse),
-    45: (0, 0, AlterPartitionReassignmentsRequest, AlterPartitionReassignmentsResponse),
+    45: (0, 1, AlterPartitionReassignmentsRequest, AlterPartitionReassignmentsResponse),
     46: (0, 0, ListPartitionReassignmentsRequest, ListPartitionReassignmentsResponse),
     47: (0, 0, OffsetDeleteRequest, OffsetDeleteResponse),
     60: (0, 2, DescribeClusterRequest, DescribeClusterResponse),
@@ -105,8 +105,8 @@ SUPPORTED_APIS: dict[int, tuple[int, int]] = {k: (v[0], v[1]) for k, v in _SUPPO
 KAFKA_RELEASE = (4, 1)
 KAFKA_41_MAX: dict[int, int] = {
     0: 13, 1: 18, 2: 10, 3: 13, 8: 9, 9: 9, 10: 6, 11: 9, 12: 4, 13: 5, 14: 5, 15: 6, 16: 5,
-    18: 4, 19: 7, 20: 6, 21: 2, 22: 5, 23: 4, 24: 5, 25: 4, 26: 5, 28: 5, 32: 4, 33: 2, 35: 4, 37: 3, 42: 2, 44: 1, 47: 0,
-    60: 2, 61: 0, 65: 0, 66: 2, 75: 0,
+    18: 4, 19: 7, 20: 6, 21: 2, 22: 5, 23: 4, 24: 5, 25: 4, 26: 5, 28: 5, 32: 4, 33: 2, 35: 4,
+    37: 3, 42: 2, 43: 2, 44: 1, 45: 1, 46: 0, 47: 0, 60: 2, 61: 0, 65: 0, 66: 2, 75: 0,
 }
 
 API_VERSIONS_KEY = 18

@@ -37,9 +37,12 @@ def _string(rng: random.Random) -> str:
     return "".join(chr(rng.randint(32, 0x2FFF)) for _ in range(rng.randint(1, 300)))
 
 
-def _simple(field: Any, version: int, rng: random.Random, records: list[bytes]) -> Any:
+def _simple(field: Any, version: int, rng: random.Random, records: list[bytes],
+            element: bool = False) -> Any:
+    """A random value of a scalar field; ``element``: an array's element, which the
+    array's nullability does not make nullable (Kafka has no null elements)."""
     t = field.type_str
-    if field.nullable_for_version_q(version) and rng.random() < 0.1:
+    if not element and field.nullable_for_version_q(version) and rng.random() < 0.1:
         return None
     if t == "int8":
         return _int(rng, 8, field.name)
@@ -91,7 +94,7 @@ def random_struct(data_class: Any, version: int, rng: random.Random,
             if nullable and rng.random() < 0.1:
                 kwargs[field.name] = None
             else:
-                kwargs[field.name] = [_simple(field.array_of, version, rng, records)
+                kwargs[field.name] = [_simple(field.array_of, version, rng, records, element=True)
                                       for _ in range(rng.choice([0, 1, 2]))]
         else:
             kwargs[field.name] = _simple(field, version, rng, records)
