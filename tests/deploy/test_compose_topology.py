@@ -71,9 +71,17 @@ def test_compose_topology_as_processes(broker_factory, postgres, s3_endpoint, tm
     for i in range(20):
         p.produce("compose-t", value=b"v%02d" % i, partition=0)
     assert p.flush(30) == 0
-    brokers[0].stop()
-    os.unlink(brokers[0].data_dir / "wal")               # what comes back is from S3
-    brokers[0].start()
+    # the partition's leader (the cluster may have put it on any broker) stops: a controlled
+    # shutdown uploads its data and hands the partition over; its WAL is then deleted, so
+    # what comes back is from S3
+    md = AdminClient({"bootstrap.servers": brokers[0].bootstrap}).list_topics(timeout=30)
+    leader_id = md.topics["compose-t"].partitions[0].leader
+    leader = next(b for b, name in zip(brokers, BROKERS)
+                  if str(compose["services"][name]["environment"]["S3KAFKA_NODE_ID"]) ==
+                  str(leader_id))
+    leader.stop()
+    os.unlink(leader.data_dir / "wal")
+    leader.start()
     c = Consumer({"bootstrap.servers": brokers[0].bootstrap, "group.id": "compose-g",
                   "auto.offset.reset": "earliest"})
     c.assign([TopicPartition("compose-t", 0, 0)])
