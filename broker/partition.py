@@ -197,6 +197,7 @@ class Partition:
         self._tail: asyncio.Future[bool] | None = None  # outcome of the latest taken append
         self._offline: str | None = None     # why appends are refused until restart
         self._producers_ready = True         # False while the log tail is still being replayed
+        self._replay_from = 0                # where that replay started (caps the LSO)
         self._replay_task: asyncio.Task[None] | None = None
         engine = getattr(getattr(broker, "config", None), "engine", None) or {}
         try:
@@ -259,6 +260,7 @@ class Partition:
         # producer state is incomplete until the tail is replayed: idempotent produces are
         # refused (retriably) until then, never checked against a guess
         self._producers_ready = False
+        self._replay_from = offset
         self._replay_task = asyncio.get_running_loop().create_task(
             self._replay(offset, end), name=f"s3kafka-replay-{self.topic}-{self.index}")
         await asyncio.wait({self._replay_task}, timeout=REPLAY_FOREGROUND_S)
@@ -394,8 +396,13 @@ class Partition:
 
     @property
     def last_stable_offset(self) -> int:
-        """The first offset of the oldest ongoing transaction, else the high watermark."""
-        return self.txns.lso(self.stream.confirmed_offset)
+        """The first offset of the oldest ongoing transaction, else the high watermark; while
+        the log tail is still being replayed (transactions in it not known yet), no further
+        than where the replay started."""
+        lso = self.txns.lso(self.stream.confirmed_offset)
+        if not self._producers_ready:
+            return min(lso, self._replay_from)
+        return lso
 
     @property
     def log_end_offset(self) -> int:

@@ -3,6 +3,7 @@ completed by the next coordinator (markers written, offsets committed), an Ongoi
 timeout is aborted with the epoch bumped, and the state survives in the metadata store."""
 from __future__ import annotations
 
+import asyncio
 import pathlib
 import sys
 import types
@@ -129,3 +130,26 @@ async def test_idle_transactional_ids_expire(setup) -> None:
         assert (err, epoch2) == (0, 0) and pid2 != pid
     finally:
         store.close()
+
+
+async def test_lso_waits_for_the_log_tail_replay(setup) -> None:
+    """Reopened while the log tail cannot be read yet (object store down): the transactions in
+    it are unknown, so the LSO stays where the replay started instead of exposing them."""
+    broker, p = setup
+    await begin(broker, p, "unreplayed")   # an open transaction at offset 0
+    assert (p.last_stable_offset, p.high_watermark) == (0, 1)
+    stream = p.stream
+    real_read = stream.read
+
+    async def stuck_read(*args, **kwargs):
+        await asyncio.sleep(3600)
+
+    stream.read = stuck_read
+    try:
+        again = Partition(broker, "t", p.topic_id, 0, stream, {}, None)  # no snapshot
+        await again._restore()
+        assert not again._producers_ready
+        assert again.high_watermark == 1 and again.last_stable_offset == 0
+    finally:
+        stream.read = real_read
+        await again.close()
