@@ -57,6 +57,11 @@ _HELP = {
     "metrics_listen": "HOST:PORT serving Prometheus /metrics, or off (default "
                       "127.0.0.1:9644; if that default is taken the broker warns and runs "
                       "without metrics, an explicit address that is taken is an error)",
+    "cluster_lease_ms": "how long a broker's cluster lease lasts without renewal; a broker "
+                        "silent this long plus the margin is fenced and its WAL taken over "
+                        "(default 6000)",
+    "cluster_takeover_margin_ms": "wait this long after a lease lapsed before fencing the "
+                                  "broker (default 1000)",
     "allow_degraded_start": "start even when the object store check fails (uploads wait and "
                             "retry; a warning every minute until it works). Default: exit "
                             "with the error, unless the WAL holds data (a restart)",

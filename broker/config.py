@@ -55,6 +55,8 @@ class BrokerConfig:
     log_level: str = "INFO"
     log_format: str = "text"                 # text (key=value) | json
     metrics_listen: str = "127.0.0.1:9644"   # Prometheus /metrics; "" or "off" = not served
+    cluster_lease_ms: int = 6000             # broker lease in the cluster room (renewed 1/s)
+    cluster_takeover_margin_ms: int = 1000   # after the lease lapsed, wait this long to fence
     allow_degraded_start: bool = False       # start even when the object store check fails
     config: str = ""                         # the config file these values were read from
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig overrides (field -> value)

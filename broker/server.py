@@ -509,6 +509,9 @@ class Broker:
         self.cluster_id = await asyncio.to_thread(self.meta.cluster_id)
         if cfg.storage == "engine":
             await asyncio.to_thread(self.meta.bind_object_store, cfg.object_store_url)
+        if cfg.storage == "engine":     # the node epoch (and a taken-over WAL) from the room
+            from .cluster.room import prepare_node_epoch  # noqa: PLC0415
+            await prepare_node_epoch(cfg)
         self.store = self._open_store()
         await self.store.start()
         self.cluster = ClusterRoom(self)

@@ -10,7 +10,9 @@ partition's assignment row: someone sets ``state=moving, target=T`` (CAS on the 
 the leader stops accepting, uploads the stream's pending data, saves producer state and hands
 the row to T at ``leader_epoch + 1`` (CAS); T claims the stream at that epoch in the storage
 metadata (CAS: the old owner's commits are refused from then on) and opens it from the object
-store. A broker that dies keeps its partitions until it restarts (WAL takeover is not built).
+store. A broker that dies (its lease lapsed, plus a margin) is fenced by the controller: its
+node epoch is bumped and a live taker recovers its WAL (``Engine.take_over_wal``); only then
+are its partitions handed to live brokers at leader epoch + 1 (see docs/cluster.md, Failover).
 """
 from __future__ import annotations
 
@@ -22,13 +24,14 @@ import time
 import uuid
 from typing import Any
 
-from .store import ACTIVE, DRAINING, LIVE, MOVING, STOPPED, Assignment, BrokerRow, \
-    ClusterStore, NodeIdInUse, now_ms
+from .store import ACTIVE, DRAINING, FENCED, LIVE, MOVING, STOPPED, TAKEN_OVER, Assignment, \
+    BrokerRow, ClusterStore, NodeIdInUse, now_ms
 
 log = logging.getLogger("broker.cluster")
 
 HEARTBEAT_S = 1.0
 LEASE_MS = 6000
+TAKEOVER_MARGIN_MS = 1000
 POLL_S = 0.2
 MAX_MOVES_PER_ROUND = 16
 
@@ -58,6 +61,12 @@ class ClusterRoom:
         self._members_seen: frozenset[int] = frozenset()
         self._stopping = False
         self._wake = asyncio.Event()
+        self.lease_ms: int = int(getattr(cfg, "cluster_lease_ms", LEASE_MS) or LEASE_MS)
+        self.margin_ms: int = int(getattr(cfg, "cluster_takeover_margin_ms",
+                                          TAKEOVER_MARGIN_MS))
+        self.heartbeat_s = min(HEARTBEAT_S, self.lease_ms / 4000)
+        self.rows: dict[int, BrokerRow] = {}
+        self._takeovers: dict[int, asyncio.Task] = {}
 
     # ---- start / stop -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -67,7 +76,7 @@ class ClusterRoom:
         try:
             home = f"{socket.gethostname()}:{os.path.abspath(cfg.wal_path)}"
             await asyncio.to_thread(self.store.register, self.node_id, cfg.advertised_host,
-                                    cfg.advertised_port, self.rack, self.instance, LEASE_MS,
+                                    cfg.advertised_port, self.rack, self.instance, self.lease_ms,
                                     home)
         except NodeIdInUse as e:
             raise ClusterError(str(e)) from None
@@ -101,9 +110,9 @@ class ClusterRoom:
 
     async def stop(self) -> None:
         self._stopping = True
-        for t in self._tasks:
+        for t in list(self._tasks) + list(self._takeovers.values()):
             t.cancel()
-        for t in list(self._tasks) + list(self._ops):
+        for t in list(self._tasks) + list(self._ops) + list(self._takeovers.values()):
             try:
                 await t
             except (asyncio.CancelledError, Exception):  # noqa: BLE001
@@ -225,10 +234,10 @@ class ClusterRoom:
     async def _heartbeat_loop(self) -> None:
         assert self.store is not None
         while True:
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(self.heartbeat_s)
             try:
                 ok = await asyncio.to_thread(self.store.heartbeat, self.node_id, self.instance,
-                                             LEASE_MS)
+                                             self.lease_ms)
                 if not ok:
                     log.error("node id %d was taken over by another broker instance",
                               self.node_id)
@@ -243,7 +252,7 @@ class ClusterRoom:
         was = self.controller_id, self.controller_epoch
         self.controller_id, self.controller_epoch = await asyncio.to_thread(
             self.store.elect, self.node_id,
-            self.controller_epoch if was[0] == self.node_id else -1, LEASE_MS)
+            self.controller_epoch if was[0] == self.node_id else -1, self.lease_ms)
         if (self.controller_id, self.controller_epoch) != was:
             log.info("controller node_id=%d epoch=%d (this broker: %s)", self.controller_id,
                      self.controller_epoch, "yes" if self.controller_id == self.node_id else "no")
@@ -263,7 +272,9 @@ class ClusterRoom:
             try:
                 await self._refresh()
                 await self._apply()
+                self._take_over_assigned()
                 if self.controller_id == self.node_id:
+                    await self._failover()
                     await self._control()
             except asyncio.CancelledError:
                 raise
@@ -275,6 +286,7 @@ class ClusterRoom:
         v = await asyncio.to_thread(self.store.version)
         now = now_ms()
         rows = await asyncio.to_thread(self.store.brokers)
+        self.rows = {b.node_id: b for b in rows}
         live = {b.node_id: b for b in rows if b.lease_until_ms > now and b.state != STOPPED}
         changed = set(live) != set(self.live) or any(
             live[n].state != self.live[n].state for n in live if n in self.live)
@@ -337,6 +349,9 @@ class ClusterRoom:
             await p.close()
             return
         topic.partitions[index] = p
+        if a.leader_epoch > 0 and self.store is not None:   # a failover records no start
+            await asyncio.to_thread(self.store.record_epoch_start, a.topic_id, index,
+                                    a.leader_epoch, stream.end_offset)
         log.info("partition opened topic=%s partition=%d leader_epoch=%d log_end_offset=%d "
                  "took_ms=%.0f", topic.name, index, a.leader_epoch, stream.end_offset,
                  (time.monotonic() - t0) * 1000)
@@ -447,3 +462,132 @@ class ClusterRoom:
                          a.leader_epoch, why)
         if moves:
             self._wake.set()
+
+    # ---- failover: fencing a dead broker and taking over its WAL ------------------------------
+    async def _failover(self) -> None:
+        """Controller: fence brokers whose lease lapsed more than the margin ago and give
+        their WAL to a live taker; give a takeover whose taker failed or left to another."""
+        assert self.store is not None
+        ctl = (self.node_id, self.controller_epoch)
+        now = now_ms()
+        takers = sorted(n for n, b in self.live.items() if b.state == LIVE) or [self.node_id]
+        for n, b in list(self.rows.items()):
+            if n == self.node_id or n in self.live:
+                continue
+            # spread takeovers: the dead node's successor in the ring of live brokers
+            taker = next((t for t in takers if t > n), takers[0])
+            if b.state in (LIVE, DRAINING) and b.lease_until_ms + self.margin_ms < now:
+                row = await asyncio.to_thread(self.store.fence, n, b.instance,
+                                              b.lease_until_ms, taker, ctl)
+                if row is not None:
+                    log.warning("broker fenced node_id=%d node_epoch=%d lease_lapsed_ms=%d "
+                                "taker=%d takeover_epoch=%d", n, row.node_epoch,
+                                now - b.lease_until_ms, taker, row.takeover_epoch)
+                    self._wake.set()
+            elif b.state == FENCED and b.taker not in self.live:
+                if await asyncio.to_thread(self.store.assign_taker, n, b.takeover_epoch, taker,
+                                           ctl):
+                    log.warning("takeover reassigned node_id=%d from taker=%d to taker=%d "
+                                "takeover_epoch=%d", n, b.taker, taker, b.takeover_epoch + 1)
+                    self._wake.set()
+
+    def _take_over_assigned(self) -> None:
+        """Start the takeovers assigned to this broker (one task per dead node)."""
+        for n, b in self.rows.items():
+            if b.state == FENCED and b.taker == self.node_id and n not in self._takeovers \
+                    and not self._stopping:
+                t = asyncio.create_task(self._take_over(b), name=f"takeover-{n}")
+                self._takeovers[n] = t
+                t.add_done_callback(lambda _t, n=n: (self._takeovers.pop(n, None),
+                                                     self._wake.set()))
+
+    async def _take_over(self, b: BrokerRow) -> None:
+        """Recover the dead node's WAL through this broker's engine, then hand its partitions
+        to live brokers. On failure give the takeover back (the controller retries)."""
+        assert self.store is not None
+        n, tepoch = b.node_id, b.takeover_epoch
+        t0 = time.monotonic()
+        engine = self.broker.store
+        meta = getattr(engine, "meta", None)
+        try:
+            info = await asyncio.to_thread(meta.wal, n) if meta is not None else None
+            if info is None or not hasattr(engine, "take_over_wal"):
+                log.warning("takeover node_id=%d: no WAL registered; reassigning only", n)
+                records = committed = 0
+            else:
+                log.info("takeover started node_id=%d wal=%s node_epoch=%d taker=%d "
+                         "takeover_epoch=%d", n, info.path, info.node_epoch, self.node_id,
+                         tepoch)
+                res = await engine.take_over_wal(info.path, n, info.node_epoch, tepoch)
+                records, committed = res.records, res.committed_records
+                if res.lost:
+                    log.error("takeover node_id=%d left records behind: %s", n, res.lost)
+                log.info("takeover finished node_id=%d records=%d committed=%d skipped=%d "
+                         "objects=%d bytes=%d already_done=%s took_ms=%.0f", n, res.records,
+                         res.committed_records, res.skipped_records, res.objects, res.bytes,
+                         res.already_done, (time.monotonic() - t0) * 1000)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the controller gives it to a taker again
+            log.error("takeover failed node_id=%d takeover_epoch=%d: %s: %s", n, tepoch,
+                      type(e).__name__, e)
+            await asyncio.sleep(1)
+            await asyncio.to_thread(self.store.takeover_failed, n, tepoch)
+            return
+        await self._refresh(force=True)
+        dead = [a for a in self.assign.values() if a.leader == n]
+        counts = {m: 0 for m, r in self.live.items() if r.state == LIVE and m != n}
+        if not counts:
+            counts = {self.node_id: 0}
+        for a in self.assign.values():
+            if a.leader in counts:
+                counts[a.leader] += 1
+        leaders: dict[tuple[str, int], int] = {}
+        for a in dead:
+            m = min(counts, key=lambda k: (counts[k], k))
+            leaders[(a.topic_id, a.partition)] = m
+            counts[m] += 1
+        moved = await asyncio.to_thread(self.store.finish_takeover, n, tepoch, leaders)
+        if moved is None:
+            log.warning("takeover node_id=%d takeover_epoch=%d superseded", n, tepoch)
+            return
+        log.info("partitions reassigned node_id=%d partitions=%d to=%s records=%d "
+                 "committed=%d took_ms=%.0f", n, len(moved),
+                 sorted({a.leader for a in moved}), records, committed,
+                 (time.monotonic() - t0) * 1000)
+        self._wake.set()
+
+
+async def prepare_node_epoch(cfg: Any) -> None:
+    """Before the engine opens its WAL: take this node's epoch from the cluster registry.
+    A node whose WAL another broker is taking over waits for that to finish; a node whose WAL
+    was taken over starts at its bumped epoch and formats the WAL afresh (its records are
+    committed elsewhere)."""
+    def read() -> BrokerRow | None:
+        st = ClusterStore(cfg.metadata_url)
+        try:
+            return st.broker(cfg.node_id)
+        finally:
+            st.close()
+    deadline = time.monotonic() + float(getattr(cfg, "cluster_takeover_wait_s", 120.0))
+    logged = False
+    while True:
+        row = await asyncio.to_thread(read)
+        if row is None or row.state != FENCED:
+            break
+        if time.monotonic() > deadline:
+            raise ClusterError(f"node id {cfg.node_id} is being taken over by broker "
+                               f"{row.taker}; start again when that is done")
+        if not logged:
+            log.warning("waiting for the takeover of this node's WAL by broker %d "
+                        "(node_epoch=%d)", row.taker, row.node_epoch)
+            logged = True
+        await asyncio.sleep(0.5)
+    if row is None:
+        return
+    epoch = max(int(cfg.engine.get("node_epoch", 0) or 0), row.node_epoch)
+    cfg.engine["node_epoch"] = epoch
+    if row.state == TAKEN_OVER:
+        cfg.engine["wal_reformat_taken_over"] = True
+        log.warning("this node's WAL was taken over; formatting it afresh node_epoch=%d",
+                    epoch)

@@ -31,10 +31,18 @@ CREATE TABLE IF NOT EXISTS cluster_leader_epochs (
     topic_id TEXT NOT NULL, partition_index INTEGER NOT NULL, leader_epoch BIGINT NOT NULL,
     start_offset BIGINT NOT NULL, PRIMARY KEY (topic_id, partition_index, leader_epoch));
 INSERT INTO cluster_state(id, version) VALUES (1, 0) ON CONFLICT (id) DO NOTHING
+"""), (2, """
+ALTER TABLE cluster_brokers ADD COLUMN node_epoch BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE cluster_brokers ADD COLUMN taker BIGINT NOT NULL DEFAULT -1;
+ALTER TABLE cluster_brokers ADD COLUMN takeover_epoch BIGINT NOT NULL DEFAULT 0
 """)]
 
 ACTIVE, MOVING = "active", "moving"
 LIVE, DRAINING, STOPPED = "live", "draining", "stopped"
+# failover: the lease lapsed, the node epoch was bumped and ``taker`` recovers its WAL
+# (FENCED); once that returned its partitions were reassigned (TAKEN_OVER). Both end when
+# the node registers again (with its bumped epoch).
+FENCED, TAKEN_OVER = "fenced", "taken_over"
 
 
 def now_ms() -> int:
@@ -50,6 +58,9 @@ class BrokerRow:
     instance: str
     state: str
     lease_until_ms: int
+    node_epoch: int = 0
+    taker: int = -1
+    takeover_epoch: int = 0
 
 
 @dataclass
@@ -139,8 +150,92 @@ class ClusterStore:
 
     def brokers(self) -> list[BrokerRow]:
         return [BrokerRow(*r) for r in self._query(
-            "SELECT node_id, host, port, rack, instance, state, lease_until_ms FROM "
-            "cluster_brokers ORDER BY node_id")]
+            "SELECT node_id, host, port, rack, instance, state, lease_until_ms, node_epoch, "
+            "taker, takeover_epoch FROM cluster_brokers ORDER BY node_id")]
+
+    def broker(self, node_id: int) -> BrokerRow | None:
+        rows = [b for b in self.brokers() if b.node_id == node_id]
+        return rows[0] if rows else None
+
+    # ---- failover -------------------------------------------------------------------------
+    def fence(self, node_id: int, instance: str, lease_until_ms: int, taker: int,
+              controller: tuple[int, int]) -> BrokerRow | None:
+        """The controller fences a broker whose lease lapsed: node epoch + 1, state FENCED,
+        ``taker`` assigned at takeover epoch + 1. CAS on the row as the controller saw it (a
+        broker that renewed or re-registered meanwhile is left alone). Returns the new row."""
+        def body(db: Any) -> Any:
+            if not self._is_controller(db, *controller):
+                return None
+            n = db.execute("UPDATE cluster_brokers SET state = ?, node_epoch = node_epoch + 1, "
+                           "taker = ?, takeover_epoch = takeover_epoch + 1 WHERE node_id = ? "
+                           "AND instance = ? AND lease_until_ms = ? AND state IN (?, ?)",
+                           (FENCED, taker, node_id, instance, lease_until_ms, LIVE, DRAINING))
+            if n != 1:
+                return None
+            self._bump(db)
+            return True
+        return self.broker(node_id) if self._tx(body) else None
+
+    def assign_taker(self, node_id: int, takeover_epoch: int, taker: int,
+                     controller: tuple[int, int]) -> bool:
+        """A new taker (the previous one failed or left) at takeover epoch + 1 (CAS)."""
+        def body(db: Any) -> Any:
+            if not self._is_controller(db, *controller):
+                return False
+            n = db.execute("UPDATE cluster_brokers SET taker = ?, takeover_epoch = "
+                           "takeover_epoch + 1 WHERE node_id = ? AND state = ? AND "
+                           "takeover_epoch = ?", (taker, node_id, FENCED, takeover_epoch))
+            if n == 1:
+                self._bump(db)
+            return n == 1
+        return self._tx(body)
+
+    def takeover_failed(self, node_id: int, takeover_epoch: int) -> None:
+        """The taker gives the takeover back (the controller picks a taker again)."""
+        def body(db: Any) -> Any:
+            if db.execute("UPDATE cluster_brokers SET taker = -1 WHERE node_id = ? AND "
+                          "state = ? AND takeover_epoch = ?",
+                          (node_id, FENCED, takeover_epoch)) == 1:
+                self._bump(db)
+        return self._tx(body)
+
+    def finish_takeover(self, node_id: int, takeover_epoch: int,
+                        leaders: dict[tuple[str, int], int]) -> list[Assignment] | None:
+        """The taker recovered the WAL: mark the node TAKEN_OVER and hand each of its
+        partitions to a live broker at leader epoch + 1, in one transaction (CAS on the
+        takeover epoch). ``leaders``: partition -> new leader. Returns the moved rows."""
+        def body(db: Any) -> Any:
+            if db.execute("UPDATE cluster_brokers SET state = ?, taker = -1 WHERE node_id = ? "
+                          "AND state = ? AND takeover_epoch = ?",
+                          (TAKEN_OVER, node_id, FENCED, takeover_epoch)) != 1:
+                return None
+            moved = []
+            for r in db.query("SELECT topic_id, partition_index, leader, leader_epoch, "
+                              "replicas, state, target FROM cluster_assignments WHERE "
+                              "leader = ?", (node_id,)):
+                a = Assignment(*r)
+                new = leaders.get((a.topic_id, a.partition))
+                if new is None:
+                    continue
+                db.execute("UPDATE cluster_assignments SET leader = ?, leader_epoch = ?, "
+                           "state = ?, target = -1 WHERE topic_id = ? AND partition_index = ? "
+                           "AND leader_epoch = ?", (new, a.leader_epoch + 1, ACTIVE,
+                                                    a.topic_id, a.partition, a.leader_epoch))
+                moved.append(Assignment(a.topic_id, a.partition, new, a.leader_epoch + 1,
+                                        a.replicas, ACTIVE, -1))
+            self._bump(db)
+            return moved
+        return self._tx(body)
+
+    def record_epoch_start(self, topic_id: str, partition: int, leader_epoch: int,
+                           start_offset: int) -> None:
+        """Where a leader epoch began (a failover's new leader records it when it opens)."""
+        def body(db: Any) -> Any:
+            db.execute("INSERT INTO cluster_leader_epochs(topic_id, partition_index, "
+                       "leader_epoch, start_offset) VALUES (?, ?, ?, ?) ON CONFLICT "
+                       "(topic_id, partition_index, leader_epoch) DO NOTHING",
+                       (topic_id, partition, leader_epoch, start_offset))
+        return self._tx(body)
 
     # ---- controller ---------------------------------------------------------------------
     def elect(self, node_id: int, epoch: int, lease_ms: int) -> tuple[int, int]:
