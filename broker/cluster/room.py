@@ -19,10 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
 import time
 import uuid
 from typing import Any
+
+from storage.wal.errors import WALLockedError
 
 from .store import ACTIVE, DRAINING, FENCED, LIVE, MOVING, STOPPED, TAKEN_OVER, Assignment, \
     BrokerRow, ClusterStore, NodeIdInUse, now_ms
@@ -75,9 +78,10 @@ class ClusterRoom:
         self.store = await asyncio.to_thread(ClusterStore, cfg.metadata_url)
         try:
             home = f"{socket.gethostname()}:{os.path.abspath(cfg.wal_path)}"
+            epoch = int((getattr(cfg, "engine", None) or {}).get("node_epoch", 0) or 0)
             await asyncio.to_thread(self.store.register, self.node_id, cfg.advertised_host,
                                     cfg.advertised_port, self.rack, self.instance, self.lease_ms,
-                                    home)
+                                    home, epoch)
         except NodeIdInUse as e:
             raise ClusterError(str(e)) from None
         await self._elect()
@@ -239,6 +243,16 @@ class ClusterRoom:
                 ok = await asyncio.to_thread(self.store.heartbeat, self.node_id, self.instance,
                                              self.lease_ms)
                 if not ok:
+                    row = await asyncio.to_thread(self.store.broker, self.node_id)
+                    if row is not None and row.instance == self.instance \
+                            and row.state in (FENCED, TAKEN_OVER):
+                        # our lease lapsed (paused, cut off) and the controller fenced us:
+                        # another broker owns our WAL now; stop at once, as kill -9 would
+                        log.critical("this broker was fenced after its lease lapsed "
+                                     "(node_epoch=%d, taker=%d); exiting - restart it to "
+                                     "rejoin at a new node epoch", row.node_epoch, row.taker)
+                        logging.shutdown()
+                        os._exit(4)
                     log.error("node id %d was taken over by another broker instance",
                               self.node_id)
                 await self._elect()
@@ -518,7 +532,16 @@ class ClusterRoom:
                 log.info("takeover started node_id=%d wal=%s node_epoch=%d taker=%d "
                          "takeover_epoch=%d", n, info.path, info.node_epoch, self.node_id,
                          tepoch)
-                res = await engine.take_over_wal(info.path, n, info.node_epoch, tepoch)
+                try:
+                    res = await engine.take_over_wal(info.path, n, info.node_epoch, tepoch)
+                except WALLockedError as e:
+                    if not _holder_gone(str(e)):
+                        raise
+                    # fenced after its lease lapsed, and the flock's holder is stopped or
+                    # gone: the header fence stops it should it ever run again
+                    log.warning("takeover node_id=%d: forcing the WAL lock (%s)", n, e)
+                    res = await engine.take_over_wal(info.path, n, info.node_epoch, tepoch,
+                                                     force_lock=True)
                 records, committed = res.records, res.committed_records
                 if res.lost:
                     log.error("takeover node_id=%d left records behind: %s", n, res.lost)
@@ -556,6 +579,20 @@ class ClusterRoom:
                  sorted({a.leader for a in moved}), records, committed,
                  (time.monotonic() - t0) * 1000)
         self._wake.set()
+
+
+def _holder_gone(message: str) -> bool:
+    """Whether the flock holder named in a WALLockedError message ("pid N ...") is stopped
+    (SIGSTOP), a zombie, or no longer exists; False for a running process."""
+    m = re.search(r"pid (\d+)", message)
+    if m is None:
+        return False
+    try:
+        with open(f"/proc/{m.group(1)}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("T", "t", "Z", "X")
 
 
 async def prepare_node_epoch(cfg: Any) -> None:

@@ -107,14 +107,19 @@ class ClusterStore:
 
     # ---- membership ---------------------------------------------------------------------
     def register(self, node_id: int, host: str, port: int, rack: str | None, instance: str,
-                 lease_ms: int, home: str) -> None:
+                 lease_ms: int, home: str, node_epoch: int | None = None) -> None:
         """Insert or take over this node id's row; NodeIdInUse while another instance holds a
         live lease, unless it has the same ``home`` (host and WAL: the same broker restarted
         after a crash; the WAL's lock proves the old process is gone)."""
         now = now_ms()
         def body(db: Any) -> Any:
-            row = db.query_one("SELECT host, port, instance, state, lease_until_ms, home FROM "
-                               "cluster_brokers WHERE node_id = ?", (node_id,))
+            row = db.query_one("SELECT host, port, instance, state, lease_until_ms, home, "
+                               "node_epoch FROM cluster_brokers WHERE node_id = ?", (node_id,))
+            if row is not None and node_epoch is not None and (
+                    row[3] == FENCED or (row[3] == TAKEN_OVER and node_epoch < row[6])):
+                # fenced between the epoch check at start and now: start again
+                raise NodeIdInUse(f"node id {node_id} was fenced while starting (its WAL is "
+                                  f"taken over); start it again")
             if row is not None and row[2] != instance and row[3] != STOPPED \
                     and row[4] > now and row[5] != home:
                 raise NodeIdInUse(f"node id {node_id} is already used by a live broker at "
@@ -130,10 +135,12 @@ class ClusterStore:
         return self._tx(body)
 
     def heartbeat(self, node_id: int, instance: str, lease_ms: int) -> bool:
-        """Renew the lease; False when another instance took the node id over."""
+        """Renew the lease; False when another instance took the node id over or this one
+        was fenced (its lease had lapsed: a zombie never gets it back)."""
         def body(db: Any) -> Any:
             n = db.execute("UPDATE cluster_brokers SET lease_until_ms = ? WHERE node_id = ? "
-                             "AND instance = ?", (now_ms() + lease_ms, node_id, instance))
+                           "AND instance = ? AND state NOT IN (?, ?)",
+                           (now_ms() + lease_ms, node_id, instance, FENCED, TAKEN_OVER))
             return n == 1
         return self._tx(body)
 
@@ -141,10 +148,12 @@ class ClusterStore:
         def body(db: Any) -> Any:
             if expire:
                 db.execute("UPDATE cluster_brokers SET state = ?, lease_until_ms = 0 WHERE "
-                           "node_id = ? AND instance = ?", (state, node_id, instance))
+                           "node_id = ? AND instance = ? AND state NOT IN (?, ?)",
+                           (state, node_id, instance, FENCED, TAKEN_OVER))
             else:
                 db.execute("UPDATE cluster_brokers SET state = ? WHERE node_id = ? AND "
-                           "instance = ?", (state, node_id, instance))
+                           "instance = ? AND state NOT IN (?, ?)",
+                           (state, node_id, instance, FENCED, TAKEN_OVER))
             self._bump(db)
         return self._tx(body)
 
