@@ -41,6 +41,7 @@ public final class KafkaCli {
             case "admin": out = admin(a); break;
             case "answers": out = answers(a); break;
             case "txn": out = txn(a); break;
+            case "txn-die": txnDie(a); return;
             default: throw new IllegalArgumentException("unknown command " + argv[0]);
         }
         System.out.println(Json.write(out));
@@ -522,6 +523,28 @@ public final class KafkaCli {
         }
         res.put("fence_values", readCommitted(a, fence, 1));
         return res;
+    }
+
+    /**
+     * A producer that dies in the middle of its transaction: begins one, sends --count records
+     * to --topic (acknowledged), prints them and halts the JVM without ending it (as kill -9
+     * would: no EndTxn, no close).
+     */
+    static void txnDie(Map<String, String> a) throws Exception {
+        String topic = req(a, "topic");
+        int count = Integer.parseInt(a.getOrDefault("count", "10"));
+        KafkaProducer<String, String> p = new KafkaProducer<>(txnProducerProps(a, req(a, "tid")));
+        p.initTransactions();
+        p.beginTransaction();
+        List<Long> offsets = new ArrayList<>();
+        for (int i = 0; i < count; i++) {
+            offsets.add(p.send(new ProducerRecord<>(topic, 0, "k" + i, "dying-" + i)).get().offset());
+        }
+        Map<String, Object> out = new LinkedHashMap<>();
+        out.put("offsets", offsets);
+        System.out.println(Json.write(out));
+        System.out.flush();
+        Runtime.getRuntime().halt(0);
     }
 
     /** One outcome per answer of issue 18 (--topic: prefix of the topics it creates). */
