@@ -1,0 +1,235 @@
+"""Cluster bench: partition moves, a joining broker, and 1/2/3-broker produce throughput.
+
+One cluster on this machine (file:// object store + SQLite metadata, each broker its own
+process and WAL) grows from 1 to 3 brokers under one confluent-kafka idempotent acks=all
+producer (512-byte records round-robin over 6 partitions, flat out):
+
+- throughput with 1, 2 and 3 brokers (acknowledged records/s and MB/s over a window, after
+  the cluster has balanced); the producer load is the same, spread over all partitions;
+- join: from spawning a broker process to the first acknowledged produce on a partition it
+  received (the first ack at an offset >= the start offset of its new leader epoch);
+- moves: AlterPartitionReassignments on a 3-broker cluster under load, from the request to the
+  first acknowledged produce on the new leader (same rule), several moves, p50 and max.
+
+Run: ``python -m bench.cluster`` (bounded: about 1-2 minutes).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shutil
+import sqlite3
+import tempfile
+import threading
+import time
+
+from bench.common import BrokerProc, pct
+
+TOPIC = "bench-cluster"
+PARTITIONS = 6
+VALUE = b"x" * 512
+
+
+class Load:
+    """One confluent-kafka idempotent acks=all producer, flat out, round-robin partitions;
+    every ack is recorded as (monotonic time, partition, offset)."""
+
+    def __init__(self, bootstrap: str) -> None:
+        from confluent_kafka import Producer  # noqa: PLC0415
+        self.acks: list[tuple[float, int, int]] = []
+        self.errors = 0
+        self._p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
+                            "acks": "all", "linger.ms": 5, "batch.size": 256 << 10,
+                            "queue.buffering.max.messages": 20000,
+                            "message.timeout.ms": 60000,
+                            "topic.metadata.refresh.interval.ms": 1000})
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _cb(self, err, msg) -> None:
+        if err is not None:
+            self.errors += 1
+        else:
+            self.acks.append((time.monotonic(), msg.partition(), msg.offset()))
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            try:
+                self._p.produce(TOPIC, VALUE, partition=i % PARTITIONS, on_delivery=self._cb)
+                i += 1
+            except BufferError:
+                self._p.poll(0.01)
+            if i % 100 == 0:
+                self._p.poll(0)
+        self._p.flush(60)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join(90)
+
+    def first_ack(self, partition: int, min_offset: int, after: float, timeout: float = 30
+                  ) -> float | None:
+        """Monotonic time of the first ack on ``partition`` at offset >= ``min_offset``."""
+        end = time.monotonic() + timeout
+        seen = 0
+        while time.monotonic() < end:
+            acks = self.acks
+            for t, p, off in acks[seen:]:
+                if p == partition and off >= min_offset and t >= after:
+                    return t
+            seen = max(0, len(acks) - 1)
+            time.sleep(0.01)
+        return None
+
+
+class Cluster:
+    """Brokers 0..n-1 sharing a file:// object store and a SQLite metadata DB."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="s3kbench-cluster-")
+        self.db = os.path.join(self.dir, "meta.db")
+        self.brokers: list[BrokerProc] = []
+
+    def add(self) -> BrokerProc:
+        n = len(self.brokers)
+        b = BrokerProc(["--node-id", str(n), "--object-store", f"file://{self.dir}/objects",
+                        "--metadata", f"sqlite:///{self.db}", "--upload-interval-s", "2"],
+                       data_dir=os.path.join(self.dir, f"b{n}"))
+        os.makedirs(b.data_dir, exist_ok=True)
+        b.log_path = os.path.join(b.data_dir, "broker.log")
+        self.brokers.append(b.start())
+        return b
+
+    def epoch_start(self, partition: int, epoch: int) -> int | None:
+        """Where ``epoch`` of the topic's ``partition`` began (cluster_leader_epochs)."""
+        with sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=5) as c:
+            row = c.execute("SELECT e.start_offset FROM cluster_leader_epochs e JOIN "
+                            "kafka_topics t ON t.topic_id = e.topic_id WHERE t.name = ? AND "
+                            "e.partition_index = ? AND e.leader_epoch = ?",
+                            (TOPIC, partition, epoch)).fetchone()
+        return None if row is None else int(row[0])
+
+    def close(self) -> None:
+        for b in self.brokers:
+            b.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def leaders(admin) -> dict[int, tuple[int, int]]:
+    d = admin.describe_topics([TOPIC])[0]
+    return {p["partition_index"]: (p["leader_id"], p["leader_epoch"]) for p in d["partitions"]}
+
+
+def wait(cond, timeout: float = 30.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            v = cond()
+        except Exception:  # noqa: BLE001 - a broker view catching up
+            v = None
+        if v:
+            return v
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out waiting for {cond}")
+
+
+def throughput(load: Load, seconds: float) -> tuple[float, float]:
+    n0, t0 = len(load.acks), time.monotonic()
+    time.sleep(seconds)
+    n = len(load.acks) - n0
+    dt = time.monotonic() - t0
+    return n / dt, n * len(VALUE) / dt / 1e6
+
+
+def run(window: float = 8.0, moves: int = 6) -> dict:
+    from kafka import TopicPartition  # noqa: PLC0415
+    from kafka.admin import KafkaAdminClient, NewTopic  # noqa: PLC0415
+
+    cl = Cluster()
+    out: dict = {"throughput": {}, "join_s": [], "move_s": []}
+    load = None
+    try:
+        cl.add()
+        admin = KafkaAdminClient(bootstrap_servers=cl.brokers[0].bootstrap)
+        admin.create_topics([NewTopic(TOPIC, PARTITIONS, 1)])
+        wait(lambda: len(leaders(admin)) == PARTITIONS and all(le[0] == 0 for le in leaders(admin).values()))
+        load = Load(cl.brokers[0].bootstrap)
+        wait(lambda: len(load.acks) > 1000)
+        out["throughput"][1] = throughput(load, window)
+        for n in (2, 3):
+            before = leaders(admin)
+            t_spawn = time.monotonic()
+            b = cl.add()
+            nid = n - 1
+            got = wait(lambda: {p: le for p, le in leaders(admin).items() if le[0] == nid})
+            p, (_, epoch) = sorted(got.items())[0]
+            start = wait(lambda: cl.epoch_start(p, epoch) is not None and cl.epoch_start(p, epoch))
+            start = cl.epoch_start(p, epoch)
+            t = load.first_ack(p, start, t_spawn)
+            out["join_s"].append(None if t is None else t - t_spawn)
+            wait(lambda: all(le[0] == before[q][0] or le[0] == nid
+                             for q, le in leaders(admin).items()))
+            time.sleep(1.0)       # the moves of the join settle
+            out["throughput"][n] = throughput(load, window)
+            del b
+        for k in range(moves):
+            cur = leaders(admin)
+            p = k % PARTITIONS
+            old, epoch = cur[p]
+            target = (old + 1) % 3
+            t0 = time.monotonic()
+            admin.alter_partition_reassignments({TopicPartition(TOPIC, p): [target]})
+            wait(lambda: leaders(admin)[p] == (target, epoch + 1))
+            start = wait(lambda: cl.epoch_start(p, epoch + 1) is not None) and \
+                cl.epoch_start(p, epoch + 1)
+            t = load.first_ack(p, start, t0)
+            out["move_s"].append(None if t is None else t - t0)
+        load.stop()
+        out["errors"] = load.errors
+        load = None
+        admin.close()
+    finally:
+        if load is not None:
+            load.stop()
+        cl.close()
+    return out
+
+
+def report(out: dict) -> str:
+    lines = ["## Cluster (file:// object store + SQLite metadata, brokers on one machine)", "",
+             "| brokers | acked records/s | MB/s |", "| --- | --- | --- |"]
+    for n, (rps, mbs) in sorted(out["throughput"].items()):
+        lines.append(f"| {n} | {rps:,.0f} | {mbs:.1f} |")
+    moves = [m for m in out["move_s"] if m is not None]
+    lines += ["", "| measure | samples | p50 s | max s |", "| --- | --- | --- | --- |",
+              f"| reassignment request -> first ack on the new leader | {len(moves)}"
+              f"/{len(out['move_s'])} | {pct(moves, 0.5):.2f} | {max(moves, default=float('nan')):.2f} |"]
+    joins = [j for j in out["join_s"] if j is not None]
+    lines.append(f"| broker spawn -> first ack on a partition it received | {len(joins)}"
+                 f"/{len(out['join_s'])} | {pct(joins, 0.5):.2f} | "
+                 f"{max(joins, default=float('nan')):.2f} |")
+    fmt = lambda xs: ", ".join("-" if x is None else f"{x:.2f}" for x in xs)  # noqa: E731
+    lines += ["", f"moves (s): {fmt(out['move_s'])}; joins (s): {fmt(out['join_s'])}"]
+    lines += ["", f"producer errors: {out.get('errors', '?')}; "
+              f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--window", type=float, default=8.0, help="throughput window, seconds")
+    ap.add_argument("--moves", type=int, default=6)
+    a = ap.parse_args(argv)
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    t0 = time.monotonic()
+    print(report(run(a.window, a.moves)))
+    print(f"took {time.monotonic() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
