@@ -14,21 +14,14 @@ import time
 
 import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
-from confluent_kafka import TopicPartition as CTP
 from kafka import TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 
-from .conftest import wait_for
+from .kit import leaders, read_all, wait_for, wait_live
 
 pytestmark = pytest.mark.slow
 
 PARTITIONS = 6
-
-
-def leaders(admin: KafkaAdminClient, topic: str) -> dict[int, tuple[int, int]]:
-    """partition -> (leader, leader epoch) as Metadata reports them."""
-    d = admin.describe_topics([topic])[0]
-    return {p["partition_index"]: (p["leader_id"], p["leader_epoch"]) for p in d["partitions"]}
 
 
 class Load:
@@ -105,28 +98,11 @@ class GroupReader:
         self._c.close()
 
 
-def read_all(bootstrap: str, topic: str, ends: dict[int, int]) -> list[tuple[int, int, bytes]]:
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "verify",
-                  "enable.auto.commit": False})
-    c.assign([CTP(topic, p, 0) for p in ends])
-    out: list[tuple[int, int, bytes]] = []
-    got = collections.Counter()
-    deadline = time.monotonic() + 60
-    while any(got[p] < ends[p] for p in ends) and time.monotonic() < deadline:
-        m = c.poll(0.5)
-        if m is None or m.error():
-            continue
-        out.append((m.partition(), m.offset(), m.value()))
-        got[m.partition()] = m.offset() + 1
-    c.close()
-    return out
-
-
 def test_three_brokers_move_partitions_under_load(cluster_factory):
     brokers = cluster_factory(3)
     boot = ",".join(b.bootstrap for b in brokers)
     admin = KafkaAdminClient(bootstrap_servers=brokers[0].bootstrap)
-    wait_for(lambda: len(admin.describe_cluster()["brokers"]) == 3, what="3 live brokers")
+    wait_live(admin, 3)
     time.sleep(0.5)       # every broker's view follows the database within a poll interval
     info = admin.describe_cluster()
     assert sorted((b["broker_id"], b["rack"]) for b in info["brokers"]) == \
@@ -234,7 +210,7 @@ def test_kafka_python_follows_a_move(cluster_factory):
     brokers = cluster_factory(2)
     boot = [b.bootstrap for b in brokers]
     admin = KafkaAdminClient(bootstrap_servers=boot[0])
-    wait_for(lambda: len(admin.describe_cluster()["brokers"]) == 2, what="2 live brokers")
+    wait_live(admin, 2)
     time.sleep(0.5)       # every broker's view follows the database within a poll interval
     admin.create_topics([NewTopic("kp", 2, 2)])
     p = KafkaProducer(bootstrap_servers=boot, acks="all", enable_idempotence=True,

@@ -20,14 +20,12 @@ import pytest
 from confluent_kafka import Producer
 from kafka.admin import KafkaAdminClient, NewTopic
 
-from .conftest import wait_for
-from .test_cluster import leaders, read_all
+from .kit import FAILOVER_FLAGS, leaders, read_all, wait_for, wait_leaders, wait_live
 
 pytestmark = pytest.mark.slow
 
 PARTITIONS = 6
-FLAGS = ("--cluster-lease-ms", "2000", "--cluster-takeover-margin-ms", "500",
-         "--upload-interval-s", "30")
+FLAGS = (*FAILOVER_FLAGS, "--upload-interval-s", "30")
 
 
 class TimedLoad:
@@ -76,10 +74,9 @@ def test_dead_broker_fails_over_and_rejoins(cluster_factory, metadata_url, fault
     brokers = cluster_factory(3, extra=FLAGS)
     boot = ",".join(b.bootstrap for b in brokers)
     admin = KafkaAdminClient(bootstrap_servers=boot)
-    wait_for(lambda: len(admin.describe_cluster()["brokers"]) == 3, what="3 live brokers")
+    wait_live(admin, 3)
     admin.create_topics([NewTopic("fo", PARTITIONS, 1)])
-    wait_for(lambda: (len(ls := leaders(admin, "fo")) == PARTITIONS
-                      and all(lead >= 0 for lead, _ in ls.values())), what="leaders")
+    wait_leaders(admin, "fo", PARTITIONS)
     time.sleep(0.5)       # every broker's view follows the database within a poll interval
     before = leaders(admin, "fo")
     victim = 0 if fault == "kill-controller" else 1    # node 0 started first: controller

@@ -1,0 +1,93 @@
+"""Shared helpers for multi-broker tests (tests/cluster, tests/chaos): start brokers that form
+one cluster, wait for a condition, ask who leads what, read a topic back.
+
+``ClusterFactory(broker_factory, shared)`` starts brokers with node ids and racks on the
+``shared`` flags (one object store, one metadata database); the fixture ``cluster_factory`` in
+tests/cluster/conftest.py is one of these on a file:// store.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Callable, Sequence
+
+# a short lease and takeover margin: failover in ~3 s instead of ~7 s (tests only)
+FAILOVER_FLAGS = ("--cluster-lease-ms", "2000", "--cluster-takeover-margin-ms", "500")
+
+
+class ClusterFactory:
+    """``factory(n, first_id=0, extra=())`` -> [BrokerProcess] with node ids first_id.. and
+    racks r<id>, every one on the ``shared`` flags; call again to add brokers."""
+
+    def __init__(self, broker_factory: Callable[..., Any], shared: Sequence[str]) -> None:
+        self.broker_factory = broker_factory
+        self.shared = list(shared)
+
+    def __call__(self, n: int, first_id: int = 0, extra: Sequence[str] = (),
+                 per_node: Callable[[int], Sequence[str]] | None = None) -> list:
+        """``per_node(node_id)`` adds flags for one broker (its own proxies, WAL size...)."""
+        return [self.broker_factory(["--node-id", str(i), "--rack", f"r{i}", *self.shared,
+                                     *(per_node(i) if per_node else ()), *extra])
+                for i in range(first_id, first_id + n)]
+
+
+def bootstrap(brokers: Sequence[Any]) -> str:
+    return ",".join(b.bootstrap for b in brokers)
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 30.0, what: str = "") -> object:
+    """Poll ``cond`` until truthy; an exception counts as not yet (a client may still try
+    a broker that just stopped), the last one is reported on timeout."""
+    end = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < end:
+        try:
+            v = cond()
+        except Exception as exc:  # noqa: BLE001
+            last, v = exc, None
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what or cond} (last error: {last!r})")
+
+
+def leaders(admin: Any, topic: str) -> dict[int, tuple[int, int]]:
+    """partition -> (leader, leader epoch) as Metadata reports them (kafka-python admin)."""
+    d = admin.describe_topics([topic])[0]
+    return {p["partition_index"]: (p["leader_id"], p["leader_epoch"]) for p in d["partitions"]}
+
+
+def wait_live(admin: Any, n: int, timeout: float = 30.0) -> None:
+    """Until DescribeCluster lists ``n`` brokers."""
+    wait_for(lambda: len(admin.describe_cluster()["brokers"]) == n, timeout=timeout,
+             what=f"{n} live brokers")
+
+
+def wait_leaders(admin: Any, topic: str, partitions: int, timeout: float = 30.0) -> dict:
+    """Until every partition of ``topic`` has a leader; returns ``leaders()``."""
+    return wait_for(lambda: (len(ls := leaders(admin, topic)) == partitions
+                             and all(lead >= 0 for lead, _ in ls.values()) and ls),
+                    timeout=timeout, what=f"leaders of {topic}")
+
+
+def read_all(bootstrap: str, topic: str, ends: dict[int, int], timeout: float = 60.0
+             ) -> list[tuple[int, int, bytes]]:
+    """(partition, offset, value) of every record below ``ends[partition]`` (confluent-kafka,
+    no group commits)."""
+    from confluent_kafka import Consumer  # noqa: PLC0415
+    from confluent_kafka import TopicPartition as CTP  # noqa: PLC0415
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "verify",
+                  "enable.auto.commit": False})
+    c.assign([CTP(topic, p, 0) for p in ends])
+    out: list[tuple[int, int, bytes]] = []
+    got: collections.Counter = collections.Counter()
+    deadline = time.monotonic() + timeout
+    while any(got[p] < ends[p] for p in ends) and time.monotonic() < deadline:
+        m = c.poll(0.5)
+        if m is None or m.error():
+            continue
+        out.append((m.partition(), m.offset(), m.value()))
+        got[m.partition()] = m.offset() + 1
+    c.close()
+    return out
