@@ -168,10 +168,11 @@ def run_target(bootstrap: str, sizes: list[int], seconds: float, restart=None,
     if restart is not None:
         bootstrap = restart()
         out["cold"] = consume_throughput(bootstrap, topic, count)
-    # latency at fixed rates: half of the max rate of the first size (and a low rate)
+    # latency at fixed rates: a tenth of the max rate of the first size, and 1000 msgs/s
+    # (issue 20, Done-when 4)
     size0 = sizes[0]
     max_rate = out["produce"][size0]["msgs_s"]
-    rates = lat_rates or [round(max_rate * 0.5, -3), round(max_rate * 0.1, -3), 1000]
+    rates = lat_rates or [max(round(max_rate * 0.1, -2), 100), 1000]
     out["latency"] = []
     topic = f"bench-lat-{time.time_ns()}"
     if create:
@@ -239,7 +240,11 @@ def run(seconds: float = 8, sizes: list[int] | None = None, mock: bool = True,
         lat.percentiles[f"s3kafka @{a['rate']:.0f}/s"] = {k: a[k] for k in ("p50", "p99", "p999")}
         if theirs:
             lat.percentiles[f"mock @{b['rate']:.0f}/s"] = {k: b[k] for k in ("p50", "p99", "p999")}
-    lat.notes.append("rates: half and a tenth of the 100 B maximum produce rate measured above "
+    prod.extra = {"s3kafka": ours["produce"], "mock": theirs["produce"] if theirs else None}
+    cons.extra = {"s3kafka": {k: ours[k] for k in ("hot", "cold", "hot_raw")},
+                  "mock": {k: theirs[k] for k in ("hot", "hot_raw")} if theirs else None}
+    lat.extra = {"s3kafka": ours["latency"], "mock": theirs["latency"] if theirs else None}
+    lat.notes.append("rates: a tenth of the 100 B maximum produce rate measured above "
                      "(with linger 5 ms), and 1000 msgs/s; one Python producer with a delivery "
                      "callback per message, so at high rates the client itself queues")
     return [prod, cons, lat]

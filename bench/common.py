@@ -141,6 +141,7 @@ class Result:
     series: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # label -> (t, MB/s)
     percentiles: dict[str, dict[str, float]] = field(default_factory=dict)       # label -> {p50..}
     notes: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)                          # raw figures
 
     def table(self) -> str:
         """Markdown table (also readable on a terminal)."""

@@ -1,18 +1,33 @@
-"""Profile a broker under load with py-spy and print where its time goes.
+"""Profile the whole broker under a named workload with py-spy: every thread, and the time
+each one waits for the interpreter lock.
 
-    python -m bench.profile [--seconds 10] [--load raw|clients|fetch] [--out bench/profiles]
-                             [--batch-bytes N] [--idle]
+    python -m bench.profile [--load raw|raw-small|clients|hotfetch|coldfetch|fetch]
+                            [--seconds 10] [--rate 250] [--out bench/profiles]
+                            [--batch-bytes N] [--storage engine|memory] [--broker-arg=ARG ...]
 
-Starts a broker, drives it with the raw 1 MiB-batch produce load, a 100 B confluent-kafka
-producer, or raw fetches, while ``py-spy record --native`` samples the broker process. Writes
-the collapsed stacks (feed them to any flame-graph tool, e.g. speedscope) and prints the top functions by own time and by
-total time - the list the performance work is driven by.
+Workloads: ``raw`` 1 MiB acks=all Produce requests (bench.rawload, 4 connections x 8 in
+flight); ``raw-small`` the same with 1 KiB requests (per-request cost); ``clients`` one
+confluent-kafka producer of 100 B messages; ``hotfetch`` raw Fetch over the last 256 MiB
+written (LogCache), after the uploads settled; ``coldfetch`` raw Fetch from the log start
+after a restart (object store, BlockCache); ``fetch`` confluent-kafka consumers.
+
+``py-spy record --native --threads --idle`` samples every thread of the broker process, idle or
+not. Each sample is classed as *active* (running Python or native code, or in a system call
+such as a socket write), *GIL wait* (blocked re-acquiring the interpreter lock: a condition
+wait right under a C function that released it, e.g. ``os_pread`` or ``crc32c``) or *idle*
+(waiting for work: epoll, a lock or a queue). Printed: per thread group (the loop, uvloop's
+and the engine's pools: IO, cold reads, WAL, ...) the share of samples in each class and the
+CPU seconds it used (from /proc, over the profile), then the top functions by own and by
+total time over the active samples of all threads, and per busy thread group. The collapsed
+stacks go to ``<out>/<load>.collapsed`` (open them in speedscope or any flame-graph tool).
+(py-spy needs ptrace rights: run as root or with ``kernel.yama.ptrace_scope=0``.)
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,78 +38,217 @@ from . import clients, rawload
 from .common import BrokerProc, create_topic
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+LOADS = ("raw", "raw-small", "clients", "hotfetch", "coldfetch", "fetch")
+# blocking primitives: where a thread that is not running sits
+_WAITS = ("pthread_cond_wait", "pthread_cond_timedwait", "pthread_cond_clockwait", "sem_wait",
+          "sem_timedwait", "sem_clockwait")
+_IDLE_LEAVES = ("epoll_wait", "epoll_pwait", "io_getevents", "select", "poll", "ppoll",
+                "nanosleep", "clock_nanosleep", "accept", "accept4")
+# C functions that wait for work or a Python lock (idle, not the GIL)
+_IDLE_PARENTS = ("PyThread_acquire_lock_timed", "_queue_SimpleQueue_get_impl",
+                 "lock_PyThread_acquire_lock", "acquire_timed")
+_THREAD = re.compile(r"^thread \((?:0x)?([0-9a-fA-F]+)\)(?::\s*(.*))?$")
 
 
-def top(collapsed: str, n: int = 15) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
-    """(own-time, total-time) top-n frames from py-spy's collapsed output, as % of samples."""
+def _name(frame: str) -> str:
+    return frame.split(" (", 1)[0]
+
+
+def classify(frames: list[str]) -> str:
+    """'active', 'gil' or 'idle' for one sample's stack (root first, leaf last)."""
+    names = [_name(f) for f in frames]
+    for k in range(len(names) - 1, -1, -1):
+        n = names[k]
+        if n in _IDLE_LEAVES:
+            return "idle"
+        if n in _WAITS:
+            parent = names[k - 1] if k else ""
+            return "idle" if parent in _IDLE_PARENTS or parent.startswith("PyThread_acquire") \
+                else "gil"
+        if n in _IDLE_PARENTS:
+            return "idle"
+        if not n.startswith("0x"):
+            break             # a resolved function that is not a wait: running
+    return "active"
+
+
+def group_of(thread_name: str) -> str:
+    """Thread group: the pool's name without the worker number (s3kafka-cold_1 -> s3kafka-cold)."""
+    return re.sub(r"[_-]\d+$", "", thread_name or "?")
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of every thread of ``pid``, by native thread id."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def analyse(collapsed: str, cpu: dict[int, float] | None = None, n: int = 15) -> str:
+    """The report: per thread group class shares and CPU, then top functions."""
+    groups: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    tids: dict[str, set[int]] = collections.defaultdict(set)
     own: collections.Counter[str] = collections.Counter()
     total: collections.Counter[str] = collections.Counter()
-    all_samples = 0
+    g_own: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    g_total: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    active_all = 0
     for line in collapsed.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
         c = int(count)
-        all_samples += c
         frames = stack.split(";")
+        m = _THREAD.match(frames[0])
+        group = "?"
+        if m:
+            group = group_of(m.group(2) or "")
+            try:
+                tids[group].add(int(m.group(1), 16 if frames[0].startswith("thread (0x") else 10))
+            except ValueError:
+                pass
+            frames = frames[1:]
+        kind = classify(frames)
+        groups[group][kind] += c
+        if kind != "active" or not frames:
+            continue
+        active_all += c
         own[frames[-1]] += c
+        g_own[group][frames[-1]] += c
         for f in set(frames):
             total[f] += c
-    pct = (lambda items: [(f, 100.0 * c / max(all_samples, 1)) for f, c in items])
-    return pct(own.most_common(n)), pct(total.most_common(n))
+            g_total[group][f] += c
+    out = [f"{'thread group':<24} {'threads':>7} {'active %':>9} {'GIL wait %':>10} "
+           f"{'idle %':>7} {'CPU s':>7}"]
+    order = sorted(groups, key=lambda g: -groups[g]["active"])
+    for g in order:
+        k = groups[g]
+        s = sum(k.values()) or 1
+        cpu_s = sum((cpu or {}).get(t, 0.0) for t in tids[g]) if cpu else float("nan")
+        out.append(f"{g:<24} {len(tids[g]) or '?':>7} {100 * k['active'] / s:9.1f} "
+                   f"{100 * k['gil'] / s:10.1f} {100 * k['idle'] / s:7.1f} {cpu_s:7.2f}")
+    out.append("(shares are of each group's samples; py-spy counts a runnable thread waiting for "
+               "a CPU as active: on a busy machine trust CPU s)")
+    pct = (lambda c: 100.0 * c / max(active_all, 1))
+    out.append(f"\ntop by own time, % of active samples of all threads ({active_all}):")
+    out += [f"{pct(c):6.1f}%  {f}" for f, c in own.most_common(n)]
+    out.append("\ntop by total time:")
+    out += [f"{pct(c):6.1f}%  {f}" for f, c in total.most_common(n + 40)
+            if not f.startswith(("_run_module_as_main", "_run_code", "<module>", "main (",
+                                 "run (", "Runner.run", "run_until_complete", "run_forever",
+                                 "Loop__", "Py_XDECREF", "Py_DECREF", "0x", "_bootstrap",
+                                 "Thread.run", "Thread._bootstrap", "clone", "start_thread",
+                                 "pythread_wrapper", "thread_run", "_worker", "uv",
+                                 "Handle__run", "loop_cb_", "task_step", "TaskStep",
+                                 "__Pyx_", "timed ("))][:n]
+    for g in order[:4]:
+        act = groups[g]["active"]
+        if not act:
+            continue
+        out.append(f"\n{g}: top by own time, % of its active samples ({act}):")
+        out += [f"{100 * c / act:6.1f}%  {f}" for f, c in g_own[g].most_common(8)]
+    return "\n".join(out)
 
 
-def drive(load: str, bootstrap: str, seconds: float, batch_bytes: int = 1 << 20) -> None:
-    """Run the chosen load against the broker for `seconds`."""
-    if load == "raw":
-        rawload.bench_target(bootstrap, seconds, 4, 8, rawload.make_batch(batch_bytes), True, False)
-    elif load == "fetch":
-        topic = f"pf-{time.time_ns()}"
-        create_topic(bootstrap, topic)
-        r = clients.produce_throughput(bootstrap, topic, 100, 3)
-        for _ in range(max(1, int(seconds // 3))):
-            clients.consume_throughput(bootstrap, topic, r["msgs"], timeout=seconds)
-    else:
-        topic = f"pc-{time.time_ns()}"
-        create_topic(bootstrap, topic)
-        clients.produce_throughput(bootstrap, topic, 100, seconds)
+def drive(load: str, broker: BrokerProc, seconds: float, ready: threading.Event,
+          batch_bytes: int = 1 << 20) -> None:
+    """Prepare the workload (fill the log for fetches), set ``ready``, then run it for
+    ``seconds``."""
+    bootstrap = broker.bootstrap
+    host, port = bootstrap.rsplit(":", 1)
+    try:
+        if load in ("raw", "raw-small"):
+            size = 1024 if load == "raw-small" else batch_bytes
+            ready.set()
+            rawload.bench_target(bootstrap, seconds, 4, 8, rawload.make_batch(size), True, False)
+        elif load in ("hotfetch", "coldfetch"):
+            topic = f"pf-{time.time_ns()}"
+            create_topic(bootstrap, topic, 4)
+            batch = rawload.make_batch(1 << 20)
+            rawload._run(rawload._produce, host, int(port), topic, 4, 4, 8, batch)
+            rawload.wait_quiet(broker.pid)
+            marks = rawload.watermarks(bootstrap, topic, 4)
+            if load == "coldfetch":
+                broker.stop()
+                broker.start()
+                bootstrap = broker.bootstrap
+                starts = [low for low, _ in marks]
+            else:
+                per = rawload.HOT_FETCH_BYTES // 4 // len(batch) * rawload.batch_records(batch)
+                starts = [max(low, high - per) for low, high in marks]
+            ready.set()
+            rawload._run(rawload._fetch, host, int(port), topic, 4, seconds, starts, 8 << 20, True)
+        elif load == "fetch":
+            topic = f"pf-{time.time_ns()}"
+            create_topic(bootstrap, topic)
+            r = clients.produce_throughput(bootstrap, topic, 100, 3)
+            ready.set()
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                clients.consume_throughput(bootstrap, topic, r["msgs"], timeout=end - time.monotonic())
+        else:
+            topic = f"pc-{time.time_ns()}"
+            create_topic(bootstrap, topic)
+            ready.set()
+            clients.produce_throughput(bootstrap, topic, 100, seconds)
+    finally:
+        ready.set()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=10)
-    ap.add_argument("--load", default="raw", choices=["raw", "clients", "fetch"])
+    ap.add_argument("--load", default="raw", choices=LOADS)
     ap.add_argument("--out", default=os.path.join(HERE, "profiles"))
-    ap.add_argument("--rate", type=int, default=250)
+    ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--batch-bytes", type=int, default=1 << 20,
-                    help="raw load: bytes per Produce request (1024: per-request cost)")
-    ap.add_argument("--idle", action="store_true", help="also sample idle threads (py-spy --idle)")
+                    help="raw load: bytes per Produce request")
     ap.add_argument("--storage", default="engine", choices=["engine", "memory"],
                     help="memory: profile the request path without WAL and object store")
-    a = ap.parse_args()
+    ap.add_argument("--broker-arg", action="append", default=[],
+                    help="extra broker argument, repeatable")
+    ap.add_argument("--analyse", metavar="FILE", help="only print the report of a collapsed file")
+    a = ap.parse_args(argv)
+    if a.analyse:
+        with open(a.analyse) as f:
+            print(analyse(f.read()))
+        return
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     os.makedirs(a.out, exist_ok=True)
-    with BrokerProc(["--wal-capacity", str(4 << 30), "--storage", a.storage]) as b:
-        raw_out = os.path.join(a.out, f"{a.load}.collapsed")
-        t = threading.Thread(target=drive, args=(a.load, b.bootstrap, a.seconds + 2,
+    raw_out = os.path.join(a.out, f"{a.load}.collapsed")
+    with BrokerProc(["--wal-capacity", str(4 << 30), "--storage", a.storage,
+                     *a.broker_arg]) as b:
+        ready = threading.Event()
+        t = threading.Thread(target=drive, args=(a.load, b, a.seconds + 2, ready,
                                                  a.batch_bytes))
         t.start()
+        ready.wait()
         time.sleep(1)
-        subprocess.run([spy, "record", "--native", "--pid", str(b.pid), "-r", str(a.rate), "-d",
-                        str(int(a.seconds)), "--format", "raw", "-o", raw_out,
-                        *(["--idle"] if a.idle else [])],
-                       check=False)
+        cpu0 = thread_cpu(b.pid)
+        subprocess.run([spy, "record", "--native", "--threads", "--idle", "--nonblocking",
+                        "--pid", str(b.pid), "-r", str(a.rate), "-d", str(int(a.seconds)),
+                        "--format", "raw", "-o", raw_out], check=False,
+                       stdout=subprocess.DEVNULL)
+        cpu1 = thread_cpu(b.pid)
         t.join()
+    cpu = {tid: cpu1[tid] - cpu0.get(tid, 0.0) for tid in cpu1}
     with open(raw_out) as f:
         collapsed = f.read()
-    own, tot = top(collapsed)
-    print(f"profile of the broker under '{a.load}' load -> {raw_out}")
-    print("\ntop by own time (% of samples):")
-    for f, p in own:
-        print(f"{p:6.1f}%  {f}")
-    print("\ntop by total time:")
-    for f, p in tot:
-        print(f"{p:6.1f}%  {f}")
+    print(f"profile of the whole broker under '{a.load}' load, {a.seconds:.0f} s -> {raw_out}")
+    print(f"broker CPU over the profile: {sum(cpu.values()):.2f} s (all threads)\n")
+    print(analyse(collapsed, cpu))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from .common import BrokerProc, MockCluster, Result, create_topic, pct
 _PREFIX = struct.Struct(">ihhi")
 _I32 = struct.Struct(">i")
 _I16 = struct.Struct(">h")
+_I64 = struct.Struct(">q")
 CLIENT_ID = b"rawload"
 # NOT_ENOUGH_REPLICAS (storage back-pressure), REQUEST_TIMED_OUT: clients retry these
 RETRIABLE = frozenset({19, 7})
@@ -147,55 +148,105 @@ async def _produce(host: str, port: int, topic: str, conns: int, depth: int, sec
     return stats
 
 
+class _FrameReader(asyncio.BufferedProtocol):
+    """Client side framing for large responses: each frame is received straight into one
+    reused buffer (no joins, no copies), then handed to `on_frame` as a memoryview that is
+    valid until the callback returns."""
+
+    def __init__(self, on_frame) -> None:
+        self.on_frame = on_frame
+        self.head = bytearray(4)
+        self.head_fill = 0
+        self.body = bytearray(1 << 20)
+        self.size = -1
+        self.fill = 0
+        self.closed = asyncio.get_running_loop().create_future()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.size < 0:
+            return memoryview(self.head)[self.head_fill:]
+        return memoryview(self.body)[self.fill:self.size]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.size < 0:
+            self.head_fill += nbytes
+            if self.head_fill < 4:
+                return
+            (self.size,) = _I32.unpack_from(self.head, 0)
+            self.head_fill = self.fill = 0
+            if len(self.body) < self.size:
+                self.body = bytearray(self.size)
+        else:
+            self.fill += nbytes
+        if self.fill >= self.size:
+            size, self.size = self.size, -1
+            with memoryview(self.body)[:size] as frame:
+                self.on_frame(frame)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(exc)
+
+
 async def _fetch(host: str, port: int, topic: str, partitions: int, seconds: float,
-                 starts: list[int], max_bytes: int = 8 << 20) -> dict[str, Any]:
-    """One connection per partition, one Fetch in flight each, from offset 0 to the end."""
-    stats = {"bytes": 0, "records": 0, "reqs": 0}
+                 starts: list[int], max_bytes: int = 8 << 20, wrap: bool = False
+                 ) -> dict[str, Any]:
+    """One connection per partition, one Fetch in flight each, from `starts` to the high
+    watermark; with `wrap`, over and over from `starts` until `seconds` passed (a steady
+    read rate over a fixed range, e.g. the LogCache's tail)."""
+    stats = {"bytes": 0, "records": 0, "reqs": 0, "passes": 0}
     loop = asyncio.get_running_loop()
     end = time.perf_counter() + seconds
+    name = topic.encode()
 
     async def one(partition: int) -> None:
         offset = starts[partition]
         got: asyncio.Future | None = None
+        state = {"offset": offset, "hw": 0, "n": 0}
 
-        def on_frame(frame: bytes) -> None:
-            got.set_result(frame)  # type: ignore[union-attr]
-
-        transport, _ = await loop.create_connection(lambda: _Conn(on_frame), host, port)
-        try:
-            while time.perf_counter() < end:
-                body = fetch_body(topic, partition, offset, max_bytes)
-                got = loop.create_future()
-                transport.writelines((_PREFIX.pack(8 + len(body), 1, 4, 1), body))
-                frame = await got
-                # v4 response: corr, throttle, n topics, name, n parts, partition, error, hw,
-                # lso, aborted (array), records (bytes)
-                pos = 4 + 4 + 4 + 2 + len(topic.encode()) + 4 + 4
-                (err,) = _I16.unpack_from(frame, pos)
-                (hw,) = struct.unpack_from(">q", frame, pos + 2)
-                pos += 2 + 8 + 8
-                (naborted,) = _I32.unpack_from(frame, pos)
-                pos += 4 + max(naborted, 0) * 16
-                (rlen,) = _I32.unpack_from(frame, pos)
-                pos += 4
-                stop = pos + max(rlen, 0)
-                if err or rlen <= 0:
-                    if offset >= hw:
-                        return
-                    continue
+        def on_frame(frame: memoryview) -> None:
+            # v4 response: corr, throttle, n topics, name, n parts, partition, error, hw,
+            # lso, aborted (array), records (bytes); batches counted from their headers
+            pos = 4 + 4 + 4 + 2 + len(name) + 4 + 4
+            (err,) = _I16.unpack_from(frame, pos)
+            (hw,) = _I64.unpack_from(frame, pos + 2)
+            pos += 2 + 8 + 8
+            (naborted,) = _I32.unpack_from(frame, pos)
+            pos += 4 + max(naborted, 0) * 16
+            (rlen,) = _I32.unpack_from(frame, pos)
+            pos += 4
+            stop = pos + max(rlen, 0)
+            n = 0
+            off = state["offset"]
+            if not err:
                 while stop - pos >= 61:  # batch header: base offset, length ... record count
-                    base, = struct.unpack_from(">q", frame, pos)
+                    (base,) = _I64.unpack_from(frame, pos)
                     (blen,) = _I32.unpack_from(frame, pos + 8)
                     if pos + 12 + blen > stop:
                         break
                     (count,) = _I32.unpack_from(frame, pos + 57)
                     stats["records"] += count
                     stats["bytes"] += 12 + blen
-                    offset = base + count  # whole batches only (no compaction gaps here)
+                    n += 1
+                    off = base + count  # whole batches only (no compaction gaps here)
                     pos += 12 + blen
-                stats["reqs"] += 1
-                if offset >= hw:
-                    return
+            state["offset"], state["hw"], state["n"] = off, hw, n
+            got.set_result(err)  # type: ignore[union-attr]
+
+        transport, _ = await loop.create_connection(lambda: _FrameReader(on_frame), host, port)
+        try:
+            while time.perf_counter() < end:
+                body = fetch_body(topic, partition, state["offset"], max_bytes)
+                got = loop.create_future()
+                transport.writelines((_PREFIX.pack(8 + len(body), 1, 4, 1), body))
+                err = await got
+                if state["n"]:
+                    stats["reqs"] += 1
+                if state["offset"] >= state["hw"] or (err and not state["n"]):
+                    if not wrap:
+                        return
+                    stats["passes"] += 1
+                    state["offset"] = starts[partition]
         finally:
             transport.close()
 
@@ -241,8 +292,53 @@ def process_cpu_s(pid: int | None) -> float:
         return float("nan")
 
 
+def wait_quiet(pid: int | None, timeout: float = 30.0, busy: float = 0.15) -> float:
+    """Wait until process ``pid`` uses under ``busy`` of a core over half a second (the
+    uploads of what was just produced are done), at most ``timeout`` s; returns the wait."""
+    t0 = time.monotonic()
+    if pid is None:
+        return 0.0
+    prev = process_cpu_s(pid)
+    while time.monotonic() - t0 < timeout:
+        time.sleep(0.5)
+        cur = process_cpu_s(pid)
+        if cur - prev < busy * 0.5:
+            break
+        prev = cur
+    return time.monotonic() - t0
+
+
+def watermarks(bootstrap: str, topic: str, partitions: int) -> list[tuple[int, int]]:
+    """(log start, high watermark) of each partition."""
+    from confluent_kafka import Consumer, TopicPartition
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "rawload", "log_level": 2})
+    try:
+        return [c.get_watermark_offsets(TopicPartition(topic, i), timeout=10)
+                for i in range(partitions)]
+    finally:
+        c.close()
+
+
+def fetch_figures(bootstrap: str, topic: str, partitions: int, seconds: float,
+                  starts: list[int], wrap: bool, pid: int | None) -> dict[str, float]:
+    """Raw Fetch rate (MB/s, records/s) and the broker's CPU ms per MiB served."""
+    host, port = bootstrap.rsplit(":", 1)
+    cpu0 = process_cpu_s(pid)
+    ft = _run(_fetch, host, int(port), topic, partitions, seconds, starts, 8 << 20, wrap)
+    cpu = process_cpu_s(pid) - cpu0
+    mib = ft["bytes"] / (1 << 20)
+    return {"mb_s": ft["bytes"] / ft["elapsed"] / 1e6, "rec_s": ft["records"] / ft["elapsed"],
+            "cpu_ms_mib": cpu * 1e3 / mib if mib else float("nan"), "mib": mib}
+
+
 def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: bytes,
-                 create: bool, fetch: bool, pid: int | None = None) -> dict[str, Any]:
+                 create: bool, fetch: bool, pid: int | None = None, restart=None,
+                 fetch_seconds: float = 5.0) -> dict[str, Any]:
+    """Raw produce; then (``fetch``) hot raw Fetch over the last HOT_FETCH_BYTES, read over
+    and over for ``fetch_seconds`` once the broker went quiet (uploads done; the data is still
+    in the LogCache); then (``restart``: a callable restarting the broker, returning its
+    bootstrap and pid; the shutdown uploads everything and empties the caches) one cold pass
+    from the log start, through the object store."""
     host, port = bootstrap.rsplit(":", 1)
     topic = f"raw-{time.time_ns()}"
     if create:
@@ -255,53 +351,71 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
     st = _run(_produce, host, int(port), topic, conns, depth, seconds, batch)
     cpu = process_cpu_s(pid) - cpu0
     ms = [x * 1000 for x in st["lat"]]
+    mib = st["bytes"] / (1 << 20)
     out = {"mb_s": st["bytes"] / st["elapsed"] / 1e6, "req_s": st["reqs"] / st["elapsed"],
-           # broker CPU (all threads) per acknowledged request: robust to a busy machine
+           # broker CPU (all threads) per acknowledged request / MiB: robust to a busy machine
            "cpu_us_req": cpu / max(st["reqs"], 1) * 1e6,
+           "cpu_ms_mib": cpu * 1e3 / mib if mib else float("nan"),
            "errors": st["errors"], "error_codes": st.get("error_codes", {}),
            "retries": st.get("retries", 0), "p50": pct(ms, 0.5), "p99": pct(ms, 0.99),
            "p999": pct(ms, 0.999), "series": series_of(st["ts"], st["t0"])}
     if fetch:
-        from confluent_kafka import Consumer, TopicPartition
-        c = Consumer({"bootstrap.servers": bootstrap, "group.id": "rawload", "log_level": 2})
         # hot = the tail that is still in the LogCache: the last HOT_FETCH_BYTES of all partitions
         # (the mock keeps only its last segments: never before the log start)
+        out["settle_s"] = wait_quiet(pid)
         per_part = HOT_FETCH_BYTES // conns // len(batch) * batch_records(batch)
-        starts = []
-        for i in range(conns):
-            low, high = c.get_watermark_offsets(TopicPartition(topic, i), timeout=10)
-            starts.append(max(low, high - per_part))
-        c.close()
-        ft = _run(_fetch, host, int(port), topic, conns, max(5.0, seconds), starts)
-        out["fetch_mb_s"] = ft["bytes"] / ft["elapsed"] / 1e6
-        out["fetch_rec_s"] = ft["records"] / ft["elapsed"]
+        marks = watermarks(bootstrap, topic, conns)
+        starts = [max(low, high - per_part) for low, high in marks]
+        hot = fetch_figures(bootstrap, topic, conns, fetch_seconds, starts, True, pid)
+        out.update({"fetch_mb_s": hot["mb_s"], "fetch_rec_s": hot["rec_s"],
+                    "fetch_cpu_ms_mib": hot["cpu_ms_mib"]})
+        if restart is not None:
+            bootstrap, pid = restart()
+            marks = watermarks(bootstrap, topic, conns)
+            cold = fetch_figures(bootstrap, topic, conns, fetch_seconds,
+                                 [low for low, _ in marks], False, pid)
+            out.update({"cold_mb_s": cold["mb_s"], "cold_cpu_ms_mib": cold["cpu_ms_mib"],
+                        "cold_mib": cold["mib"]})
     return out
 
 
 def run(seconds: float = 10, conns: int = 4, depth: int = 8, batch_bytes: int = 1 << 20,
-        mock: bool = True, fetch: bool = True, broker_args: list[str] | None = None) -> list[Result]:
-    """Raw produce (and fetch) against a fresh broker and the mock; returns the result table."""
+        mock: bool = True, fetch: bool = True, broker_args: list[str] | None = None,
+        fetch_seconds: float = 5.0) -> list[Result]:
+    """Raw produce and hot/cold fetch against a fresh broker, then the same against the mock
+    (hot only: it has no object store); returns the result table."""
     batch = make_batch(batch_bytes)
     broker = BrokerProc(["--wal-capacity", str(4 << 30), *(broker_args or [])]).start()
+
+    def restart() -> tuple[str, int]:
+        broker.stop()
+        broker.start()
+        return broker.bootstrap, broker.pid
+
     try:
         ours = bench_target(broker.bootstrap, seconds, conns, depth, batch, True, fetch,
-                            broker.pid)
+                            broker.pid, restart, fetch_seconds)
     finally:
         broker.close()
     theirs = None
     if mock:
         with MockCluster() as m:
-            theirs = bench_target(m.bootstrap, seconds, min(conns, 4), depth, batch, False, fetch)
+            theirs = bench_target(m.bootstrap, seconds, min(conns, 4), depth, batch, False, fetch,
+                                  fetch_seconds=fetch_seconds)
     nan = float("nan")
     r = Result(f"Raw-protocol produce, {len(batch) >> 10} KiB batches, acks=all, {conns} connections x "
-               f"{depth} in flight", ["target", "MB/s", "requests/s", "p50 ms", "p99 ms", "p999 ms", "broker CPU us/req",
-                                      "errors", "fetch MB/s (hot)"])
+               f"{depth} in flight; raw Fetch v4 hot (LogCache) and cold (object store)",
+               ["target", "MB/s", "requests/s", "p50 ms", "p99 ms", "p999 ms",
+                "broker CPU ms/MiB", "refused+resent", "errors", "fetch MB/s hot",
+                "hot CPU ms/MiB", "fetch MB/s cold", "cold CPU ms/MiB"])
     for name, d in (("s3kafka", ours), ("mock", theirs)):
         if d is None:
             continue
         r.rows.append([name, d["mb_s"], d["req_s"], d["p50"], d["p99"], d["p999"],
-                       d.get("cpu_us_req", nan), d["errors"],
-                       d.get("fetch_mb_s", nan)])
+                       d.get("cpu_ms_mib", nan) if name == "s3kafka" else nan,
+                       d.get("retries", 0), d["errors"], d.get("fetch_mb_s", nan),
+                       d.get("fetch_cpu_ms_mib", nan) if name == "s3kafka" else nan,
+                       d.get("cold_mb_s", nan), d.get("cold_cpu_ms_mib", nan)])
         r.series[f"{name} raw 1 MiB"] = d["series"]
         r.percentiles[f"{name} raw 1 MiB"] = {k: d[k] for k in ("p50", "p99", "p999")}
     for name, d in (("s3kafka", ours), ("mock", theirs)):
@@ -311,11 +425,20 @@ def run(seconds: float = 10, conns: int = 4, depth: int = 8, batch_bytes: int = 
             r.notes.append(f"{name}: {d['retries']} requests answered NOT_ENOUGH_REPLICAS "
                            "(storage back-pressure) or REQUEST_TIMED_OUT were resent, like a "
                            "client retries them (latency counted from the first send)")
+    if fetch:
+        r.notes.append(f"hot fetch: the last {HOT_FETCH_BYTES >> 20} MiB written, read over and "
+                       f"over for {fetch_seconds:.0f} s after the broker went quiet "
+                       f"({ours.get('settle_s', 0):.1f} s: uploads done, still in the LogCache); "
+                       "cold fetch: after a restart (the shutdown uploads everything), one pass "
+                       f"from the log start through the object store ({ours.get('cold_mib', 0):.0f}"
+                       " MiB read)")
+    r.extra = {"s3kafka": ours, "mock": theirs}
     if theirs:
         def ratio(a: float, b: float) -> float:
             return a / b if b else nan
-        r.notes.append(f"ratio s3kafka/mock produce: {ratio(ours['mb_s'], theirs['mb_s']):.2f}; fetch: "
-                       f"{ratio(ours.get('fetch_mb_s', nan), theirs.get('fetch_mb_s', nan)):.2f}")
+        r.notes.append(f"ratio s3kafka/mock produce: {ratio(ours['mb_s'], theirs['mb_s']):.2f}; "
+                       f"hot fetch: {ratio(ours.get('fetch_mb_s', nan), theirs.get('fetch_mb_s', nan)):.2f}; "
+                       f"cold/hot fetch: {ratio(ours.get('cold_mb_s', nan), ours.get('fetch_mb_s', nan)):.2f}")
     return [r]
 
 
@@ -325,6 +448,7 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=4)
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--batch-bytes", type=int, default=1 << 20)
+    ap.add_argument("--fetch-seconds", type=float, default=5.0)
     ap.add_argument("--skip-mock", action="store_true")
     ap.add_argument("--fetch", action="store_true", default=True)
     ap.add_argument("--no-fetch", dest="fetch", action="store_false", help="produce only")
@@ -333,7 +457,7 @@ def main() -> None:
                          "--broker-arg=memory to time the request path without the WAL)")
     a = ap.parse_args()
     for r in run(a.seconds, a.connections, a.depth, a.batch_bytes, not a.skip_mock, a.fetch,
-                 a.broker_arg):
+                 a.broker_arg, a.fetch_seconds):
         r.print()
 
 

@@ -3,9 +3,12 @@
     python -m bench.run_all [--quick] [--out bench/RESULTS.md] [--skip wal,catchup]
 
 Runs, in order: the client benchmarks (confluent-kafka produce/consume/latency vs the mock),
-the raw-protocol 1 MiB-batch load generator (vs the mock), and the WAL and catch-up benchmarks
-of their owners (bench/wal.py, bench/catchup.py, as subprocesses, their output captured
-verbatim). ``--quick`` shrinks every size/time for a smoke run.
+the raw-protocol 1 MiB-batch load generator with hot and cold raw Fetch (vs the mock), the WAL
+device's own write latency (bench/device.py), and the WAL and catch-up benchmarks of their
+owners (bench/wal.py, bench/catchup.py, as subprocesses, their output captured verbatim).
+Then it prints issue 20's Done-when figures as ratios with a PASS/FAIL line per item
+(bench/goals.py), also at the top of RESULTS.md. ``--quick`` shrinks every size/time for a
+smoke run.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from . import clients, rawload
+from . import clients, device, goals, rawload
 from .common import PY, REPO, Result
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -83,35 +86,55 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="tiny sizes/times (smoke run)")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
-    ap.add_argument("--skip", default="", help="comma list of: clients,raw,wal,catchup")
+    ap.add_argument("--skip", default="",
+                    help="comma list of: clients,raw,device,wal,catchup")
     a = ap.parse_args(argv)
     skip = set(filter(None, a.skip.split(",")))
     q = a.quick
     started = time.monotonic()
     results: list[Result] = []
+    by_name: dict[str, Result] = {}
     sections: list[str] = []
     if "clients" not in skip:
-        rs = clients.run(seconds=1 if q else 8, sizes=[100, 1024] if q else None)
+        rs = clients.run(seconds=1 if q else 6, sizes=[100, 1024] if q else None)
         for r in rs:
             r.print()
         results += rs
+        by_name.update(zip(("produce", "consume", "latency"), rs))
     if "raw" not in skip:
-        rs = rawload.run(seconds=1 if q else 10, conns=2 if q else 4, depth=2 if q else 8,
-                         batch_bytes=(64 << 10) if q else (1 << 20))
+        rs = rawload.run(seconds=1 if q else 8, conns=2 if q else 4, depth=2 if q else 8,
+                         batch_bytes=(64 << 10) if q else (1 << 20),
+                         fetch_seconds=1 if q else 5)
         for r in rs:
             r.print()
         results += rs
+        by_name["raw"] = rs[0]
+    dev = None
+    if "device" not in skip:
+        dev = device.write_latency(seconds=1 if q else 3)
+        r = Result("WAL device write latency (4 KiB, paced 1000/s, one at a time)",
+                   ["mode", "directory", "p50 ms", "p99 ms", "p999 ms", "writes"])
+        r.rows.append([dev["mode"], dev["dir"], dev["p50"], dev["p99"], dev["p999"], dev["n"]])
+        r.notes.append("the floor under acks=all latency: the WAL writes with O_DIRECT and "
+                       "dsync on the same filesystem (bench/device.py)")
+        r.print()
+        results.append(r)
     if "wal" not in skip:
         args = ["--bytes", str(8 << 20), "--sizes", "65536", "--capacity", str(256 << 20),
                 "--rounds", "1", "--half-seconds", "0.5"] if q \
             else ["--bytes", str(256 << 20)]
         sections.append("## Delta WAL (bench/wal.py)\n```\n"
                         + run_owner_bench("bench.wal", args, 120 if q else 300) + "\n```")
+    catchup_text = None
     if "catchup" not in skip:
         args = ["--backlog-mb", "8", "--seconds", "2", "--skip-s3"] if q else \
             ["--backlog-mb", "100", "--seconds", "10"]
-        sections.append("## Catch-up reads (bench/catchup.py)\n```\n"
-                        + run_owner_bench("bench.catchup", args, 120 if q else 300) + "\n```")
+        catchup_text = run_owner_bench("bench.catchup", args, 120 if q else 300)
+        sections.append("## Catch-up reads (bench/catchup.py)\n```\n" + catchup_text + "\n```")
+    from storage.engine import EngineConfig
+    goal_table, verdicts = goals.evaluate(by_name, dev, catchup_text, EngineConfig().wal_sync_mode)
+    goal_table.print()
+    print("\n".join(verdicts))
     out_dir = os.path.dirname(os.path.abspath(a.out))
     os.makedirs(out_dir, exist_ok=True)
     stem = "quick-" if q else ""
@@ -121,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
              f"Written by `make bench` (`python -m bench.run_all{' --quick' if q else ''}`) on {now}; "
              f"{os.cpu_count()} CPUs, Python {platform.python_version()}, "
              f"{time.monotonic() - started:.0f} s total. Peer: librdkafka's mock cluster "
-             "(in-memory, no durability), same clients, same run. See bench/README.md.\n"]
+             "(in-memory, no durability), same clients, same run. See bench/README.md.\n",
+             f"## {goal_table.name}\n\n{goal_table.table()}\n"]
+    lines += [f"- {n}" for n in goal_table.notes]
+    lines += ["", "```", *verdicts, "```", ""]
     for r in results:
         lines.append(f"## {r.name}\n\n{r.table()}\n")
         lines += [f"- {n}" for n in r.notes]

@@ -239,7 +239,10 @@ class EngineStream(Stream):
                     out.extend(got)
                     n = sum(len(b.payload) for b in got)
                     size += n
-                    await eng.cold_pacer.pace(n)
+                    if eng.cold_pacer.hot_active():
+                        await eng.cold_pacer.pace(n)
+                    else:   # no producers: nothing to protect, the store's own speed
+                        eng.cold_pacer.bytes += n
                     offset = got[-1].next_offset
                     first = eng.cache.first_offset(self.stream_id)
                     if first is None or offset < first:

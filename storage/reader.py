@@ -9,7 +9,8 @@ from typing import Awaitable, Callable
 
 from .cache.block_cache import BlockCache, Readahead
 from .metastore import ObjectRange
-from .objects.format import FOOTER, CorruptObjectError, IndexEntry, decode_footer, decode_index
+from .objects.format import (FOOTER, CorruptObjectError, IndexEntry, decode_block, decode_footer,
+                             decode_index)
 from .objects.store import ObjectNotFound, ObjectStore, ObjectStoreError
 from .stream import Batch, RetriableStorageError, StorageError
 
@@ -33,7 +34,23 @@ class ObjectReader:
         self.block_cache = BlockCache(block_cache_bytes, self._fetch, readahead_max)
 
     async def _fetch(self, key: str, ranges: list[tuple[int, int]]) -> list:
-        return await self._io(self.store.get_ranges, key, ranges)
+        return await self._io(self._get_decoded, key, ranges)
+
+    def _get_decoded(self, key: str, ranges: list[tuple[int, int]]) -> list:
+        """On the cold read thread: the blocks, each decoded (its CRC-32C checked, which runs
+        without the GIL) when whole and sound; a short or bad block stays raw bytes, so the
+        error is raised only to the reader of that block (BlockCache decodes it then)."""
+        parts = self.store.get_ranges(key, ranges)
+        out: list = []
+        for part, (_, size) in zip(parts, ranges):
+            if len(part) == size:
+                try:
+                    out.append(decode_block(part))
+                    continue
+                except CorruptObjectError:
+                    pass
+            out.append(part)
+        return out
 
     # -- object map -------------------------------------------------------------------------
     def add(self, ranges: list[ObjectRange]) -> None:

@@ -5,18 +5,23 @@ per block from files: ObjectStore.get_ranges), the stream's following blocks of 
 up to the reader's readahead size; the size starts at 512 KiB and grows by 512 KiB on
 each sequential miss up to 32 MiB, so a catch-up consumer quickly moves to large GETs while a
 random reader stays cheap. Concurrent misses for a block already being fetched wait for that
-fetch instead of issuing another. It is a separate pool from the LogCache, so cold reads can
+fetch instead of issuing another. A sequential reader halfway through its readahead has the
+next window fetched in the background (prefetch), so a catch-up consumer seldom waits on the
+store; blocks may arrive already decoded (checked on the fetching thread). It is a separate pool from the LogCache, so cold reads can
 never evict the hot tail.
 """
 from __future__ import annotations
 
 import asyncio
+import bisect
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from ..objects.format import CorruptObjectError, Record, decode_block
 
+log = logging.getLogger(__name__)
 READAHEAD_INITIAL = 512 << 10
 READAHEAD_STEP = 512 << 10
 READAHEAD_MAX = 32 << 20
@@ -33,6 +38,7 @@ class Readahead:
     key: str = ""
     next_position: int = -1
     size: int = READAHEAD_INITIAL
+    prefetching: bool = False
 
 
 class BlockCache:
@@ -50,6 +56,8 @@ class BlockCache:
         self.hits = 0
         self.misses = 0
         self.bytes_fetched = 0
+        self.prefetches = 0
+        self._tasks: set[asyncio.Task] = set()
 
     def _put(self, key: BlockKey, data: memoryview | list[Record], size: int) -> None:
         if key in self._lru:
@@ -84,10 +92,13 @@ class BlockCache:
                   ) -> list[Record]:
         """Records of block ``blocks[i]`` ((position, size), sorted, distinct) of object ``key``.
 
-        Blocks are cached as raw bytes and decoded (checksum included) when first asked for,
-        so a large readahead costs the event loop nothing until the reader gets there; the
-        decoded records replace the bytes, so later hits cost no checksum. Raises
-        CorruptObjectError (bad bytes) or the fetch's error (store down)."""
+        A fetch may hand back blocks already decoded (ObjectReader decodes them on the cold
+        read thread, where the checksum runs without the GIL); raw blocks are decoded
+        (checksum included) when first asked for, and the decoded records replace the bytes,
+        so later hits cost no checksum. When a sequential reader gets into the second half of
+        what it read ahead, the next window is fetched in the background (prefetch), so a
+        catch-up reader rarely waits for the store. Raises CorruptObjectError (bad bytes) or
+        the fetch's error (store down)."""
         bkey = (key, blocks[i][0])
         hit = self._lru.get(bkey)
         if hit is None:
@@ -98,6 +109,7 @@ class BlockCache:
         if hit is not None:
             self._lru.move_to_end(bkey)
             self.hits += 1
+            self._maybe_prefetch(key, blocks, i, ra)
             return self._decoded(bkey, hit)
         self.misses += 1
         # grow the readahead on sequential misses, reset it on a jump
@@ -106,32 +118,83 @@ class BlockCache:
             ra.size = min(ra.size + READAHEAD_STEP, self.readahead_max)
         else:
             ra.size = READAHEAD_INITIAL
+        parts = await self._load(key, self._window(key, blocks, i, ra.size), ra, quiet=False)
+        self._maybe_prefetch(key, blocks, i, ra)
+        return self._decoded(bkey, parts[0])
+
+    def _window(self, key: str, blocks: list[tuple[int, int]], i: int, size: int
+                ) -> list[tuple[int, int]]:
+        """blocks[i] and the following blocks up to ``size`` bytes that are neither cached
+        nor being fetched."""
         j = i + 1
         total = blocks[i][1]
-        while j < len(blocks) and total + blocks[j][1] <= ra.size \
+        while j < len(blocks) and total + blocks[j][1] <= size \
                 and (key, blocks[j][0]) not in self._lru and (key, blocks[j][0]) not in self._inflight:
             total += blocks[j][1]
             j += 1
-        wanted = blocks[i:j]
+        return blocks[i:j]
+
+    async def _load(self, key: str, wanted: list[tuple[int, int]], ra: Readahead,
+                    quiet: bool) -> list:
+        """Fetch ``wanted`` into the cache (readers of those blocks wait for it meanwhile).
+        ``quiet`` (a prefetch): a failure only leaves the blocks out, the readers then fetch
+        them themselves and see the error."""
         fut = asyncio.get_running_loop().create_future()
         for pos, _ in wanted:
             self._inflight[(key, pos)] = fut
         end = wanted[-1][0] + wanted[-1][1]
         try:
-            parts = [memoryview(p) for p in await self._fetch(key, wanted)]
-            self.bytes_fetched += sum(len(p) for p in parts)
-            if len(parts) != len(wanted) or any(len(p) != n for p, (_, n) in zip(parts, wanted)):
+            parts = list(await self._fetch(key, wanted))
+            if len(parts) != len(wanted):
                 raise CorruptObjectError(f"object {key} is shorter than its index says")
-            for (pos, size), part in zip(wanted, parts):
+            for k, ((pos, size), part) in enumerate(zip(wanted, parts)):
+                if not isinstance(part, list):          # raw bytes: decoded on first read
+                    part = parts[k] = memoryview(part)
+                    if len(part) != size:
+                        raise CorruptObjectError(f"object {key} is shorter than its index says")
+                self.bytes_fetched += size
                 self._put((key, pos), part, size)
             ra.key, ra.next_position = key, end
             fut.set_result(None)
-            return self._decoded(bkey, parts[0])
+            return parts
         except BaseException as e:
             if not fut.done():
-                fut.set_exception(e)
-                fut.exception()      # mark retrieved
+                if quiet:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(e)
+                    fut.exception()      # mark retrieved
             raise
         finally:
             for pos, _ in wanted:
                 self._inflight.pop((key, pos), None)
+
+    def _maybe_prefetch(self, key: str, blocks: list[tuple[int, int]], i: int,
+                        ra: Readahead) -> None:
+        """Start fetching the reader's next window when it got into the second half of the
+        current one (sequential readers only; one prefetch per reader at a time)."""
+        if ra.prefetching or ra.key != key or ra.next_position < 0:
+            return
+        nxt = ra.next_position
+        if nxt - blocks[i][0] > ra.size // 2:
+            return
+        j = bisect.bisect_left(blocks, (nxt, 0))
+        if j >= len(blocks) or blocks[j][0] != nxt:
+            return
+        if (key, nxt) in self._lru or (key, nxt) in self._inflight:
+            return
+        ra.size = min(ra.size + READAHEAD_STEP, self.readahead_max)
+        wanted = self._window(key, blocks, j, ra.size)
+        ra.prefetching = True
+        self.prefetches += 1
+        task = asyncio.get_running_loop().create_task(self._prefetch(key, wanted, ra))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _prefetch(self, key: str, wanted: list[tuple[int, int]], ra: Readahead) -> None:
+        try:
+            await self._load(key, wanted, ra, quiet=True)
+        except Exception as e:  # noqa: BLE001 - the reader will fetch (and report) itself
+            log.debug("prefetch of %s failed: %r", key, e)
+        finally:
+            ra.prefetching = False

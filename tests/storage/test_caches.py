@@ -68,3 +68,40 @@ def test_log_cache_evicts_only_committed() -> None:
     assert [b.base_offset for b in lc.read(1, lc.first_offset(1), 1 << 20, 20, True)] == \
         list(range(lc.first_offset(1), 20))
     assert lc.read(1, 19, 10, 19, True) == []       # beyond the confirmed limit
+
+
+async def test_sequential_reader_prefetches_the_next_window_in_the_background() -> None:
+    """A reader halfway through its readahead gets the next window fetched while it reads
+    (it then mostly hits); a prefetch that fails leaves nothing behind: the reader fetches
+    the block itself."""
+    data, blocks = _object()
+    calls: list[int] = []
+    fail_prefetch = [False]
+
+    async def fetch(key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        calls.append(ranges[0][0])
+        await asyncio.sleep(0.002)
+        if fail_prefetch[0] and len(calls) > 1:
+            raise OSError("store down")
+        return [data[p:p + n] for p, n in ranges]
+
+    bc = BlockCache(64 << 20, fetch)
+    ra = Readahead()
+    seen = []
+    for i in range(len(blocks)):
+        seen += [r.base_offset for r in await bc.get("o", blocks, i, ra)]
+        await asyncio.sleep(0.001)                  # the reader's own work (sending)
+    assert seen == list(range(400))
+    assert bc.prefetches >= 2 and bc.misses <= 2, (bc.prefetches, bc.misses)
+
+    bc = BlockCache(64 << 20, fetch)
+    fail_prefetch[0] = True
+    calls.clear()
+    ra = Readahead()
+    assert [r.base_offset for r in await bc.get("o", blocks, 0, ra)][0] == 0
+    await asyncio.sleep(0.05)                       # a prefetch ran (and failed)
+    fail_prefetch[0] = False
+    got = []
+    for i in range(1, len(blocks)):
+        got += [r.base_offset for r in await bc.get("o", blocks, i, ra)]
+    assert 0 < got[0] and got == list(range(got[0], 400))
