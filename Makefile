@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: run test test-fast bench venv test-deps clean chaos-backpressure
+.PHONY: run test test-fast bench venv test-deps clean chaos-backpressure chaos
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,13 @@ CHAOS_ROUNDS ?= 20
 chaos-backpressure: test-deps
 	CHAOS_ROUNDS=$(CHAOS_ROUNDS) $(BIN)/python -m pytest -q -s -ra \
 		tests/chaos/test_backpressure_faults.py -k long $(ARGS)
+
+## Long fault schedule for issue 17 on a 3-broker cluster: random kill -9, SIGSTOP past the
+## lease, object store / PostgreSQL cut, PostgreSQL restart, a tiny WAL filling up.
+CHAOS_MINUTES ?= 30
+chaos: test-deps
+	CHAOS_MINUTES=$(CHAOS_MINUTES) $(BIN)/python -m pytest -q -s -ra \
+		tests/chaos/test_cluster_faults.py -k long $(ARGS)
 
 bench: $(VENV)/.test-installed
 	$(BIN)/pip install -q -e '.[bench]'

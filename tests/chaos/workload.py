@@ -22,6 +22,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import Errors, code_retriable
+
 PAD = b"." * 500
 
 
@@ -46,7 +48,9 @@ class Ledger:
     sent: dict[bytes, int] = field(default_factory=dict)             # value -> partition
     acked: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # value -> (p, offset)
     failed: dict[bytes, str] = field(default_factory=dict)           # value -> error
+    acked_at: dict[bytes, float] = field(default_factory=dict)       # value -> monotonic time
     fatal: int = 0                                                   # producers recreated
+    errors: Errors = field(default_factory=Errors)                   # by kind, retriable?
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def send(self, value: bytes, partition: int) -> None:
@@ -56,9 +60,11 @@ class Ledger:
     def ack(self, value: bytes, partition: int, offset: int) -> None:
         with self.lock:
             self.acked[value] = (partition, offset)
+            self.acked_at[value] = time.monotonic()
             self.failed.pop(value, None)
 
-    def fail(self, value: bytes, error: str) -> None:
+    def fail(self, value: bytes, error: str, kind: str = "", retriable: bool = True) -> None:
+        self.errors.add(f"produce:{kind or 'error'}", retriable, error)
         with self.lock:
             if value not in self.acked:
                 self.failed[value] = error
@@ -86,8 +92,14 @@ class ConfluentWriter(_Writer):
 
     def _producer(self) -> Any:
         from confluent_kafka import Producer
+        errs = self.ledger.errors
+
+        def on_error(err: Any) -> None:
+            errs.add(f"producer:{err.name()}", code_retriable(err.code()) and not err.fatal(),
+                     str(err))
         return Producer({"bootstrap.servers": self.bootstrap, "enable.idempotence": True,
-                         "acks": "all", "linger.ms": 5, "message.timeout.ms": 120000,
+                         "error_cb": on_error, "acks": "all", "linger.ms": 5,
+                         "message.timeout.ms": 120000,
                          "retry.backoff.ms": 100, "reconnect.backoff.max.ms": 500,
                          "topic.metadata.refresh.interval.ms": 2000, "log_level": 2})
 
@@ -100,7 +112,8 @@ class ConfluentWriter(_Writer):
             if err is None:
                 led.ack(msg.value(), msg.partition(), msg.offset())
             else:
-                led.fail(msg.value(), str(err))
+                led.fail(msg.value(), str(err), err.name(),
+                         code_retriable(err.code()) and not err.fatal())
         n = 0
         next_t = time.monotonic()
         while not self.stop_ev.is_set() and n < self.max_values:
@@ -161,7 +174,8 @@ class KafkaPythonWriter(_Writer):
                 continue
             led.send(v, part)
             fut.add_callback(lambda md, v=v: led.ack(v, md.partition, md.offset))
-            fut.add_errback(lambda e, v=v: led.fail(v, repr(e)))
+            fut.add_errback(lambda e, v=v: led.fail(v, repr(e), type(e).__name__,
+                                                    bool(getattr(e, "retriable", False))))
             n += 1
             next_t += self.interval
             delay = next_t - time.monotonic()

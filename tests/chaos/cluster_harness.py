@@ -1,0 +1,216 @@
+"""Runs the queue workload on a ChaosCluster while faults are injected, then checks.
+
+Writers: idempotent acks=all producers of confluent-kafka and kafka-python (every ack's
+partition and offset in a Ledger). Readers: two groups (confluent-kafka, kafka-python) whose
+members commit synchronously, and a monitor of the committed offsets. After the schedule:
+every broker running again, writers drained, one full read of the log, the groups given time
+to read to the end; then the ledger and the groups are checked (workload.check, groups.check).
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafka.admin import KafkaAdminClient, NewTopic
+
+from cluster.kit import wait_leaders, wait_live
+
+from .cluster_faults import FAULTS, ChaosCluster
+from .groups import CommitMonitor, ConsumeLog, GroupReport, check_groups, start_members
+from .workload import Ledger, Report, check, read_all, start_writers
+
+TOPIC = "queue"
+PARTITIONS = 6
+GAP_S = 2.0                  # writers work this long between two faults
+
+
+@dataclass
+class ClusterOutcome:
+    report: Report | None = None
+    groups: GroupReport | None = None
+    faults: list[str] = field(default_factory=list)
+    fault_counts: dict[str, int] = field(default_factory=dict)
+    exits: dict[Any, int] = field(default_factory=dict)
+    unexpected_exits: list[str] = field(default_factory=list)
+    start_failures: int = 0
+    writer_errors: list[str] = field(default_factory=list)
+    member_errors: list[str] = field(default_factory=list)
+    lagging: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    not_running: bool = False
+    seconds: float = 0.0
+
+    @property
+    def anomalies(self) -> list[str]:
+        """Every finding that fails the run (empty: clean)."""
+        out = []
+        r, g = self.report, self.groups
+        if r is not None and r.anomalies:
+            out.append(f"log: lost={len(r.lost)} duplicated={len(r.duplicated)} "
+                       f"wrong_offset={len(r.wrong_offset)} out_of_order={len(r.out_of_order)}"
+                       f"; e.g. lost={r.lost[:3]} dup={r.duplicated[:3]} "
+                       f"wrong={r.wrong_offset[:3]} order={r.out_of_order[:3]}")
+        if r is not None and r.fatal:
+            out.append(f"{r.fatal} producers hit a fatal error and were recreated")
+        if r is not None and self.produce_fatal:
+            out.append(f"non-retriable produce errors: {self.produce_fatal[:5]}")
+        if g is not None and g.anomalies:
+            out.append("groups: " + g.examples().replace("\n", "; "))
+        if self.unexpected_exits:
+            out.append("brokers exited unexpectedly: " + " | ".join(self.unexpected_exits[:3]))
+        if self.writer_errors or self.member_errors:
+            out.append(f"client threads failed: {self.writer_errors + self.member_errors}")
+        if self.lagging:
+            out.append(f"groups did not reach the end within the bound: {self.lagging}")
+        if self.not_running:
+            out.append("not every broker was running again after the schedule")
+        return out
+
+    produce_fatal: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        lines = [f"chaos (3 brokers): {len(self.faults)} faults in {self.seconds:.0f}s: "
+                 + ", ".join(f"{k}={v}" for k, v in sorted(self.fault_counts.items())),
+                 f"broker exits (supervised restarts): {dict(self.exits)}, "
+                 f"failed start attempts: {self.start_failures}"]
+        if self.report is not None:
+            lines.append(self.report.summary())
+        if self.groups is not None:
+            lines.append(self.groups.summary())
+        lines += [f"  fault: {f}" for f in self.faults]
+        return "\n".join(lines)
+
+
+def run_cluster_chaos(broker_factory: Any, s3_endpoint: Any, schedule: list[tuple[str, int]]
+                      | None = None, duration_s: float = 0.0, seed: int = 17,
+                      rate: float = 150.0, log: Any = print, details: Any = None
+                      ) -> ClusterOutcome:
+    """Apply ``schedule`` ([(fault, victim)]), or random faults for ``duration_s``; with
+    anomalies, their details go to the file ``details`` (a path)."""
+    out = ClusterOutcome()
+    for name in ("kafka", "kafka.net", "kafka.producer", "kafka.consumer", "kafka.cluster"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)    # reconnect noise, thousands
+    cl = ChaosCluster(broker_factory, s3_endpoint, log=log)
+    cl.topic = TOPIC
+    stop_w, stop_r = threading.Event(), threading.Event()
+    writers: list = []
+    members: list = []
+    monitor = None
+    t_start = time.monotonic()
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=cl.bootstrap)
+        wait_live(admin, 3)
+        admin.create_topics([NewTopic(TOPIC, PARTITIONS, 1)])
+        wait_leaders(admin, TOPIC, PARTITIONS)
+        admin.close()
+        ledger, clog = Ledger(), ConsumeLog()
+        writers = start_writers(cl.bootstrap, TOPIC, PARTITIONS, ledger, stop_w,
+                                confluent=2, kafka_python=2, rate=rate)
+        members = start_members(cl.bootstrap, TOPIC, clog, stop_r, confluent=2, kafka_python=1)
+        monitor = CommitMonitor(cl.bootstrap, ["chaos-ck", "chaos-kp"], clog, stop_r)
+        monitor.start()
+        time.sleep(GAP_S * 2)
+        rnd = random.Random(seed)
+        steps = list(schedule or [])
+        deadline = t_start + duration_s
+        i = 0
+        while steps or (duration_s and time.monotonic() < deadline):
+            fault, victim = steps.pop(0) if steps else (rnd.choice(FAULTS), rnd.randrange(3))
+            if not cl.all_running():
+                out.not_running = True
+                break
+            what = cl.inject(fault, victim)
+            i += 1
+            log(f"chaos: fault {i}: {what}; acked so far "
+                f"{len(ledger.acked)}, read {sum(m.read for m in members)}")
+            time.sleep(GAP_S)
+        out.not_running = out.not_running or not cl.all_running()
+        time.sleep(GAP_S)
+        stop_w.set()
+        for w in writers:
+            w.join(180)
+        out.writer_errors = [f"{w.name}: {w.error!r}" for w in writers if w.error is not None]
+        out.writer_errors += [f"{w.name}: still running" for w in writers if w.is_alive()]
+        records = read_all(cl.bootstrap, TOPIC, PARTITIONS, timeout=120)
+        ends: dict[int, int] = {}
+        for p, o, _ in records:
+            ends[p] = max(ends.get(p, 0), o + 1)
+        out.lagging = _wait_groups(clog, ends, timeout=90)
+        stop_r.set()
+        for m in members:
+            m.join(60)
+        monitor.join(30)
+        out.member_errors = [f"{m.name}: {m.error!r}" for m in members if m.error is not None]
+        out.member_errors += [f"{m.name}: still running" for m in members if m.is_alive()]
+        out.report = check(ledger, records)
+        out.produce_fatal = list(ledger.errors.fatal)
+        out.groups = check_groups(clog, records, dict(ledger.acked))
+        out.groups.error_kinds.update(ledger.errors.kinds)
+        _collect(out, cl, t_start)
+        if details is not None and out.anomalies:
+            _write_details(details, out, ledger, clog, records, cl.t0)
+        return out
+    finally:
+        stop_w.set()
+        stop_r.set()
+        _collect(out, cl, t_start)
+        cl.close()
+
+
+def _collect(out: ClusterOutcome, cl: ChaosCluster, t_start: float) -> None:
+    out.faults, out.fault_counts = list(cl.fault_log), dict(cl.faults)
+    out.exits, out.unexpected_exits = dict(cl.exits), list(cl.unexpected_exits)
+    out.start_failures = cl.start_failures
+    out.seconds = time.monotonic() - t_start
+
+
+def _wait_groups(clog: ConsumeLog, ends: dict[int, int], timeout: float
+                 ) -> dict[str, dict[int, tuple[int, int]]]:
+    """Until each group read every partition to its end; returns what is still behind
+    ({group: {partition: (read up to, end)}})."""
+    deadline = time.monotonic() + timeout
+    while True:
+        top: dict[str, dict[int, int]] = {"chaos-ck": {}, "chaos-kp": {}}
+        with clog.lock:
+            for g, _m, _s, p, o, _v in clog.reads:
+                top.setdefault(g, {})
+                top[g][p] = max(top[g].get(p, -1), o + 1)
+        behind = {g: {p: (ps.get(p, 0), e) for p, e in ends.items() if ps.get(p, 0) < e}
+                  for g, ps in top.items()}
+        behind = {g: b for g, b in behind.items() if b}
+        if not behind or time.monotonic() > deadline:
+            return behind
+        time.sleep(0.5)
+
+
+def _write_details(path: Any, out: ClusterOutcome, ledger: Ledger, clog: ConsumeLog,
+                   records: list[tuple[int, int, bytes]], t0: float) -> None:
+    """Everything needed to chase an anomaly: fault times, each lost value's ack (where,
+    when, what the log holds there now), every group anomaly."""
+    at = {(p, o): v for p, o, v in records}
+    lines = [out.summary(), "", "ANOMALIES:", *out.anomalies, "", "lost acknowledged values:"]
+    for v in (out.report.lost if out.report else [])[:200]:
+        p, o = ledger.acked[v]
+        t = ledger.acked_at.get(v, t0) - t0
+        lines.append(f"  {v[:16]!r} acked p{p}@{o} at {t:.1f}s; log there: "
+                     f"{(at.get((p, o)) or b'<none>')[:16]!r}")
+    if out.report:
+        lines += ["wrong offsets:", *[f"  {x[0][:16]!r} acked {x[1]} found {x[2]}"
+                                     for x in out.report.wrong_offset[:200]]]
+        lines += ["duplicated:", *[f"  {v[:16]!r}" for v in out.report.duplicated[:200]]]
+        lines += ["out of order:", *[f"  {x}" for x in out.report.out_of_order[:200]]]
+    if out.groups:
+        g = out.groups
+        for name, xs in (("skipped", g.skipped), ("backwards", g.backwards),
+                         ("wrong_value", g.wrong_value), ("commit_backwards", g.commit_backwards),
+                         ("not_retriable", g.not_retriable)):
+            lines += [f"{name}:", *[f"  {x}" for x in xs[:200]]]
+    with clog.lock:
+        commits = sorted(clog.commits, key=lambda c: c[3])
+    lines += ["commits (group, partition, offset, t, ok):",
+              *[f"  {g} p{p} {o} {t - t0:.1f}s {ok}" for g, p, o, t, ok in commits]]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
