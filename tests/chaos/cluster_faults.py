@@ -214,13 +214,17 @@ class ChaosCluster:
         elif fault == "wal_full":
             tn = self.nodes[self.tiny]
             moved = self._lead_one(self.tiny)
-            marker = "episode=producers_backpressured state=started reason=WAL full"
-            before = tn.broker.log_text().count(marker)
+
+            def full_now() -> bool:   # a wal_full episode began (this start) and has not ended
+                t = tn.broker.log_text()
+                t = t[t.rfind("===== start"):]
+                return (t.count("episode=wal_full state=started")
+                        > t.count("episode=wal_full state=ended"))
             tn.s3.cut()
             deadline = time.monotonic() + 20
             full = False
             while time.monotonic() < deadline:
-                if tn.broker.log_text().count(marker) > before:
+                if full_now():
                     full = True
                     break
                 time.sleep(0.25)

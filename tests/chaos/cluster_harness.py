@@ -1,7 +1,7 @@
 """Runs the queue workload on a ChaosCluster while faults are injected, then checks.
 
-Writers: idempotent acks=all producers of confluent-kafka and kafka-python (every ack's
-partition and offset in a Ledger). Readers: two groups (confluent-kafka, kafka-python) whose
+Writers: idempotent acks=all producers of confluent-kafka, kafka-python and Java kafka-clients
+(when Java and the jars are there; every ack's partition and offset in a Ledger). Readers: two groups (confluent-kafka, kafka-python) whose
 members commit synchronously, and a monitor of the committed offsets. After the schedule:
 every broker running again, writers drained, one full read of the log, the groups given time
 to read to the end; then the ledger and the groups are checked (workload.check, groups.check).
@@ -9,6 +9,7 @@ to read to the end; then the ledger and the groups are checked (workload.check, 
 from __future__ import annotations
 
 import logging
+import pathlib
 import random
 import threading
 import time
@@ -21,11 +22,14 @@ from cluster.kit import wait_leaders, wait_live
 
 from .cluster_faults import FAULTS, ChaosCluster
 from .groups import CommitMonitor, ConsumeLog, GroupReport, check_groups, start_members
+from .java_writer import java_classpath, start_java_writers
 from .workload import Ledger, Report, check, read_all, start_writers
 
 TOPIC = "queue"
 PARTITIONS = 6
 GAP_S = 2.0                  # writers work this long between two faults
+DRAIN_S = 130.0              # writers must have every send answered within this after the
+                             # faults (their delivery timeout is 120 s)
 
 
 @dataclass
@@ -42,6 +46,7 @@ class ClusterOutcome:
     lagging: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
     not_running: bool = False
     seconds: float = 0.0
+    writers: list[str] = field(default_factory=list)
 
     @property
     def anomalies(self) -> list[str]:
@@ -75,7 +80,8 @@ class ClusterOutcome:
         lines = [f"chaos (3 brokers): {len(self.faults)} faults in {self.seconds:.0f}s: "
                  + ", ".join(f"{k}={v}" for k, v in sorted(self.fault_counts.items())),
                  f"broker exits (supervised restarts): {dict(self.exits)}, "
-                 f"failed start attempts: {self.start_failures}"]
+                 f"failed start attempts: {self.start_failures}",
+                 f"writers: {', '.join(self.writers)}"]
         if self.report is not None:
             lines.append(self.report.summary())
         if self.groups is not None:
@@ -86,13 +92,18 @@ class ClusterOutcome:
 
 def run_cluster_chaos(broker_factory: Any, s3_endpoint: Any, schedule: list[tuple[str, int]]
                       | None = None, duration_s: float = 0.0, seed: int = 17,
-                      rate: float = 150.0, log: Any = print, details: Any = None
-                      ) -> ClusterOutcome:
+                      rate: float = 150.0, log: Any = print, details: pathlib.Path | None = None,
+                      java: bool = True) -> ClusterOutcome:
     """Apply ``schedule`` ([(fault, victim)]), or random faults for ``duration_s``; with
     anomalies, their details go to the file ``details`` (a path)."""
     out = ClusterOutcome()
-    for name in ("kafka", "kafka.net", "kafka.producer", "kafka.consumer", "kafka.cluster"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)    # reconnect noise, thousands
+    client_log = logging.getLogger("kafka")   # kafka-python: thousands of reconnect lines
+    handler = logging.FileHandler(details.with_name("kafka-python.log")) if details else None
+    client_log.propagate, saved = False, (client_log.propagate, client_log.level)
+    client_log.setLevel(logging.WARNING)
+    if handler:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(name)s %(message)s"))
+        client_log.addHandler(handler)
     cl = ChaosCluster(broker_factory, s3_endpoint, log=log)
     cl.topic = TOPIC
     stop_w, stop_r = threading.Event(), threading.Event()
@@ -109,6 +120,11 @@ def run_cluster_chaos(broker_factory: Any, s3_endpoint: Any, schedule: list[tupl
         ledger, clog = Ledger(), ConsumeLog()
         writers = start_writers(cl.bootstrap, TOPIC, PARTITIONS, ledger, stop_w,
                                 confluent=2, kafka_python=2, rate=rate)
+        java_cp = java_classpath() if java else None
+        if java_cp:
+            writers += start_java_writers(java_cp, cl.bootstrap, TOPIC, PARTITIONS, ledger,
+                                          stop_w, count=1, rate=rate)
+        out.writers = [w.name for w in writers]
         members = start_members(cl.bootstrap, TOPIC, clog, stop_r, confluent=2, kafka_python=1)
         monitor = CommitMonitor(cl.bootstrap, ["chaos-ck", "chaos-kp"], clog, stop_r)
         monitor.start()
@@ -130,8 +146,9 @@ def run_cluster_chaos(broker_factory: Any, s3_endpoint: Any, schedule: list[tupl
         out.not_running = out.not_running or not cl.all_running()
         time.sleep(GAP_S)
         stop_w.set()
+        drain_until = time.monotonic() + DRAIN_S
         for w in writers:
-            w.join(180)
+            w.join(max(0.1, drain_until - time.monotonic()))
         out.writer_errors = [f"{w.name}: {w.error!r}" for w in writers if w.error is not None]
         out.writer_errors += [f"{w.name}: still running" for w in writers if w.is_alive()]
         records = read_all(cl.bootstrap, TOPIC, PARTITIONS, timeout=120)
@@ -158,6 +175,11 @@ def run_cluster_chaos(broker_factory: Any, s3_endpoint: Any, schedule: list[tupl
         stop_r.set()
         _collect(out, cl, t_start)
         cl.close()
+        client_log.propagate = saved[0]
+        client_log.setLevel(saved[1])
+        if handler:
+            client_log.removeHandler(handler)
+            handler.close()
 
 
 def _collect(out: ClusterOutcome, cl: ChaosCluster, t_start: float) -> None:

@@ -33,6 +33,7 @@ def _assert_clean(out, details) -> None:
 # around a kill -9 (kafka-python producer then got OutOfOrderSequence). Not strict: a clean
 # run passes; remove the mark once the suite runs clean on main.
 @pytest.mark.xfail(strict=False, reason="known anomalies, docs/FINDINGS.md (chaos)")
+@pytest.mark.timeout(600)
 def test_three_brokers_short_fault_schedule(broker_factory, s3_endpoint, tmp_path) -> None:
     out = run_cluster_chaos(broker_factory, s3_endpoint, schedule=short_schedule(rounds=2),
                             details=tmp_path / "chaos-details.txt")
