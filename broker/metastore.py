@@ -52,7 +52,7 @@ class MetadataStore(abc.ABC):
     @abc.abstractmethod
     def cluster_id(self) -> str: ...
 
-    def bind_object_store(self, object_store_url: str) -> None:
+    def bind_object_store(self, object_store_url: str, joining: bool | None = None) -> None:
         """Record (first broker) or check (every later one) the cluster's object store."""
 
     @abc.abstractmethod
@@ -135,11 +135,18 @@ class SqlMetadataStore(MetadataStore):
             return str(tx.query_one(select)[0])
         return self.db.transact(body)
 
-    def bind_object_store(self, object_store_url: str) -> None:
+    def bind_object_store(self, object_store_url: str, joining: bool | None = None) -> None:
         """On a shared (PostgreSQL) database, the first broker records the object store and a
         broker pointed at another one refuses to start: its data would be invisible to the
-        others. (An SQLite database belongs to one broker, whose data dir may move.)"""
-        if not self.db.is_postgres:
+        others. An SQLite database is shared only by brokers on one host: the cluster room
+        calls this with ``joining`` - False for a broker alone in its cluster (it records its
+        store: its data dir, and a file:// store in it, may have moved), True for one joining
+        live brokers (checked like PostgreSQL)."""
+        if not self.db.is_postgres and not joining:
+            if joining is False:
+                self._tx([("INSERT INTO kafka_cluster(key, value) VALUES ('object_store', ?)"
+                           " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                           (object_store_identity(object_store_url),))])
             return
         mine = object_store_identity(object_store_url)
 

@@ -76,6 +76,7 @@ class ClusterRoom:
         """Register (refusing a node id another live broker holds) and read the cluster."""
         cfg = self.broker.config
         self.store = await asyncio.to_thread(ClusterStore, cfg.metadata_url)
+        await self._check_object_store()
         try:
             home = f"{socket.gethostname()}:{os.path.abspath(cfg.wal_path)}"
             epoch = int((getattr(cfg, "engine", None) or {}).get("node_epoch", 0) or 0)
@@ -88,6 +89,28 @@ class ClusterRoom:
         await self._refresh()
         log.info("cluster joined node_id=%d rack=%s live_brokers=%s controller=%d",
                  self.node_id, self.rack, sorted(self.live), self.controller_id)
+
+    async def _check_object_store(self) -> None:
+        """Brokers sharing an SQLite file must run on one host and share the object store: a
+        broker joining live brokers of another host, or with another store, refuses to start
+        with one line (PostgreSQL: the store is checked at every start by the metadata store,
+        and brokers may run anywhere)."""
+        cfg, meta = self.broker.config, getattr(self.broker, "meta", None)
+        if not str(cfg.metadata_url).startswith("sqlite"):
+            return
+        assert self.store is not None
+        now, host = now_ms(), socket.gethostname()
+        others = [b for b in await asyncio.to_thread(self.store.brokers)
+                  if b.node_id != self.node_id and b.state != STOPPED and b.lease_until_ms > now]
+        for b in others:
+            theirs = (b.home or "").split(":", 1)[0]
+            if theirs and theirs != host:
+                raise ClusterError(
+                    f"--metadata {cfg.metadata_url} is shared with live broker {b.node_id} on "
+                    f"host {theirs}: SQLite metadata serves brokers of one host only; use "
+                    "--metadata postgresql://... for brokers on several hosts")
+        if meta is not None and getattr(cfg, "storage", "engine") == "engine":
+            await asyncio.to_thread(meta.bind_object_store, cfg.object_store_url, bool(others))
 
     def run(self) -> None:
         """Start the background loops (after the topics are loaded)."""

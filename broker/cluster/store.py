@@ -61,6 +61,7 @@ class BrokerRow:
     node_epoch: int = 0
     taker: int = -1
     takeover_epoch: int = 0
+    home: str = ""          # "host:WAL path" (SQLite metadata: one host only)
 
 
 @dataclass
@@ -160,7 +161,7 @@ class ClusterStore:
     def brokers(self) -> list[BrokerRow]:
         return [BrokerRow(*r) for r in self._query(
             "SELECT node_id, host, port, rack, instance, state, lease_until_ms, node_epoch, "
-            "taker, takeover_epoch FROM cluster_brokers ORDER BY node_id")]
+            "taker, takeover_epoch, home FROM cluster_brokers ORDER BY node_id")]
 
     def broker(self, node_id: int) -> BrokerRow | None:
         rows = [b for b in self.brokers() if b.node_id == node_id]
