@@ -1,8 +1,10 @@
 """Cluster bench: partition moves, a joining broker, and 1/2/3-broker produce throughput.
 
-One cluster on this machine (file:// object store + SQLite metadata, each broker its own
-process and WAL) grows from 1 to 3 brokers under one confluent-kafka idempotent acks=all
-producer (512-byte records round-robin over 6 partitions, flat out):
+One cluster on this machine (each broker its own process and WAL) grows from 1 to 3 brokers
+under one confluent-kafka idempotent acks=all producer (512-byte records round-robin over 6
+partitions, flat out), on two storage setups: ``files`` (file:// object store + SQLite
+metadata) and ``s3pg`` (a moto S3 server + a private PostgreSQL server from Debian's package,
+as a cluster of several hosts would use; tests/pgserver.py starts it):
 
 - throughput with 1, 2 and 3 brokers (acknowledged records/s and MB/s over a window, after
   the cluster has balanced); the producer load is the same, spread over all partitions;
@@ -11,7 +13,8 @@ producer (512-byte records round-robin over 6 partitions, flat out):
 - moves: AlterPartitionReassignments on a 3-broker cluster under load, from the request to the
   first acknowledged produce on the new leader (same rule), several moves, p50 and max.
 
-Run: ``python -m bench.cluster`` (bounded: about 1-2 minutes).
+Run: ``python -m bench.cluster [--backend files|s3pg|both] [--runs N]`` (about 1-2 minutes
+per run and setup); with several runs the figures are printed per run and as ranges.
 """
 from __future__ import annotations
 
@@ -20,11 +23,13 @@ import collections
 import os
 import shutil
 import sqlite3
+import subprocess
 import tempfile
 import threading
 import time
+import urllib.request
 
-from bench.common import BrokerProc, pct
+from bench.common import PY, BrokerProc, free_port, pct
 
 TOPIC = "bench-cluster"
 PARTITIONS = 6
@@ -85,18 +90,74 @@ class Load:
         return None
 
 
-class Cluster:
-    """Brokers 0..n-1 sharing a file:// object store and a SQLite metadata DB."""
+class Backend:
+    """Where the cluster keeps its data: ``files`` (file:// + SQLite in the cluster's dir) or
+    ``s3pg`` (a moto S3 server and a PostgreSQL server, started here, stopped by close())."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str, dir: str) -> None:
+        self.kind = kind
+        self._moto: subprocess.Popen | None = None
+        self._pg = None
+        if kind == "files":
+            self.db = os.path.join(dir, "meta.db")
+            self.store, self.meta = f"file://{dir}/objects", f"sqlite:///{self.db}"
+            return
+        import boto3  # noqa: PLC0415
+        try:
+            from tests.pgserver import PostgresServer  # noqa: PLC0415
+            self._pg = PostgresServer().start()
+            self.meta = self._pg.new_database("bench")
+            port = free_port()
+            env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+            self._moto = subprocess.Popen([PY, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                                           str(port)], env=env, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL)
+            url = f"http://127.0.0.1:{port}"
+            for _ in range(300):
+                try:
+                    urllib.request.urlopen(url, timeout=1)
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            boto3.client("s3", endpoint_url=url, region_name="us-east-1",
+                         aws_access_key_id="testing",
+                         aws_secret_access_key="testing").create_bucket(Bucket="bench")
+            self.store = (f"s3://bench/cluster?endpoint_url={url}&region=us-east-1"
+                          "&access_key_id=testing&secret_access_key=testing")
+        except BaseException:
+            self.close()
+            raise
+
+    def query_one(self, sql: str, args: tuple) -> tuple | None:
+        if self.kind == "files":
+            with sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=5) as c:
+                return c.execute(sql, args).fetchone()
+        import psycopg  # noqa: PLC0415
+        with psycopg.connect(self.meta) as c:
+            return c.execute(sql.replace("?", "%s"), args).fetchone()
+
+    def close(self) -> None:
+        if self._moto is not None:
+            self._moto.terminate()
+            self._moto.wait(10)
+            self._moto = None
+        if self._pg is not None:
+            self._pg.stop()
+            self._pg = None
+
+
+class Cluster:
+    """Brokers 0..n-1 sharing one object store and one metadata database."""
+
+    def __init__(self, backend: str = "files") -> None:
         self.dir = tempfile.mkdtemp(prefix="s3kbench-cluster-")
-        self.db = os.path.join(self.dir, "meta.db")
+        self.backend = Backend(backend, self.dir)
         self.brokers: list[BrokerProc] = []
 
     def add(self) -> BrokerProc:
         n = len(self.brokers)
-        b = BrokerProc(["--node-id", str(n), "--object-store", f"file://{self.dir}/objects",
-                        "--metadata", f"sqlite:///{self.db}", "--upload-interval-s", "2"],
+        b = BrokerProc(["--node-id", str(n), "--object-store", self.backend.store,
+                        "--metadata", self.backend.meta, "--upload-interval-s", "2"],
                        data_dir=os.path.join(self.dir, f"b{n}"))
         os.makedirs(b.data_dir, exist_ok=True)
         b.log_path = os.path.join(b.data_dir, "broker.log")
@@ -105,16 +166,16 @@ class Cluster:
 
     def epoch_start(self, partition: int, epoch: int) -> int | None:
         """Where ``epoch`` of the topic's ``partition`` began (cluster_leader_epochs)."""
-        with sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=5) as c:
-            row = c.execute("SELECT e.start_offset FROM cluster_leader_epochs e JOIN "
-                            "kafka_topics t ON t.topic_id = e.topic_id WHERE t.name = ? AND "
-                            "e.partition_index = ? AND e.leader_epoch = ?",
-                            (TOPIC, partition, epoch)).fetchone()
+        row = self.backend.query_one(
+            "SELECT e.start_offset FROM cluster_leader_epochs e JOIN kafka_topics t ON "
+            "t.topic_id = e.topic_id WHERE t.name = ? AND e.partition_index = ? AND "
+            "e.leader_epoch = ?", (TOPIC, partition, epoch))
         return None if row is None else int(row[0])
 
     def close(self) -> None:
         for b in self.brokers:
             b.stop()
+        self.backend.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -144,12 +205,12 @@ def throughput(load: Load, seconds: float) -> tuple[float, float]:
     return n / dt, n * len(VALUE) / dt / 1e6
 
 
-def run(window: float = 8.0, moves: int = 6) -> dict:
+def run(window: float = 8.0, moves: int = 6, backend: str = "files") -> dict:
     from kafka import TopicPartition  # noqa: PLC0415
     from kafka.admin import KafkaAdminClient, NewTopic  # noqa: PLC0415
 
-    cl = Cluster()
-    out: dict = {"throughput": {}, "join_s": [], "move_s": []}
+    cl = Cluster(backend)
+    out: dict = {"backend": backend, "throughput": {}, "join_s": [], "move_s": []}
     load = None
     try:
         cl.add()
@@ -198,8 +259,12 @@ def run(window: float = 8.0, moves: int = 6) -> dict:
     return out
 
 
+TITLES = {"files": "file:// object store + SQLite metadata",
+          "s3pg": "moto S3 object store + PostgreSQL metadata"}
+
+
 def report(out: dict) -> str:
-    lines = ["## Cluster (file:// object store + SQLite metadata, brokers on one machine)", "",
+    lines = [f"## Cluster ({TITLES[out['backend']]}, brokers on one machine)", "",
              "| brokers | acked records/s | MB/s |", "| --- | --- | --- |"]
     for n, (rps, mbs) in sorted(out["throughput"].items()):
         lines.append(f"| {n} | {rps:,.0f} | {mbs:.1f} |")
@@ -218,15 +283,43 @@ def report(out: dict) -> str:
     return "\n".join(lines)
 
 
+def ranges(outs: list[dict]) -> str:
+    """One line per figure: min-max over the runs (move p50 per run, every join)."""
+    def rng(xs: list[float], f: str) -> str:
+        return "-" if not xs else f"{min(xs):{f}} - {max(xs):{f}}"
+    lines = [f"## Ranges over {len(outs)} runs ({TITLES[outs[0]['backend']]})", "",
+             "| figure | range |", "| --- | --- |"]
+    for n in (1, 2, 3):
+        xs = [o["throughput"][n][0] for o in outs if n in o["throughput"]]
+        lines.append(f"| acked records/s, {n} broker{'s' if n > 1 else ''} | {rng(xs, ',.0f')} |")
+    p50s = [pct(m, 0.5) for o in outs if (m := [x for x in o["move_s"] if x is not None])]
+    lines.append(f"| reassignment -> first ack on the new leader, p50 per run (s) | "
+                 f"{rng(p50s, '.2f')} |")
+    allm = [x for o in outs for x in o["move_s"] if x is not None]
+    lines.append(f"| reassignment -> first ack, every move (s) | {rng(allm, '.2f')} |")
+    joins = [x for o in outs for x in o["join_s"] if x is not None]
+    lines.append(f"| broker spawn -> first ack on a partition it received (s) | "
+                 f"{rng(joins, '.2f')} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--window", type=float, default=8.0, help="throughput window, seconds")
     ap.add_argument("--moves", type=int, default=6)
+    ap.add_argument("--backend", choices=("files", "s3pg", "both"), default="both")
+    ap.add_argument("--runs", type=int, default=1, help="runs per backend (ranges if > 1)")
     a = ap.parse_args(argv)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     t0 = time.monotonic()
-    print(report(run(a.window, a.moves)))
+    for backend in (("files", "s3pg") if a.backend == "both" else (a.backend,)):
+        outs = []
+        for _ in range(a.runs):
+            outs.append(run(a.window, a.moves, backend))
+            print(report(outs[-1]) + "\n", flush=True)
+        if len(outs) > 1:
+            print(ranges(outs) + "\n", flush=True)
     print(f"took {time.monotonic() - t0:.0f} s")
     return 0
 

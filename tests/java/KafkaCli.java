@@ -191,7 +191,8 @@ public final class KafkaCli {
         return out;
     }
 
-    /** subscribe in --group, poll until --count records (or idle), commitSync, close. */
+    /** subscribe in --group, poll until --count distinct records (partition, offset; a re-read
+     *  after a group change is reported but not counted) or the timeout, commitSync, close. */
     static Map<String, Object> consumeGroup(Map<String, String> a) {
         String topic = req(a, "topic");
         String group = req(a, "group");
@@ -199,11 +200,15 @@ public final class KafkaCli {
         long timeout = Long.parseLong(a.getOrDefault("timeout-ms", "30000"));
         long deadline = System.currentTimeMillis() + timeout;
         List<Object> records = new ArrayList<>();
+        Set<String> distinct = new HashSet<>();
         Map<String, Object> out = new LinkedHashMap<>();
         try (KafkaConsumer<String, String> c = new KafkaConsumer<>(consumerProps(a, group))) {
             c.subscribe(List.of(topic));
-            while (records.size() < count && System.currentTimeMillis() < deadline) {
-                for (ConsumerRecord<String, String> r : c.poll(Duration.ofMillis(200))) records.add(rec(r));
+            while (distinct.size() < count && System.currentTimeMillis() < deadline) {
+                for (ConsumerRecord<String, String> r : c.poll(Duration.ofMillis(200))) {
+                    records.add(rec(r));
+                    distinct.add(r.partition() + ":" + r.offset());
+                }
             }
             // after the goal, one more short poll proves nothing beyond it was pending
             for (ConsumerRecord<String, String> r : c.poll(Duration.ofMillis(500))) records.add(rec(r));
