@@ -519,6 +519,8 @@ class Broker:
         self.topic_manager = TopicManager(self, self.meta)
         await self.topic_manager.load()
         self.groups = await self._start_groups()
+        if self.groups is not None:      # only the groups placed on this broker (see cluster)
+            await self.groups.placement_changed(self.cluster.is_coordinator)
         self.cluster.run()
         self._server = await asyncio.get_running_loop().create_server(
             lambda: Connection(self), cfg.listen_host, cfg.listen_port, reuse_address=True,

@@ -27,6 +27,7 @@ from typing import Any
 
 from storage.wal.errors import WALLockedError
 
+from .coordinators import Placement
 from .store import ACTIVE, DRAINING, FENCED, LIVE, MOVING, STOPPED, TAKEN_OVER, Assignment, \
     BrokerRow, ClusterStore, NodeIdInUse, now_ms
 
@@ -70,6 +71,7 @@ class ClusterRoom:
         self.heartbeat_s = min(HEARTBEAT_S, self.lease_ms / 4000)
         self.rows: dict[int, BrokerRow] = {}
         self._takeovers: dict[int, asyncio.Task] = {}
+        self._placement = Placement([self.node_id])
 
     # ---- start / stop -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -174,6 +176,21 @@ class ClusterRoom:
             k = index % len(others)
             others = others[k:] + others[:k]
         return ([leader] + others)[:max(1, n)] if leader >= 0 else []
+
+    def coordinator(self, key: str) -> int:
+        """The node coordinating a consumer group (or transactional id) ``key``: placed by
+        ``coordinators.Placement`` over the live brokers that are not draining, so groups
+        spread over the cluster and move away from a broker in controlled shutdown."""
+        return self._placement.node_for(key)
+
+    def is_coordinator(self, key: str) -> bool:
+        return self._placement.node_for(key) == self.node_id
+
+    def coordinator_nodes(self) -> frozenset[int]:
+        """The node ids coordinators are placed on (live, not draining; all live ones if
+        every broker is draining; this broker alone before it read the cluster)."""
+        live = {n for n, b in self.live.items() if b.state == LIVE}
+        return frozenset(live or self.live or {self.node_id})
 
     def live_brokers(self) -> list[BrokerRow]:
         return [self.live[n] for n in sorted(self.live)]
@@ -293,11 +310,21 @@ class ClusterRoom:
         if (self.controller_id, self.controller_epoch) != was:
             log.info("controller node_id=%d epoch=%d (this broker: %s)", self.controller_id,
                      self.controller_epoch, "yes" if self.controller_id == self.node_id else "no")
-            if self.controller_id == self.node_id and was[1] > 0 and self.broker.groups:
-                reload = getattr(self.broker.groups, "reload", None)
-                if reload is not None:   # groups are coordinated by the controller
-                    await reload()
             self._wake.set()
+
+    async def _placement_changed(self) -> None:
+        """The set of coordinator brokers changed: groups this broker gained are loaded from
+        the metadata database, groups it lost are dropped (their members are told
+        NOT_COORDINATOR and look the coordinator up again)."""
+        old = self._placement
+        self._placement = Placement(self.coordinator_nodes())
+        if old.nodes != self._placement.nodes:
+            log.info("coordinators placed on brokers=%s (was %s)",
+                     sorted(self._placement.nodes), sorted(old.nodes))
+        groups = getattr(self.broker, "groups", None)
+        moved = getattr(groups, "placement_changed", None)
+        if moved is not None:
+            await moved(self.is_coordinator)
 
     async def _watch_loop(self) -> None:
         while True:
@@ -328,6 +355,8 @@ class ClusterRoom:
         changed = set(live) != set(self.live) or any(
             live[n].state != self.live[n].state for n in live if n in self.live)
         self.live = live
+        if changed or self._placement.nodes != self.coordinator_nodes():
+            await self._placement_changed()
         if v == self.version and not force and not changed:
             return
         self.version = v

@@ -83,6 +83,8 @@ class GroupCoordinator:
         self.offsets: dict[str, dict[TopicPartition, CommittedOffset]] = {}
         self._closing = False
         self._background: set[asyncio.Future[None]] = set()
+        # in a cluster: whether this broker coordinates a group id (None: every group)
+        self.owns: Callable[[str], bool] | None = None
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -101,28 +103,70 @@ class GroupCoordinator:
             self._restore_group(grec)
         log.info("group coordinator started: %d groups, %d with committed offsets", len(self.groups), len(self.offsets))
 
-    async def reload(self) -> None:
-        """Take over every group from the metadata store (this broker just became their
-        coordinator in a cluster): state another coordinator saved replaces what this one
-        remembered from earlier."""
-        for group in self.groups.values():
-            self._cancel_rebalance_timer(group)
-            for handle in group.pending_members.values():
-                handle.cancel()
-            for m in group.members.values():
-                m.cancel_timer()
-        self.groups, self.offsets = {}, {}
+    def coordinates(self, group_id: str) -> bool:
+        """Whether this broker coordinates ``group_id`` (always, outside a cluster)."""
+        return self.owns is None or self.owns(group_id)
+
+    async def placement_changed(self, owns: Callable[[str], bool]) -> None:
+        """The cluster placed coordinators anew (a broker joined, left or is draining):
+        drop the groups this broker no longer coordinates - parked JoinGroup/SyncGroup calls
+        answer NOT_COORDINATOR so members look the coordinator up again - and load the ones
+        it gained from the metadata store (state and committed offsets another coordinator
+        saved there)."""
+        self.owns = owns
+        lost = [g for gid, g in self.groups.items() if not owns(gid)]
+        for group in lost:
+            self._unload(group)
+        if lost:
+            log.info("groups moved to another coordinator: %d", len(lost))
+        if self._store is None or self._executor is None or self._closing:
+            return
         offsets = await self._run(self._store.load_offsets)
         records = await self._run(self._store.load_groups)
+        known = set(self.groups)
+        gained: set[str] = set()
         for rec in offsets:
-            self.offsets.setdefault(rec.group_id, {})[(rec.topic, rec.partition)] = CommittedOffset(
-                rec.offset, rec.leader_epoch, rec.metadata, rec.commit_ts_ms
-            )
+            if rec.group_id in known or not owns(rec.group_id):
+                continue
+            gained.add(rec.group_id)
+            self.offsets.setdefault(rec.group_id, {})[(rec.topic, rec.partition)] = \
+                CommittedOffset(rec.offset, rec.leader_epoch, rec.metadata, rec.commit_ts_ms)
             self.groups.setdefault(rec.group_id, Group(rec.group_id))
         for grec in records:
+            if grec.group_id in known or not owns(grec.group_id):
+                continue
+            gained.add(grec.group_id)
             self._restore_group(grec)
-        log.info("groups taken over: %d groups, %d with committed offsets", len(self.groups),
-                 len(self.offsets))
+        if gained:
+            log.info("groups taken over from the metadata store: %d", len(gained))
+
+    def _unload(self, group: Group) -> None:
+        """Forget a group another broker coordinates now; its state is in the store."""
+        self._cancel_rebalance_timer(group)
+        for handle in group.pending_members.values():
+            handle.cancel()
+        for m in group.members.values():
+            m.cancel_timer()
+            m.complete_join(JoinResult(E.NOT_COORDINATOR, m.member_id))
+            m.complete_sync(SyncResult(E.NOT_COORDINATOR))
+        group.state = S.DEAD        # handlers still holding it stop, and never save it
+        if self.groups.get(group.group_id) is group:
+            del self.groups[group.group_id]
+        self.offsets.pop(group.group_id, None)
+
+    async def refresh_offsets(self, group_id: str) -> None:
+        """Re-read a group's committed offsets from the store (in a cluster a coordinator
+        that just moved may have acknowledged a commit after this one loaded the group)."""
+        if self._store is None or self._executor is None or self._closing:
+            return
+        load = getattr(self._store, "load_group_offsets", None)
+        if load is None:
+            return
+        rows = await self._run(load, group_id)
+        fresh = {(r.topic, r.partition): CommittedOffset(r.offset, r.leader_epoch, r.metadata,
+                                                         r.commit_ts_ms) for r in rows}
+        if fresh or group_id in self.offsets:
+            self.offsets[group_id] = fresh
 
     async def close(self) -> None:
         """Stop timers, fail parked calls so clients retry elsewhere, finish pending group
@@ -180,6 +224,8 @@ class GroupCoordinator:
         """Snapshot the group now and queue the write now: the single store thread applies
         snapshots in the order they were taken, so an older state never overwrites a newer one."""
         if self._store is None or self._executor is None or self._closing:
+            return None
+        if group.state == S.DEAD:     # deleted, or moved to another coordinator
             return None
         fut = asyncio.get_running_loop().run_in_executor(
             self._executor, self._store.save_group, self._group_record(group)

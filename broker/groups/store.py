@@ -101,6 +101,12 @@ class SqlGroupStore:
             " commit_ts_ms FROM kafka_group_offsets")
         return [OffsetRecord(*row) for row in rows]
 
+    def load_group_offsets(self, group_id: str) -> list[OffsetRecord]:
+        rows = self.db.query(
+            "SELECT group_id, topic, partition, committed_offset, leader_epoch, metadata,"
+            " commit_ts_ms FROM kafka_group_offsets WHERE group_id=?", (group_id,))
+        return [OffsetRecord(*row) for row in rows]
+
     def load_groups(self) -> list[GroupRecord]:
         rows = self.db.query(
             "SELECT group_id, protocol_type, protocol_name, generation_id, leader_id, members"

@@ -52,28 +52,29 @@ def _bytes(value: Any) -> bytes:
 # ------------------------------------------------------------------------- FindCoordinator
 @handler(FIND_COORDINATOR)
 async def find_coordinator(ctx: RequestContext, req: Any) -> Any:
-    """This single node coordinates every group and every transactional id (key type 1).
-    Share groups (key type 2, v6) are refused with INVALID_REQUEST."""
+    """Groups (key type 0) are spread over the live brokers (``ClusterRoom.coordinator``,
+    see broker/cluster/coordinators.py); transactional ids (key type 1) are coordinated by
+    the controller. A single broker coordinates everything. Share groups (key type 2, v6)
+    are refused with INVALID_REQUEST."""
     cls = response_class(FIND_COORDINATOR)
     cfg = ctx.broker.config
-    node, host, port = cfg.node_id, cfg.advertised_host, cfg.advertised_port
     cluster = getattr(ctx.broker, "cluster", None)
-    if cluster is not None and cluster.controller_id != node:
-        # in a cluster the controller coordinates every group (their state and offsets
-        # live in the metadata database; a new controller takes them over)
-        ep = cluster.endpoint(cluster.controller_id)
-        if ep is not None:
-            node, (host, port) = cluster.controller_id, ep
-        else:                      # the controller just left; a new one is being elected
-            node = -1
     key_type = req.key_type
 
     def answer(key: str) -> tuple[int, str | None, int, str, int]:
         if key_type not in (KEY_TYPE_GROUP, KEY_TYPE_TRANSACTION):
             return E.INVALID_REQUEST, f"unsupported coordinator key type {key_type}", -1, "", -1
-        if node < 0:
-            return E.COORDINATOR_NOT_AVAILABLE, "the controller is changing", -1, "", -1
-        return E.NONE, None, node, host, port
+        node = cfg.node_id
+        if cluster is not None:
+            node = cluster.coordinator(key) if key_type == KEY_TYPE_GROUP \
+                else cluster.controller_id
+        if node == cfg.node_id:
+            host, port = advertised_for(ctx)
+            return E.NONE, None, node, host, port
+        ep = cluster.endpoint(node) if cluster is not None and node >= 0 else None
+        if ep is None:             # it just left; the next is being chosen
+            return E.COORDINATOR_NOT_AVAILABLE, "the coordinator is changing", -1, "", -1
+        return E.NONE, None, node, ep[0], ep[1]
 
     if ctx.version >= 4:
         coordinators = []
@@ -85,6 +86,18 @@ async def find_coordinator(ctx: RequestContext, req: Any) -> Any:
     return cls(throttle_time_ms=0, error_code=err, error_message=msg, node_id=n, host=h, port=p)
 
 
+def advertised_for(ctx: RequestContext) -> tuple[str, int]:
+    """This broker's advertised address."""
+    cfg = ctx.broker.config
+    return cfg.advertised_host, cfg.advertised_port
+
+
+def _elsewhere(ctx: RequestContext, group_id: str) -> bool:
+    """Another broker coordinates this group (the client must look it up again)."""
+    coord = _coordinator(ctx)
+    return coord is not None and not coord.coordinates(group_id or "")
+
+
 # ------------------------------------------------------------------------- JoinGroup
 @handler(JOIN_GROUP)
 async def join_group(ctx: RequestContext, req: Any) -> Any:
@@ -92,6 +105,10 @@ async def join_group(ctx: RequestContext, req: Any) -> Any:
     cls = response_class(JOIN_GROUP)
     v = ctx.version
     protocols = [(p.name, _bytes(p.metadata)) for p in (req.protocols or [])]
+    if _elsewhere(ctx, req.group_id):
+        return cls(throttle_time_ms=0, error_code=E.NOT_COORDINATOR, generation_id=-1,
+                   protocol_type=None, protocol_name=None if v >= 7 else "", leader="",
+                   skip_assignment=False, member_id=req.member_id or "", members=[])
     res = await _coordinator(ctx).join_group(
         req.group_id,
         req.member_id or "",
@@ -129,6 +146,9 @@ async def sync_group(ctx: RequestContext, req: Any) -> Any:
     cls = response_class(SYNC_GROUP)
     v = ctx.version
     assignments = {a.member_id: _bytes(a.assignment) for a in (req.assignments or [])}
+    if _elsewhere(ctx, req.group_id):
+        return cls(throttle_time_ms=0, error_code=E.NOT_COORDINATOR, protocol_type=None,
+                   protocol_name=None, assignment=b"")
     res = await _coordinator(ctx).sync_group(
         req.group_id,
         req.generation_id,
@@ -151,6 +171,8 @@ async def sync_group(ctx: RequestContext, req: Any) -> Any:
 # ------------------------------------------------------------------------- Heartbeat
 @handler(HEARTBEAT)
 async def heartbeat(ctx: RequestContext, req: Any) -> Any:
+    if _elsewhere(ctx, req.group_id):
+        return response_class(HEARTBEAT)(throttle_time_ms=0, error_code=E.NOT_COORDINATOR)
     err = _coordinator(ctx).heartbeat(
         req.group_id, req.generation_id, req.member_id, req.group_instance_id if ctx.version >= 3 else None
     )
@@ -162,6 +184,10 @@ async def heartbeat(ctx: RequestContext, req: Any) -> Any:
 async def leave_group(ctx: RequestContext, req: Any) -> Any:
     """v0-2 name one member; v3+ carry a batch (static members by instance id)."""
     cls = response_class(LEAVE_GROUP)
+    if _elsewhere(ctx, req.group_id):
+        if ctx.version < 3:
+            return cls(throttle_time_ms=0, error_code=E.NOT_COORDINATOR)
+        return cls(throttle_time_ms=0, error_code=E.NOT_COORDINATOR, members=[])
     if ctx.version < 3:
         _, errors = _coordinator(ctx).leave_group(req.group_id, [(req.member_id, None)])
         return cls(throttle_time_ms=0, error_code=errors[0])
@@ -200,10 +226,13 @@ async def offset_commit(ctx: RequestContext, req: Any) -> Any:
     errors: dict[tuple[int, int], int] = {}  # (topic index, partition index in request) -> error
     valid: list[tuple[str, int, int, int, str | None]] = []
     valid_keys: list[tuple[int, int]] = []
+    elsewhere = _elsewhere(ctx, req.group_id)
     for ti, t in enumerate(req.topics or []):
         name = _name_of(ctx, t.topic_id) if v >= 10 else t.name
         for pi, p in enumerate(t.partitions or []):
-            if name is None:
+            if elsewhere:
+                errors[(ti, pi)] = E.NOT_COORDINATOR
+            elif name is None:
                 errors[(ti, pi)] = E.UNKNOWN_TOPIC_ID
             elif not _partition_exists(ctx, name, p.partition_index):
                 errors[(ti, pi)] = E.UNKNOWN_TOPIC_OR_PARTITION
@@ -216,7 +245,9 @@ async def offset_commit(ctx: RequestContext, req: Any) -> Any:
     generation = req.generation_id_or_member_epoch if v >= 1 else -1
     member_id = req.member_id if v >= 1 else ""
     instance_id = req.group_instance_id if v >= 7 else None
-    if valid or not errors:
+    if elsewhere:
+        group_error = E.NOT_COORDINATOR
+    elif valid or not errors:
         group_error = await coord.commit_offsets(req.group_id, generation, member_id or "", instance_id, valid)
     else:
         group_error = E.NONE
@@ -272,6 +303,14 @@ def _fetch_group(
     return [(name, getattr(find_topic(ctx.broker, name), "topic_id", None), parts) for name, parts in out.items()]
 
 
+async def _fresh_offsets(ctx: RequestContext, group_id: str) -> None:
+    """In a cluster of several brokers, read the group's offsets from the metadata store: a
+    previous coordinator may have acknowledged a commit after this one loaded the group."""
+    cluster = getattr(ctx.broker, "cluster", None)
+    if cluster is not None and len(cluster.live) > 1:
+        await _coordinator(ctx).refresh_offsets(group_id)
+
+
 @handler(OFFSET_FETCH)
 async def offset_fetch(ctx: RequestContext, req: Any) -> Any:
     """All partitions when topics is null (v2+); v8+ batches groups. require_stable (v7+)
@@ -281,6 +320,9 @@ async def offset_fetch(ctx: RequestContext, req: Any) -> Any:
     if v < 8:
         tcls = cls.OffsetFetchResponseTopic
         pcls = tcls.OffsetFetchResponsePartition
+        if _elsewhere(ctx, req.group_id):
+            return cls(throttle_time_ms=0, error_code=E.NOT_COORDINATOR, topics=[])
+        await _fresh_offsets(ctx, req.group_id)
         result = _fetch_group(ctx, req.group_id, req.topics, use_ids=False,
                               require_stable=v >= 7 and bool(getattr(req, "require_stable", False)))
         return cls(
@@ -299,6 +341,10 @@ async def offset_fetch(ctx: RequestContext, req: Any) -> Any:
     pcls = tcls.OffsetFetchResponsePartitions
     groups = []
     for g in req.groups or []:
+        if _elsewhere(ctx, g.group_id):
+            groups.append(gcls(group_id=g.group_id, error_code=E.NOT_COORDINATOR, topics=[]))
+            continue
+        await _fresh_offsets(ctx, g.group_id)
         result = _fetch_group(ctx, g.group_id, g.topics, use_ids=v >= 10,
                               require_stable=bool(getattr(req, "require_stable", False)))
         groups.append(gcls(
@@ -326,6 +372,11 @@ async def describe_groups(ctx: RequestContext, req: Any) -> Any:
                  GROUP_OPS)
     out = []
     for gid in req.groups or []:
+        if _elsewhere(ctx, gid):
+            out.append(gcls(
+                error_code=E.NOT_COORDINATOR, error_message=None, group_id=gid, group_state="",
+                protocol_type="", protocol_data="", members=[], authorized_operations=ops))
+            continue
         s = coord.describe_group(gid)
         if s is None:
             missing_error = E.GROUP_ID_NOT_FOUND if ctx.version >= 6 else E.NONE
@@ -368,7 +419,10 @@ async def list_groups(ctx: RequestContext, req: Any) -> Any:
 async def delete_groups(ctx: RequestContext, req: Any) -> Any:
     cls = response_class(DELETE_GROUPS)
     names = list(req.groups_names or [])
-    result = await _coordinator(ctx).delete_groups(names)
+    here = [g for g in names if not _elsewhere(ctx, g)]
+    result = await _coordinator(ctx).delete_groups(here)
+    for g in names:
+        result.setdefault(g, E.NOT_COORDINATOR)
     return cls(
         throttle_time_ms=0,
         results=[cls.DeletableGroupResult(group_id=g, error_code=result[g]) for g in names],
@@ -382,6 +436,8 @@ async def offset_delete(ctx: RequestContext, req: Any) -> Any:
     tcls, pcls = cls.OffsetDeleteResponseTopic, cls.OffsetDeleteResponseTopic.OffsetDeleteResponsePartition
     wanted = [(t.name, p.partition_index) for t in (req.topics or []) for p in (t.partitions or [])]
     known = [tp for tp in wanted if _partition_exists(ctx, *tp)]
+    if _elsewhere(ctx, req.group_id):
+        return cls(error_code=E.NOT_COORDINATOR, throttle_time_ms=0, topics=[])
     top, per = await _coordinator(ctx).delete_offsets(req.group_id, known)
     return cls(
         error_code=top,
