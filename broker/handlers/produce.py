@@ -17,11 +17,12 @@ import asyncio
 import logging
 from typing import Any
 
-from protocol import ErrorCode
+from protocol import ErrorCode, response_class
 from protocol.produce_fast import encode_produce_response
 
 from ..eager import start_now
-from ..partition import AppendResult, find_topic_by_id, get_partition, topic_for_produce
+from ..partition import AppendResult, find_topic, find_topic_by_id, get_partition, \
+    topic_for_produce
 from ..metrics import stats_of
 from ..topics import INTERNAL_TOPICS, keyless_record_error
 from .registry import RequestContext, handler
@@ -118,4 +119,45 @@ async def handle_produce(ctx: RequestContext, req: Any) -> Any:
                 parts.append((index, 0, r.base_offset, r.log_append_time, r.log_start_offset,
                               None))
         topics.append((key, parts))
+    if version >= 10 and any(part[1] == ErrorCode.NOT_LEADER_OR_FOLLOWER
+                             for _, parts in topics for part in parts):
+        moved = _with_current_leaders(ctx.broker, version, topics)
+        if moved is not None:
+            return moved
     return encode_produce_response(version, topics)  # bytes: framed as it is
+
+
+def _with_current_leaders(broker: Any, version: int, topics: list[tuple[Any, list]]) -> Any:
+    """KIP-951 (v10+): partitions answered NOT_LEADER_OR_FOLLOWER carry ``current_leader``
+    and the response the leaders' ``node_endpoints``, so the producer goes straight to the new
+    leader without a Metadata round trip. Rare (a partition moved), so the generic codec."""
+    cluster = getattr(broker, "cluster", None)
+    if cluster is None:
+        return None
+    Resp = response_class(PRODUCE)
+    TopicResp = Resp.TopicProduceResponse
+    PartResp = TopicResp.PartitionProduceResponse
+    leaders: set[int] = set()
+    out = []
+    for key, parts in topics:
+        topic = find_topic_by_id(broker, key) if version >= 13 else find_topic(broker, key)
+        presp = []
+        for index, error, base, append_time, start, message in parts:
+            extra = {}
+            if error == ErrorCode.NOT_LEADER_OR_FOLLOWER and topic is not None:
+                leader, epoch = cluster.leader(topic, index)
+                extra["current_leader"] = PartResp.LeaderIdAndEpoch(leader_id=leader,
+                                                                    leader_epoch=epoch)
+                if leader >= 0:
+                    leaders.add(leader)
+            presp.append(PartResp(index=index, error_code=error, base_offset=base,
+                                  log_append_time_ms=append_time, log_start_offset=start,
+                                  record_errors=[], error_message=message, **extra))
+        if version >= 13:
+            out.append(TopicResp(topic_id=key, partition_responses=presp))
+        else:
+            out.append(TopicResp(name=key, partition_responses=presp))
+    endpoints = [Resp.NodeEndpoint(node_id=n, host=ep[0], port=ep[1],
+                                   rack=getattr(cluster.live.get(n), "rack", None) or None)
+                 for n in sorted(leaders) if (ep := cluster.endpoint(n)) is not None]
+    return Resp(version=version, responses=out, throttle_time_ms=0, node_endpoints=endpoints)
