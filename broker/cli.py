@@ -14,6 +14,12 @@ from .config import BrokerConfig, broker_fields, build_config, engine_defaults, 
 _HELP = {
     "listen": "HOST:PORT to accept Kafka clients on (default 127.0.0.1:9092)",
     "advertised_listener": "HOST:PORT clients are told to connect to (default: --listen)",
+    "listeners": "named listeners NAME://HOST:PORT,... (Kafka's listeners; replaces --listen), "
+                 "e.g. INTERNAL://0.0.0.0:9092,EXTERNAL://0.0.0.0:19092",
+    "advertised_listeners": "what each named listener is called by clients, e.g. "
+                            "INTERNAL://broker1:9092,EXTERNAL://localhost:19092 (default: "
+                            "its bind address); clients get the addresses of the listener "
+                            "they connected to",
     "data_dir": "directory for the WAL file, objects and metadata (default ./data)",
     "wal": "WAL file or raw block device (default <data-dir>/wal)",
     "object_store": "file://DIR, s3://bucket/prefix?endpoint_url=..., mem:// "

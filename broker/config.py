@@ -27,6 +27,8 @@ class BrokerConfig:
 
     listen: str = "127.0.0.1:9092"
     advertised_listener: str = ""            # "" = the listen address (hostname if 0.0.0.0)
+    listeners: str = ""                      # NAME://HOST:PORT,... (replaces listen; broker/listeners.py)
+    advertised_listeners: str = ""           # NAME://HOST:PORT,... what each listener is called
     data_dir: str = "./data"
     wal: str = ""                            # "" = <data_dir>/wal
     object_store: str = ""                   # "" = file://<data_dir>/objects
@@ -62,16 +64,29 @@ class BrokerConfig:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig overrides (field -> value)
 
     # ---- derived -------------------------------------------------------------------------
+    def listener_list(self) -> list[Any]:
+        """Every named listener (broker/listeners.py); one PLAINTEXT from --listen without
+        --listeners."""
+        from .listeners import of_config  # noqa: PLC0415
+
+        return of_config(self)
+
     @property
     def listen_host(self) -> str:
+        if self.listeners:
+            return self.listener_list()[0].host
         return split_host_port(self.listen)[0]
 
     @property
     def listen_port(self) -> int:
+        if self.listeners:
+            return self.listener_list()[0].port
         return split_host_port(self.listen)[1]
 
     @property
     def advertised_host(self) -> str:
+        if self.listeners:
+            return self.listener_list()[0].adv_host
         if self.advertised_listener:
             return split_host_port(self.advertised_listener)[0]
         host = self.listen_host
@@ -81,6 +96,8 @@ class BrokerConfig:
 
     @property
     def advertised_port(self) -> int:
+        if self.listeners:
+            return self.listener_list()[0].adv_port
         if self.advertised_listener:
             return split_host_port(self.advertised_listener)[1]
         return self.listen_port
@@ -445,6 +462,10 @@ def validate(cfg: BrokerConfig) -> None:
     split_host_port(cfg.listen)
     if cfg.advertised_listener:
         split_host_port(cfg.advertised_listener)
+    if cfg.advertised_listeners and not cfg.listeners:
+        raise ValueError("advertised_listeners needs listeners (or use advertised_listener "
+                         "with listen)")
+    cfg.listener_list()      # ValueError naming the option
     if cfg.metrics_listen.strip().lower() not in ("", "off", "none", "disabled"):
         try:
             split_host_port(cfg.metrics_listen)

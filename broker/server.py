@@ -83,8 +83,9 @@ def _encode(header: Any, response: Any) -> list[Any]:
 class Connection(asyncio.BufferedProtocol):
     """One client connection: framing, concurrent handling, in-order responses."""
 
-    def __init__(self, broker: "Broker") -> None:
+    def __init__(self, broker: "Broker", listener: str = "PLAINTEXT") -> None:
         self.broker = broker
+        self.listener = listener       # the named listener it came in on (broker/listeners.py)
         self.transport: asyncio.Transport | None = None
         self.peer: str = "?"
         self._buf = bytearray(INITIAL_BUFFER)
@@ -476,6 +477,7 @@ class Broker:
         self.cluster_id = ""
         self.connections: set[Connection] = set()
         self._server: asyncio.base_events.Server | None = None
+        self._servers: list[asyncio.base_events.Server] = []
         self._idle = asyncio.Event()
         self.started_at = time.time()
         self.frame_pool = FramePool()
@@ -522,9 +524,16 @@ class Broker:
         if self.groups is not None:      # only the groups placed on this broker (see cluster)
             await self.groups.placement_changed(self.cluster.is_coordinator)
         self.cluster.run()
-        self._server = await asyncio.get_running_loop().create_server(
-            lambda: Connection(self), cfg.listen_host, cfg.listen_port, reuse_address=True,
-            backlog=1024)
+        loop = asyncio.get_running_loop()
+        for lst in cfg.listener_list():       # one socket per named listener, first = default
+            srv = await loop.create_server(
+                lambda name=lst.name: Connection(self, name), lst.host, lst.port,
+                reuse_address=True, backlog=1024)
+            self._servers.append(srv)
+            if len(cfg.listener_list()) > 1:
+                log.info("listener %s on %s:%d advertised as %s:%d", lst.name,
+                         *srv.sockets[0].getsockname()[:2], lst.adv_host, lst.adv_port)
+        self._server = self._servers[0]
         _tune_gc()
         sock = self._server.sockets[0].getsockname()
         from .startup_checks import redact_url, watch_degraded_store  # noqa: PLC0415
@@ -590,8 +599,8 @@ class Broker:
             except Exception:  # noqa: BLE001
                 log.exception("controlled shutdown failed")
             await self.cluster.stop()
-        if self._server is not None:
-            self._server.close()
+        for srv in self._servers:
+            srv.close()
         for c in list(self.connections):
             c.stop_reading()
         deadline = time.monotonic() + self.config.shutdown_timeout_s

@@ -27,6 +27,7 @@ from typing import Any
 
 from storage.wal.errors import WALLockedError
 
+from ..listeners import decode as decode_listeners, encode as encode_listeners
 from .coordinators import Placement
 from .store import ACTIVE, DRAINING, FENCED, LIVE, MOVING, STOPPED, TAKEN_OVER, Assignment, \
     BrokerRow, ClusterStore, NodeIdInUse, now_ms
@@ -84,7 +85,7 @@ class ClusterRoom:
             epoch = int((getattr(cfg, "engine", None) or {}).get("node_epoch", 0) or 0)
             await asyncio.to_thread(self.store.register, self.node_id, cfg.advertised_host,
                                     cfg.advertised_port, self.rack, self.instance, self.lease_ms,
-                                    home, epoch)
+                                    home, epoch, encode_listeners(cfg.listener_list()))
         except NodeIdInUse as e:
             raise ClusterError(str(e)) from None
         await self._elect()
@@ -195,9 +196,17 @@ class ClusterRoom:
     def live_brokers(self) -> list[BrokerRow]:
         return [self.live[n] for n in sorted(self.live)]
 
-    def endpoint(self, node: int) -> tuple[str, int] | None:
+    def endpoint(self, node: int, listener: str | None = None) -> tuple[str, int] | None:
+        """(host, port) of a live broker as advertised on the named listener (the client's:
+        see broker/listeners.py); its default address for an unnamed or unknown listener."""
         b = self.live.get(node)
-        return None if b is None else (b.host, b.port)
+        if b is None:
+            return None
+        if listener and b.listeners:
+            ep = decode_listeners(b.listeners).get(listener)
+            if ep is not None:
+                return ep
+        return b.host, b.port
 
     def should_open(self, topic_id: Any, index: int) -> bool:
         a = self.assign.get((str(topic_id), index))

@@ -35,6 +35,8 @@ INSERT INTO cluster_state(id, version) VALUES (1, 0) ON CONFLICT (id) DO NOTHING
 ALTER TABLE cluster_brokers ADD COLUMN node_epoch BIGINT NOT NULL DEFAULT 0;
 ALTER TABLE cluster_brokers ADD COLUMN taker BIGINT NOT NULL DEFAULT -1;
 ALTER TABLE cluster_brokers ADD COLUMN takeover_epoch BIGINT NOT NULL DEFAULT 0
+"""), (3, """
+ALTER TABLE cluster_brokers ADD COLUMN listeners TEXT NOT NULL DEFAULT ''
 """)]
 
 ACTIVE, MOVING = "active", "moving"
@@ -62,6 +64,7 @@ class BrokerRow:
     taker: int = -1
     takeover_epoch: int = 0
     home: str = ""          # "host:WAL path" (SQLite metadata: one host only)
+    listeners: str = ""       # advertised named listeners, NAME://host:port,... (listeners.py)
 
 
 @dataclass
@@ -108,7 +111,8 @@ class ClusterStore:
 
     # ---- membership ---------------------------------------------------------------------
     def register(self, node_id: int, host: str, port: int, rack: str | None, instance: str,
-                 lease_ms: int, home: str, node_epoch: int | None = None) -> None:
+                 lease_ms: int, home: str, node_epoch: int | None = None,
+                 listeners: str = "") -> None:
         """Insert or take over this node id's row; NodeIdInUse while another instance holds a
         live lease, unless it has the same ``home`` (host and WAL: the same broker restarted
         after a crash; the WAL's lock proves the old process is gone)."""
@@ -126,12 +130,14 @@ class ClusterStore:
                 raise NodeIdInUse(f"node id {node_id} is already used by a live broker at "
                                   f"{row[0]}:{row[1]}")
             db.execute("INSERT INTO cluster_brokers(node_id, host, port, rack, instance, state, "
-                       "lease_until_ms, home) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT "
+                       "lease_until_ms, home, listeners) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                       "ON CONFLICT "
                        "(node_id) DO UPDATE SET host = excluded.host, port = excluded.port, "
                        "rack = excluded.rack, instance = excluded.instance, state = "
                        "excluded.state, lease_until_ms = excluded.lease_until_ms, home = "
-                       "excluded.home", (node_id, host, port, rack, instance, LIVE,
-                                         now + lease_ms, home))
+                       "excluded.home, listeners = excluded.listeners",
+                       (node_id, host, port, rack, instance, LIVE, now + lease_ms, home,
+                        listeners))
             self._bump(db)
         return self._tx(body)
 
@@ -161,7 +167,7 @@ class ClusterStore:
     def brokers(self) -> list[BrokerRow]:
         return [BrokerRow(*r) for r in self._query(
             "SELECT node_id, host, port, rack, instance, state, lease_until_ms, node_epoch, "
-            "taker, takeover_epoch, home FROM cluster_brokers ORDER BY node_id")]
+            "taker, takeover_epoch, home, listeners FROM cluster_brokers ORDER BY node_id")]
 
     def broker(self, node_id: int) -> BrokerRow | None:
         rows = [b for b in self.brokers() if b.node_id == node_id]

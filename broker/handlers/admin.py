@@ -9,6 +9,7 @@ from typing import Any
 from protocol import ErrorCode, response_class
 from storage.stream import StorageError
 
+from ..listeners import encode as encode_listeners
 from ..partition import find_topic_by_id
 from ..topics import (BOOLEAN, INT, LIST, LONG, SOURCE_DEFAULT, SOURCE_STATIC_BROKER,
                       SOURCE_TOPIC, STRING, TOPIC_CONFIGS, Topic, TopicError, validate_config)
@@ -166,9 +167,11 @@ def broker_configs(broker: Any) -> list[tuple[str, str | None, int, int, bool, s
     out += [
         ("broker.id", str(cfg.node_id), S, INT, True, "--node-id"),
         ("node.id", str(cfg.node_id), S, INT, True, "--node-id"),
-        ("listeners", f"PLAINTEXT://{cfg.listen}", S, LIST, True, "--listen"),
-        ("advertised.listeners", f"PLAINTEXT://{cfg.advertised_host}:{cfg.advertised_port}", S,
-         LIST, True, "--advertised-listener"),
+        ("listeners", cfg.listeners or f"PLAINTEXT://{cfg.listen}", S, LIST, True,
+         "--listeners" if cfg.listeners else "--listen"),
+        ("advertised.listeners", encode_listeners(cfg.listener_list()) if cfg.listeners
+         else f"PLAINTEXT://{cfg.advertised_host}:{cfg.advertised_port}", S,
+         LIST, True, "--advertised-listeners" if cfg.listeners else "--advertised-listener"),
         ("log.dirs", cfg.data_path, S, STRING, True, "--data-dir"),
         ("auto.create.topics.enable", b(cfg.auto_create_topics), S, BOOLEAN, True,
          "--auto-create-topics"),

@@ -15,6 +15,7 @@ import protocol
 from protocol import ErrorCode
 
 from ..partition import Partition, ReadResult, find_topic, find_topic_by_id, get_partition
+from ..listeners import of_connection
 from ..metrics import stats_of
 from .registry import RequestContext, handler
 
@@ -184,7 +185,7 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
     if leaders and version >= 16:
         extra_resp["node_endpoints"] = [
             Resp.NodeEndpoint(node_id=n, host=ep[0], port=ep[1], rack=None)
-            for n in sorted(leaders) if (ep := cluster.endpoint(n)) is not None]
+            for n in sorted(leaders) if (ep := cluster.endpoint(n, of_connection(ctx))) is not None]
     return Resp(version=version, throttle_time_ms=0, error_code=0, session_id=0,
                 responses=responses, **extra_resp)
 

@@ -12,6 +12,7 @@ from typing import Any, Iterable
 from protocol import ErrorCode as E, response_class
 
 from ..groups import GroupCoordinator
+from ..listeners import of_connection, own_address
 from ..partition import find_topic, find_topic_by_id
 from ..transactions import coordinator_for
 from .authorized import GROUP_OPS, ops_if
@@ -71,7 +72,8 @@ async def find_coordinator(ctx: RequestContext, req: Any) -> Any:
         if node == cfg.node_id:
             host, port = advertised_for(ctx)
             return E.NONE, None, node, host, port
-        ep = cluster.endpoint(node) if cluster is not None and node >= 0 else None
+        ep = cluster.endpoint(node, of_connection(ctx)) \
+            if cluster is not None and node >= 0 else None
         if ep is None:             # it just left; the next is being chosen
             return E.COORDINATOR_NOT_AVAILABLE, "the coordinator is changing", -1, "", -1
         return E.NONE, None, node, ep[0], ep[1]
@@ -87,9 +89,8 @@ async def find_coordinator(ctx: RequestContext, req: Any) -> Any:
 
 
 def advertised_for(ctx: RequestContext) -> tuple[str, int]:
-    """This broker's advertised address."""
-    cfg = ctx.broker.config
-    return cfg.advertised_host, cfg.advertised_port
+    """This broker's advertised address on the listener the client connected to."""
+    return own_address(ctx.broker.config, of_connection(ctx))
 
 
 def _elsewhere(ctx: RequestContext, group_id: str) -> bool:

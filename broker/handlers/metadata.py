@@ -8,6 +8,7 @@ from typing import Any
 
 from protocol import ErrorCode, response_class
 
+from ..listeners import of_connection, own_address
 from ..partition import find_topic_by_id
 from ..topics import INTERNAL_TOPICS, Topic, TopicError, validate_topic_name
 from .authorized import CLUSTER_OPS, NOT_REQUESTED, TOPIC_OPS, as_int32, ops_if
@@ -65,15 +66,16 @@ def _partitions(pcls: Any, topic: Topic, node: int, start: int = 0, limit: int |
     return out
 
 
-def _brokers(broker: Any) -> list[tuple[int, str, int, str | None]]:
-    """(node id, host, port, rack) of every live broker; this one always among them."""
+def _brokers(broker: Any, listener: str | None = None) -> list[tuple[int, str, int, str | None]]:
+    """(node id, host, port, rack) of every live broker, as advertised on the client's
+    listener (broker/listeners.py); this one always among them."""
     cfg = broker.config
-    me = (cfg.node_id, cfg.advertised_host, cfg.advertised_port, getattr(cfg, "rack", "") or None)
+    me = (cfg.node_id, *own_address(cfg, listener), getattr(cfg, "rack", "") or None)
     cluster = getattr(broker, "cluster", None)
     if cluster is None:
         return [me]
-    out = [(b.node_id, b.host, b.port, b.rack or None) for b in cluster.live_brokers()
-           if b.node_id != cfg.node_id]
+    out = [(b.node_id, *(cluster.endpoint(b.node_id, listener) or (b.host, b.port)),
+            b.rack or None) for b in cluster.live_brokers() if b.node_id != cfg.node_id]
     return sorted(out + [me])
 
 
@@ -129,7 +131,7 @@ async def metadata(ctx: RequestContext, req: Any) -> Any:
                                                           cluster=getattr(broker, "cluster", None)),
                                    authorized_operations=topic_ops))
     brokers = [cls.MetadataResponseBroker(node_id=n, host=h, port=p, rack=r)
-               for n, h, p, r in _brokers(broker)]
+               for n, h, p, r in _brokers(broker, of_connection(ctx))]
     return cls(version=v, throttle_time_ms=0, brokers=brokers, cluster_id=broker.cluster_id,
                controller_id=_controller(broker), topics=topics_out,
                authorized_operations=cluster_ops, error_code=0)
@@ -142,7 +144,7 @@ async def describe_cluster(ctx: RequestContext, req: Any) -> Any:
     cls = response_class(DESCRIBE_CLUSTER)
     endpoint_type = getattr(req, "endpoint_type", 1) if v >= 1 else 1
     brokers = [cls.DescribeClusterBroker(broker_id=n, host=h, port=p, rack=r, is_fenced=False)
-               for n, h, p, r in _brokers(broker)]
+               for n, h, p, r in _brokers(broker, of_connection(ctx))]
     err, msg = ErrorCode.NONE, None
     if endpoint_type not in (1, 2):
         err, msg, brokers = ErrorCode.UNSUPPORTED_ENDPOINT_TYPE, "unknown endpoint type", []

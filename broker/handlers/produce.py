@@ -23,6 +23,7 @@ from protocol.produce_fast import encode_produce_response
 from ..eager import start_now
 from ..partition import AppendResult, find_topic, find_topic_by_id, get_partition, \
     topic_for_produce
+from ..listeners import of_connection
 from ..metrics import stats_of
 from ..topics import INTERNAL_TOPICS, keyless_record_error
 from .registry import RequestContext, handler
@@ -121,16 +122,18 @@ async def handle_produce(ctx: RequestContext, req: Any) -> Any:
         topics.append((key, parts))
     if version >= 10 and any(part[1] == ErrorCode.NOT_LEADER_OR_FOLLOWER
                              for _, parts in topics for part in parts):
-        moved = _with_current_leaders(ctx.broker, version, topics)
+        moved = _with_current_leaders(ctx, version, topics)
         if moved is not None:
             return moved
     return encode_produce_response(version, topics)  # bytes: framed as it is
 
 
-def _with_current_leaders(broker: Any, version: int, topics: list[tuple[Any, list]]) -> Any:
+def _with_current_leaders(ctx: RequestContext, version: int,
+                          topics: list[tuple[Any, list]]) -> Any:
     """KIP-951 (v10+): partitions answered NOT_LEADER_OR_FOLLOWER carry ``current_leader``
     and the response the leaders' ``node_endpoints``, so the producer goes straight to the new
     leader without a Metadata round trip. Rare (a partition moved), so the generic codec."""
+    broker = ctx.broker
     cluster = getattr(broker, "cluster", None)
     if cluster is None:
         return None
@@ -159,5 +162,5 @@ def _with_current_leaders(broker: Any, version: int, topics: list[tuple[Any, lis
             out.append(TopicResp(name=key, partition_responses=presp))
     endpoints = [Resp.NodeEndpoint(node_id=n, host=ep[0], port=ep[1],
                                    rack=getattr(cluster.live.get(n), "rack", None) or None)
-                 for n in sorted(leaders) if (ep := cluster.endpoint(n)) is not None]
+                 for n in sorted(leaders) if (ep := cluster.endpoint(n, of_connection(ctx))) is not None]
     return Resp(version=version, responses=out, throttle_time_ms=0, node_endpoints=endpoints)
