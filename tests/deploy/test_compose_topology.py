@@ -36,12 +36,23 @@ def _broker_env(svc: dict, *, metadata: str, endpoint: str, bucket: str,
     env["S3KAFKA_DATA_DIR"] = str(data_dir)
     env["S3KAFKA_WAL_CAPACITY"] = str(64 << 20)          # small WAL files on the test disk
     env["S3KAFKA_METRICS_LISTEN"] = f"127.0.0.1:{free_port()}"
-    port = free_port()
-    env["S3KAFKA_LISTEN"] = env["S3KAFKA_ADVERTISED_LISTENER"] = f"127.0.0.1:{port}"
+    # the two named listeners on free ports: INTERNAL advertised by its address (the
+    # container name's stand-in), EXTERNAL as localhost (as published on the host)
+    assert env["S3KAFKA_LISTENERS"].startswith("INTERNAL://0.0.0.0:9092,EXTERNAL://0.0.0.0:")
+    port, ext = free_port(), free_port()
+    env["S3KAFKA_LISTENERS"] = f"INTERNAL://127.0.0.1:{port},EXTERNAL://127.0.0.1:{ext}"
+    env["S3KAFKA_ADVERTISED_LISTENERS"] = \
+        f"INTERNAL://127.0.0.1:{port},EXTERNAL://localhost:{ext}"
     env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
     flags = ["--listen", f"127.0.0.1:{port}", "--data-dir", str(data_dir),
              "--node-id", env["S3KAFKA_NODE_ID"]]
     return flags, {**os.environ, **env}
+
+
+def _env_listener(b, name: str) -> str:
+    """host:port a broker process advertises on a named listener (from its environment)."""
+    spec = b.env["S3KAFKA_ADVERTISED_LISTENERS"]
+    return next(x.split("://", 1)[1] for x in spec.split(",") if x.startswith(name + "://"))
 
 
 def test_compose_topology_as_processes(broker_factory, postgres, s3_endpoint, tmp_path):
@@ -65,6 +76,15 @@ def test_compose_topology_as_processes(broker_factory, postgres, s3_endpoint, tm
         rows = dict(conn.execute("SELECT key, value FROM kafka_cluster").fetchall())
     assert ids == {rows["cluster_id"]}
     assert rows["object_store"] == f"s3://{bucket}/cluster1"
+    # each listener advertises every broker under its own addresses
+    ext = {b.bootstrap: _env_listener(b, "EXTERNAL") for b in brokers}
+    for b in brokers:
+        internal = AdminClient({"bootstrap.servers": b.bootstrap}).list_topics(timeout=30)
+        assert sorted(f"{x.host}:{x.port}" for x in internal.brokers.values()) == \
+            sorted(x.bootstrap for x in brokers)
+        outside = AdminClient({"bootstrap.servers": ext[b.bootstrap]}).list_topics(timeout=30)
+        assert sorted(f"{x.host}:{x.port}" for x in outside.brokers.values()) == sorted(
+            ext.values())
 
     # records go through the S3 object store of the compose settings
     p = Producer({"bootstrap.servers": brokers[0].bootstrap, "acks": "all"})

@@ -10,7 +10,7 @@ import sys
 import pytest
 import yaml
 
-from broker.config import build_config, split_host_port
+from broker.config import build_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BROKERS = ["broker-1", "broker-2", "broker-3"]
@@ -60,10 +60,16 @@ def test_compose_brokers_use_real_options(name: str) -> None:
     cfg = build_config({}, env=s3k)                     # unknown or bad values raise here
     assert cfg.object_store.startswith("s3://s3kafka/cluster1?endpoint_url=http://minio:9000")
     assert cfg.metadata.startswith("postgresql://") and "@postgres:5432/" in cfg.metadata
-    # advertised broker-N:port, and that port is published on the host under the same number
-    assert (cfg.advertised_host, cfg.advertised_port) == (name, cfg.listen_port)
+    # INTERNAL advertised as broker-N:9092 (other containers); EXTERNAL as localhost:PORT,
+    # and that port is published on the host under the same number
+    lst = {x.name: x for x in cfg.listener_list()}
+    assert sorted(lst) == ["EXTERNAL", "INTERNAL"]
+    assert (lst["INTERNAL"].adv_host, lst["INTERNAL"].adv_port) == (name, 9092)
+    assert (lst["INTERNAL"].host, lst["INTERNAL"].port) == ("0.0.0.0", 9092)
+    ext = lst["EXTERNAL"]
+    assert (ext.adv_host, ext.adv_port, ext.host) == ("localhost", ext.port, "0.0.0.0")
     assert svc["hostname"] == name
-    assert svc["ports"][0] == f"{cfg.listen_port}:{cfg.listen_port}"
+    assert svc["ports"][0] == f"{ext.port}:{ext.port}"
     assert svc["depends_on"] == {"create-bucket": {"condition": "service_completed_successfully"},
                                  "postgres": {"condition": "service_healthy"}}
     assert "healthcheck" in svc
@@ -75,7 +81,8 @@ def test_compose_cluster_shape() -> None:
     for name in [*BROKERS, "broker-4"]:
         env = services[name]["environment"]
         ids.add(env["S3KAFKA_NODE_ID"])
-        ports.add(split_host_port(env["S3KAFKA_ADVERTISED_LISTENER"])[1])
+        cfg = build_config({}, env={k: str(v) for k, v in env.items()})
+        ports.add(next(x.adv_port for x in cfg.listener_list() if x.name == "EXTERNAL"))
         host_ports += [p.rsplit(":", 2)[-2] for p in services[name]["ports"]]
     assert len(ids) == len(ports) == 4                  # one node id and Kafka port per broker
     assert len(host_ports) == len(set(host_ports)) == 8   # no host port published twice
