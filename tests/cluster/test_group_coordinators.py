@@ -23,7 +23,7 @@ from broker.cluster.coordinators import coordinator_for
 from clients.e2e_helpers import JavaCli, compile_java
 from datapath.wire import WireClient
 
-from .conftest import wait_for
+from .kit import wait_for
 
 pytestmark = pytest.mark.slow
 PARTITIONS = 4

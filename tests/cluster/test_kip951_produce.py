@@ -10,7 +10,7 @@ from kafka.protocol.producer import ProduceRequest, ProduceResponse
 from datapath.batches import make_batch
 from datapath.wire import WireClient
 
-from .conftest import wait_for
+from .kit import wait_for
 
 NOT_LEADER = 6
 

@@ -13,7 +13,7 @@ import protocol
 from conftest import free_port
 from datapath.wire import WireClient
 
-from .conftest import wait_for
+from .kit import wait_for
 
 FIND_COORDINATOR = 10
 
