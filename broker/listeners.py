@@ -109,7 +109,10 @@ def of_connection(ctx: Any) -> str | None:
 
 def own_address(cfg: Any, listener: str | None) -> tuple[str, int]:
     """This broker's advertised (host, port) on a named listener (the default one if the
-    name is unknown or None)."""
+    name is unknown or None); a config without named listeners answers its advertised
+    host and port."""
+    if not hasattr(cfg, "listener_list"):
+        return cfg.advertised_host, cfg.advertised_port
     lst = cfg.listener_list()
     for x in lst:
         if x.name == listener:
