@@ -201,6 +201,8 @@ class EngineStream(Stream):
             eng.stats.backpressure_waits[reason] += 1
             if base_offset != self._end or self.deleted:
                 raise RetriableStorageError("stream moved on while waiting for room; retry")
+            if not self.owned:   # released meanwhile: its end offset is already handed over
+                raise StorageError(f"stream {self.stream_id} is released to another node")
         entry = CacheEntry(self.stream_id, base_offset, count, payload, res.offset,
                            res.next_offset, added=t0)
         eng.cache.add(entry)

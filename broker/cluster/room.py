@@ -62,6 +62,9 @@ class ClusterRoom:
         self.version = -1
         self._tasks: list[asyncio.Task] = []
         self._busy: set[tuple[str, int]] = set()
+        # partitions this broker handed over, at the epoch it led them: a round whose
+        # assignments were read before the hand-over must not open them again at that epoch
+        self._handed: dict[tuple[str, int], int] = {}
         self._ops: set[asyncio.Task] = set()
         self._members_seen: frozenset[int] = frozenset()
         self._stopping = False
@@ -386,6 +389,8 @@ class ClusterRoom:
                 a = self.assign.get(key)
                 if a is None or key in self._busy:
                     continue
+                if a.leader == self.node_id and a.leader_epoch <= self._handed.get(key, -1):
+                    continue            # a stale view: this broker handed that epoch over
                 if a.leader == self.node_id and p is None:
                     self._spawn(key, self._open(topic, i, a))
                 elif a.leader == self.node_id and a.state == MOVING:
@@ -457,6 +462,7 @@ class ClusterRoom:
         if new is None:     # cancelled meanwhile: lead it again
             await self._reopen(topic, index, p)
             return
+        self._handed[(str(topic.topic_id), index)] = a.leader_epoch
         log.info("partition moved topic=%s partition=%d from=%d to=%d leader_epoch=%d "
                  "end_offset=%d release_ms=%.0f", topic.name, index, self.node_id, new,
                  a.leader_epoch + 1, end, (time.monotonic() - t0) * 1000)

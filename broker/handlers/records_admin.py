@@ -1,8 +1,10 @@
 """DeleteRecords (21) and OffsetForLeaderEpoch (23).
 
-There is one node and the leader epoch is 0 forever, so OffsetForLeaderEpoch answers epoch 0
-with the log end offset as its end offset (as Kafka does for the latest epoch), and UNDEFINED (-1, -1) for any other epoch, as Kafka
-does for epochs it has not seen.
+Stored batches carry leader epoch 0 (LEADER_EPOCH) whichever leader wrote them, so
+OffsetForLeaderEpoch answers epoch 0 with the log end offset as its end offset (as Kafka does
+for the latest epoch: a consumer never sees a truncation, and the log never truncates), the
+latest epoch likewise, an epoch in between with where the next one began (cluster history),
+and UNDEFINED (-1, -1) for an epoch above the latest, as Kafka does for epochs it has not seen.
 """
 from __future__ import annotations
 
@@ -85,6 +87,13 @@ async def handle_offset_for_leader_epoch(ctx: RequestContext, req: Any) -> Any:
             # like Kafka: the log end offset of the latest epoch (never below any
             # consumer position, so clients cannot mistake it for a truncation)
             err, epoch, end = ErrorCode.NONE, latest, partition.log_end_offset
+        elif p.leader_epoch == LEADER_EPOCH:
+            # every stored batch carries LEADER_EPOCH (partition.py does not stamp the
+            # leader's own epoch), so a client that fetched records of any leader asks for
+            # this epoch: as far as the log tells, it has not ended. Answering where epoch 1
+            # began would look like a truncation to a consumer past it (librdkafka, Java and
+            # kafka-python then seek back there and commit the lower offset).
+            err, epoch, end = ErrorCode.NONE, LEADER_EPOCH, partition.log_end_offset
         elif p.leader_epoch < 0 or p.leader_epoch > latest:   # unknown epoch, like Kafka
             err, epoch, end = ErrorCode.NONE, UNDEFINED, UNDEFINED
         else:

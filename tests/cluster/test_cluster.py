@@ -16,6 +16,9 @@ import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from kafka import TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
+from kafka.protocol.consumer import OffsetForLeaderEpochRequest, OffsetForLeaderEpochResponse
+
+from datapath.wire import WireClient
 
 from .kit import leaders, read_all, wait_for, wait_live
 
@@ -234,4 +237,17 @@ def test_kafka_python_follows_a_move(cluster_factory):
     for part in (0, 1):
         offs = [o for q, o, _ in got if q == part]
         assert offs == list(range(200)), part
+    # stored batches carry leader epoch 0 whichever leader wrote them, so a consumer that
+    # read past the move asks for epoch 0: its end must not be where epoch 1 began (100), or
+    # the consumer takes it for a truncation and seeks back (chaos suite: commits went back)
+    now = leaders(admin, "kp")
+    OT = OffsetForLeaderEpochRequest.OffsetForLeaderTopic
+    for part, (leader, epoch) in now.items():
+        b = brokers[leader]
+        with WireClient(b.host, b.port) as w:
+            req = OffsetForLeaderEpochRequest(replica_id=-1, topics=[OT(topic="kp", partitions=[
+                OT.OffsetForLeaderPartition(partition=part, current_leader_epoch=epoch,
+                                            leader_epoch=0)])])
+            r = w.call(req, OffsetForLeaderEpochResponse, 4).topics[0].partitions[0]
+        assert (r.error_code, r.leader_epoch, r.end_offset) == (0, 0, 200), (part, r)
     admin.close()
