@@ -126,8 +126,16 @@ class TcpProxy:
 
 
 def _reset(s: socket.socket) -> None:
+    """Reset ``s``. close() alone does not wake a pump thread blocked in recv() on it (Linux
+    keeps the socket open while a call uses it): the peer would never hear of the cut and a
+    client waiting for an answer would hang forever. shutdown(SHUT_RD) wakes that recv()
+    (sends nothing); the socket is then released with SO_LINGER 0, i.e. reset."""
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RST)
+    except OSError:
+        pass
+    try:
+        s.shutdown(socket.SHUT_RD)
     except OSError:
         pass
     try:

@@ -52,6 +52,22 @@ class ChaosPostgres(PostgresServer):
                   "-t", "60", "-l", os.path.join(self.dir, "server.log"), "start")
         return self
 
+    def activity(self) -> list[str]:
+        """What every PostgreSQL session is doing and waiting for (to chase a stuck call)."""
+        import psycopg  # noqa: PLC0415
+        try:
+            with psycopg.connect(host=self.host, port=self.port, user=self.USER,
+                                 dbname="postgres", connect_timeout=5) as c:
+                rows = c.execute(
+                    "SELECT pid, application_name, client_port, state, wait_event_type, "
+                    "wait_event, now() - xact_start, now() - state_change, "
+                    "pg_blocking_pids(pid), left(query, 160) FROM pg_stat_activity "
+                    "WHERE datname IS NOT NULL AND pid <> pg_backend_pid() "
+                    "ORDER BY xact_start NULLS LAST").fetchall()
+        except Exception as e:  # noqa: BLE001 - diagnostics only
+            return [f"pg_stat_activity unavailable: {e!r}"]
+        return [" | ".join(str(x) for x in r) for r in rows]
+
     def restart(self) -> None:
         """Immediate stop (no checkpoint: crash recovery at start), then start again."""
         self._run(os.path.join(self.bindir, "pg_ctl"), "-D", self.data, "-m", "immediate",

@@ -72,9 +72,12 @@ class ClusterOutcome:
             out.append(f"groups did not reach the end within the bound: {self.lagging}")
         if self.not_running:
             out.append("not every broker was running again after the schedule")
+        if self.read_error:
+            out.append(f"the full read did not finish: {self.read_error}")
         return out
 
     produce_fatal: list[str] = field(default_factory=list)
+    read_error: str = ""
 
     def summary(self) -> str:
         lines = [f"chaos (3 brokers): {len(self.faults)} faults in {self.seconds:.0f}s: "
@@ -151,7 +154,14 @@ def run_cluster_chaos(broker_factory: Any, s3_endpoint: Any, schedule: list[tupl
             w.join(max(0.1, drain_until - time.monotonic()))
         out.writer_errors = [f"{w.name}: {w.error!r}" for w in writers if w.error is not None]
         out.writer_errors += [f"{w.name}: still running" for w in writers if w.is_alive()]
-        records = read_all(cl.bootstrap, TOPIC, PARTITIONS, timeout=120)
+        try:
+            records = read_all(cl.bootstrap, TOPIC, PARTITIONS, timeout=120)
+        except AssertionError as e:            # a partition unreadable for two minutes
+            out.read_error = str(e)
+            _collect(out, cl, t_start)
+            if details is not None:
+                _write_details(details, out, ledger, clog, [], cl.t0, cl.pg.activity())
+            raise AssertionError(f"{e}\n{out.summary()}\n(details: {details})") from None
         ends: dict[int, int] = {}
         for p, o, _ in records:
             ends[p] = max(ends.get(p, 0), o + 1)
@@ -168,7 +178,7 @@ def run_cluster_chaos(broker_factory: Any, s3_endpoint: Any, schedule: list[tupl
         out.groups.error_kinds.update(ledger.errors.kinds)
         _collect(out, cl, t_start)
         if details is not None and out.anomalies:
-            _write_details(details, out, ledger, clog, records, cl.t0)
+            _write_details(details, out, ledger, clog, records, cl.t0, cl.pg.activity())
         return out
     finally:
         stop_w.set()
@@ -209,11 +219,16 @@ def _wait_groups(clog: ConsumeLog, ends: dict[int, int], timeout: float
 
 
 def _write_details(path: Any, out: ClusterOutcome, ledger: Ledger, clog: ConsumeLog,
-                   records: list[tuple[int, int, bytes]], t0: float) -> None:
+                   records: list[tuple[int, int, bytes]], t0: float,
+                   pg_activity: list[str] | None = None) -> None:
     """Everything needed to chase an anomaly: fault times, each lost value's ack (where,
-    when, what the log holds there now), every group anomaly."""
+    when, what the log holds there now), every group anomaly, what PostgreSQL sessions
+    were doing at the end (a stuck call shows as a lock wait)."""
     at = {(p, o): v for p, o, v in records}
-    lines = [out.summary(), "", "ANOMALIES:", *out.anomalies, "", "lost acknowledged values:"]
+    lines = [out.summary(), "", "ANOMALIES:", *out.anomalies, "",
+             "PostgreSQL sessions (pid | app | port | state | wait type | wait | in xact "
+             "| since | blocked by | query):", *[f"  {a}" for a in pg_activity or []], "",
+             "lost acknowledged values:"]
     for v in (out.report.lost if out.report else [])[:200]:
         p, o = ledger.acked[v]
         t = ledger.acked_at.get(v, t0) - t0
