@@ -35,6 +35,7 @@ class TcpProxy:
         self.connections = 0                 # accepted so far (all states)
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        self._muted: set[socket.socket] = set()      # black-holed: silent until closed
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name=f"tcp-proxy-{self.port}").start()
 
@@ -45,9 +46,11 @@ class TcpProxy:
         self._drop_all()
 
     def blackhole(self) -> None:
-        """Accept connections and never answer; open ones go silent too."""
+        """Accept connections and never answer; open ones go silent too (for good: what
+        their clients send is dropped, nothing comes back, they are never closed here)."""
         self.state = "blackhole"
-        self._drop_all()
+        with self._lock:
+            self._muted |= self._conns
 
     def restore(self) -> None:
         """Forward again (connections made while cut or black-holed stay dead)."""
@@ -65,6 +68,7 @@ class TcpProxy:
     def _drop_all(self) -> None:
         with self._lock:
             conns, self._conns = self._conns, set()
+            self._muted = set()
         for c in conns:
             _reset(c)
 
@@ -83,6 +87,8 @@ class TcpProxy:
             with self._lock:
                 self._conns.add(client)
             if state == "blackhole":
+                with self._lock:
+                    self._muted.add(client)
                 continue                             # held open, never answered
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
@@ -94,9 +100,12 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._conns.add(upstream)
-            if self.state != "up":                   # cut while we were connecting
+            if self.state == "cut":                  # cut while we were connecting
                 self._drop_all()
                 continue
+            if self.state == "blackhole":            # black-holed meanwhile: silent
+                with self._lock:
+                    self._muted |= {client, upstream}
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
@@ -104,8 +113,10 @@ class TcpProxy:
         try:
             while True:
                 data = src.recv(1 << 16)
-                if not data or self.state != "up":
+                if not data or self.state == "cut":
                     break
+                if src in self._muted or dst in self._muted:
+                    continue                         # black-holed: swallow, answer nothing
                 dst.sendall(data)
         except OSError:
             pass
@@ -118,6 +129,8 @@ class TcpProxy:
             with self._lock:
                 self._conns.discard(src)
                 self._conns.discard(dst)
+                self._muted.discard(src)
+                self._muted.discard(dst)
             for s in (src, dst):
                 try:
                     s.close()
