@@ -229,6 +229,7 @@ class ChaosCluster:
             what = "PostgreSQL restarted (immediate)"
         elif fault == "wal_full":
             tn = self.nodes[self.tiny]
+            self.all_running()      # it may have just been fenced (PostgreSQL cut): restarting
             moved = self._lead_one(self.tiny)
 
             def full_now() -> bool:   # a wal_full episode began (this start) and has not ended
@@ -261,18 +262,24 @@ class ChaosCluster:
         that producers write to its WAL; True if a move was made."""
         from kafka import TopicPartition  # noqa: PLC0415
         from kafka.admin import KafkaAdminClient  # noqa: PLC0415
-        admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=10000)
-        try:
-            ls = leaders(admin, self.topic)
-            if any(lead == node for lead, _ in ls.values()):
-                return False
-            p = min(ls)
-            admin.alter_partition_reassignments({TopicPartition(self.topic, p): [node]})
-            wait_for(lambda: leaders(admin, self.topic)[p][0] == node, timeout=20,
-                     what=f"partition {p} moving to broker {node}")
-            return True
-        finally:
-            admin.close()
+        deadline = time.monotonic() + 60
+        while True:         # a broker may restart meanwhile (fenced): ask again, bounded
+            admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=10000)
+            try:
+                ls = leaders(admin, self.topic)
+                if any(lead == node for lead, _ in ls.values()):
+                    return False
+                p = min(ls)
+                admin.alter_partition_reassignments({TopicPartition(self.topic, p): [node]})
+                wait_for(lambda: leaders(admin, self.topic)[p][0] == node, timeout=20,
+                         what=f"partition {p} moving to broker {node}")
+                return True
+            except Exception:  # noqa: BLE001 - retried until the deadline, then raised
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+            finally:
+                admin.close()
 
     def close(self) -> None:
         self._stop.set()
