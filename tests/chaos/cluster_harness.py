@@ -18,7 +18,7 @@ from typing import Any
 
 from kafka.admin import KafkaAdminClient, NewTopic
 
-from cluster.kit import wait_leaders, wait_live
+from cluster.kit import leaders, wait_leaders, wait_live
 
 from .cluster_faults import FAULTS, ChaosCluster
 from .groups import CommitMonitor, ConsumeLog, GroupReport, check_groups, start_members
@@ -178,7 +178,8 @@ def run_cluster_chaos(broker_factory: Any, s3_endpoint: Any, schedule: list[tupl
         out.groups.error_kinds.update(ledger.errors.kinds)
         _collect(out, cl, t_start)
         if details is not None and out.anomalies:
-            _write_details(details, out, ledger, clog, records, cl.t0, cl.pg.activity())
+            _write_details(details, out, ledger, clog, records, cl.t0, cl.pg.activity(),
+                           _batches_of(cl, out.report, records))
         return out
     finally:
         stop_w.set()
@@ -218,9 +219,44 @@ def _wait_groups(clog: ConsumeLog, ends: dict[int, int], timeout: float
         time.sleep(0.5)
 
 
+def _batches_of(cl: ChaosCluster, report: Report | None,
+                records: list[tuple[int, int, bytes]]) -> list[str]:
+    """The stored batch headers (producer id, epoch, sequences) around each duplicated value:
+    tells a client re-send under a new producer epoch from a broker that missed a duplicate."""
+    if report is None or not report.duplicated:
+        return []
+    from datapath.batches import batch_headers  # noqa: PLC0415
+    from datapath.wire import WireClient  # noqa: PLC0415
+    where: dict[bytes, list[tuple[int, int]]] = {}
+    dup = set(report.duplicated[:5])
+    for p, o, v in records:
+        if v in dup:
+            where.setdefault(v, []).append((p, o))
+    out = []
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=cl.bootstrap, request_timeout_ms=10000)
+        try:
+            lead = {p: l for p, (l, _e) in leaders(admin, cl.topic).items()}
+        finally:
+            admin.close()
+        for v, locs in where.items():
+            for p, o in locs:
+                b = cl.nodes[lead[p]].broker
+                with WireClient(b.host, b.port, timeout=10) as w:
+                    data = w.fetch(cl.topic, o, partition=p, partition_max_bytes=1 << 16)
+                hs = batch_headers(data.records or b"")[:1]
+                out += [f"  {v[:16]!r} p{p}@{o}: batch base {h.base_offset} count "
+                        f"{h.records_count} producer {h.producer_id} epoch {h.producer_epoch} "
+                        f"base_sequence {h.base_sequence}" for h in hs]
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        out.append(f"  batch headers unavailable: {e!r}")
+    return out
+
+
 def _write_details(path: Any, out: ClusterOutcome, ledger: Ledger, clog: ConsumeLog,
                    records: list[tuple[int, int, bytes]], t0: float,
-                   pg_activity: list[str] | None = None) -> None:
+                   pg_activity: list[str] | None = None,
+                   batches: list[str] | None = None) -> None:
     """Everything needed to chase an anomaly: fault times, each lost value's ack (where,
     when, what the log holds there now), every group anomaly, what PostgreSQL sessions
     were doing at the end (a stuck call shows as a lock wait)."""
@@ -228,6 +264,7 @@ def _write_details(path: Any, out: ClusterOutcome, ledger: Ledger, clog: Consume
     lines = [out.summary(), "", "ANOMALIES:", *out.anomalies, "",
              "PostgreSQL sessions (pid | app | port | state | wait type | wait | in xact "
              "| since | blocked by | query):", *[f"  {a}" for a in pg_activity or []], "",
+             "stored batches of duplicated values:", *(batches or []), "",
              "lost acknowledged values:"]
     for v in (out.report.lost if out.report else [])[:200]:
         p, o = ledger.acked[v]
