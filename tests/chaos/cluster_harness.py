@@ -56,6 +56,7 @@ class ClusterOutcome:
         if r is not None and r.anomalies:
             out.append(f"log: lost={len(r.lost)} duplicated={len(r.duplicated)} "
                        f"wrong_offset={len(r.wrong_offset)} out_of_order={len(r.out_of_order)}"
+                       f" acked_without_offset={len(r.no_offset)}"
                        f"; e.g. lost={r.lost[:3]} dup={r.duplicated[:3]} "
                        f"wrong={r.wrong_offset[:3]} order={r.out_of_order[:3]}")
         if r is not None and r.fatal:
@@ -275,6 +276,9 @@ def _write_details(path: Any, out: ClusterOutcome, ledger: Ledger, clog: Consume
         lines += ["wrong offsets:", *[f"  {x[0][:16]!r} acked {x[1]} found {x[2]}"
                                      for x in out.report.wrong_offset[:200]]]
         lines += ["duplicated:", *[f"  {v[:16]!r}" for v in out.report.duplicated[:200]]]
+        lines += ["acknowledged without an offset (where the log holds it, ack time):",
+                  *[f"  {v[:16]!r} at {[(p, o) for p, o, x in records if x == v]} acked "
+                    f"{ledger.acked_at.get(v, t0) - t0:.1f}s" for v in out.report.no_offset[:50]]]
         lines += ["out of order:", *[f"  {x}" for x in out.report.out_of_order[:200]]]
     if out.groups:
         g = out.groups
