@@ -448,6 +448,20 @@ class FramePool:
         # headroom would be memory it does not account for
         return bytearray(size)
 
+    def recycle(self, box: list[Any]) -> None:
+        """An evicted LogCache payload (``[payload]``, whose list is the only reference to it):
+        a view into a produce frame goes back to the pool
+        once nothing else holds the frame (readers still holding this view or a slice of it
+        keep the frame: the resize probe in ``give`` sees their views)."""
+        payload = box.pop()   # the caller keeps no reference
+        if type(payload) is not memoryview:
+            return
+        frame = payload.obj
+        del payload           # not released: a reader may hold this very view
+        # refcount 2 (this name + the call's argument): nobody else has the frame
+        if type(frame) is bytearray and sys.getrefcount(frame) == 2:
+            self.give(frame)
+
     def give(self, buf: bytearray) -> None:
         """Keep ``buf`` for reuse if it is unshared and the pool has room."""
         n = len(buf)
@@ -515,6 +529,12 @@ class Broker:
             from .cluster.room import prepare_node_epoch  # noqa: PLC0415
             await prepare_node_epoch(cfg)
         self.store = self._open_store()
+        cache = getattr(self.store, "cache", None)
+        if cache is not None and hasattr(cache, "recycle"):
+            cache.recycle = self.frame_pool.recycle   # evicted produce frames are reused
+            # the cache evicts down to 90 % after each upload: the pool holds that tenth for
+            # the appends that follow (memory the cache held a moment before)
+            self.frame_pool.max_bytes = max(self.frame_pool.max_bytes, cache.capacity // 8)
         await self.store.start()
         self.cluster = ClusterRoom(self)
         await self.cluster.start()

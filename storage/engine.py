@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import mmap
 import os
 import struct
 import time
@@ -27,7 +28,7 @@ from .episodes import Episode
 from .metastore import MetaStore, NewObject, ObjectRange, StreamMeta, open_metastore
 from .loop_slices import encode_object_in_slices
 from .metrics import MeasuredStore, StorageStats
-from .objects.format import Record
+from .objects.format import Record, object_size
 from .objects.store import ObjectStore, open_object_store
 from .reader import ObjectReader
 from .thread_priority import background_executor
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 WAL_RECORD = struct.Struct(">qqi")          # stream id, base offset, count; then the payload
 WAL_RECORD_HEADER = 24                      # the WAL's own per-record header (offset arithmetic)
+ENCODE_BUFFER_MAX = 128 << 20              # largest object encode buffer kept for reuse
 CATCHUP_GAIN = 1.5                          # a paced catch-up reader gets >= this x the append rate
 
 
@@ -373,6 +375,7 @@ class Engine(StreamStore):
         self.backpressure = Episode(log, "producers_backpressured")
         self.store_failing = Episode(log, "object_store_failing", quiet_s=float("inf"))
         c = self.config
+        self._encode_buf: Any = None        # reused object encode buffer (see _upload)
         self.cold_pacer = ColdReadPacer(c.cold_read_bytes_per_s, c.cold_read_min_bytes_per_s,
                                         c.cold_read_lag_target_ms / 1000,
                                         hot_tolerance=c.cold_read_hot_tolerance)
@@ -714,6 +717,19 @@ class Engine(StreamStore):
                 self._force_upload = False
                 self._last_upload = time.monotonic()
 
+    def _take_encode_buffer(self, size: int) -> Any:
+        """The reusable encode buffer if ``size`` fits (taken: a drain may upload beside the
+        upload loop), a larger one (rounded up to a power of two, so growing objects do not
+        allocate every time), or None above ENCODE_BUFFER_MAX (the encoder allocates)."""
+        buf, self._encode_buf = self._encode_buf, None
+        if buf is not None and len(buf) >= size:
+            return buf
+        if size > ENCODE_BUFFER_MAX:
+            self._encode_buf = buf
+            return None
+        return mmap.mmap(-1, min(ENCODE_BUFFER_MAX, 1 << (size - 1).bit_length()),
+                         flags=mmap.MAP_PRIVATE)
+
     async def _upload(self, entries: list[CacheEntry]) -> None:
         """Write entries as objects, commit them, trim the WAL, release the cache."""
         c = self.config
@@ -740,11 +756,20 @@ class Engine(StreamStore):
             for kind, recs in groups:
                 oid, key = await self.io(self.meta.prepare_object, kind, c.node_id)
                 prepared.append((oid, key))
-                data, _index, ranges = await encode_object_in_slices(recs, c.object_block_bytes)
+                # one encode buffer reused across uploads (taken while in use: a drain may
+                # upload beside the loop): fresh memory faults a page per 4 KiB
+                into = self._take_encode_buffer(object_size(recs, c.object_block_bytes))
+                data, _index, ranges = await encode_object_in_slices(
+                    recs, c.object_block_bytes, into=into)
                 await self.io(self.store.put, key, data)
-                new.append((NewObject(oid, len(data), ranges), key, kind))
+                size = len(data)
+                data = None
+                if into is not None and (self._encode_buf is None
+                                         or len(into) > len(self._encode_buf)):
+                    self._encode_buf = into
+                new.append((NewObject(oid, size, ranges), key, kind))
                 self.stats.objects_written[kind] += 1
-                self.stats.uploaded_bytes += len(data)
+                self.stats.uploaded_bytes += size
             crash_point("before_commit")
             if new:
                 # conditioned on this node's WAL not being taken over (a zombie never
@@ -756,6 +781,11 @@ class Engine(StreamStore):
             self.maintenance.forget_later(prepared)
             raise
         crash_point("after_commit")
+        # the records' payload views would pin the produce frames that mark_committed's
+        # evictions hand back for reuse
+        groups.clear()
+        sso.clear()
+        recs = []
         added = []
         for obj, key, kind in new:
             for r in obj.ranges:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 from collections import deque
+from typing import Any, Callable
 
 from ..stream import Batch
 
@@ -75,6 +76,10 @@ class LogCache:
         self._fifo: deque[CacheEntry] = deque()
         self._streams: dict[int, _StreamCache] = {}
         self._space = asyncio.Event()
+        # called with [payload] of each evicted entry, the only reference left here (the
+        # broker returns produce frames to its pool: fresh memory costs a page fault per
+        # 4 KiB, ~0.5 ms per MiB on this VM)
+        self.recycle: Callable[[list[Any]], None] | None = None
 
     def _stream(self, stream_id: int) -> _StreamCache:
         sc = self._streams.get(stream_id)
@@ -178,6 +183,9 @@ class LogCache:
                 sc.pop_front()
             self.used -= e.size
             need -= e.size
+            if self.recycle is not None:
+                box, e.payload = [e.payload], b""   # the callee holds the only reference
+                self.recycle(box)
 
     def drop_all_committed(self) -> None:
         """Evict everything already in the object store (tests: force cold reads)."""

@@ -90,9 +90,17 @@ class ObjectEncoder:
     loop in short slices (storage/loop_slices.py) instead of in a thread that would hold the
     GIL for the whole object."""
 
-    def __init__(self, records: list[Record], block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    def __init__(self, records: list[Record], block_size: int = DEFAULT_BLOCK_SIZE,
+                 into: Buffer | None = None) -> None:
+        """``into``: a buffer to encode into (its first bytes become the object, returned as a
+        memoryview of them) instead of a fresh one: the engine reuses one across uploads, as
+        fresh memory costs a page fault per 4 KiB (~0.5 ms per MiB on this VM)."""
         self.block_size = block_size
-        self.out = _zeroed_buffer(_object_size(records, block_size))
+        size = object_size(records, block_size)
+        if into is not None and len(into) >= size:
+            self.out: Buffer | memoryview = memoryview(into)[:size]
+        else:
+            self.out = _zeroed_buffer(size)
         self._records = records
         self._next = 0                      # records[_next:] are still to be added
         self.index: list[IndexEntry] = []
@@ -163,7 +171,7 @@ class ObjectEncoder:
         self._block_records = 0
         self._runs = []
 
-    def finish(self) -> tuple[Buffer, list[IndexEntry], list[StreamRange]]:
+    def finish(self) -> tuple[Buffer | memoryview, list[IndexEntry], list[StreamRange]]:
         """Close the last block, append the index and the footer; (object, index, ranges)."""
         if self._next < len(self._records):
             raise AssertionError("finish() before encode() added every record")
@@ -191,7 +199,7 @@ def _zeroed_buffer(size: int) -> Buffer:
     return bytearray(size)
 
 
-def _object_size(records: list[Record], block_size: int) -> int:
+def object_size(records: list[Record], block_size: int) -> int:
     """Bytes encode_object will produce for ``records``: the same block-closing rule, lengths
     only (one cheap pass, no copies)."""
     rec_hdr, blk_hdr = RECORD_HEADER.size, BLOCK_HEADER.size
