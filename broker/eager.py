@@ -10,29 +10,47 @@ followed, on the same connection, by one whose handler appends inline. (Python 3
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
-class _Rest:
-    """The remainder of a coroutine whose first step already ran: the first value it yielded
-    (the future it waits for) is yielded again to the task that drives this, then every
-    value sent or thrown in is passed on, as ``yield from`` would."""
+_NOT_STARTED: Any = object()
 
-    __slots__ = ("_coro", "_first")
 
-    def __init__(self, coro: Coroutine[Any, Any, T], first: Any) -> None:
+class Drive:
+    """Drives a coroutine inside the task that awaits this (no task of its own), as
+    ``yield from`` would, and calls ``on_suspend()`` each time the coroutine suspends until
+    that returns True.
+
+    - ``first``: the coroutine's first step already ran (start_now) and yielded this value
+      (the future it waits for): it is yielded again to the driving task.
+    - ``on_suspend``: Partition.append learns this way when the stream has taken its
+      offsets (the stream's append suspends first for room, if any, then for durability)
+      without a second task."""
+
+    __slots__ = ("_coro", "_first", "_on_suspend")
+
+    def __init__(self, coro: Coroutine[Any, Any, T], on_suspend: Callable[[], bool] | None = None,
+                 first: Any = _NOT_STARTED) -> None:
         self._coro = coro
         self._first = first
+        self._on_suspend = on_suspend
 
     def __await__(self) -> Generator[Any, Any, T]:
-        coro, value = self._coro, self._first
+        coro, cb, value = self._coro, self._on_suspend, self._first
         self._first = None
-        if asyncio.isfuture(value):
+        if value is _NOT_STARTED:
+            try:
+                value = coro.send(None)
+            except StopIteration as stop:
+                return stop.value
+        elif asyncio.isfuture(value):
             value._asyncio_future_blocking = True  # as the future left it (see start_now)
         while True:
+            if cb is not None and cb():
+                cb = None
             try:
                 sent = yield value
             except GeneratorExit:
@@ -50,7 +68,7 @@ class _Rest:
                     return stop.value
 
 
-async def _finish(rest: _Rest) -> Any:
+async def _finish(rest: Drive) -> Any:
     return await rest
 
 
@@ -73,4 +91,4 @@ def start_now(coro: Coroutine[Any, Any, T]) -> "asyncio.Future[T]":
         # a future sets this flag when it yields itself and the task that receives it clears
         # it; until our task does, nobody else could await this future
         first._asyncio_future_blocking = False
-    return loop.create_task(_finish(_Rest(coro, first)))
+    return loop.create_task(_finish(Drive(coro, first=first)))

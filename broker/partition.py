@@ -23,6 +23,7 @@ import protocol
 from protocol import ErrorCode
 from storage.stream import Batch, OffsetOutOfRange, RetriableStorageError, StorageError, Stream
 
+from .eager import Drive
 from .producer_state import (NO_PRODUCER_ID, BatchMeta, PartitionProducers, ProducerError,
                              ProducerStore, producer_store_for)
 from .transactions import PartitionTxns, coordinator_for, ensure_transactions
@@ -193,6 +194,7 @@ class Partition:
         self._closed = False
         self.bytes_in = 0    # produced payload bytes and records (batch header counts),
         self.records_in = 0  # read by broker.metrics at scrape time
+        self._loop: asyncio.AbstractEventLoop | None = None   # the broker's, once an append ran
         self._admission = _Admission()       # held from offset assignment to the stream taking them
         self._tail: asyncio.Future[bool] | None = None  # outcome of the latest taken append
         self._offline: str | None = None     # why appends are refused until restart
@@ -564,7 +566,10 @@ class Partition:
                     """The stream took the offsets: the windows remember the batches
                     (pending until durable) and the next append is admitted."""
                     nonlocal held, outcome, prev
-                    outcome = asyncio.get_running_loop().create_future()
+                    loop = self._loop
+                    if loop is None:    # looked up once: each lookup is a getpid() syscall
+                        loop = self._loop = asyncio.get_running_loop()
+                    outcome = loop.create_future()
                     prev, self._tail = self._tail, outcome
                     if idempotent:
                         first = base
@@ -590,7 +595,7 @@ class Partition:
                     return True
 
                 try:
-                    await _WatchSuspend(self.stream.append(buf, base, count), on_suspend)
+                    await Drive(self.stream.append(buf, base, count), on_suspend)
                 except Exception as e:  # noqa: BLE001 - StorageError or a storage bug
                     error = e
                 except BaseException:   # cancelled (broker stopping)
@@ -941,45 +946,6 @@ class _Admission:
                 fut.set_result(None)              # handed over: stays held
                 return
         self.held = False
-
-
-class _WatchSuspend:
-    """Awaits ``coro`` in the awaiting task (no task of its own: the produce hot path) and
-    calls ``on_suspend()`` each time the coroutine suspends, until it returns True.
-
-    Partition.append learns this way when the stream has taken its offsets (the stream's
-    append suspends first for room, if any, then for durability) without a second task."""
-
-    __slots__ = ("_coro", "_on_suspend")
-
-    def __init__(self, coro: Any, on_suspend: Any) -> None:
-        self._coro = coro
-        self._on_suspend = on_suspend
-
-    def __await__(self):  # -> Generator[Any, Any, Any]
-        coro, cb = self._coro, self._on_suspend
-        try:
-            value = coro.send(None)
-        except StopIteration as stop:
-            return stop.value
-        while True:
-            if cb is not None and cb():
-                cb = None
-            try:
-                sent = yield value
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as exc:  # noqa: BLE001 - cancellation goes into the coroutine
-                try:
-                    value = coro.throw(exc)
-                except StopIteration as stop:
-                    return stop.value
-            else:
-                try:
-                    value = coro.send(sent)
-                except StopIteration as stop:
-                    return stop.value
 
 
 def _views_with_pos(payload: bytes | memoryview) -> list[tuple[int, Any]]:

@@ -339,12 +339,15 @@ class DeltaWAL:
         of that loop, completed in batches (one cross-thread wake-up per drained batch rather than
         one per record, and no concurrent.futures.Future to build). Never blocks; the caller
         bounds what it buffers (the ring capacity still bounds everything)."""
-        loop = asyncio.get_running_loop()
+        driver = self._driver
+        # on the driver's thread its loop is the running one; get_running_loop() costs a
+        # getpid() syscall per call
+        loop = driver.loop if driver is not None and driver.on_loop() else \
+            asyncio.get_running_loop()
         body, n, crc = _prepare(body)
         fut = loop.create_future()
         with self._lock:
             offset = self._reserve(body, n, stream_id, (loop, fut), crc)
-        driver = self._driver
         if driver is not None:
             if self._pending and driver.on_loop():
                 driver.kick()                     # a block sealed by size: write it now
