@@ -42,9 +42,11 @@ class BrokerProc:
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="s3kbench-")
         self.port = free_port()
         self.bootstrap = f"127.0.0.1:{self.port}"
+        self.metrics_port = free_port()
         self.args = [PY, "-m", "broker", "serve", "--listen", self.bootstrap, "--data-dir",
                      os.path.join(self.data_dir, "data"), "--node-id", "0",
-                     "--log-level", "WARNING", *(extra or [])]
+                     "--log-level", "WARNING", "--metrics-listen",
+                     f"127.0.0.1:{self.metrics_port}", *(extra or [])]
         self.env = dict(os.environ, PYTHONPATH=REPO, **(env or {}))
         self.log_path = os.path.join(self.data_dir, "broker.log")
         self.proc: subprocess.Popen | None = None
@@ -68,6 +70,41 @@ class BrokerProc:
             except OSError:
                 time.sleep(0.1)
         raise RuntimeError("broker did not start")
+
+    def metric(self, name: str) -> float:
+        """Sum of a Prometheus metric's samples on the broker's /metrics (NaN if unreadable)."""
+        import urllib.request
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                        timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return float("nan")
+        total, seen = 0.0, False
+        for line in text.splitlines():
+            if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
+                total += float(line.rsplit(" ", 1)[1])
+                seen = True
+        return total if seen else float("nan")
+
+    def wait_uploaded(self, timeout: float = 60.0) -> float:
+        """Wait until everything appended is uploaded and trimmed from the WAL (the upload
+        backlog leaves out the round being uploaded; the WAL is trimmed once it committed);
+        returns the wait."""
+        t0 = time.monotonic()
+        last, same = None, 0
+        while time.monotonic() - t0 < timeout:
+            backlog = self.metric("s3kafka_upload_backlog_bytes")
+            used = self.metric("s3kafka_wal_used_bytes")
+            if backlog != backlog or used != used:      # NaN: no metrics, do not wait
+                break
+            # the WAL keeps a partly used tail block: "trimmed" = no longer moving
+            same = same + 1 if used == last else 0
+            if backlog <= 0 and (used < (1 << 20) or same >= 4):
+                break
+            last = used
+            time.sleep(0.25)
+        return time.monotonic() - t0
 
     def log_text(self) -> str:
         try:
@@ -122,6 +159,24 @@ class MockCluster:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def mock_cpu_s() -> float:
+    """CPU seconds (user + system) of librdkafka's mock cluster threads in this process
+    (named ``rdk:mock``): what the mock broker itself spends, next to s3kafka's process CPU."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "rdk:mock":
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
 
 
 def create_topic(bootstrap: str, topic: str, partitions: int = 1) -> None:

@@ -26,9 +26,12 @@ def _ratio(a: Any, b: Any) -> float:
 
 
 def _ok(value: float, goal: str) -> bool | None:
-    """None when the value is missing; else whether ``value`` meets ``goal`` ('>= x'/'<= x')."""
+    """None when the value is missing; else whether ``value`` meets ``goal`` ('>= x'/'<= x';
+    '' = shown for information, always met)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None
+    if not goal:
+        return True
     op, limit = goal.split()
     return value >= float(limit) if op == ">=" else value <= float(limit)
 
@@ -69,6 +72,15 @@ def evaluate(by_name: dict[str, Result], device: dict[str, Any] | None,
         _ratio(ours.get("fetch_mb_s"), (mock or {}).get("fetch_mb_s")) if ours else NAN, ">= 1.0")
     add(3, "cold consume (object store) / hot, raw Fetch MB/s",
         _ratio(ours.get("cold_mb_s"), ours.get("fetch_mb_s")) if ours else NAN, ">= 0.5")
+    # information, robust on a busy machine: CPU per MiB against the mock's own thread
+    if ours and mock:
+        add(1, "(info) broker CPU per MiB produced, mock/s3kafka",
+            _ratio(mock.get("cpu_ms_mib"), ours.get("cpu_ms_mib")), "")
+        add(3, "(info) broker CPU per MiB served hot, mock/s3kafka",
+            _ratio(mock.get("fetch_cpu_ms_mib"), ours.get("fetch_cpu_ms_mib")), "")
+    if ours:
+        add(3, "(info) broker CPU per MiB served cold, ms", ours.get("cold_cpu_ms_mib", NAN), "",
+            "ms")
     lat = by_name.get("latency")
     pts = lat.extra["s3kafka"] if lat else []
     # bench.clients measures a tenth of the max rate first, then 1000 msgs/s
@@ -90,12 +102,14 @@ def evaluate(by_name: dict[str, Result], device: dict[str, Any] | None,
     table = Result("Issue 20: Done-when figures of this run", ["item", "figure", "value", "goal",
                                                                "met"])
     verdict: dict[int, list[bool | None]] = {}
+    rows.sort(key=lambda r: r[0])
     for item, figure, value, goal, unit in rows:
         met = _ok(value, goal)
-        verdict.setdefault(item, []).append(met)
+        if goal:
+            verdict.setdefault(item, []).append(met)
         shown = "n/a" if met is None else (f"{value:.2f} {unit}".strip())
-        table.rows.append([item, figure, shown, f"{goal} {unit}".strip(),
-                           {True: "yes", False: "NO", None: "n/a"}[met]])
+        table.rows.append([item, figure, shown, f"{goal} {unit}".strip() if goal else "-",
+                           "-" if not goal else {True: "yes", False: "NO", None: "n/a"}[met]])
     lines = []
     names = {1: "raw 1 MiB produce vs mock, CPU/MiB, no back-pressure",
              2: "confluent-kafka produce vs mock",

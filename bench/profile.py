@@ -177,7 +177,7 @@ def drive(load: str, broker: BrokerProc, seconds: float, ready: threading.Event,
             create_topic(bootstrap, topic, 4)
             batch = rawload.make_batch(1 << 20)
             rawload._run(rawload._produce, host, int(port), topic, 4, 4, 8, batch)
-            rawload.wait_quiet(broker.pid)
+            broker.wait_uploaded()
             marks = rawload.watermarks(bootstrap, topic, 4)
             if load == "coldfetch":
                 broker.stop()
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         ready.wait()
         time.sleep(1)
         cpu0 = thread_cpu(b.pid)
-        subprocess.run([spy, "record", "--native", "--threads", "--idle", "--nonblocking",
+        subprocess.run([spy, "record", "--native", "--threads", "--idle",
                         "--pid", str(b.pid), "-r", str(a.rate), "-d", str(int(a.seconds)),
                         "--format", "raw", "-o", raw_out], check=False,
                        stdout=subprocess.DEVNULL)

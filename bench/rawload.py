@@ -23,7 +23,7 @@ from typing import Any
 
 from protocol import build_batch
 
-from .common import BrokerProc, MockCluster, Result, create_topic, pct
+from .common import BrokerProc, MockCluster, Result, create_topic, mock_cpu_s, pct
 
 _PREFIX = struct.Struct(">ihhi")
 _I32 = struct.Struct(">i")
@@ -280,10 +280,16 @@ def series_of(ts: list[tuple[float, int]], t0: float, step: float = 0.5) -> list
     return [((k + 1) * step, v / step / 1e6) for k, v in sorted(buckets.items())]
 
 
+MOCK_PID = 0   # "pid" of the librdkafka mock: its thread in this process (bench.common)
+
+
 def process_cpu_s(pid: int | None) -> float:
-    """User + system CPU seconds of process ``pid`` (all threads) from /proc; NaN if unknown."""
+    """User + system CPU seconds of process ``pid`` (all threads) from /proc; MOCK_PID: the
+    mock cluster's thread in this process; NaN if unknown."""
     if pid is None:
         return float("nan")
+    if pid == MOCK_PID:
+        return mock_cpu_s()
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rpartition(")")[2].split()
@@ -296,7 +302,7 @@ def wait_quiet(pid: int | None, timeout: float = 30.0, busy: float = 0.15) -> fl
     """Wait until process ``pid`` uses under ``busy`` of a core over half a second (the
     uploads of what was just produced are done), at most ``timeout`` s; returns the wait."""
     t0 = time.monotonic()
-    if pid is None:
+    if not pid:
         return 0.0
     prev = process_cpu_s(pid)
     while time.monotonic() - t0 < timeout:
@@ -333,9 +339,9 @@ def fetch_figures(bootstrap: str, topic: str, partitions: int, seconds: float,
 
 def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: bytes,
                  create: bool, fetch: bool, pid: int | None = None, restart=None,
-                 fetch_seconds: float = 5.0) -> dict[str, Any]:
+                 fetch_seconds: float = 5.0, settle=None) -> dict[str, Any]:
     """Raw produce; then (``fetch``) hot raw Fetch over the last HOT_FETCH_BYTES, read over
-    and over for ``fetch_seconds`` once the broker went quiet (uploads done; the data is still
+    and over for ``fetch_seconds`` once the broker's upload backlog is empty (the data is still
     in the LogCache); then (``restart``: a callable restarting the broker, returning its
     bootstrap and pid; the shutdown uploads everything and empties the caches) one cold pass
     from the log start, through the object store."""
@@ -362,10 +368,11 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
     if fetch:
         # hot = the tail that is still in the LogCache: the last HOT_FETCH_BYTES of all partitions
         # (the mock keeps only its last segments: never before the log start)
-        out["settle_s"] = wait_quiet(pid)
+        out["settle_s"] = settle() if settle is not None else wait_quiet(pid)
         per_part = HOT_FETCH_BYTES // conns // len(batch) * batch_records(batch)
         marks = watermarks(bootstrap, topic, conns)
         starts = [max(low, high - per_part) for low, high in marks]
+        fetch_figures(bootstrap, topic, conns, 1.0, starts, True, pid)   # warm-up, untimed
         hot = fetch_figures(bootstrap, topic, conns, fetch_seconds, starts, True, pid)
         out.update({"fetch_mb_s": hot["mb_s"], "fetch_rec_s": hot["rec_s"],
                     "fetch_cpu_ms_mib": hot["cpu_ms_mib"]})
@@ -394,14 +401,14 @@ def run(seconds: float = 10, conns: int = 4, depth: int = 8, batch_bytes: int = 
 
     try:
         ours = bench_target(broker.bootstrap, seconds, conns, depth, batch, True, fetch,
-                            broker.pid, restart, fetch_seconds)
+                            broker.pid, restart, fetch_seconds, broker.wait_uploaded)
     finally:
         broker.close()
     theirs = None
     if mock:
         with MockCluster() as m:
             theirs = bench_target(m.bootstrap, seconds, min(conns, 4), depth, batch, False, fetch,
-                                  fetch_seconds=fetch_seconds)
+                                  MOCK_PID, fetch_seconds=fetch_seconds)
     nan = float("nan")
     r = Result(f"Raw-protocol produce, {len(batch) >> 10} KiB batches, acks=all, {conns} connections x "
                f"{depth} in flight; raw Fetch v4 hot (LogCache) and cold (object store)",
@@ -412,9 +419,9 @@ def run(seconds: float = 10, conns: int = 4, depth: int = 8, batch_bytes: int = 
         if d is None:
             continue
         r.rows.append([name, d["mb_s"], d["req_s"], d["p50"], d["p99"], d["p999"],
-                       d.get("cpu_ms_mib", nan) if name == "s3kafka" else nan,
+                       d.get("cpu_ms_mib", nan),
                        d.get("retries", 0), d["errors"], d.get("fetch_mb_s", nan),
-                       d.get("fetch_cpu_ms_mib", nan) if name == "s3kafka" else nan,
+                       d.get("fetch_cpu_ms_mib", nan),
                        d.get("cold_mb_s", nan), d.get("cold_cpu_ms_mib", nan)])
         r.series[f"{name} raw 1 MiB"] = d["series"]
         r.percentiles[f"{name} raw 1 MiB"] = {k: d[k] for k in ("p50", "p99", "p999")}
@@ -425,10 +432,12 @@ def run(seconds: float = 10, conns: int = 4, depth: int = 8, batch_bytes: int = 
             r.notes.append(f"{name}: {d['retries']} requests answered NOT_ENOUGH_REPLICAS "
                            "(storage back-pressure) or REQUEST_TIMED_OUT were resent, like a "
                            "client retries them (latency counted from the first send)")
+    r.notes.append("broker CPU: the s3kafka process (all threads, /proc); for the mock, its "
+                   "cluster thread (rdk:mock) in the bench process")
     if fetch:
         r.notes.append(f"hot fetch: the last {HOT_FETCH_BYTES >> 20} MiB written, read over and "
-                       f"over for {fetch_seconds:.0f} s after the broker went quiet "
-                       f"({ours.get('settle_s', 0):.1f} s: uploads done, still in the LogCache); "
+                       f"over for {fetch_seconds:.0f} s (after 1 s untimed) once the broker's upload backlog was empty "
+                       f"(after {ours.get('settle_s', 0):.1f} s; the data is still in the LogCache); "
                        "cold fetch: after a restart (the shutdown uploads everything), one pass "
                        f"from the log start through the object store ({ours.get('cold_mib', 0):.0f}"
                        " MiB read)")
