@@ -98,6 +98,54 @@ def test_file_store_writes_in_durable_pieces_and_syncs_the_rename(tmp_path, monk
     assert [n for k, n in calls if k == "write"] == [chunk, chunk, 12345]
 
 
+def test_file_store_writes_page_aligned_objects_direct(tmp_path, monkeypatch) -> None:
+    """A page-aligned buffer (the engine encodes into an mmap) bypasses the page cache: its
+    whole 4 KiB units go out with O_DIRECT a piece at a time, the short tail through the page
+    cache, one fdatasync covers both; the object reads back intact."""
+    import fcntl
+    import mmap
+
+    from storage.objects import store as store_mod
+    probe = tmp_path / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    except OSError:
+        pytest.skip("no O_DIRECT on this file system")
+    calls: list[tuple[str, int, bool]] = []
+    real_write, real_fdatasync = os.write, os.fdatasync
+
+    def write(fd, data):
+        direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+        n = real_write(fd, data)
+        calls.append(("write", n, direct))
+        return n
+
+    def fdatasync(fd):
+        calls.append(("fdatasync", 0, False))
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(store_mod.os, "write", write)
+    monkeypatch.setattr(store_mod.os, "fdatasync", fdatasync)
+    s = open_object_store(f"file://{tmp_path}/o")
+    chunk = store_mod.FILE_WRITE_CHUNK
+    size = 2 * chunk + 12345
+    buf = mmap.mmap(-1, 4 * chunk, flags=mmap.MAP_PRIVATE)
+    data = os.urandom(size)
+    buf[:size] = data
+    s.put("d/aligned", memoryview(buf)[:size])
+    assert calls == [("write", chunk, True), ("write", chunk, True), ("write", 12288, True),
+                     ("write", 57, False), ("fdatasync", 0, False)]
+    assert s.get("d/aligned") == data
+    calls.clear()
+    s.put("d/exact", memoryview(buf)[:chunk])       # no tail: one fdatasync after the writes
+    assert calls == [("write", chunk, True), ("fdatasync", 0, False)]
+    assert s.get("d/exact") == bytes(buf[:chunk])
+    calls.clear()
+    s.put("d/offset", memoryview(buf)[1:size + 1])  # not aligned: the page cache as before
+    assert all(not direct for _, _, direct in calls)
+    assert s.get("d/offset") == bytes(buf[1:size + 1])
+
+
 def test_file_store_reads_large_ranges_in_pieces_without_readahead(tmp_path, monkeypatch) -> None:
     """A large ranged get asks the kernel for at most FILE_READ_CHUNK per call, with kernel
     readahead off for the range, so a WAL write on the same disk never queues behind more
