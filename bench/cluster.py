@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -157,7 +159,8 @@ class Cluster:
     def add(self) -> BrokerProc:
         n = len(self.brokers)
         b = BrokerProc(["--node-id", str(n), "--object-store", self.backend.store,
-                        "--metadata", self.backend.meta, "--upload-interval-s", "2"],
+                        "--metadata", self.backend.meta, "--upload-interval-s", "2",
+                        "--log-level", "INFO"],     # the cluster's move lines (quiet idle)
                        data_dir=os.path.join(self.dir, f"b{n}"))
         os.makedirs(b.data_dir, exist_ok=True)
         b.log_path = os.path.join(b.data_dir, "broker.log")
@@ -171,6 +174,14 @@ class Cluster:
             "t.topic_id = e.topic_id WHERE t.name = ? AND e.partition_index = ? AND "
             "e.leader_epoch = ?", (TOPIC, partition, epoch))
         return None if row is None else int(row[0])
+
+    def opened_at(self, node: int, partition: int, epoch: int) -> float | None:
+        """Wall time the new leader logged ``partition opened`` for ``epoch``."""
+        pat = re.compile(rf"ts=(\S+) .*partition opened topic={TOPIC} partition={partition} "
+                         rf"leader_epoch={epoch} ")
+        for m in pat.finditer(self.brokers[node].log_text()):
+            return datetime.datetime.fromisoformat(m.group(1).replace("Z", "+00:00")).timestamp()
+        return None
 
     def close(self) -> None:
         for b in self.brokers:
@@ -210,7 +221,7 @@ def run(window: float = 8.0, moves: int = 6, backend: str = "files") -> dict:
     from kafka.admin import KafkaAdminClient, NewTopic  # noqa: PLC0415
 
     cl = Cluster(backend)
-    out: dict = {"backend": backend, "throughput": {}, "join_s": [], "move_s": []}
+    out: dict = {"backend": backend, "throughput": {}, "join_s": [], "move_s": [], "open_s": []}
     load = None
     try:
         cl.add()
@@ -241,13 +252,15 @@ def run(window: float = 8.0, moves: int = 6, backend: str = "files") -> dict:
             p = k % PARTITIONS
             old, epoch = cur[p]
             target = (old + 1) % 3
-            t0 = time.monotonic()
+            t0, wall0 = time.monotonic(), time.time()
             admin.alter_partition_reassignments({TopicPartition(TOPIC, p): [target]})
             wait(lambda: leaders(admin)[p] == (target, epoch + 1))
             start = wait(lambda: cl.epoch_start(p, epoch + 1) is not None) and \
                 cl.epoch_start(p, epoch + 1)
             t = load.first_ack(p, start, t0)
             out["move_s"].append(None if t is None else t - t0)
+            opened = cl.opened_at(target, p, epoch + 1)
+            out["open_s"].append(None if opened is None else opened - wall0)
         load.stop()
         out["errors"] = load.errors
         load = None
@@ -272,12 +285,17 @@ def report(out: dict) -> str:
     lines += ["", "| measure | samples | p50 s | max s |", "| --- | --- | --- | --- |",
               f"| reassignment request -> first ack on the new leader | {len(moves)}"
               f"/{len(out['move_s'])} | {pct(moves, 0.5):.2f} | {max(moves, default=float('nan')):.2f} |"]
+    opens = [x for x in out["open_s"] if x is not None]
+    lines.append(f"| (of which: request -> partition opened on the new leader, broker side) | "
+                 f"{len(opens)}/{len(out['open_s'])} | {pct(opens, 0.5):.2f} | "
+                 f"{max(opens, default=float('nan')):.2f} |")
     joins = [j for j in out["join_s"] if j is not None]
     lines.append(f"| broker spawn -> first ack on a partition it received | {len(joins)}"
                  f"/{len(out['join_s'])} | {pct(joins, 0.5):.2f} | "
                  f"{max(joins, default=float('nan')):.2f} |")
     fmt = lambda xs: ", ".join("-" if x is None else f"{x:.2f}" for x in xs)  # noqa: E731
-    lines += ["", f"moves (s): {fmt(out['move_s'])}; joins (s): {fmt(out['join_s'])}"]
+    lines += ["", f"moves (s): {fmt(out['move_s'])}; of which broker side (s): "
+              f"{fmt(out['open_s'])}; joins (s): {fmt(out['join_s'])}"]
     lines += ["", f"producer errors: {out.get('errors', '?')}; "
               f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"]
     return "\n".join(lines)
@@ -295,6 +313,9 @@ def ranges(outs: list[dict]) -> str:
     p50s = [pct(m, 0.5) for o in outs if (m := [x for x in o["move_s"] if x is not None])]
     lines.append(f"| reassignment -> first ack on the new leader, p50 per run (s) | "
                  f"{rng(p50s, '.2f')} |")
+    opens = [pct(m, 0.5) for o in outs if (m := [x for x in o["open_s"] if x is not None])]
+    lines.append(f"| reassignment -> partition opened on the new leader, p50 per run (s) | "
+                 f"{rng(opens, '.2f')} |")
     allm = [x for o in outs for x in o["move_s"] if x is not None]
     lines.append(f"| reassignment -> first ack, every move (s) | {rng(allm, '.2f')} |")
     joins = [x for o in outs for x in o["join_s"] if x is not None]

@@ -1,6 +1,7 @@
 """A cluster's life under all three client libraries: it grows from 2 to 3 brokers, a partition
-is reassigned, a broker is stopped with SIGTERM and started again, while Java kafka-clients,
-confluent-kafka and kafka-python each produce (idempotent, acks=all) and consume in a group.
+is reassigned, the coordinator of a group is stopped with SIGTERM (its groups move to another
+broker and carry on) and started again, while Java kafka-clients, confluent-kafka and
+kafka-python each produce (idempotent, acks=all) and consume in a group.
 
 The joining broker gets its share of partitions (moves, no data copy); the clients follow the
 moves (NOT_LEADER answers, metadata refreshes, OffsetForLeaderEpoch after each epoch bump: a
@@ -24,7 +25,9 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 
+import protocol
 from clients.e2e_helpers import CLIENT_BROKER_ARGS, JavaCli, compile_java
+from datapath.wire import WireClient
 
 from .kit import leaders, read_all, wait_for
 
@@ -154,6 +157,21 @@ class GroupMember:
         self._c.close()
 
 
+def coordinator(brokers: list, group: str) -> int:
+    """The node id FindCoordinator v3 names for ``group``, asked of the first broker that
+    answers (-1 on an error answer, e.g. COORDINATOR_NOT_AVAILABLE while groups move)."""
+    for b in brokers:
+        host, port = b.bootstrap.split(":")
+        try:
+            with WireClient(host, int(port), timeout=5) as c:
+                r = c.call(protocol.request_class(10)(key=group, key_type=0),
+                           protocol.response_class(10), 3)
+        except OSError:
+            continue            # a stopped broker: ask the next
+        return r.node_id if r.error_code == 0 else -1
+    return -1
+
+
 def read_in_order(seen: list[tuple[int, int, bytes]], log: list[tuple[int, int, bytes]],
                   who: str) -> None:
     """``seen`` holds every record of ``log`` and, per partition, goes forward one offset at
@@ -225,19 +243,25 @@ def test_cluster_grows_moves_and_restarts_under_three_clients(cluster_factory, j
         wait_for(lambda: leaders(admin, "grow")[q] == (target, epoch + 1), what=f"move of p{q}")
         progress("acks after the reassignment", {q}, 20)
 
-        # 3. SIGTERM broker 1 (controlled shutdown: its partitions move first), then restart
+        # 3. SIGTERM the coordinator of group kg (controlled shutdown: its partitions and
+        # groups move first), then restart it: every group carries on
         assert jproducer.poll() is None and all(p.running for p in producers), \
             "a producer finished before the SIGTERM: no test"
-        brokers[1].stop()
-        wait_for(lambda: all(leader in (0, 2) for leader, _ in leaders(admin, "grow").values()),
-                 what="no partition led by the stopped broker")
+        everyone = [brokers[0], brokers[1], third]
+        down = coordinator(everyone, "kg")
+        by_id = {0: brokers[0], 1: brokers[1], 2: third}
+        by_id[down].stop()
+        wait_for(lambda: all(leader != down for leader, _ in leaders(admin, "grow").values()),
+                 what=f"no partition led by the stopped broker {down}")
+        wait_for(lambda: coordinator(everyone, "kg") not in (down, -1),
+                 what="another coordinator for group kg")
         progress("acks after the SIGTERM")
-        brokers[1].start()
+        by_id[down].start()
         wait_for(lambda: collections.Counter(
-            leader for leader, _ in leaders(admin, "grow").values()).get(1, 0) >= 1,
-            what="broker 1 leading partitions again")
-        led1 = {p for p, (leader, _) in leaders(admin, "grow").items() if leader == 1}
-        progress("acks from the restarted broker", led1, 20)
+            leader for leader, _ in leaders(admin, "grow").values()).get(down, 0) >= 1,
+            what=f"broker {down} leading partitions again")
+        led = {p for p, (leader, _) in leaders(admin, "grow").items() if leader == down}
+        progress("acks from the restarted broker", led, 20)
 
         jprod = cli.finish(jproducer, timeout=120)
         for p in producers:
