@@ -183,10 +183,15 @@ class Cluster:
             return datetime.datetime.fromisoformat(m.group(1).replace("Z", "+00:00")).timestamp()
         return None
 
-    def close(self) -> None:
+    def close(self, keep: str | None = None) -> None:
         for b in self.brokers:
             b.stop()
         self.backend.close()
+        if keep:                       # the brokers' logs, for a look at slow moves
+            os.makedirs(keep, exist_ok=True)
+            for b in self.brokers:
+                shutil.copy(b.log_path, os.path.join(
+                    keep, f"{self.backend.kind}-{os.path.basename(b.data_dir)}.log"))
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -216,7 +221,8 @@ def throughput(load: Load, seconds: float) -> tuple[float, float]:
     return n / dt, n * len(VALUE) / dt / 1e6
 
 
-def run(window: float = 8.0, moves: int = 6, backend: str = "files") -> dict:
+def run(window: float = 8.0, moves: int = 6, backend: str = "files",
+        keep: str | None = None) -> dict:
     from kafka import TopicPartition  # noqa: PLC0415
     from kafka.admin import KafkaAdminClient, NewTopic  # noqa: PLC0415
 
@@ -268,7 +274,7 @@ def run(window: float = 8.0, moves: int = 6, backend: str = "files") -> dict:
     finally:
         if load is not None:
             load.stop()
-        cl.close()
+        cl.close(keep)
     return out
 
 
@@ -331,13 +337,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moves", type=int, default=6)
     ap.add_argument("--backend", choices=("files", "s3pg", "both"), default="both")
     ap.add_argument("--runs", type=int, default=1, help="runs per backend (ranges if > 1)")
+    ap.add_argument("--keep-logs", metavar="DIR", help="copy the brokers' logs here")
     a = ap.parse_args(argv)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     t0 = time.monotonic()
     for backend in (("files", "s3pg") if a.backend == "both" else (a.backend,)):
         outs = []
         for _ in range(a.runs):
-            outs.append(run(a.window, a.moves, backend))
+            keep = a.keep_logs and os.path.join(a.keep_logs, f"run{len(outs) + 1}")
+            outs.append(run(a.window, a.moves, backend, keep))
             print(report(outs[-1]) + "\n", flush=True)
         if len(outs) > 1:
             print(ranges(outs) + "\n", flush=True)
