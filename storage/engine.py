@@ -591,12 +591,24 @@ class Engine(StreamStore):
             while s._confirmed < s._end and time.monotonic() < deadline:
                 await asyncio.sleep(0.002)     # appends in flight reach the WAL first
             # another caller (the uploader, a concurrent release) may hold some entries
-            # in an upload right now: drain until this stream's end is committed
+            # in an upload right now: upload from the head of the pending queue until this
+            # stream's end is committed - not until nothing is pending (other streams keep
+            # appending: under a steady load that never happens, and the move would wait
+            # for the load to stop)
             async with self._release_lock:   # one drain at a time (WAL trim order)
                 while s.committed < s._end and time.monotonic() < deadline:
-                    await self._drain_uploads()
-                    if s.committed < s._end:
-                        await asyncio.sleep(0.005)
+                    if self._uploading or not self.cache.pending:
+                        await asyncio.sleep(0.005)      # the uploader holds entries now
+                        continue
+                    entries = self.cache.take_pending(self.config.upload_max_bytes)
+                    if not entries:
+                        await asyncio.sleep(0.001)      # head not durable yet
+                        continue
+                    try:
+                        await self._upload(entries)
+                    except Exception:
+                        self.cache.return_pending(entries)
+                        raise
             if s.committed < s._end:
                 raise StorageError(f"stream {stream_id}: only {s.committed} of {s._end} "
                                    "offsets reached the object store")

@@ -337,3 +337,34 @@ async def test_cold_reads_are_cut_to_short_slices_only_while_producers_append(tm
             assert [bytes(b.payload) for b in cut] == [bytes(b.payload) for b in alone[:len(cut)]]
     finally:
         await eng.close()
+
+
+async def test_release_returns_while_other_streams_keep_appending(tmp_path) -> None:
+    """A hand-over (cluster move) uploads until the released stream is committed, not until
+    nothing is pending: under a steady load on other streams that never happens, and the move
+    would wait for the load to stop (it took 32 s under a flat-out producer on moto S3)."""
+    eng = open_engine(small_config(tmp_path, upload_interval_s=60,
+                                   upload_threshold_bytes=64 << 20))
+    await eng.start()
+    try:
+        moving, busy = await eng.create_stream(), await eng.create_stream()
+        await fill(moving, 20)
+        stop = asyncio.Event()
+
+        async def produce() -> None:        # appends back to back until stopped
+            while not stop.is_set():
+                await busy.append(payload(busy.stream_id, busy.end_offset, 100),
+                                  busy.end_offset, 1)
+        load = asyncio.create_task(produce())
+        await asyncio.sleep(0.2)
+        try:
+            t0 = asyncio.get_running_loop().time()
+            end = await asyncio.wait_for(eng.release_stream(moving.stream_id), 20)
+            took = asyncio.get_running_loop().time() - t0
+            assert not load.done(), "the load stopped: no test"
+        finally:
+            stop.set()
+            await load
+        assert end == 100 and took < 5, (end, took)
+    finally:
+        await eng.close()
