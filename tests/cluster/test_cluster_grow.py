@@ -22,6 +22,7 @@ import time
 
 import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka import TopicPartition as CTP
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 
@@ -216,9 +217,21 @@ def test_cluster_grows_moves_and_restarts_under_three_clients(cluster_factory, j
                      >= n or (not p.running and len(p.acked) == PY_COUNT), timeout=45,
                      what=f"{what}: {p.kind} acks (errors {p.errors[:3]})")
 
+    def java_acked() -> int:
+        """Records in the log beyond the Python producers' acks (theirs in flight: < 40)."""
+        c = Consumer({"bootstrap.servers": boot, "group.id": "ends"})
+        try:
+            ends = sum(c.get_watermark_offsets(CTP("grow", p), timeout=10)[1]
+                       for p in range(PARTITIONS))
+        finally:
+            c.close()
+        return ends - sum(len(p.acked) for p in producers)
+
     third = None
     try:
         progress("first acks")
+        # a JVM starts slowly on a loaded machine: the moves must happen under its load too
+        wait_for(lambda: java_acked() >= 100, timeout=90, what="the Java producer's first acks")
 
         # 1. the third broker joins: the controller moves partitions to it until balanced
         (third,) = cluster_factory(1, first_id=2, extra=tuple(CLIENT_BROKER_ARGS))
