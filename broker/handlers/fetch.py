@@ -14,6 +14,7 @@ from typing import Any
 import protocol
 from protocol import ErrorCode
 
+from ..cluster import follower as kip392
 from ..partition import Partition, ReadResult, find_topic, find_topic_by_id, get_partition
 from ..listeners import of_connection
 from ..metrics import stats_of
@@ -87,6 +88,10 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
                     error_code=ErrorCode.FETCH_SESSION_ID_NOT_FOUND, session_id=0, responses=[])
 
     cluster = getattr(broker, "cluster", None)
+    # KIP-392: a consumer that names its rack may be sent to, and served by, a broker of its
+    # rack (broker/cluster/follower.py); never for read_committed
+    rack = (getattr(req, "rack_id", None) or "") if version >= 11 and cluster is not None \
+        and not read_committed else ""
     slots: list[tuple[Partition | None, int, int, int]] = []
     layout: list[tuple[Any, list[int]]] = []
     for ft in req.topics or []:
@@ -104,6 +109,9 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
                     0 <= fp.partition < len(topic.partitions):
                 err = leader_error(cluster, topic, fp.partition,
                                    getattr(fp, "current_leader_epoch", -1), part)
+                if rack:
+                    part, err = await kip392.route(cluster, broker, topic, fp.partition, rack,
+                                                   fp.fetch_offset, part, err)
                 if err:
                     part = None
             slots.append((part, fp.fetch_offset, fp.partition_max_bytes, err))
@@ -113,7 +121,9 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + max(req.max_wait_ms or 0, 0) / 1000
     min_bytes = max(req.min_bytes or 0, 0)
-    partitions = [s[0] for s in slots if s[0] is not None]
+    partitions = [s[0] for s in slots if kip392.waits(s[0])]
+    # KIP-392 redirects and follower reads answer at once
+    no_wait = len(partitions) < sum(1 for s in slots if s[0] is not None)
     if not slots and min_bytes > 0:
         # an empty fetch waits like Kafka does, so a client loop over it does not spin
         await asyncio.sleep(max(0.0, deadline - loop.time()))
@@ -125,7 +135,7 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
         try:
             results, total = await _read_all(slots, max_bytes, hard_limit, read_committed)
             remaining = deadline - loop.time()
-            if (total >= min_bytes or remaining <= 0 or not partitions
+            if (total >= min_bytes or remaining <= 0 or not partitions or no_wait
                     or any(r.error for r in results)
                     or any(p.closed for p in partitions)):
                 break
@@ -148,6 +158,7 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
         nbytes = nrecords = 0
         for index in idxs:
             r = results[i]
+            preferred = kip392.preferred_read_replica(slots[i][0], r) if rack else -1
             i += 1
             if r.batches:
                 nbytes += r.size
@@ -174,7 +185,7 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
                 aborted_transactions=(
                     [AbortedTxn(producer_id=pid, first_offset=first) for pid, first in r.aborted]
                     if r.aborted else []) if read_committed else None,
-                preferred_read_replica=-1, records=records))
+                preferred_read_replica=preferred, records=records))
         if nbytes:
             stats.fetched(tname, nbytes, nrecords)
         if version >= 13:

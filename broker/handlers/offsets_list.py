@@ -55,8 +55,14 @@ async def handle_list_offsets(ctx: RequestContext, req: Any) -> Any:
 
     async def answer(name: str, p: Any, partition: Partition | None) -> Any:
         if partition is None:
+            # in a cluster, a partition of a known topic is led by another broker (consumers,
+            # KIP-392 ones too, ask the leader): Kafka answers NOT_LEADER_OR_FOLLOWER
+            topic = ctx.broker.topics.get(name) \
+                if getattr(ctx.broker, "cluster", None) is not None else None
+            led_elsewhere = topic is not None and 0 <= p.partition_index < len(topic.partitions)
             return PartResp(partition_index=p.partition_index,
-                            error_code=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
+                            error_code=ErrorCode.NOT_LEADER_OR_FOLLOWER if led_elsewhere
+                            else ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
                             timestamp=-1, offset=-1, leader_epoch=-1, old_style_offsets=[])
         try:
             err, off, ts = await lookup(partition, p.timestamp, read_committed)

@@ -148,6 +148,7 @@ public final class KafkaCli {
         p.put("heartbeat.interval.ms", "300");
         p.put("max.poll.interval.ms", "60000");
         p.put("fetch.max.wait.ms", "200");
+        if (a.containsKey("client-rack")) p.put("client.rack", a.get("client-rack"));
         if (a.containsKey("assignor")) {
             String cls = a.get("assignor").equals("cooperative-sticky")
                     ? "org.apache.kafka.clients.consumer.CooperativeStickyAssignor"
