@@ -202,6 +202,15 @@ class BrokerCollector(Collector):
         yield rout
         yield hw
         yield start
+        # KIP-392 (broker/cluster/follower.py): fetches served here for partitions led by
+        # another broker, and consumers this leader sent to a broker of their rack
+        fr = getattr(b, "_follower_reads", None)
+        yield CounterMetricFamily(_P + "follower_fetch_bytes", "Record-batch bytes this broker "
+                                  "served as a KIP-392 follower (from the object store)",
+                                  value=getattr(fr, "bytes", 0))
+        yield CounterMetricFamily(_P + "fetch_redirects", "Fetch partitions this leader "
+                                  "answered with a KIP-392 preferred read replica",
+                                  value=getattr(fr, "redirects", 0))
         yield GaugeMetricFamily(_P + "topics", "Topics", value=len(topics))
         yield GaugeMetricFamily(_P + "partitions_led", "Partitions this broker leads",
                                 value=led)

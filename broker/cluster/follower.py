@@ -67,7 +67,8 @@ class FollowerReads:
         self.views: dict[int, FollowerView] = {}
         self.served: set[tuple[str, int]] = set()      # logged once per partition
         self.fetches = 0                               # follower fetches answered with data
-        self.bytes = 0
+        self.bytes = 0                                 # ... and their bytes
+        self.redirects = 0                             # leader: consumers sent to their rack
         self._reader: ObjectReader | None = None
 
     @property
@@ -234,6 +235,7 @@ async def route(cluster: Any, broker: Any, topic: Any, index: int, rack: str, of
         node = preferred_replica(cluster, topic, index, rack)
         if node >= 0 and part.log_start_offset <= offset < \
                 getattr(part.stream, "uploaded_offset", -1):
+            follower_reads(broker).redirects += 1
             return Redirected(part, node), 0
         return part, err
     if err == ErrorCode.NOT_LEADER_OR_FOLLOWER and is_replica(cluster, topic, index):

@@ -8,13 +8,16 @@ the follower's records and its pointer back to the leader, ListOffsets on a foll
 """
 from __future__ import annotations
 
+import socket
 import sqlite3
 import time
+import urllib.request
 
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
-from kafka.protocol.consumer import FetchResponse
+from kafka.protocol.consumer import (FetchResponse, OffsetForLeaderEpochRequest,
+                                     OffsetForLeaderEpochResponse)
 
 from clients.e2e_helpers import JavaCli, compile_java
 from datapath.wire import WireClient
@@ -39,6 +42,21 @@ def uploaded(db: str) -> int:
         return sum(r[0] for r in c.execute("SELECT end_offset FROM s3_streams"))
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric(port: int, name: str) -> float:
+    """One unlabelled counter of a broker's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
 def follower_log(broker, topic: str = "near") -> set[int]:
     text = broker.log_path.read_text(errors="replace")
     return {int(line.split("partition=")[1].split()[0]) for line in text.splitlines()
@@ -47,7 +65,9 @@ def follower_log(broker, topic: str = "near") -> set[int]:
 
 @pytest.mark.parametrize("metadata_url", ["sqlite"], indirect=True)
 def test_consumers_fetch_from_their_rack(cluster_factory, metadata_url, java_classpath):
-    brokers = cluster_factory(3)
+    mports = [free_port() for _ in range(3)]
+    brokers = cluster_factory(3, per_node=lambda n: ["--metrics-listen",
+                                                     f"127.0.0.1:{mports[n]}"])
     boot = ",".join(b.bootstrap for b in brokers)
     admin = KafkaAdminClient(bootstrap_servers=brokers[0].bootstrap)
     wait_for(lambda: len(admin.describe_cluster()["brokers"]) == 3, what="3 live brokers")
@@ -85,7 +105,16 @@ def test_consumers_fetch_from_their_rack(cluster_factory, metadata_url, java_cla
         req.rack_id = "r2"
         pd = c.call(req, FetchResponse, 12).responses[0].partitions[0]
         assert (pd.error_code, pd.preferred_read_replica) == (0, 0)   # the tail: the leader
+        # ListOffsets and OffsetForLeaderEpoch stay with the leader, as in Kafka
         assert c.list_offsets("near", -1, partition=p0).error_code == NOT_LEADER
+        OT = OffsetForLeaderEpochRequest.OffsetForLeaderTopic
+        req = OffsetForLeaderEpochRequest(replica_id=-1, topics=[OT(topic="near", partitions=[
+            OT.OffsetForLeaderPartition(partition=p0, current_leader_epoch=-1,
+                                        leader_epoch=0)])])
+        r = c.call(req, OffsetForLeaderEpochResponse, 4).topics[0].partitions[0]
+        assert r.error_code == NOT_LEADER
+    with WireClient("127.0.0.1", brokers[0].port) as c:
+        assert c.list_offsets("near", -1, partition=p0).offset == 100
 
     # -- confluent-kafka in rack r2: partitions led by 0 and 1 are read from broker 2
     c = Consumer({"bootstrap.servers": boot, "group.id": "near-ck", "client.rack": "r2",
@@ -101,6 +130,9 @@ def test_consumers_fetch_from_their_rack(cluster_factory, metadata_url, java_cla
         return len(seen) >= n
     wait_for(lambda: take(300), timeout=60, what="confluent consumer: 300 records")
     assert follower_log(brokers[2]) == {owner[0], owner[1]}
+    assert metric(mports[2], "s3kafka_follower_fetch_bytes_total") > 0
+    assert metric(mports[0], "s3kafka_fetch_redirects_total") > 0
+    assert metric(mports[0], "s3kafka_follower_fetch_bytes_total") == 0
     # the tail (not uploaded yet) comes from the leaders
     produce(boot, 300, 60)
     wait_for(lambda: take(360), timeout=60, what="confluent consumer: the tail")
