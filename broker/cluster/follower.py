@@ -45,6 +45,7 @@ log = logging.getLogger("broker.cluster")
 
 REFRESH_S = 0.5          # how stale a follower's view of a stream's committed end may be
 MIN_REFRESH_S = 0.05     # forced refreshes (a consumer at the end) at most this often
+RETRY_S = 2.0            # after a failed refresh (metadata database unreachable)
 
 
 class FollowerView:
@@ -55,6 +56,8 @@ class FollowerView:
         self.start = 0
         self.end = 0                 # committed end: nothing at or past it is served
         self.refreshed = -1.0
+        self.warned = 0.0
+        self.retry_at = 0.0          # after a failed refresh: no new attempt before this
         self.lock = asyncio.Lock()
         self.closed = False
 
@@ -98,10 +101,26 @@ class FollowerReads:
         if v is None:
             v = self.views[sid] = FollowerView(sid)
         age = REFRESH_S if not force else MIN_REFRESH_S
+        if time.monotonic() < v.retry_at:
+            if v.refreshed < 0:
+                raise RuntimeError("metadata database unreachable a moment ago")
+            return v
         if time.monotonic() - v.refreshed > age:
             async with v.lock:
                 if time.monotonic() - v.refreshed > age:
-                    await self._refresh(topic, index, v)
+                    try:
+                        await self._refresh(topic, index, v)
+                    except Exception as e:  # noqa: BLE001 - e.g. metadata database cut
+                        # what was committed stays committed: serve the last view (if
+                        # any) meanwhile, and look again in RETRY_S
+                        now = time.monotonic()
+                        v.retry_at = now + RETRY_S
+                        if v.refreshed < 0:
+                            raise
+                        if now - v.warned > 10:
+                            v.warned = now
+                            log.warning("follower view not refreshed topic=%s partition=%d: "
+                                        "%s", topic.name, index, e)
         return v
 
     async def _refresh(self, topic: Any, index: int, v: FollowerView) -> None:
@@ -121,7 +140,11 @@ class FollowerReads:
         """Batches from the committed objects from ``offset`` on, below the committed end.
         At the end: no batches (the caller points the consumer to the leader)."""
         if offset >= v.end:      # the leader may have uploaded more since: look again
-            v = await self.view(topic, index, force=True) or v
+            try:
+                v = await self.view(topic, index, force=True) or v
+            except Exception as e:  # noqa: BLE001 - metadata unreachable: what we know
+                log.warning("follower view failed topic=%s partition=%d: %s",
+                            topic.name, index, e)
         res = ReadResult(high_watermark=v.end, last_stable_offset=v.end,
                          log_start_offset=v.start)
         if offset < v.start:
@@ -240,7 +263,11 @@ async def route(cluster: Any, broker: Any, topic: Any, index: int, rack: str, of
         return part, err
     if err == ErrorCode.NOT_LEADER_OR_FOLLOWER and is_replica(cluster, topic, index):
         reads = follower_reads(broker)
-        v = await reads.view(topic, index)
+        try:
+            v = await reads.view(topic, index)
+        except Exception as e:  # noqa: BLE001 - metadata unreachable: the leader serves it
+            log.warning("follower view failed topic=%s partition=%d: %s", topic.name, index, e)
+            return part, err
         if v is not None and not v.closed:
             return FollowerSlot(reads, topic, index, v, cluster.leader(topic, index)[0]), 0
     return part, err
