@@ -428,12 +428,13 @@ class ClusterRoom:
         if self.broker.topics.get(topic.name) is not topic or index >= len(topic.partitions):
             await p.close()
             return
+        start = stream.end_offset   # where this epoch begins (appends may follow at once)
         topic.partitions[index] = p
         if a.leader_epoch > 0 and self.store is not None:   # a failover records no start
             await asyncio.to_thread(self.store.record_epoch_start, a.topic_id, index,
-                                    a.leader_epoch, stream.end_offset)
+                                    a.leader_epoch, start)
         log.info("partition opened topic=%s partition=%d leader_epoch=%d log_end_offset=%d "
-                 "took_ms=%.0f", topic.name, index, a.leader_epoch, stream.end_offset,
+                 "took_ms=%.0f", topic.name, index, a.leader_epoch, start,
                  (time.monotonic() - t0) * 1000)
 
     async def _release(self, topic: Any, index: int, a: Assignment) -> None:
