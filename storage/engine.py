@@ -25,7 +25,8 @@ from .cache.log_cache import CacheEntry, LogCache
 from .cold_reads import ColdReadPacer
 from .crash import crash_point
 from .episodes import Episode
-from .metastore import MetaStore, NewObject, ObjectRange, StreamMeta, open_metastore
+from .metastore import (MetaStore, NewObject, ObjectRange, StreamFenced, StreamMeta,
+                        open_metastore)
 from .loop_slices import encode_object_in_slices
 from .metrics import MeasuredStore, StorageStats
 from .objects.format import Record, object_size
@@ -366,6 +367,7 @@ class Engine(StreamStore):
         self.wal_fenced = False              # another node took this WAL over (_check_fenced)
         self._fence_checked = 0.0
         self._release_lock = asyncio.Lock()
+        self._foreign: set[int] = set()      # streams another node claimed under our feet
         self.maintenance: Any = None
         self.upload_errors = 0
         self.stats = StorageStats()          # read by storage.metrics.StorageCollector
@@ -626,6 +628,7 @@ class Engine(StreamStore):
         if m is None or m.deleted:
             raise StorageError(f"no stream {stream_id}")
         ranges = await self.io(self.meta.stream_ranges, stream_id)
+        self._foreign.discard(stream_id)
         s = self.streams.get(stream_id)
         if s is None:
             s = self.streams[stream_id] = EngineStream(self, m)
@@ -746,8 +749,12 @@ class Engine(StreamStore):
         """Write entries as objects, commit them, trim the WAL, release the cache."""
         c = self.config
         by_stream: dict[int, list[CacheEntry]] = {}
+        foreign: set[int] = set()
         for e in entries:
             s = self.streams.get(e.stream_id)
+            if e.stream_id in self._foreign:
+                foreign.add(e.stream_id)     # never committable: skipped, dropped below
+                continue
             if s is None or s.deleted or e.next_offset <= s.committed:
                 continue
             by_stream.setdefault(e.stream_id, []).append(e)
@@ -788,11 +795,27 @@ class Engine(StreamStore):
                 # commits what a taker commits: storage/takeover.py)
                 await self.io(self.meta.commit_objects, [n for n, _, _ in new], [], None,
                               (c.node_id, c.node_epoch))
-        except Exception:
+        except Exception as exc:
             # never committed: delete them later (or at the next start, from their rows)
             self.maintenance.forget_later(prepared)
+            sid = getattr(exc, "stream_id", None)
+            if isinstance(exc, StreamFenced) and sid is not None and sid not in self._foreign:
+                # another node claimed the stream (a move or takeover this node missed):
+                # retrying would block every upload behind these entries for good, so the
+                # next attempt leaves them out (the new owner's log is the stream's log)
+                self._foreign.add(sid)
+                mine = [e for e in entries if e.stream_id == sid]
+                s = self.streams.get(sid)
+                if s is not None:
+                    s.owned = False
+                log.error("stream %d is owned by another node: dropping %d records at offsets "
+                          "%d..%d appended here that cannot be committed (%s)", sid,
+                          sum(e.count for e in mine), mine[0].base_offset if mine else -1,
+                          mine[-1].next_offset if mine else -1, exc)
             raise
         crash_point("after_commit")
+        for sid in foreign:
+            self.cache.drop_stream(sid)     # their entries leave pending and memory
         # the records' payload views would pin the produce frames that mark_committed's
         # evictions hand back for reuse
         groups.clear()

@@ -50,7 +50,12 @@ class NewObject:
 
 
 class StreamFenced(sqldb.StaleEpoch):
-    """Another node claimed the stream at a higher epoch: this node may not commit to it."""
+    """Another node claimed the stream at a higher epoch: this node may not commit to it.
+    ``stream_id`` names the stream when one stream's owner refused the commit."""
+
+    def __init__(self, message: str, stream_id: int | None = None) -> None:
+        super().__init__(message)
+        self.stream_id = stream_id
 
 
 class TakeoverConflict(sqldb.StaleEpoch):
@@ -351,7 +356,8 @@ class SqlMetaStore(MetaStore):
                                  (r.stream_id,))
             if owner is not None and owner[0] != node[0]:
                 raise StreamFenced(f"stream {r.stream_id} is owned by node {owner[0]} at epoch "
-                                   f"{owner[1]}; node {node[0]} cannot commit to it")
+                                   f"{owner[1]}; node {node[0]} cannot commit to it",
+                                   r.stream_id)
 
     def ranges(self) -> list[ObjectRange]:
         rows = self.db.query(

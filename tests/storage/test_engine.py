@@ -368,3 +368,32 @@ async def test_release_returns_while_other_streams_keep_appending(tmp_path) -> N
         assert end == 100 and took < 5, (end, took)
     finally:
         await eng.close()
+
+
+async def test_a_stream_claimed_by_another_node_does_not_block_other_uploads(tmp_path) -> None:
+    """Entries of a stream another node claimed meanwhile can never be committed here; they
+    are dropped (logged) instead of failing every upload behind them for good (the WAL and
+    the cache would fill and every produce on the broker wait)."""
+    eng = open_engine(small_config(tmp_path, upload_interval_s=0.1))
+    await eng.start()
+    try:
+        lost, fine = await eng.create_stream(), await eng.create_stream()
+        await fill(lost, 2)
+        await eng.flush()
+        assert lost.committed == 10
+        # another node takes the stream over (a move this node missed), then this node
+        # still appends to it, and to another stream
+        assert await eng.io(eng.meta.claim_stream, lost.stream_id, 7, 5)
+        await fill(lost, 3)
+        await fill(fine, 4)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 10
+        while fine.committed < fine.end_offset and loop.time() < end:
+            await asyncio.sleep(0.05)
+        assert fine.committed == fine.end_offset == 20
+        assert eng.cache.pending_bytes == 0
+        assert lost.committed == 10                  # nothing of node 7's stream from here
+        assert not lost.owned
+        assert await eng.io(eng.meta.stream_owner, lost.stream_id) == (7, 5)
+    finally:
+        await eng.close()
