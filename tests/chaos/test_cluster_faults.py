@@ -28,12 +28,11 @@ def _assert_clean(out, details, capsys) -> None:
                                + f"\n(details: {details}, broker logs beside it)")
 
 
-# Known anomalies on main (docs/FINDINGS.md, chaos 17:40): committed offsets go backwards when a
-# broker that is no longer the group coordinator keeps answering group requests from its stale
-# memory (fixed by the coordinator spread, rack's branch); once an acknowledged write lost
-# around a kill -9 (kafka-python producer then got OutOfOrderSequence). Not strict: a clean
-# run passes; remove the mark once the suite runs clean on main.
-@pytest.mark.xfail(strict=False, reason="known anomalies, docs/FINDINGS.md (chaos)")
+# Known anomalies (docs/FINDINGS.md, chaos 20:05-20:28), each seen in some runs of the short
+# schedule with the fencing fixes in: a value stored twice after a takeover, acknowledgements
+# without an offset, a kafka-python member that never rejoined its group. Not strict: a clean
+# run passes; remove the mark once the suite runs clean on main run after run.
+@pytest.mark.xfail(strict=False, reason="intermittent anomalies, docs/FINDINGS.md (chaos)")
 @pytest.mark.timeout(600)
 def test_three_brokers_short_fault_schedule(broker_factory, s3_endpoint, tmp_path,
                                             capsys) -> None:
