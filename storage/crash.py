@@ -6,11 +6,15 @@ uploaded, not committed) or ``during_rewrite`` (a stream's rewritten objects upl
 committed) and the process exits with ``os._exit(137)`` - like kill -9, nothing is
 flushed - the first time (or the Nth time, ``S3KAFKA_CRASH_AFTER=N``) it gets there. Never set
 it in production.
+
+``S3KAFKA_PAUSE_POINT=name`` with ``S3KAFKA_PAUSE_S=seconds`` instead sleeps there (every time),
+so that a test can kill the process from outside (kill -9) while it is at that point.
 """
 from __future__ import annotations
 
 import logging
 import os
+import time
 
 log = logging.getLogger(__name__)
 _hits: dict[str, int] = {}
@@ -18,6 +22,9 @@ _hits: dict[str, int] = {}
 
 def crash_point(name: str) -> None:
     """Exit abruptly if the crash-point environment variable names this point."""
+    if os.environ.get("S3KAFKA_PAUSE_POINT") == name:
+        log.warning("pause point %s reached: sleeping", name)
+        time.sleep(float(os.environ.get("S3KAFKA_PAUSE_S", "5")))
     if os.environ.get("S3KAFKA_CRASH_POINT") != name:
         return
     _hits[name] = _hits.get(name, 0) + 1

@@ -29,6 +29,7 @@ from storage.wal.errors import WALLockedError
 
 from ..listeners import decode as decode_listeners, encode as encode_listeners
 from .coordinators import Placement
+from .lease import LeaseWatch, OwnLease
 from .store import ACTIVE, DRAINING, FENCED, LIVE, MOVING, STOPPED, TAKEN_OVER, Assignment, \
     BrokerRow, ClusterStore, NodeIdInUse, now_ms
 
@@ -73,6 +74,8 @@ class ClusterRoom:
         self.margin_ms: int = int(getattr(cfg, "cluster_takeover_margin_ms",
                                           TAKEOVER_MARGIN_MS))
         self.heartbeat_s = min(HEARTBEAT_S, self.lease_ms / 4000)
+        self.own_lease = OwnLease(self.lease_ms)    # produce answers only while valid
+        self.watch = LeaseWatch()                   # others' renewals on our monotonic clock
         self.rows: dict[int, BrokerRow] = {}
         self._takeovers: dict[int, asyncio.Task] = {}
         self._placement = Placement([self.node_id])
@@ -86,11 +89,13 @@ class ClusterRoom:
         try:
             home = f"{socket.gethostname()}:{os.path.abspath(cfg.wal_path)}"
             epoch = int((getattr(cfg, "engine", None) or {}).get("node_epoch", 0) or 0)
+            sent = time.monotonic()
             await asyncio.to_thread(self.store.register, self.node_id, cfg.advertised_host,
                                     cfg.advertised_port, self.rack, self.instance, self.lease_ms,
                                     home, epoch, encode_listeners(cfg.listener_list()))
         except NodeIdInUse as e:
             raise ClusterError(str(e)) from None
+        self.own_lease.renewed(sent)
         await self._elect()
         await self._refresh()
         log.info("cluster joined node_id=%d rack=%s live_brokers=%s controller=%d",
@@ -292,9 +297,12 @@ class ClusterRoom:
         while True:
             await asyncio.sleep(self.heartbeat_s)
             try:
+                sent = time.monotonic()     # the lease runs from the send, not the answer
                 ok = await asyncio.to_thread(self.store.heartbeat, self.node_id, self.instance,
                                              self.lease_ms)
-                if not ok:
+                if ok:
+                    self.own_lease.renewed(sent)
+                else:
                     row = await asyncio.to_thread(self.store.broker, self.node_id)
                     if row is not None and row.instance == self.instance \
                             and row.state in (FENCED, TAKEN_OVER):
@@ -363,7 +371,9 @@ class ClusterRoom:
         now = now_ms()
         rows = await asyncio.to_thread(self.store.brokers)
         self.rows = {b.node_id: b for b in rows}
-        live = {b.node_id: b for b in rows if b.lease_until_ms > now and b.state != STOPPED}
+        self.watch.observe(rows, now)
+        live = {b.node_id: b for b in rows if b.state != STOPPED
+                and self.watch.alive(b.node_id, max(self.lease_ms, b.lease_ms))}
         changed = set(live) != set(self.live) or any(
             live[n].state != self.live[n].state for n in live if n in self.live)
         self.live = live
@@ -551,20 +561,21 @@ class ClusterRoom:
         their WAL to a live taker; give a takeover whose taker failed or left to another."""
         assert self.store is not None
         ctl = (self.node_id, self.controller_epoch)
-        now = now_ms()
         takers = sorted(n for n, b in self.live.items() if b.state == LIVE) or [self.node_id]
         for n, b in list(self.rows.items()):
             if n == self.node_id or n in self.live:
                 continue
             # spread takeovers: the dead node's successor in the ring of live brokers
             taker = next((t for t in takers if t > n), takers[0])
-            if b.state in (LIVE, DRAINING) and b.lease_until_ms + self.margin_ms < now:
+            # its lease as it sees it ended before ours (lease.py): no wall clocks compared
+            lease = max(self.lease_ms, b.lease_ms)
+            if b.state in (LIVE, DRAINING) and self.watch.expired(n, lease, self.margin_ms):
                 row = await asyncio.to_thread(self.store.fence, n, b.instance,
                                               b.lease_until_ms, taker, ctl)
                 if row is not None:
                     log.warning("broker fenced node_id=%d node_epoch=%d lease_lapsed_ms=%d "
                                 "taker=%d takeover_epoch=%d", n, row.node_epoch,
-                                now - b.lease_until_ms, taker, row.takeover_epoch)
+                                self.watch.unchanged_ms(n) - lease, taker, row.takeover_epoch)
                     self._wake.set()
             elif b.state == FENCED and b.taker not in self.live:
                 if await asyncio.to_thread(self.store.assign_taker, n, b.takeover_epoch, taker,

@@ -37,6 +37,8 @@ ALTER TABLE cluster_brokers ADD COLUMN taker BIGINT NOT NULL DEFAULT -1;
 ALTER TABLE cluster_brokers ADD COLUMN takeover_epoch BIGINT NOT NULL DEFAULT 0
 """), (3, """
 ALTER TABLE cluster_brokers ADD COLUMN listeners TEXT NOT NULL DEFAULT ''
+"""), (4, """
+ALTER TABLE cluster_brokers ADD COLUMN lease_ms BIGINT NOT NULL DEFAULT 0
 """)]
 
 ACTIVE, MOVING = "active", "moving"
@@ -65,6 +67,7 @@ class BrokerRow:
     takeover_epoch: int = 0
     home: str = ""          # "host:WAL path" (SQLite metadata: one host only)
     listeners: str = ""       # advertised named listeners, NAME://host:port,... (listeners.py)
+    lease_ms: int = 0        # the broker's own lease length (0: registered before step 4)
 
 
 @dataclass
@@ -130,24 +133,28 @@ class ClusterStore:
                 raise NodeIdInUse(f"node id {node_id} is already used by a live broker at "
                                   f"{row[0]}:{row[1]}")
             db.execute("INSERT INTO cluster_brokers(node_id, host, port, rack, instance, state, "
-                       "lease_until_ms, home, listeners) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
-                       "ON CONFLICT "
+                       "lease_until_ms, home, listeners, lease_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, "
+                       "?) ON CONFLICT "
                        "(node_id) DO UPDATE SET host = excluded.host, port = excluded.port, "
                        "rack = excluded.rack, instance = excluded.instance, state = "
                        "excluded.state, lease_until_ms = excluded.lease_until_ms, home = "
-                       "excluded.home, listeners = excluded.listeners",
+                       "excluded.home, listeners = excluded.listeners, lease_ms = excluded.lease_ms",
                        (node_id, host, port, rack, instance, LIVE, now + lease_ms, home,
-                        listeners))
+                        listeners, lease_ms))
             self._bump(db)
         return self._tx(body)
 
     def heartbeat(self, node_id: int, instance: str, lease_ms: int) -> bool:
         """Renew the lease; False when another instance took the node id over or this one
-        was fenced (its lease had lapsed: a zombie never gets it back)."""
+        was fenced (its lease had lapsed: a zombie never gets it back). The lease column
+        strictly increases with every renewal: others watch it change on their own monotonic
+        clocks (broker/cluster/lease.py), whatever this host's wall clock does."""
         def body(db: Any) -> Any:
-            n = db.execute("UPDATE cluster_brokers SET lease_until_ms = ? WHERE node_id = ? "
+            until = now_ms() + lease_ms
+            n = db.execute("UPDATE cluster_brokers SET lease_until_ms = CASE WHEN ? > "
+                           "lease_until_ms THEN ? ELSE lease_until_ms + 1 END WHERE node_id = ? "
                            "AND instance = ? AND state NOT IN (?, ?)",
-                           (now_ms() + lease_ms, node_id, instance, FENCED, TAKEN_OVER))
+                           (until, until, node_id, instance, FENCED, TAKEN_OVER))
             return n == 1
         return self._tx(body)
 
@@ -167,7 +174,8 @@ class ClusterStore:
     def brokers(self) -> list[BrokerRow]:
         return [BrokerRow(*r) for r in self._query(
             "SELECT node_id, host, port, rack, instance, state, lease_until_ms, node_epoch, "
-            "taker, takeover_epoch, home, listeners FROM cluster_brokers ORDER BY node_id")]
+            "taker, takeover_epoch, home, listeners, lease_ms FROM cluster_brokers "
+            "ORDER BY node_id")]
 
     def broker(self, node_id: int) -> BrokerRow | None:
         rows = [b for b in self.brokers() if b.node_id == node_id]

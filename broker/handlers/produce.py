@@ -10,6 +10,12 @@ pipeline up to five).
 The request's ``records`` are views into the request frame, which the server hands over as an
 owned buffer: the partition writes offsets into it in place (no copy). The answer is encoded
 directly (``protocol.produce_fast.encode_produce_response``), not through the generic codec.
+
+In a cluster a broker appends and acknowledges only while its own lease is valid
+(broker/cluster/lease.py, monotonic clock): past it, nothing is appended and appends that
+completed after it are not acknowledged; both answer NOT_LEADER_OR_FOLLOWER, which every Kafka
+client retries after refreshing metadata (an idempotent producer keeps its sequence numbers,
+so a retry of an append that did reach the WAL is answered as a duplicate at its offset).
 """
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ from .registry import RequestContext, handler
 log = logging.getLogger(__name__)
 
 PRODUCE = 0
+LEASE_LAPSED = AppendResult(error=ErrorCode.NOT_LEADER_OR_FOLLOWER,
+                            message="this broker's cluster lease lapsed; retry")
 
 
 async def _append(topic: Any, index: int, records: Any, version: int) -> AppendResult:
@@ -59,6 +67,10 @@ async def handle_produce(ctx: RequestContext, req: Any) -> Any:
     refused: AppendResult | None = None
     if acks not in (-1, 0, 1):
         refused = AppendResult(error=ErrorCode.INVALID_REQUIRED_ACKS)
+    cluster = getattr(ctx.broker, "cluster", None)
+    lease = cluster.own_lease if cluster is not None else None
+    if refused is None and lease is not None and not lease.valid():
+        refused = LEASE_LAPSED      # append nothing while another broker may take our WAL
 
     # (topic key for the answer, [(partition index, result or pending append)])
     plan: list[tuple[Any, list[tuple[int, Any]]]] = []
@@ -101,6 +113,8 @@ async def handle_produce(ctx: RequestContext, req: Any) -> Any:
                 if isinstance(job, asyncio.Future):
                     jobs[i] = (index, await job)
 
+    if lease is not None and pending and not lease.valid():
+        _withhold(plan, lease)      # the lease ended while appending: acknowledge nothing
     stats = stats_of(ctx.broker)
     if acks == 0:
         for _, jobs in plan:
@@ -164,3 +178,12 @@ def _with_current_leaders(ctx: RequestContext, version: int,
                                    rack=getattr(cluster.live.get(n), "rack", None) or None)
                  for n in sorted(leaders) if (ep := cluster.endpoint(n, of_connection(ctx))) is not None]
     return Resp(version=version, responses=out, throttle_time_ms=0, node_endpoints=endpoints)
+
+
+def _withhold(plan: list[tuple[Any, list[tuple[int, Any]]]], lease: Any) -> None:
+    """Replace every successful result by LEASE_LAPSED (the client retries)."""
+    for _, jobs in plan:
+        for i, (index, r) in enumerate(jobs):
+            if not r.error:
+                jobs[i] = (index, LEASE_LAPSED)
+                lease.withhold()

@@ -1,0 +1,114 @@
+"""Leases measured on monotonic clocks: this broker's own, and what it observes of others.
+
+Fencing must not depend on two machines agreeing on the time of day. So:
+
+- ``OwnLease``: a broker may acknowledge produces only until (the monotonic time at which its
+  last *successful* renewal was sent) + lease. The renewal reached the database after it was
+  sent, so everyone who later sees it sees it no earlier than that: the broker's own view
+  always ends first.
+- ``LeaseWatch``: every broker notes, on its own monotonic clock, when it last saw each
+  broker row's lease column change. The controller fences a broker only after that row has
+  not changed for its lease + the takeover margin. The renewal it last saw was written after
+  the owner sent it, so the owner's lease had ended (by at least the margin, less clock-rate
+  drift) before anyone touches its WAL. The lease column's value is only a renewal counter
+  here; its wall-clock meaning is used as a hint for rows never seen change (a broker that
+  starts does not wait a lease for long-dead rows to look dead - it still waits lease + margin
+  before fencing them).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+log = logging.getLogger("broker.cluster")
+
+
+class OwnLease:
+    """This broker's lease on its own monotonic clock (checked on every produce answer)."""
+
+    def __init__(self, lease_ms: int) -> None:
+        self.lease_s = lease_ms / 1000.0
+        self.valid_until = 0.0          # monotonic; 0: never renewed (not a cluster member yet)
+        self.enforced = False           # set once registered: before that, nothing to fence
+        self.lapsed_at: float | None = None
+        self.withheld = 0               # produce answers refused while lapsed (this lapse)
+
+    def renewed(self, sent_at: float) -> None:
+        """A renewal sent at monotonic ``sent_at`` succeeded."""
+        until = sent_at + self.lease_s
+        if until > self.valid_until:
+            self.valid_until = until
+        self.enforced = True
+        if self.lapsed_at is not None and time.monotonic() < self.valid_until:
+            log.warning("lease renewed: acknowledging produces again after %.0f ms "
+                        "(answers withheld=%d)", (time.monotonic() - self.lapsed_at) * 1000,
+                        self.withheld)
+            self.lapsed_at = None
+            self.withheld = 0
+
+    def valid(self) -> bool:
+        """Whether produces may be appended and acknowledged now."""
+        if not self.enforced:
+            return True
+        now = time.monotonic()
+        if now < self.valid_until:
+            return True
+        if self.lapsed_at is None:
+            self.lapsed_at = now
+            log.warning("lease lapsed %.0f ms ago (no successful renewal): withholding produce "
+                        "acknowledgements (NOT_LEADER_OR_FOLLOWER) until one succeeds",
+                        (now - self.valid_until) * 1000)
+        return False
+
+    def withhold(self, n: int = 1) -> None:
+        self.withheld += n
+
+    def remaining_ms(self) -> float:
+        return (self.valid_until - time.monotonic()) * 1000
+
+
+@dataclass
+class _Seen:
+    instance: str
+    lease_value: int
+    at: float              # monotonic time we first saw this (instance, lease value)
+    wall_expired: bool     # first sight ever, and the value's wall time had passed
+
+
+class LeaseWatch:
+    """When each broker row's lease last changed, on this broker's monotonic clock."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, _Seen] = {}
+
+    def observe(self, rows: Iterable[object], now_ms: int) -> None:
+        now = time.monotonic()
+        seen: dict[int, _Seen] = {}
+        for r in rows:
+            node, inst, value = r.node_id, r.instance, r.lease_until_ms  # type: ignore[attr-defined]
+            old = self._seen.get(node)
+            if old is not None and old.instance == inst and old.lease_value == value:
+                seen[node] = old
+            else:
+                seen[node] = _Seen(inst, value, now, old is None and value <= now_ms)
+        self._seen = seen
+
+    def unchanged_ms(self, node: int) -> float:
+        """How long the row's lease has not changed, as seen here (0 for an unknown row)."""
+        s = self._seen.get(node)
+        return 0.0 if s is None else (time.monotonic() - s.at) * 1000
+
+    def alive(self, node: int, lease_ms: int) -> bool:
+        """Renewed within a lease as seen here (a first sight of a row whose wall-clock lease
+        had already ended counts as not alive: only a hint, fencing never relies on it)."""
+        s = self._seen.get(node)
+        if s is None or s.lease_value <= 0 or s.wall_expired:
+            return False
+        return (time.monotonic() - s.at) * 1000 < lease_ms
+
+    def expired(self, node: int, lease_ms: int, margin_ms: int) -> bool:
+        """Safe to fence: no renewal seen for lease + margin on this broker's clock."""
+        s = self._seen.get(node)
+        return s is not None and (time.monotonic() - s.at) * 1000 > lease_ms + margin_ms
