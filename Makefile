@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: run test test-fast bench venv test-deps clean chaos-backpressure chaos
+.PHONY: run test test-fast bench bench-failover venv test-deps clean chaos-backpressure chaos
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -51,6 +51,11 @@ chaos: test-deps
 bench: $(VENV)/.test-installed
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m bench.run_all
+
+# kill -9 of one of 3 brokers under load, default lease; 3 runs, ~2.5 min (not in `bench`)
+bench-failover: $(VENV)/.test-installed
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python -m bench.failover $(ARGS)
 
 clean:
 	rm -rf $(VENV) data build *.egg-info tests/.cache
