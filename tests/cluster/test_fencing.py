@@ -16,13 +16,11 @@ import pytest
 from kafka.admin import KafkaAdminClient, NewTopic
 
 from broker.cluster.lease import LeaseWatch, OwnLease
-from .conftest import wait_for
-from .test_cluster import leaders, read_all
+from .kit import FAILOVER_FLAGS, leaders, read_all, wait_for, wait_leaders, wait_live
 from .test_failover import PARTITIONS, TimedLoad
 
-LEASE_S = 2.0
-FLAGS = ("--cluster-lease-ms", str(int(LEASE_S * 1000)), "--cluster-takeover-margin-ms", "500",
-         "--upload-interval-s", "30")
+LEASE_S = 2.0                   # FAILOVER_FLAGS: lease 2 s, margin 0.5 s
+FLAGS = (*FAILOVER_FLAGS, "--upload-interval-s", "30")
 
 
 def check_read_back(boot: str, topic: str, acked_list: list) -> int:
@@ -123,7 +121,7 @@ def test_broker_cut_off_from_metadata_stops_acknowledging_within_its_lease(broke
     b = broker_factory(["--metadata", metadata_url, *FLAGS])
     admin = KafkaAdminClient(bootstrap_servers=b.bootstrap)
     admin.create_topics([NewTopic("cut", PARTITIONS, 1)])
-    wait_for(lambda: len(leaders(admin, "cut")) == PARTITIONS, what="leaders")
+    wait_leaders(admin, "cut", PARTITIONS)
     admin.close()
     load = TimedLoad(b.bootstrap, "cut")
     blocker = _Blocker(metadata_url)
@@ -173,10 +171,9 @@ def test_taker_killed_mid_takeover_third_broker_takes_over_both(broker_factory, 
                                    *FLAGS], env=env))
     boot = ",".join(b.bootstrap for b in brokers)
     admin = KafkaAdminClient(bootstrap_servers=boot)
-    wait_for(lambda: len(admin.describe_cluster()["brokers"]) == 3, what="3 live brokers")
+    wait_live(admin, 3)
     admin.create_topics([NewTopic("tk", PARTITIONS, 1)])
-    wait_for(lambda: (len(ls := leaders(admin, "tk")) == PARTITIONS
-                      and all(lead >= 0 for lead, _ in ls.values())), what="leaders")
+    wait_leaders(admin, "tk", PARTITIONS)
     time.sleep(0.5)
     before = leaders(admin, "tk")
     admin.close()
