@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
+
+T = TypeVar("T")
 
 # a short lease and takeover margin: failover in ~3 s instead of ~7 s (tests only)
 FAILOVER_FLAGS = ("--cluster-lease-ms", "2000", "--cluster-takeover-margin-ms", "500")
@@ -55,6 +57,23 @@ def leaders(admin: Any, topic: str) -> dict[int, tuple[int, int]]:
     """partition -> (leader, leader epoch) as Metadata reports them (kafka-python admin)."""
     d = admin.describe_topics([topic])[0]
     return {p["partition_index"]: (p["leader_id"], p["leader_epoch"]) for p in d["partitions"]}
+
+
+def ask(bootstrap: str, call: Callable[[Any], T], timeout: float = 30.0, what: str = "") -> T:
+    """``call(admin)`` on a fresh kafka-python admin bootstrapped on ``bootstrap`` (the brokers
+    known to be up) with a short request timeout, retried with another fresh admin until it
+    answers. A paused broker (SIGSTOP) keeps its TCP connections open and never answers: an
+    admin that learnt of it before the pause may send it any request and wait its whole
+    request timeout (30 s by default), so ask only the survivors, and anew each time."""
+    from kafka.admin import KafkaAdminClient  # noqa: PLC0415
+
+    def once() -> tuple[T]:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=3000)
+        try:
+            return (call(admin),)
+        finally:
+            admin.close()
+    return wait_for(once, timeout=timeout, what=what or f"an answer from {bootstrap}")[0]
 
 
 def wait_live(admin: Any, n: int, timeout: float = 30.0) -> None:

@@ -20,7 +20,7 @@ import pytest
 from confluent_kafka import Producer
 from kafka.admin import KafkaAdminClient, NewTopic
 
-from .kit import FAILOVER_FLAGS, leaders, read_all, wait_for, wait_leaders, wait_live
+from .kit import FAILOVER_FLAGS, ask, leaders, read_all, wait_for, wait_leaders, wait_live
 
 pytestmark = pytest.mark.slow
 
@@ -86,9 +86,10 @@ def test_dead_broker_fails_over_and_rejoins(cluster_factory, metadata_url, fault
     load = TimedLoad(boot, "fo")
     wait_for(lambda: {p for p, *_ in load.acked} >= set(range(PARTITIONS)), what="acks")
     time.sleep(1.0)
-    admin.close()      # its connection to a paused victim would wait 30 s for an answer
-    admin = KafkaAdminClient(bootstrap_servers=",".join(
-        b.bootstrap for i, b in enumerate(brokers) if i != victim))
+    admin.close()
+    # from here on ask only the survivors, each time through a fresh admin (kit.ask): an admin
+    # that knew the victim may send it a request, which a paused victim never answers
+    survivors = ",".join(b.bootstrap for i, b in enumerate(brokers) if i != victim)
     if fault.startswith("kill"):
         brokers[victim].kill()
     else:
@@ -107,7 +108,7 @@ def test_dead_broker_fails_over_and_rejoins(cluster_factory, metadata_url, fault
     print(f"\nfailover: partitions {dead_parts} of broker {victim} accept produces again "
           f"{recover_s:.2f} s after {fault} (per partition: "
           f"{ {p: round(t, 2) for p, t in sorted(first.items())} })")
-    after = leaders(admin, "fo")
+    after = ask(survivors, lambda a: leaders(a, "fo"))
     for p in dead_parts:
         lead, epoch = after[p]
         assert lead not in (victim, -1) and epoch > before[p][1], (p, before[p], after[p])
@@ -130,7 +131,8 @@ def test_dead_broker_fails_over_and_rejoins(cluster_factory, metadata_url, fault
                                           if "lease lapsed" in zombie else "no produce seen"))
     # the killed broker restarts: fresh WAL at a higher node epoch, gets its share back
     brokers[victim].start()
-    wait_for(lambda: len(admin.describe_cluster()["brokers"]) == 3, what="rejoined")
+    admin = KafkaAdminClient(bootstrap_servers=boot, request_timeout_ms=5000)
+    wait_live(admin, 3)
     wait_for(lambda: any(lead == victim for lead, _ in leaders(admin, "fo").values()),
              timeout=30, what="the restarted broker leads partitions again")
     assert "formatting it afresh node_epoch=1" in brokers[victim].log_text()

@@ -16,7 +16,7 @@ import pytest
 from kafka.admin import KafkaAdminClient, NewTopic
 
 from broker.cluster.lease import LeaseWatch, OwnLease
-from .kit import FAILOVER_FLAGS, leaders, read_all, wait_for, wait_leaders, wait_live
+from .kit import FAILOVER_FLAGS, ask, leaders, read_all, wait_for, wait_leaders, wait_live
 from .test_failover import PARTITIONS, TimedLoad
 
 LEASE_S = 2.0                   # FAILOVER_FLAGS: lease 2 s, margin 0.5 s
@@ -216,7 +216,7 @@ def test_taker_killed_mid_takeover_third_broker_takes_over_both(broker_factory, 
     print(f"broker 0: {m.group(0) if m else '?'}")
     if how == "takeover_after_commit":      # broker 2 had committed them all: nothing twice
         assert m and int(m.group(2)) == 0 and int(m.group(3)) == int(m.group(1)), m.group(0)
-    after = leaders(KafkaAdminClient(bootstrap_servers=brokers[0].bootstrap), "tk")
+    after = ask(brokers[0].bootstrap, lambda a: leaders(a, "tk"))
     assert {lead for lead, _ in after.values()} == {0}, after
     print(f"acknowledged {check_read_back(brokers[0].bootstrap, 'tk', load.acked)} records, "
           f"all read back once")
