@@ -322,6 +322,53 @@ def lock_wal(cfg: BrokerConfig, created: list[str]) -> int:
     return fd
 
 
+def fenced_taker(cfg: BrokerConfig) -> int | None:
+    """The broker taking this node's WAL over while its cluster row is ``fenced``; None
+    otherwise (no such row, no cluster tables, database unreachable). Read-only."""
+    from broker.cluster.store import FENCED  # noqa: PLC0415
+    from storage import sqldb  # noqa: PLC0415
+
+    url = cfg.metadata_url
+    if not sqldb.is_postgres_url(url) and not os.path.exists(sqldb.sqlite_path(url)):
+        return None
+    try:
+        db = sqldb.connect(url)
+    except Exception:  # noqa: BLE001 - not our question to answer here
+        return None
+    try:
+        rows = db.query("SELECT state, taker FROM cluster_brokers WHERE node_id = ?",
+                        (cfg.node_id,))
+    except Exception:  # noqa: BLE001 - no cluster tables yet
+        return None
+    finally:
+        db.close()
+    return int(rows[0][1]) if rows and rows[0][0] == FENCED else None
+
+
+def lock_wal_after_takeover(cfg: BrokerConfig, created: list[str]) -> int:
+    """``lock_wal``, except that a fenced node whose WAL its taker holds waits for the
+    takeover to finish (docs/cluster.md: up to ``cluster_takeover_wait_s``, logged once)
+    instead of refusing: restarting a broker right after it was fenced is what supervisors
+    do."""
+    deadline: float | None = None
+    while True:
+        try:
+            return lock_wal(cfg, created)
+        except StartupError:
+            taker = fenced_taker(cfg)
+            if taker is None:
+                raise
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + float(getattr(cfg, "cluster_takeover_wait_s", 120.0))
+                log.warning("waiting for the takeover of this node's WAL by broker %d "
+                            "(it holds the WAL's lock while it recovers it)", taker)
+            elif now > deadline:
+                raise StartupError(f"node id {cfg.node_id} is being taken over by broker "
+                                   f"{taker}; start again when that is done") from None
+            time.sleep(0.5)
+
+
 def prepare(cfg: BrokerConfig) -> Startup:
     """Run every check, then take the locks. Raises StartupError (nothing changed on disk)."""
     check_data_dir(cfg)
@@ -347,7 +394,7 @@ def prepare(cfg: BrokerConfig) -> Startup:
     try:
         startup.lock_fds.append(lock_data_dir(cfg, startup.created))
         if cfg.storage == "engine":
-            startup.lock_fds.append(lock_wal(cfg, startup.created))
+            startup.lock_fds.append(lock_wal_after_takeover(cfg, startup.created))
     except BaseException:
         startup.release(undo=True)
         raise

@@ -14,6 +14,11 @@ Fencing must not depend on two machines agreeing on the time of day. So:
   here; its wall-clock meaning is used as a hint for rows never seen change (a broker that
   starts does not wait a lease for long-dead rows to look dead - it still waits lease + margin
   before fencing them).
+- A watcher that could not reach the database for a while (a PostgreSQL outage, its own
+  pause: no read for ``blind_ms``, or its own renewals failing) cannot tell a broker that
+  died from one that was cut off as it was: that time does not count as anyone's silence, so
+  after the database is back the others have (nearly) a full lease + margin to renew before
+  anyone is fenced. A broker that really died is fenced that much later.
 """
 from __future__ import annotations
 
@@ -80,17 +85,39 @@ class _Seen:
 class LeaseWatch:
     """When each broker row's lease last changed, on this broker's monotonic clock."""
 
-    def __init__(self) -> None:
+    def __init__(self, blind_ms: float = 1000.0) -> None:
         self._seen: dict[int, _Seen] = {}
+        self.blind_ms = blind_ms        # a gap between reads this long: we were blind
+        self._last: float | None = None  # monotonic time of the last read
+        self._blind_since: float | None = None     # set by blind_since()
+        self.blind_gaps = 0
+
+    def blind_since(self, since: float) -> None:
+        """Our own writes to the database failed from monotonic ``since`` until now (reads
+        may have worked): whoever was alive then may have been cut off as we were."""
+        self._blind_since = since if self._blind_since is None else min(self._blind_since,
+                                                                         since)
 
     def observe(self, rows: Iterable[object], now_ms: int) -> None:
         now = time.monotonic()
+        since = self._blind_since
+        if self._last is not None and (now - self._last) * 1000 > self.blind_ms:
+            since = self._last if since is None else min(since, self._last)
+        blind = since is not None
+        if blind:
+            self.blind_gaps += 1
+            log.warning("metadata unreachable for %.0f ms: that time does not count towards "
+                        "any broker's lease lapse", (now - since) * 1000)  # type: ignore[operator]
+        self._last, self._blind_since = now, None
         seen: dict[int, _Seen] = {}
         for r in rows:
             node, inst, value = r.node_id, r.instance, r.lease_until_ms  # type: ignore[attr-defined]
             old = self._seen.get(node)
             if old is not None and old.instance == inst and old.lease_value == value:
-                seen[node] = old
+                # unchanged; the time we were blind does not count as its silence: it may
+                # have been cut off just as we were
+                seen[node] = old if not blind else _Seen(
+                    inst, value, min(now, old.at + (now - since)), old.wall_expired)  # type: ignore[operator]
             else:
                 seen[node] = _Seen(inst, value, now, old is None and value <= now_ms)
         self._seen = seen

@@ -75,7 +75,10 @@ class ClusterRoom:
                                           TAKEOVER_MARGIN_MS))
         self.heartbeat_s = min(HEARTBEAT_S, self.lease_ms / 4000)
         self.own_lease = OwnLease(self.lease_ms)    # produce answers only while valid
-        self.watch = LeaseWatch()                   # others' renewals on our monotonic clock
+        # others' renewals on our monotonic clock; unable to read the database for half a
+        # lease, we count everyone's silence afresh (lease.py: dead or cut off like us?)
+        self.watch = LeaseWatch(blind_ms=max(self.lease_ms / 2, 4 * POLL_S * 1000))
+        self._renewed_at = time.monotonic()          # send time of the last good renewal
         self.rows: dict[int, BrokerRow] = {}
         self._takeovers: dict[int, asyncio.Task] = {}
         self._placement = Placement([self.node_id])
@@ -96,6 +99,7 @@ class ClusterRoom:
         except NodeIdInUse as e:
             raise ClusterError(str(e)) from None
         self.own_lease.renewed(sent)
+        self._renewed_at = sent
         await self._elect()
         await self._refresh()
         log.info("cluster joined node_id=%d rack=%s live_brokers=%s controller=%d",
@@ -301,6 +305,10 @@ class ClusterRoom:
                 ok = await asyncio.to_thread(self.store.heartbeat, self.node_id, self.instance,
                                              self.lease_ms)
                 if ok:
+                    if sent - self._renewed_at > self.watch.blind_ms / 1000:
+                        # our renewals failed for a while: so may everyone's have (lease.py)
+                        self.watch.blind_since(self._renewed_at)
+                    self._renewed_at = sent
                     self.own_lease.renewed(sent)
                 else:
                     row = await asyncio.to_thread(self.store.broker, self.node_id)
@@ -560,6 +568,8 @@ class ClusterRoom:
         """Controller: fence brokers whose lease lapsed more than the margin ago and give
         their WAL to a live taker; give a takeover whose taker failed or left to another."""
         assert self.store is not None
+        if not self.own_lease.valid():
+            return      # cut off ourselves: we cannot tell the dead from the cut off (lease.py)
         ctl = (self.node_id, self.controller_epoch)
         takers = sorted(n for n, b in self.live.items() if b.state == LIVE) or [self.node_id]
         for n, b in list(self.rows.items()):

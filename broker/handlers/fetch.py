@@ -148,6 +148,11 @@ async def handle_fetch(ctx: RequestContext, req: Any) -> Any:
                 p.remove_waiter(waiter)
             if not waiter.done():
                 waiter.cancel()
+    lease = getattr(cluster, "own_lease", None)
+    if lease is not None and not lease.valid():
+        # our cluster lease lapsed (paused, cut off): another broker may own our WAL and these
+        # partitions by now, and what we hold may include appends it never saw - serve nothing
+        results = [ReadResult(error=ErrorCode.NOT_LEADER_OR_FOLLOWER) for _ in results]
 
     responses = []
     leaders: set[int] = set()
