@@ -24,9 +24,12 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 from .config import BrokerConfig
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -345,15 +348,15 @@ def fenced_taker(cfg: BrokerConfig) -> int | None:
     return int(rows[0][1]) if rows and rows[0][0] == FENCED else None
 
 
-def lock_wal_after_takeover(cfg: BrokerConfig, created: list[str]) -> int:
-    """``lock_wal``, except that a fenced node whose WAL its taker holds waits for the
-    takeover to finish (docs/cluster.md: up to ``cluster_takeover_wait_s``, logged once)
-    instead of refusing: restarting a broker right after it was fenced is what supervisors
-    do."""
+def after_takeover(cfg: BrokerConfig, check: Callable[[], T]) -> T:
+    """``check()`` (the WAL's inspection or lock), except that a fenced node whose WAL its
+    taker holds waits for the takeover to finish (docs/cluster.md: up to
+    ``cluster_takeover_wait_s``, logged once) instead of refusing: restarting a broker right
+    after it was fenced is what supervisors do."""
     deadline: float | None = None
     while True:
         try:
-            return lock_wal(cfg, created)
+            return check()
         except StartupError:
             taker = fenced_taker(cfg)
             if taker is None:
@@ -373,7 +376,7 @@ def prepare(cfg: BrokerConfig) -> Startup:
     """Run every check, then take the locks. Raises StartupError (nothing changed on disk)."""
     check_data_dir(cfg)
     check_metadata(cfg)
-    wal_state = check_wal(cfg) if cfg.storage == "engine" else ""
+    wal_state = after_takeover(cfg, lambda: check_wal(cfg)) if cfg.storage == "engine" else ""
     check_listen(cfg)
     startup = Startup()
     if cfg.storage == "engine":
@@ -394,7 +397,7 @@ def prepare(cfg: BrokerConfig) -> Startup:
     try:
         startup.lock_fds.append(lock_data_dir(cfg, startup.created))
         if cfg.storage == "engine":
-            startup.lock_fds.append(lock_wal_after_takeover(cfg, startup.created))
+            startup.lock_fds.append(after_takeover(cfg, lambda: lock_wal(cfg, startup.created)))
     except BaseException:
         startup.release(undo=True)
         raise
