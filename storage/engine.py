@@ -68,6 +68,9 @@ class EngineConfig:
     stream_object_threshold_bytes: int = 8 << 20   # a stream's run this big gets its own object
     object_block_bytes: int = 512 << 10      # data block size inside objects
     readahead_max_bytes: int = 32 << 20
+    # file:// objects written with O_DIRECT (no page-cache copy: less CPU per uploaded MiB,
+    # but cold reads then come from the device, not the page cache); docs/storage.md
+    object_direct_writes: bool = False
     compaction_interval_s: float = 300.0
     compaction_min_objects: int = 4          # compact when this many small objects exist
     compaction_max_bytes: int = 256 << 20    # most bytes one compaction round reads
@@ -400,7 +403,10 @@ class Engine(StreamStore):
         self.over_capacity_error = OverCapacityError
         self.fenced_error = FencedError
         self.meta = await self.io(open_metastore, c.metadata_url)
-        self.store = MeasuredStore(await self.io(open_object_store, c.object_store), self.stats)
+        inner = await self.io(open_object_store, c.object_store)
+        if hasattr(inner, "direct_writes"):
+            inner.direct_writes = c.object_direct_writes
+        self.store = MeasuredStore(inner, self.stats)
         self.reader = ObjectReader(self.store, self.cold_io, c.block_cache_bytes,
                                    c.readahead_max_bytes)
         self.maintenance = Maintenance(self)

@@ -105,9 +105,12 @@ def _read_range(fd: int, start: int, n: int) -> bytes | memoryview:
 class FileObjectStore(ObjectStore):
     """Objects as files under a directory; put writes a temp file durably, then renames."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, direct_writes: bool = False) -> None:
         self.root = os.path.abspath(root)
         self.url = "file://" + self.root
+        # page-aligned objects bypass the page cache (see put); the engine sets this from
+        # EngineConfig.object_direct_writes
+        self.direct_writes = direct_writes
         os.makedirs(self.root, exist_ok=True)
 
     def _path(self, key: str) -> str:
@@ -128,13 +131,14 @@ class FileObjectStore(ObjectStore):
         ms), and the upload itself finished sooner (13-15 ms instead of 34-45 ms for 10.7
         MB), bench/HISTORY.md.
 
-        A page-aligned buffer (the engine encodes into an mmap) is written with O_DIRECT, up
-        to its last whole 4 KiB: copying it into the page cache and writing that back was 30 %
-        of the broker's CPU under 1 MiB produce (bench/HISTORY.md, issue 20). Each direct
-        write returns once the device has it, so still at most one piece is queued in front
-        of the WAL, and one fdatasync at the end flushes the device cache and the size. The
-        unaligned tail, and every write where O_DIRECT is refused (tmpfs), go through the
-        page cache as before."""
+        With ``direct_writes``, a page-aligned buffer (the engine encodes into an mmap) is
+        written with O_DIRECT, up to its last whole 4 KiB: copying it into the page cache and
+        writing that back was 30 % of the broker's CPU under 1 MiB produce (bench/HISTORY.md,
+        issue 20). Each direct write returns once the device has it, so still at most one
+        piece is queued in front of the WAL, and one fdatasync at the end flushes the device
+        cache and the size. The unaligned tail, and every write where O_DIRECT is refused
+        (tmpfs), go through the page cache as before. Off by default: cold reads then come
+        from the device instead of the page cache (on the shared test VM 3x slower)."""
         path = self._path(key)
         parent = os.path.dirname(path)
         os.makedirs(parent, exist_ok=True)
@@ -143,7 +147,7 @@ class FileObjectStore(ObjectStore):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                direct = _write_direct(fd, view)
+                direct = _write_direct(fd, view) if self.direct_writes else 0
                 for at in range(direct, len(view), FILE_WRITE_CHUNK):
                     _write_all(fd, view[at:at + FILE_WRITE_CHUNK])
                     os.fdatasync(fd)         # the size too: fdatasync covers what reads need

@@ -127,6 +127,7 @@ def test_file_store_writes_page_aligned_objects_direct(tmp_path, monkeypatch) ->
     monkeypatch.setattr(store_mod.os, "write", write)
     monkeypatch.setattr(store_mod.os, "fdatasync", fdatasync)
     s = open_object_store(f"file://{tmp_path}/o")
+    s.direct_writes = True                    # EngineConfig.object_direct_writes
     chunk = store_mod.FILE_WRITE_CHUNK
     size = 2 * chunk + 12345
     buf = mmap.mmap(-1, 4 * chunk, flags=mmap.MAP_PRIVATE)
@@ -144,6 +145,11 @@ def test_file_store_writes_page_aligned_objects_direct(tmp_path, monkeypatch) ->
     s.put("d/offset", memoryview(buf)[1:size + 1])  # not aligned: the page cache as before
     assert all(not direct for _, _, direct in calls)
     assert s.get("d/offset") == bytes(buf[1:size + 1])
+    calls.clear()
+    plain = open_object_store(f"file://{tmp_path}/p")   # the default: through the page cache
+    plain.put("d/aligned", memoryview(buf)[:size])
+    assert [direct for kind, _, direct in calls if kind == "write"] == [False] * 3
+    assert plain.get("d/aligned") == data
 
 
 def test_file_store_reads_large_ranges_in_pieces_without_readahead(tmp_path, monkeypatch) -> None:
