@@ -88,21 +88,20 @@ class BrokerProc:
         return total if seen else float("nan")
 
     def wait_uploaded(self, timeout: float = 60.0) -> float:
-        """Wait until everything appended is uploaded and trimmed from the WAL (the upload
-        backlog leaves out the round being uploaded; the WAL is trimmed once it committed);
-        returns the wait."""
+        """Wait until the uploads of what was appended are done; returns the wait. Done: the
+        upload backlog is empty, or it is below the upload threshold (64 MiB by default: the
+        rest waits for the upload interval, 60 s) and no object was written for a second."""
         t0 = time.monotonic()
         last, same = None, 0
         while time.monotonic() - t0 < timeout:
             backlog = self.metric("s3kafka_upload_backlog_bytes")
-            used = self.metric("s3kafka_wal_used_bytes")
-            if backlog != backlog or used != used:      # NaN: no metrics, do not wait
+            uploaded = self.metric("s3kafka_uploaded_bytes_total")
+            if backlog != backlog or uploaded != uploaded:   # NaN: no metrics, do not wait
                 break
-            # the WAL keeps a partly used tail block: "trimmed" = no longer moving
-            same = same + 1 if used == last else 0
-            if backlog <= 0 and (used < (1 << 20) or same >= 4):
+            same = same + 1 if uploaded == last else 0
+            if backlog <= 0 or (backlog < (64 << 20) and same >= 4):
                 break
-            last = used
+            last = uploaded
             time.sleep(0.25)
         return time.monotonic() - t0
 

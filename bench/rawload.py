@@ -341,7 +341,7 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
                  create: bool, fetch: bool, pid: int | None = None, restart=None,
                  fetch_seconds: float = 5.0, settle=None) -> dict[str, Any]:
     """Raw produce; then (``fetch``) hot raw Fetch over the last HOT_FETCH_BYTES, read over
-    and over for ``fetch_seconds`` once the broker's upload backlog is empty (the data is still
+    and over for ``fetch_seconds`` once the broker's uploads are done (the data is still
     in the LogCache); then (``restart``: a callable restarting the broker, returning its
     bootstrap and pid; the shutdown uploads everything and empties the caches) one cold pass
     from the log start, through the object store."""
@@ -436,7 +436,7 @@ def run(seconds: float = 10, conns: int = 4, depth: int = 8, batch_bytes: int = 
                    "cluster thread (rdk:mock) in the bench process")
     if fetch:
         r.notes.append(f"hot fetch: the last {HOT_FETCH_BYTES >> 20} MiB written, read over and "
-                       f"over for {fetch_seconds:.0f} s (after 1 s untimed) once the broker's upload backlog was empty "
+                       f"over for {fetch_seconds:.0f} s (after 1 s untimed) once the broker's uploads were done "
                        f"(after {ours.get('settle_s', 0):.1f} s; the data is still in the LogCache); "
                        "cold fetch: after a restart (the shutdown uploads everything), one pass "
                        f"from the log start through the object store ({ours.get('cold_mib', 0):.0f}"
