@@ -180,7 +180,7 @@ def run_cluster_chaos(broker_factory: Any, s3_endpoint: Any, schedule: list[tupl
         _collect(out, cl, t_start)
         if details is not None and out.anomalies:
             _write_details(details, out, ledger, clog, records, cl.t0, cl.pg.activity(),
-                           _batches_of(cl, out.report, records))
+                           _batches_of(cl, out.report, records) + _groups_of(cl))
         return out
     finally:
         stop_w.set()
@@ -218,6 +218,24 @@ def _wait_groups(clog: ConsumeLog, ends: dict[int, int], timeout: float
         if not behind or time.monotonic() > deadline:
             return behind
         time.sleep(0.5)
+
+
+def _groups_of(cl: ChaosCluster) -> list[str]:
+    """What the coordinators say of each group at the end (state, members, assignments):
+    tells a group that never got partitions from one that got them and did not fetch."""
+    out = ["groups at the end (DescribeGroups):"]
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=cl.bootstrap, request_timeout_ms=10000)
+        try:
+            for g in admin.describe_consumer_groups(["chaos-ck", "chaos-kp"]):
+                out.append(f"  {g.group} state={g.state} members=" + "; ".join(
+                    f"{m.client_id}: {getattr(m.member_assignment, 'assignment', None)}"
+                    for m in g.members))
+        finally:
+            admin.close()
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        out.append(f"  unavailable: {e!r}")
+    return out
 
 
 def _batches_of(cl: ChaosCluster, report: Report | None,
@@ -265,7 +283,7 @@ def _write_details(path: Any, out: ClusterOutcome, ledger: Ledger, clog: Consume
     lines = [out.summary(), "", "ANOMALIES:", *out.anomalies, "",
              "PostgreSQL sessions (pid | app | port | state | wait type | wait | in xact "
              "| since | blocked by | query):", *[f"  {a}" for a in pg_activity or []], "",
-             "stored batches of duplicated values:", *(batches or []), "",
+             "stored batches of duplicated values, groups:", *(batches or []), "",
              "lost acknowledged values:"]
     for v in (out.report.lost if out.report else [])[:200]:
         p, o = ledger.acked[v]
