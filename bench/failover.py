@@ -119,12 +119,16 @@ class Cluster:
                             (TOPIC, partition, epoch)).fetchone()
         return None if row is None else int(row[0])
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
+        """Stop the brokers; their directory (logs) is kept when ``keep`` (a failed run)."""
         for b in self.brokers:
             if b.proc is not None and b.proc.poll() is None:
                 b.proc.kill()
                 b.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if keep:
+            print(f"run failed: brokers' logs kept in {self.dir}/b*/broker.log", flush=True)
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def leaders(admin) -> dict[int, tuple[int, int]]:
@@ -236,7 +240,7 @@ def one_run(rate: int, warmup: float) -> dict:
     finally:
         for pr in producers:
             pr.stop()
-        cl.close()
+        cl.close(keep=not res)
     return res
 
 
