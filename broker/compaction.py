@@ -49,6 +49,7 @@ from protocol.records import decode_records, rebuild_batch
 from storage.thread_priority import background_executor
 
 from .partition import Partition
+from .periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +212,7 @@ class LogCleaner:
                                 if isinstance(data_dir, str) and data_dir else None)
         self._load_checkpoint()
         self.passes = 0
-        self._task: asyncio.Task[None] | None = None
+        self._periodic = Periodic("s3kafka-log-cleaner", lambda: self.backoff_s, self._pass, log)
         self._executor = None
 
     # -- checkpoint ------------------------------------------------------------------------
@@ -248,34 +249,26 @@ class LogCleaner:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        if self._task is None and self.enabled:
-            self._task = asyncio.get_running_loop().create_task(self._run(),
-                                                                 name="s3kafka-log-cleaner")
+        if self.enabled:
+            self._periodic.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
-            self._task = None
+        await self._periodic.stop()
         if self._executor is not None:
             self._executor.shutdown(wait=False)
 
-    async def _run(self) -> None:
+    async def _pass(self) -> None:
+        """One pass over the compacted partitions this broker leads."""
         from .retention import broker_partitions  # noqa: PLC0415 - retention imports us
-        while True:
-            await asyncio.sleep(self.backoff_s)
-            for p in broker_partitions(self.broker):
-                if p.closed or not is_compacted(p.configs):
-                    continue
-                try:
-                    await self.clean(p)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:  # noqa: BLE001 - one partition must not stop the cleaner
-                    log.exception("log cleaner failed topic=%s partition=%d", p.topic, p.index)
+        for p in broker_partitions(self.broker):
+            if p.closed or not is_compacted(p.configs):
+                continue
+            try:
+                await self.clean(p)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - one partition must not stop the cleaner
+                log.exception("log cleaner failed topic=%s partition=%d", p.topic, p.index)
 
     async def _in_thread(self, fn: Any, *args: Any) -> Any:
         if self._executor is None:

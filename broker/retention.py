@@ -7,13 +7,13 @@ are compacted by the log cleaner (broker/compaction.py), started and stopped wit
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any, Iterable
 
 from .compaction import LogCleaner
 from .partition import Partition
+from .periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -86,36 +86,26 @@ class RetentionTask:
             float(ms) / 1000 if ms else DEFAULT_CHECK_INTERVAL_S)
         exp = getattr(cfg, "producer_id_expiration_ms", None)
         self.producer_id_expiration_ms = int(exp) if exp else DEFAULT_PRODUCER_ID_EXPIRATION_MS
-        self._task: asyncio.Task[None] | None = None
+        self._periodic = Periodic("s3kafka-retention", self.interval_s, self._pass, log)
         self.cleaner = LogCleaner(broker)
         setattr(broker, "_log_cleaner", self.cleaner)
 
     def start(self) -> None:
         self.cleaner.start()
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(),
-                                                                 name="s3kafka-retention")
+        self._periodic.start()
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            parts = broker_partitions(self.broker)
-            await apply_retention(parts)
-            now = int(time.time() * 1000)
-            for p in parts:
-                if p.producers.expire_idle(now, self.producer_id_expiration_ms):
-                    p.mark_changed()
-                p.snapshot()
+    async def _pass(self) -> None:
+        parts = broker_partitions(self.broker)
+        await apply_retention(parts)
+        now = int(time.time() * 1000)
+        for p in parts:
+            if p.producers.expire_idle(now, self.producer_id_expiration_ms):
+                p.mark_changed()
+            p.snapshot()
 
     async def stop(self) -> None:
         await self.cleaner.stop()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
-            self._task = None
+        await self._periodic.stop()
 
 
 def ensure_retention(broker: Any) -> None:

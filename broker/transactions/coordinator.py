@@ -23,6 +23,7 @@ from typing import Any
 
 from protocol import ErrorCode as E
 
+from ..periodic import Periodic
 from ..producer_state import EPOCH_MAX, producer_store_for
 from .markers import build_marker
 from .store import (COMPLETE_ABORT, COMPLETE_COMMIT, EMPTY, ONGOING, PREPARE_ABORT,
@@ -57,7 +58,7 @@ class TransactionCoordinator:
         self._locks: dict[str, asyncio.Lock] = {}
         self._io = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="s3kafka-txn-state")
-        self._task: asyncio.Task[None] | None = None
+        self._recovering = True
         self._closed = False
         self._active = True
         cfg = getattr(broker, "config", None)
@@ -65,22 +66,18 @@ class TransactionCoordinator:
         self.check_interval_s = float(getattr(cfg, "transaction_check_interval_s",
                                               CHECK_INTERVAL_S))
         self.expiration_ms = int(getattr(cfg, "transactional_id_expiration_ms", EXPIRATION_MS))
+        self._periodic = Periodic("s3kafka-txn-coordinator", self.check_interval_s, self._pass,
+                                  log, immediate=True)
 
     # --- life cycle ------------------------------------------------------------------------
     async def start(self) -> None:
         """Load every transactional id; unfinished transactions are finished by the loop."""
         await self._load()
-        self._task = asyncio.get_running_loop().create_task(self._loop(),
-                                                            name="s3kafka-txn-coordinator")
+        self._periodic.start()
 
     async def close(self) -> None:
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+        await self._periodic.stop()
         self._io.shutdown(wait=True)
         self.store.close()
 
@@ -114,18 +111,10 @@ class TransactionCoordinator:
             lock = self._locks[tid] = asyncio.Lock()
         return lock
 
-    async def _loop(self) -> None:
+    async def _pass(self) -> None:
         """Finish transactions a crash left prepared; abort the ones past their timeout."""
-        first = True
-        while not self._closed:
-            try:
-                if await self._tick(first):
-                    first = False
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - keep the coordinator alive, retry next tick
-                log.exception("transaction coordinator check failed")
-            await asyncio.sleep(self.check_interval_s)
+        if await self._tick(self._recovering):
+            self._recovering = False
 
     async def _tick(self, recovering: bool) -> bool:
         """One pass; False while the broker is still opening its topics (a marker for a
