@@ -53,6 +53,10 @@ _HELP = {
                                            "rate cap, 0 = none (default 32MiB)",
     "transaction_max_timeout_ms": "transaction.max.timeout.ms: larger transaction.timeout.ms "
                                   "values get INVALID_TRANSACTION_TIMEOUT (default 900000)",
+    "transaction_version": "the finalized transaction.version feature advertised in "
+                           "ApiVersions: 2 = KIP-890 part 2 (Kafka 4.x clients bump the "
+                           "producer epoch on every transaction), 1 = Kafka 3.x's protocol "
+                           "(default 2)",
     "group_min_session_timeout_ms": "group.min.session.timeout.ms (default 6000)",
     "group_max_session_timeout_ms": "group.max.session.timeout.ms (default 1800000)",
     "group_initial_rebalance_delay_ms": "group.initial.rebalance.delay.ms (default 3000, as "

@@ -49,6 +49,7 @@ class BrokerConfig:
     log_cleaner_dedupe_buffer_size: int = 128 << 20   # log.cleaner.dedupe.buffer.size
     log_cleaner_io_max_bytes_per_second: float = 32 << 20  # log.cleaner.io.max.bytes.per.second
     transaction_max_timeout_ms: int = 900_000    # Kafka's transaction.max.timeout.ms
+    transaction_version: int = 2                 # finalized transaction.version (1 or 2)
     group_min_session_timeout_ms: int = 6000
     group_max_session_timeout_ms: int = 1_800_000
     group_initial_rebalance_delay_ms: int = 3000
@@ -483,6 +484,8 @@ def validate(cfg: BrokerConfig) -> None:
         raise ValueError("log_format must be 'text' or 'json'")
     if cfg.node_id < 0:
         raise ValueError("node_id must be >= 0")
+    if cfg.transaction_version not in (1, 2):
+        raise ValueError("transaction_version must be 1 or 2")
     if cfg.metadata and not cfg.metadata.startswith(("sqlite:///", "postgresql://",
                                                      "postgres://")):
         raise ValueError("metadata must be sqlite:///PATH or postgresql://USER:PASS@HOST:PORT/DB"

@@ -687,6 +687,8 @@ class Partition:
                 continue
             if self.txns.fenced(view.producer_id, view.producer_epoch):
                 return ErrorCode.INVALID_PRODUCER_EPOCH
+            if self.txns.verified.get(view.producer_id) == view.producer_epoch:
+                continue   # confirmed by its coordinator on another broker
             if coord is None:
                 return ErrorCode.INVALID_TXN_STATE
             err = coord.verify(view.producer_id, view.producer_epoch, self.topic, self.index)

@@ -38,7 +38,7 @@ from kafka.protocol.producer import (
     AddOffsetsToTxnRequest, AddOffsetsToTxnResponse, AddPartitionsToTxnRequest,
     AddPartitionsToTxnResponse, EndTxnRequest, EndTxnResponse, InitProducerIdRequest,
     InitProducerIdResponse, ProduceRequest, ProduceResponse, TxnOffsetCommitRequest,
-    TxnOffsetCommitResponse,
+    TxnOffsetCommitResponse, WriteTxnMarkersRequest, WriteTxnMarkersResponse,
 )
 
 # api_key -> (min, max) advertised in ApiVersions.  Why these bounds:
@@ -53,8 +53,9 @@ from kafka.protocol.producer import (
 # - FindCoordinator v5 (TRANSACTION_ABORTABLE, never sent) and v6 (share groups: refused).
 # - OffsetForLeaderEpoch 2-4: Java clients validate positions only with v3+.
 # - ApiVersions 0-4: kafka-python 3.x sends v4 first, aiokafka v0.
-# - Transactions (24-26, 28, 65, 66) at Kafka 4.1's maxima; WriteTxnMarkers (27) is between
-#   brokers only (markers are written in-process).
+# - Transactions (24-26, 28, 65, 66) at Kafka 4.1's maxima; WriteTxnMarkers (27) v1 (as
+#   Kafka 4.1) carries markers from a transaction coordinator to the leaders on other brokers
+#   (and Admin's abortTransaction).
 _SUPPORTED: dict[int, tuple[int, int, type, type]] = {
     0: (0, 13, ProduceRequest, ProduceResponse),
     1: (0, 18, FetchRequest, FetchResponse),
@@ -78,6 +79,7 @@ _SUPPORTED: dict[int, tuple[int, int, type, type]] = {
     24: (0, 5, AddPartitionsToTxnRequest, AddPartitionsToTxnResponse),
     25: (0, 4, AddOffsetsToTxnRequest, AddOffsetsToTxnResponse),
     26: (0, 5, EndTxnRequest, EndTxnResponse),
+    27: (1, 1, WriteTxnMarkersRequest, WriteTxnMarkersResponse),
     28: (0, 5, TxnOffsetCommitRequest, TxnOffsetCommitResponse),
     32: (1, 4, DescribeConfigsRequest, DescribeConfigsResponse),
     33: (0, 2, AlterConfigsRequest, AlterConfigsResponse),
@@ -105,7 +107,7 @@ SUPPORTED_APIS: dict[int, tuple[int, int]] = {k: (v[0], v[1]) for k, v in _SUPPO
 KAFKA_RELEASE = (4, 1)
 KAFKA_41_MAX: dict[int, int] = {
     0: 13, 1: 18, 2: 10, 3: 13, 8: 9, 9: 9, 10: 6, 11: 9, 12: 4, 13: 5, 14: 5, 15: 6, 16: 5,
-    18: 4, 19: 7, 20: 6, 21: 2, 22: 5, 23: 4, 24: 5, 25: 4, 26: 5, 28: 5, 32: 4, 33: 2, 35: 4,
+    18: 4, 19: 7, 20: 6, 21: 2, 22: 5, 23: 4, 24: 5, 25: 4, 26: 5, 27: 1, 28: 5, 32: 4, 33: 2, 35: 4,
     37: 3, 42: 2, 43: 2, 44: 1, 45: 1, 46: 0, 47: 0, 60: 2, 61: 0, 65: 0, 66: 2, 75: 0,
 }
 

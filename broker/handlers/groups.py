@@ -15,6 +15,7 @@ from ..groups import GroupCoordinator
 from ..listeners import of_connection, own_address
 from ..partition import find_topic, find_topic_by_id
 from ..transactions import coordinator_for
+from ..transactions.placement import transaction_coordinator
 from .authorized import GROUP_OPS, ops_if
 from .registry import RequestContext, handler
 
@@ -54,8 +55,8 @@ def _bytes(value: Any) -> bytes:
 @handler(FIND_COORDINATOR)
 async def find_coordinator(ctx: RequestContext, req: Any) -> Any:
     """Groups (key type 0) are spread over the live brokers (``ClusterRoom.coordinator``,
-    see broker/cluster/coordinators.py); transactional ids (key type 1) are coordinated by
-    the controller. A single broker coordinates everything. Share groups (key type 2, v6)
+    see broker/cluster/coordinators.py), transactional ids (key type 1) by the same placement
+    (broker/transactions/placement.py). A single broker coordinates everything. Share groups (key type 2, v6)
     are refused with INVALID_REQUEST."""
     cls = response_class(FIND_COORDINATOR)
     cfg = ctx.broker.config
@@ -67,8 +68,9 @@ async def find_coordinator(ctx: RequestContext, req: Any) -> Any:
             return E.INVALID_REQUEST, f"unsupported coordinator key type {key_type}", -1, "", -1
         node = cfg.node_id
         if cluster is not None:
+            # one placement for both (broker/cluster/coordinators.py)
             node = cluster.coordinator(key) if key_type == KEY_TYPE_GROUP \
-                else cluster.controller_id
+                else transaction_coordinator(ctx.broker, key)
         if node == cfg.node_id:
             host, port = advertised_for(ctx)
             return E.NONE, None, node, host, port

@@ -32,6 +32,7 @@ from ..partition import AppendResult, find_topic, find_topic_by_id, get_partitio
 from ..listeners import of_connection
 from ..metrics import stats_of
 from ..topics import INTERNAL_TOPICS, keyless_record_error
+from ..transactions.verify import append_transactional
 from .registry import RequestContext, handler
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,8 @@ LEASE_LAPSED = AppendResult(error=ErrorCode.NOT_LEADER_OR_FOLLOWER,
                             message="this broker's cluster lease lapsed; retry")
 
 
-async def _append(topic: Any, index: int, records: Any, version: int) -> AppendResult:
+async def _append(topic: Any, index: int, records: Any, version: int,
+                  tid: str | None = None, broker: Any = None) -> AppendResult:
     partition = get_partition(topic, index)
     if partition is None:
         if topic is not None and 0 <= index < len(topic.partitions):
@@ -53,6 +55,11 @@ async def _append(topic: Any, index: int, records: Any, version: int) -> AppendR
     # a writable view is the server's request frame: the partition may write into it
     owned = isinstance(records, memoryview) and not records.readonly
     try:
+        if tid:   # a transactional producer: its coordinator may have to be asked first
+            return await append_transactional(
+                broker, partition, tid, records, version,
+                lambda: partition.append(records, version, owned=owned),
+                lambda err: AppendResult(error=err, message="not in an ongoing transaction"))
         return await partition.append(records, version, owned=owned)
     except Exception:  # noqa: BLE001 - malformed input must not kill the connection
         log.exception("produce failed topic=%s partition=%d", partition.topic, index)
@@ -64,6 +71,7 @@ async def handle_produce(ctx: RequestContext, req: Any) -> Any:
     """Append every partition's records; the encoded body, or None (no response) for acks=0."""
     version = ctx.version
     acks = req.acks
+    tid = getattr(req, "transactional_id", None) if version >= 3 else None
     refused: AppendResult | None = None
     if acks not in (-1, 0, 1):
         refused = AppendResult(error=ErrorCode.INVALID_REQUIRED_ACKS)
@@ -102,12 +110,14 @@ async def handle_produce(ctx: RequestContext, req: Any) -> Any:
         for _, jobs in plan:
             for i, (index, job) in enumerate(jobs):
                 if isinstance(job, tuple):
-                    jobs[i] = (index, await _append(job[0], index, job[1], version))
+                    jobs[i] = (index, await _append(job[0], index, job[1], version, tid,
+                                                    ctx.broker))
     elif pending > 1:  # several: concurrently, answered in request order
         for _, jobs in plan:
             for i, (index, job) in enumerate(jobs):
                 if isinstance(job, tuple):
-                    jobs[i] = (index, start_now(_append(job[0], index, job[1], version)))
+                    jobs[i] = (index, start_now(_append(job[0], index, job[1], version,
+                                                                tid, ctx.broker)))
         for _, jobs in plan:
             for i, (index, job) in enumerate(jobs):
                 if isinstance(job, asyncio.Future):

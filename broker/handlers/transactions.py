@@ -1,9 +1,13 @@
 """Transaction APIs: AddPartitionsToTxn (24), AddOffsetsToTxn (25), EndTxn (26),
-TxnOffsetCommit (28), DescribeTransactions (65), ListTransactions (66).
+WriteTxnMarkers (27), TxnOffsetCommit (28), DescribeTransactions (65), ListTransactions (66).
 
 They translate between the wire objects and the transaction coordinator
 (``broker/transactions/``), where every rule lives. AddPartitionsToTxn v4+ is the batched
-form of KIP-890 part 1 (several transactional ids, ``verify_only`` to check membership).
+form of KIP-890 part 1 (several transactional ids, ``verify_only`` to check membership; a
+partition leader on another broker sends it too). EndTxn v5+ is KIP-890 part 2 (the epoch is
+bumped). WriteTxnMarkers comes from a coordinator on another broker (or Admin's
+abortTransaction). TxnOffsetCommit reaches the group's coordinator, which forwards it to the
+transaction's coordinator when that is another broker.
 """
 from __future__ import annotations
 
@@ -15,6 +19,9 @@ from protocol import ErrorCode as E
 
 from ..partition import find_topic, get_partition
 from ..transactions import ensure_transactions
+from ..transactions.coordinator import OFFSETS_TOPIC, WRITE_TXN_MARKERS
+from ..transactions.peers import PeerError
+from ..transactions.placement import transaction_coordinator
 from ..transactions.store import STATES
 from .registry import RequestContext, handler
 
@@ -25,7 +32,11 @@ DESCRIBE_TRANSACTIONS, LIST_TRANSACTIONS = 65, 66
 
 
 def _exists(ctx: RequestContext) -> Any:
-    return lambda topic, index: get_partition(find_topic(ctx.broker, topic), index) is not None
+    """A partition of a topic this broker knows (led here or by another broker)."""
+    def exists(topic: str, index: int) -> bool:
+        t = find_topic(ctx.broker, topic)
+        return t is not None and 0 <= index < len(getattr(t, "partitions", ()))
+    return exists
 
 
 def _topic_results(Resp: Any, errors: dict[tuple[str, int], int], order: list[Any]) -> list[Any]:
@@ -56,8 +67,8 @@ async def add_partitions_to_txn(ctx: RequestContext, req: Any) -> Any:
         topics = txn.topics or []
         tps = [(t.name, p) for t in topics for p in t.partitions or []]
         if txn.verify_only:
-            errors = coord.verify_partitions(txn.transactional_id or "", txn.producer_id,
-                                             txn.producer_epoch, tps)
+            errors = await coord.verify_partitions(txn.transactional_id or "",
+                                                   txn.producer_id, txn.producer_epoch, tps)
         else:
             errors = await coord.add_partitions(txn.transactional_id or "", txn.producer_id,
                                                 txn.producer_epoch, tps, _exists(ctx))
@@ -85,8 +96,9 @@ async def end_txn(ctx: RequestContext, req: Any) -> Any:
     Resp = protocol.response_class(END_TXN)
     coord = await ensure_transactions(ctx.broker)
     tid = req.transactional_id or ""
-    err = await coord.end_txn(tid, req.producer_id, req.producer_epoch, bool(req.committed))
-    meta = coord.describe(tid)
+    err = await coord.end_txn(tid, req.producer_id, req.producer_epoch, bool(req.committed),
+                              bump=ctx.version >= 5)
+    meta = coord.describe(tid) if ctx.version >= 5 else None
     return Resp(version=ctx.version, throttle_time_ms=0, error_code=int(err),
                 producer_id=meta.producer_id if meta else -1,
                 producer_epoch=meta.epoch if meta else -1)
@@ -117,9 +129,13 @@ async def txn_offset_commit(ctx: RequestContext, req: Any) -> Any:
         err = E.INVALID_GROUP_ID
     elif offsets:
         err = _check_member(ctx, req)
-        if err == E.NONE:
-            err = await coord.txn_offset_commit(req.transactional_id or "", req.group_id,
-                                                req.producer_id, req.producer_epoch, offsets)
+        tid = req.transactional_id or ""
+        if err == E.NONE and coord.owns(tid):
+            err = await coord.txn_offset_commit(tid, req.group_id, req.producer_id,
+                                                req.producer_epoch, offsets,
+                                                implicit=ctx.version >= 5)
+        elif err == E.NONE:
+            err = await _forward_offsets(ctx, coord, req, tid)
     topics = []
     for t in req.topics or []:
         topics.append(TopicRes(name=t.name, partitions=[
@@ -127,6 +143,73 @@ async def txn_offset_commit(ctx: RequestContext, req: Any) -> Any:
                     error_code=int(per.get((t.name, p.partition_index), err)))
             for p in t.partitions or []]))
     return Resp(version=ctx.version, throttle_time_ms=0, topics=topics)
+
+
+async def _forward_offsets(ctx: RequestContext, coord: Any, req: Any, tid: str) -> int:
+    """The transaction is coordinated by another broker: hand it the (checked) offsets there."""
+    node = transaction_coordinator(ctx.broker, tid)
+    if node < 0:
+        return E.COORDINATOR_NOT_AVAILABLE
+    Req = protocol.request_class(TXN_OFFSET_COMMIT)
+    T = Req.TxnOffsetCommitRequestTopic
+    P = T.TxnOffsetCommitRequestPartition
+    version = ctx.version
+    fields: dict[str, Any] = {}
+    if version >= 3:   # the member was checked here, where the group lives
+        fields = {"generation_id": -1, "member_id": "", "group_instance_id": None}
+    fwd = Req(transactional_id=tid, group_id=req.group_id, producer_id=req.producer_id,
+              producer_epoch=req.producer_epoch, topics=[
+                  T(name=t.name, partitions=[
+                      P(partition_index=p.partition_index, committed_offset=p.committed_offset,
+                        committed_leader_epoch=getattr(p, "committed_leader_epoch", -1),
+                        committed_metadata=p.committed_metadata) for p in t.partitions or []])
+                  for t in req.topics or []], **fields)
+    try:
+        resp = await coord.peers.call(node, TXN_OFFSET_COMMIT, version, fwd)
+    except PeerError as e:
+        log.warning("TxnOffsetCommit not forwarded to node %d: %s", node, e)
+        return E.COORDINATOR_NOT_AVAILABLE
+    codes = [p.error_code for t in resp.topics or [] for p in t.partitions or []]
+    return next((c for c in codes if c), E.NONE)
+
+
+@handler(WRITE_TXN_MARKERS)
+async def write_txn_markers(ctx: RequestContext, req: Any) -> Any:
+    """Markers from a transaction coordinator on another broker (or Admin's abortTransaction)
+    for partitions led here; a marker for ``__consumer_offsets`` commits the transaction's
+    offsets of the groups coordinated here."""
+    Resp = protocol.response_class(WRITE_TXN_MARKERS)
+    R = Resp.WritableTxnMarkerResult
+    TR = R.WritableTxnMarkerTopicResult
+    PR = TR.WritableTxnMarkerPartitionResult
+    coord = await ensure_transactions(ctx.broker)
+    out = []
+    for m in req.markers or []:
+        commit = bool(m.transaction_result)
+        topics = []
+        for t in m.topics or []:
+            results = []
+            for index in t.partition_indexes or []:
+                if t.name == OFFSETS_TOPIC:
+                    try:
+                        err = await coord.commit_offsets_of(m.producer_id, m.producer_epoch,
+                                                            commit)
+                    except Exception:  # noqa: BLE001 - the coordinator retries
+                        log.exception("transactional offsets not committed producer_id=%d",
+                                      m.producer_id)
+                        err = E.COORDINATOR_NOT_AVAILABLE
+                else:
+                    partition = get_partition(find_topic(ctx.broker, t.name), index)
+                    if partition is None:
+                        err = E.NOT_LEADER_OR_FOLLOWER if _exists(ctx)(t.name, index) \
+                            else E.UNKNOWN_TOPIC_OR_PARTITION
+                    else:
+                        err = await partition.write_marker(m.producer_id, m.producer_epoch,
+                                                           commit, m.coordinator_epoch)
+                results.append(PR(partition_index=index, error_code=int(err)))
+            topics.append(TR(name=t.name, partitions=results))
+        out.append(R(producer_id=m.producer_id, topics=topics))
+    return Resp(version=ctx.version, markers=out)
 
 
 def _check_member(ctx: RequestContext, req: Any) -> int:

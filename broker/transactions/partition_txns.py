@@ -8,6 +8,10 @@
   fetched range; clients drop those producers' batches in it.
 - ``fence``: producer id -> epoch of its last marker; a transactional batch with an older epoch
   arrives after its transaction was ended (a zombie) and is refused.
+- ``verified``: producer id -> epoch a transaction coordinator on another broker confirmed
+  (this partition is in its ongoing transaction); ``guards``: the check in flight per producer.
+  A marker clears both, so an answer that crosses a marker is not taken (Kafka's
+  verification guard). Not saved: after a restart the coordinator is asked again.
 
 The state is saved in the partition's producer snapshot (metadata store) and rebuilt from the
 batch headers and markers of the log tail after it, so it survives restarts exactly.
@@ -22,13 +26,16 @@ from typing import Any
 class PartitionTxns:
     """Transactions of one partition (see the module docstring)."""
 
-    __slots__ = ("ongoing", "aborted", "_aborted_last", "fence")
+    __slots__ = ("ongoing", "aborted", "_aborted_last", "fence", "verified", "guards", "gate")
 
     def __init__(self) -> None:
         self.ongoing: dict[int, int] = {}
         self.aborted: list[tuple[int, int, int]] = []
         self._aborted_last: list[int] = []
         self.fence: dict[int, int] = {}
+        self.verified: dict[int, int] = {}
+        self.guards: dict[int, object] = {}
+        self.gate: Any = None   # asyncio.Lock of the appends waiting for a coordinator
 
     def lso(self, high_watermark: int) -> int:
         if not self.ongoing:
@@ -45,6 +52,8 @@ class PartitionTxns:
     def end(self, producer_id: int, epoch: int, commit: bool, marker_offset: int) -> None:
         """A durable marker at ``marker_offset`` ends the producer's transaction here."""
         first = self.ongoing.pop(producer_id, None)
+        self.verified.pop(producer_id, None)
+        self.guards.pop(producer_id, None)
         if epoch > self.fence.get(producer_id, -1):
             self.fence[producer_id] = epoch
         if not commit and first is not None:

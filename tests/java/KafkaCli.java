@@ -42,6 +42,7 @@ public final class KafkaCli {
             case "answers": out = answers(a); break;
             case "txn": out = txn(a); break;
             case "txn-die": txnDie(a); return;
+            case "txn-epochs": out = txnEpochs(a); break;
             default: throw new IllegalArgumentException("unknown command " + argv[0]);
         }
         System.out.println(Json.write(out));
@@ -551,6 +552,36 @@ public final class KafkaCli {
         System.out.println(Json.write(out));
         System.out.flush();
         Runtime.getRuntime().halt(0);
+    }
+
+    /**
+     * The producer epoch after each of --count transactions of one producer (the second one
+     * aborted), as Admin's describeTransactions reports it: KIP-890 part 2 clients (4.x, with
+     * the broker's transaction.version 2) bump it on every transaction, 3.x clients never.
+     */
+    static Map<String, Object> txnEpochs(Map<String, String> a) throws Exception {
+        String topic = req(a, "topic"), tid = req(a, "tid");
+        int rounds = Integer.parseInt(a.getOrDefault("count", "3"));
+        List<Integer> epochs = new ArrayList<>();
+        List<String> states = new ArrayList<>();
+        try (Admin admin = Admin.create(common(a));
+             KafkaProducer<String, String> p = new KafkaProducer<>(txnProducerProps(a, tid))) {
+            p.initTransactions();
+            epochs.add((int) admin.describeTransactions(List.of(tid)).description(tid).get().producerEpoch());
+            for (int i = 0; i < rounds; i++) {
+                p.beginTransaction();
+                p.send(new ProducerRecord<>(topic, 0, "k" + i, "v" + i)).get();
+                if (i == 1) p.abortTransaction(); else p.commitTransaction();
+                TransactionDescription d = admin.describeTransactions(List.of(tid)).description(tid).get();
+                epochs.add((int) d.producerEpoch());
+                states.add(d.state().toString());
+            }
+        }
+        Map<String, Object> out = new LinkedHashMap<>();
+        out.put("epochs", epochs);
+        out.put("states", states);
+        out.put("committed", readCommitted(a, topic, 1));
+        return out;
     }
 
     /** One outcome per answer of issue 18 (--topic: prefix of the topics it creates). */
