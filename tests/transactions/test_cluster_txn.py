@@ -1,0 +1,172 @@
+"""Transactions across the brokers of a cluster (3 broker processes, one file:// object store,
+one SQLite database, short leases).
+
+Transactional ids are coordinated by different brokers (FindCoordinator key type 1); a
+transaction holds partitions led by every broker; the coordinator writes the markers of
+partitions led elsewhere with WriteTxnMarkers and the group's offsets are committed by the
+group's coordinator. read_committed readers see exactly the committed transactions. Then the
+coordinator of an open transaction is killed (kill -9): the transaction ends (committed by the
+producer's retry at the new coordinator, or aborted after its timeout), never half visible, and
+a transaction committed before the kill stays committed.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import time
+
+import protocol
+import pytest
+from confluent_kafka import KafkaException
+from kafka.admin import KafkaAdminClient, NewTopic
+
+from clients.e2e_helpers import CLIENT_BROKER_ARGS, JavaCli, compile_java, unique
+from datapath.wire import WireClient
+
+from .test_librdkafka import consume_all, txn_producer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+PARTITIONS = 6
+FLAGS = ("--cluster-lease-ms", "2000", "--cluster-takeover-margin-ms", "500")
+
+
+def start_cluster(broker_factory, tmp_path, n: int = 3) -> list:
+    shared = ["--object-store", f"file://{tmp_path}/objects",
+              "--metadata", f"sqlite:///{tmp_path}/meta.db", "--upload-interval-s", "2",
+              *FLAGS, *CLIENT_BROKER_ARGS]
+    return [broker_factory(["--node-id", str(i), "--rack", f"r{i}", *shared])
+            for i in range(n)]
+
+
+def wait_for(cond, timeout: float = 60.0, what: str = ""):
+    end = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < end:
+        try:
+            v = cond()
+        except Exception as exc:  # noqa: BLE001 - a broker may be going away
+            last, v = exc, None
+        if v:
+            return v
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what} (last error: {last!r})")
+
+
+def spread_topic(admin: KafkaAdminClient, topic: str, brokers: int) -> dict[int, int]:
+    admin.create_topics([NewTopic(topic, PARTITIONS, 1)])
+
+    def leaders():
+        d = admin.describe_topics([topic])[0]
+        got = {p["partition_index"]: p["leader_id"] for p in d["partitions"]}
+        return got if len(got) == PARTITIONS and len(set(got.values())) == brokers else None
+    return wait_for(leaders, what=f"{topic} led by all {brokers} brokers")
+
+
+def txn_coordinator(bootstrap_broker, tid: str) -> int:
+    with WireClient(bootstrap_broker.host, bootstrap_broker.port, timeout=30) as c:
+        r = c.call(protocol.request_class(10)(key=tid, key_type=1),
+                   protocol.response_class(10), 3)
+        assert r.error_code == 0, r
+        return r.node_id
+
+
+def ids_on_every_broker(brokers: list, prefix: str) -> dict[int, str]:
+    """One transactional id coordinated by each broker."""
+    out: dict[int, str] = {}
+    i = 0
+    while len(out) < len(brokers):
+        tid = f"{prefix}-{i}"
+        out.setdefault(txn_coordinator(brokers[0], tid), tid)
+        i += 1
+        assert i < 200
+    return out
+
+
+def test_transactions_span_every_broker(broker_factory, tmp_path, java_classpath):
+    brokers = start_cluster(broker_factory, tmp_path)
+    boot = ",".join(b.bootstrap for b in brokers)
+    admin = KafkaAdminClient(bootstrap_servers=boot)
+    wait_for(lambda: len(admin.describe_cluster()["brokers"]) == 3, what="3 live brokers")
+    topic = unique("ctx")
+    spread_topic(admin, topic, 3)
+    tids = ids_on_every_broker(brokers, unique("ctid"))
+    assert sorted(tids) == [0, 1, 2]
+    expected: list[str] = []
+    for node, tid in sorted(tids.items()):
+        p = txn_producer(boot, tid)
+        for n, commit in enumerate((True, False, True)):
+            p.begin_transaction()
+            values = [f"{node}-{n}-{i}" for i in range(PARTITIONS)]
+            for i, v in enumerate(values):
+                p.produce(topic, v.encode(), partition=i)
+            if commit:
+                p.commit_transaction(60)
+                expected += values
+            else:
+                assert p.flush(30) == 0   # written (abort_transaction drops unsent records)
+                p.abort_transaction(60)
+    committed = consume_all(boot, topic, PARTITIONS, "read_committed", expect=len(expected),
+                            timeout=60)
+    assert sorted(committed) == sorted(expected)
+    # read_uncommitted sees the aborted records too (they are in the log)
+    assert len(consume_all(boot, topic, PARTITIONS, "read_uncommitted",
+                           expect=len(expected) * 3 // 2, timeout=60)) == len(expected) * 3 // 2
+
+    # Java consume-transform-produce with sendOffsetsToTransaction (group coordinated by the
+    # controller, transaction by whichever broker its id hashes to), 3.9 and 4.x (KIP-890 p2)
+    for version in sorted(java_classpath):
+        cli = JavaCli(version, compile_java(version, java_classpath[version]))
+        out = cli("txn", bootstrap=boot, topic=unique(f"cj{version.replace('.', '')}"),
+                  count=40, timeout=300)
+        assert sorted(out["ctp_out"]) == sorted(f"out-{i}" for i in range(40)), out
+        assert out["ctp_group_offsets"] == 40, out
+        assert out["fence_values"] == ["second"], out
+        assert out["zombie_commit"] in {"ProducerFencedException",
+                                        "InvalidProducerEpochException"}, out
+    admin.close()
+
+
+def test_coordinator_killed_mid_transaction(broker_factory, tmp_path):
+    brokers = start_cluster(broker_factory, tmp_path)
+    boot = ",".join(b.bootstrap for b in brokers)
+    admin = KafkaAdminClient(bootstrap_servers=boot)
+    wait_for(lambda: len(admin.describe_cluster()["brokers"]) == 3, what="3 live brokers")
+    topic = unique("ckill")
+    spread_topic(admin, topic, 3)
+    admin.close()
+    # an id coordinated by a broker that is not the first (so its bootstrap stays up)
+    tids = ids_on_every_broker(brokers, unique("kt"))
+    victim = 2
+    tid = tids[victim]
+    p = txn_producer(boot, tid, **{"transaction.timeout.ms": 8000})
+    p.begin_transaction()
+    for i in range(PARTITIONS):
+        p.produce(topic, f"done-{i}".encode(), partition=i)
+    p.commit_transaction(60)
+    p.begin_transaction()
+    for i in range(PARTITIONS):
+        p.produce(topic, f"open-{i}".encode(), partition=i)
+    assert p.flush(30) == 0          # every record of the open transaction acknowledged
+    os.kill(brokers[victim].proc.pid, signal.SIGKILL)
+    brokers[victim].proc.wait(10)
+    outcome = "commit"
+    try:
+        p.commit_transaction(90)     # retried at the id's next coordinator
+    except KafkaException as e:
+        outcome = f"failed: {e}"     # then the new coordinator aborts it after its timeout
+    live = ",".join(b.bootstrap for b in brokers[:victim])
+    want_open = [f"open-{i}" for i in range(PARTITIONS)]
+
+    def settled():
+        got = consume_all(live, topic, PARTITIONS, "read_committed", timeout=20)
+        c = collections.Counter(v.rsplit("-", 1)[0] for v in got)
+        return got if c["done"] == PARTITIONS and c["open"] in (0, PARTITIONS) else None
+    got = wait_for(settled, timeout=120, what="the open transaction to end")
+    assert sorted(v for v in got if v.startswith("done")) == \
+        sorted(f"done-{i}" for i in range(PARTITIONS))
+    opened = sorted(v for v in got if v.startswith("open"))
+    assert opened in ([], sorted(want_open)), got
+    if outcome == "commit":
+        assert opened == sorted(want_open), got
+    print(f"coordinator kill: producer outcome={outcome} open records visible={len(opened)}")
