@@ -25,9 +25,12 @@ Done as Kafka's LogCleaner does it, over the stream's objects instead of segment
   ``delete.retention.ms``) and are removed by the first pass after it.
 - Keyless records are kept (the produce path refuses them on compacted topics).
 - Transactions: nothing at or past the last stable offset is cleaned (an ongoing transaction
-  may still abort); aborted transactional batches (the partition's aborted index) are neither
-  mapped nor changed, and markers are kept, so read_committed readers see what they saw before.
-  Removing aborted data and markers no longer needed is not done yet.
+  may still abort). Aborted transactional batches (the partition's aborted index) are never
+  mapped (they supersede nothing) and are removed, except a producer's last batch, kept
+  empty. A COMMIT or ABORT marker whose transaction has no batch left gets a delete horizon
+  (now + ``delete.retention.ms``) and is removed by the first pass after it, with its
+  aborted-index entry (Kafka's rule: a reader that fetched the data before it went still
+  finds the marker for as long as a tombstone would be kept).
 
 Cost and pacing: every record of the log is decoded in Python on a low-priority thread,
 reads are paced to ``--log-cleaner-io-max-bytes-per-second``, and the rewrite holds one input
@@ -89,6 +92,8 @@ class CleanResult:
     records_read: int = 0
     records_dropped: int = 0
     tombstones_dropped: int = 0
+    aborted_dropped: int = 0          # records of aborted transactions removed
+    markers_dropped: int = 0          # markers removed (their transaction's data is gone)
 
 
 @dataclass
@@ -137,14 +142,51 @@ def _map_payloads(m: _OffsetMap, payloads: list[tuple[int, int, memoryview]], en
 
 
 class _Filter:
-    """The payload filter handed to ``Stream.rewrite`` (runs on a storage thread)."""
+    """The payload filter handed to ``Stream.rewrite`` (runs on a storage thread, called for
+    every payload of the rewritten range in offset order, from the log start).
+
+    Transactions, as Kafka's cleaner does them: an aborted transaction's batches are removed
+    (the producer's last batch is kept empty: it carries its sequence state); a marker whose
+    transaction has no batch left in the log gets a delete horizon (now +
+    ``delete.retention.ms``, the KIP-534 flag a tombstone gets) and is removed by the first
+    pass after it, so a reader that fetched the transaction's data before it went still sees
+    its marker. ``txn_retained`` follows, per producer, whether a batch of its transaction in
+    progress (in offset order) survived this pass."""
 
     def __init__(self, m: _OffsetMap, now_ms: int, delete_retention_ms: int) -> None:
         self.m = m
         self.now = now_ms
         self.horizon = now_ms + delete_retention_ms
         self.records = self.dropped = self.tombstones = 0
-        self.next_horizon: int | None = None     # earliest horizon of a tombstone kept
+        self.aborted_dropped = 0                 # records of aborted transactions removed
+        self.markers_removed: list[tuple[int, int]] = []   # (producer id, marker offset)
+        self.next_horizon: int | None = None     # earliest horizon of a tombstone/marker kept
+        self.txn_retained: dict[int, bool] = {}
+
+    def _note_horizon(self, h: int) -> None:
+        if self.next_horizon is None or h < self.next_horizon:
+            self.next_horizon = h
+
+    def _marker(self, v: Any, raw: memoryview, last: bool, out: bytearray) -> bool:
+        """Keep, flag or drop one control batch; True when the payload changed."""
+        retained = self.txn_retained.pop(v.producer_id, False)
+        if retained or not v.attributes & TRANSACTIONAL_MASK:
+            out += raw                           # its transaction still has data here
+            return False
+        if v.attributes & DELETE_HORIZON_MASK:
+            if v.base_timestamp <= self.now and not last:
+                self.markers_removed.append((v.producer_id, v.base_offset))
+                return True                      # delete.retention.ms has passed
+            self._note_horizon(v.base_timestamp)
+            out += raw
+            return False
+        recs = decode_records(v)
+        if not recs:
+            out += raw                           # an empty control batch: nothing to flag
+            return False
+        out += rebuild_batch(v, recs, self.horizon)
+        self._note_horizon(self.horizon)
+        return True
 
     def __call__(self, base: int, count: int, data: memoryview, must_keep: bool
                  ) -> bytes | memoryview | None:
@@ -155,9 +197,25 @@ class _Filter:
         views = list(iter_batches(data))
         for i, v in enumerate(views):
             raw = data[v.pos:v.pos + v.size]
-            if v.attributes & CONTROL_MASK or (v.attributes & TRANSACTIONAL_MASK and
-                                               self.m.is_aborted(v.producer_id, v.base_offset)):
-                out += raw                   # markers and aborted data stay as they are
+            last = must_keep and i == len(views) - 1
+            if v.attributes & CONTROL_MASK:
+                changed |= self._marker(v, raw, last, out)
+                continue
+            transactional = bool(v.attributes & TRANSACTIONAL_MASK)
+            pid_last = self.m.producer_last.get(v.producer_id)
+            keep_empty = last or (v.producer_id != NO_PRODUCER and pid_last == v.base_offset)
+            if transactional and self.m.is_aborted(v.producer_id, v.base_offset):
+                # aborted data: removed (read_uncommitted readers stop seeing it too)
+                self.txn_retained[v.producer_id] = self.txn_retained.get(v.producer_id,
+                                                                         False) or keep_empty
+                if v.record_count == 0 and keep_empty:
+                    out += raw
+                    continue
+                self.aborted_dropped += v.record_count
+                self.dropped += v.record_count
+                changed = True
+                if keep_empty:
+                    out += rebuild_batch(v, [], None)
                 continue
             recs = decode_records(v)
             self.records += len(recs)
@@ -174,19 +232,17 @@ class _Filter:
                             self.tombstones += 1
                             continue         # delete.retention.ms has passed
                         tombstones = True
-                        h = v.base_timestamp if has_horizon else self.horizon
-                        if self.next_horizon is None or h < self.next_horizon:
-                            self.next_horizon = h
+                        self._note_horizon(v.base_timestamp if has_horizon else self.horizon)
                 kept.append(r)
             self.dropped += len(recs) - len(kept)
+            if transactional:
+                self.txn_retained[v.producer_id] = self.txn_retained.get(v.producer_id, False) \
+                    or bool(kept) or keep_empty
             new_horizon = self.horizon if tombstones and not has_horizon else None
             if len(kept) == len(recs) and new_horizon is None:
                 out += raw
                 continue
             changed = True
-            pid_last = self.m.producer_last.get(v.producer_id)
-            keep_empty = (must_keep and i == len(views) - 1) or (
-                v.producer_id != NO_PRODUCER and pid_last == v.base_offset)
             if kept or keep_empty:
                 out += rebuild_batch(v, kept, new_horizon)
         if not changed:
@@ -337,6 +393,11 @@ class LogCleaner:
                               max_bytes_per_s=self.io_bytes_per_s)
         if res.end <= res.start:
             return None
+        if f.markers_removed:
+            forget = getattr(getattr(p, "txns", None), "forget_aborted", None)
+            if forget is not None:   # the marker is gone: so is its aborted-index entry
+                forget(f.markers_removed)
+                p._dirty = True      # the producer snapshot holds the index
         if f.next_horizon is not None:
             self.horizons[s.stream_id] = f.next_horizon
         else:
@@ -347,12 +408,13 @@ class LogCleaner:
         self.passes += 1
         out = CleanResult(res.start, res.end, m.end, len(m.latest), res.bytes_before,
                           res.bytes_after, res.objects_before, res.objects_after, f.records,
-                          f.dropped, f.tombstones)
+                          f.dropped, f.tombstones, f.aborted_dropped, len(f.markers_removed))
         log.info("log cleaner topic=%s partition=%d offsets=%d..%d keys=%d bytes=%d->%d "
-                 "objects=%d->%d records_dropped=%d tombstones_dropped=%d dirty_ratio=%.2f",
+                 "objects=%d->%d records_dropped=%d tombstones_dropped=%d aborted_dropped=%d "
+                 "markers_dropped=%d dirty_ratio=%.2f",
                  p.topic, p.index, res.start, res.end, len(m.latest), res.bytes_before,
                  res.bytes_after, res.objects_before, res.objects_after, f.dropped,
-                 f.tombstones, ratio)
+                 f.tombstones, f.aborted_dropped, len(f.markers_removed), ratio)
         return out
 
     async def _first_timestamp(self, p: Partition, offset: int) -> int | None:

@@ -75,6 +75,15 @@ class PartitionTxns:
             del self.aborted[:i]
             del self._aborted_last[:i]
 
+    def forget_aborted(self, markers: list[tuple[int, int]]) -> None:
+        """Drop the entries of aborted transactions whose markers (producer id, marker offset)
+        the log cleaner removed with the last of their data (nothing is left to filter)."""
+        gone = set(markers)
+        keep = [a for a in self.aborted if (a[0], a[2]) not in gone]
+        if len(keep) != len(self.aborted):
+            self.aborted = keep
+            self._aborted_last = [a[2] for a in keep]
+
     # --- snapshots -------------------------------------------------------------------------
     def to_state(self, covered: int) -> dict[str, Any]:
         """What the snapshot covering offsets below ``covered`` holds (the rest is replayed)."""

@@ -13,6 +13,7 @@ import pytest
 from broker.compaction import LogCleaner
 from broker.partition import Partition
 from broker.transactions import coordinator_for, ensure_transactions, stop_transactions
+from broker.transactions.markers import marker_is_commit
 from protocol import build_batch, decode_records, iter_batches
 from protocol.records import Record
 from storage.engine import open_engine
@@ -35,10 +36,19 @@ async def committed_view(p: Partition) -> dict[bytes, bytes]:
     while off < p.last_stable_offset:
         res = await p.read(off, 1 << 20, read_committed=True)
         assert res.error == 0 and res.batches
-        aborted = {pid for pid, _first in (res.aborted or [])}
+        # as Kafka's consumers apply the list: a producer's batches are aborted from the
+        # transaction's first offset up to its ABORT marker
+        pending = sorted(res.aborted or [], key=lambda a: a[1])
+        aborted: set[int] = set()
         for b in res.batches:
             for v in iter_batches(b.payload):
-                if v.is_control or (v.is_transactional and v.producer_id in aborted):
+                while pending and pending[0][1] <= v.base_offset + v.last_offset_delta:
+                    aborted.add(pending.pop(0)[0])
+                if v.is_control:
+                    if marker_is_commit(v) is False:
+                        aborted.discard(v.producer_id)
+                    continue
+                if v.is_transactional and v.producer_id in aborted:
                     continue
                 for r in decode_records(v):
                     out[r.key] = r.value
@@ -96,3 +106,82 @@ async def test_aborted_values_never_win_and_open_ones_are_not_cleaned(setup) -> 
     eng.drop_caches()
     assert await committed_view(p) == before
     assert p.last_stable_offset == lso
+
+
+async def log_batches(p: Partition) -> list:
+    """Every batch view of the log from its start to the high watermark (read_uncommitted)."""
+    out = []
+    off = p.log_start_offset
+    while off < p.high_watermark:
+        res = await p.read(off, 1 << 20)
+        assert res.error == 0 and res.batches
+        for b in res.batches:
+            out.extend(iter_batches(b.payload))
+            off = b.next_offset
+    return out
+
+
+def uncommitted_view(views) -> dict[bytes, bytes]:
+    """key -> latest value as a read_uncommitted reader applies the log (aborted data too)."""
+    out: dict[bytes, bytes] = {}
+    for v in views:
+        if not v.is_control:
+            for r in decode_records(v):
+                out[r.key] = r.value
+    return out
+
+
+async def test_aborted_data_then_markers_removed(setup) -> None:
+    """Aborted transactions' data goes at the first pass (read_uncommitted readers stop seeing
+    it); a marker whose transaction has no batch left is flagged with a delete horizon and
+    removed by the first pass after delete.retention.ms, with its aborted-index entry;
+    read_committed readers see the same values throughout."""
+    eng, broker, p = setup
+    p.configs["delete.retention.ms"] = "60000"
+    for rnd in range(2):
+        assert (await p.append(batch([(b"k%d" % i, b"c%d-%d" % (rnd, i)) for i in range(4)]))).error == 0
+        await eng.flush()
+    await txn(broker, p, "ab", [(b"k0", b"aborted"), (b"k1", b"aborted")], commit=False)
+    await txn(broker, p, "ab", [(b"k4", b"ab-later")], commit=True)   # "ab"'s last batch
+    await txn(broker, p, "cm", [(b"k2", b"txn-1")], commit=True)
+    await txn(broker, p, "cm", [(b"k2", b"txn-2")], commit=True)     # supersedes txn-1
+    await eng.flush()
+    for i in range(2):       # fresh values of other keys, so all of the above is cleanable
+        assert (await p.append(batch([(b"k5", b"x%d" % i)]))).error == 0
+        await eng.flush()
+    views = await log_batches(p)
+    assert sum(v.is_control for v in views) == 4
+    assert uncommitted_view(views)[b"k0"] == b"aborted"
+    want = {b"k0": b"c1-0", b"k1": b"c1-1", b"k2": b"txn-2", b"k3": b"c1-3", b"k4": b"ab-later",
+            b"k5": b"x1"}
+    assert await committed_view(p) == want
+    assert len(p.txns.aborted) == 1
+    cleaner = LogCleaner(broker)
+
+    # pass 1: aborted data and the superseded committed batch go; their markers get a horizon
+    res = await cleaner.clean(p, NOW, force=True)
+    assert res is not None and res.aborted_dropped == 2 and res.markers_dropped == 0, res
+    await eng.maintenance.purge()
+    eng.drop_caches()
+    views = await log_batches(p)
+    assert uncommitted_view(views) == want          # read_uncommitted: no aborted value left
+    assert await committed_view(p) == want
+    markers = [v for v in views if v.is_control]
+    assert len(markers) == 4
+    flagged = [v for v in markers if v.attributes & 0x40]
+    assert len(flagged) == 2 and all(v.base_timestamp == NOW + 60_000 for v in flagged)
+    assert len(p.txns.aborted) == 1                 # the marker is still there
+
+    # before the horizon nothing more goes; after it the two markers do
+    res = await cleaner.clean(p, NOW + 59_000, force=True)
+    assert res is None or res.markers_dropped == 0
+    res = await cleaner.clean(p, NOW + 60_001)      # due by the horizon alone
+    assert res is not None and res.markers_dropped == 2, res
+    await eng.maintenance.purge()
+    eng.drop_caches()
+    views = await log_batches(p)
+    kept = [v for v in views if v.is_control]
+    assert len(kept) == 2 and not any(v.attributes & 0x40 for v in kept)   # last txns' markers
+    assert p.txns.aborted == []
+    assert uncommitted_view(views) == want
+    assert await committed_view(p) == want
