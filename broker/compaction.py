@@ -32,7 +32,8 @@ Done as Kafka's LogCleaner does it, over the stream's objects instead of segment
   aborted-index entry (Kafka's rule: a reader that fetched the data before it went still
   finds the marker for as long as a tombstone would be kept).
 
-Cost and pacing: every record of the log is decoded in Python on a low-priority thread,
+Cost and pacing: every record of the log is decoded in Python on a background thread
+(SCHED_BATCH and the idle I/O class, but nice 0: see docs/storage.md on priority inversion),
 reads are paced to ``--log-cleaner-io-max-bytes-per-second``, and the rewrite holds one input
 and one output object at a time, so memory is bounded by the offset map plus two objects.
 """
@@ -328,7 +329,9 @@ class LogCleaner:
 
     async def _in_thread(self, fn: Any, *args: Any) -> Any:
         if self._executor is None:
-            self._executor = background_executor(1, "s3kafka-cleaner", 19, "idle")
+            # nice 0, not 19: the map is built in Python holding the GIL, and a nice-19
+            # thread preempted while holding it stalled the event loop until its next slice
+            self._executor = background_executor(1, "s3kafka-cleaner", 0, "idle")
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     # -- one partition ---------------------------------------------------------------------

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from .metastore import NewObject, ObjectRange
 from .loop_slices import encode_object_in_slices
 from .objects.format import CorruptObjectError, Record, StreamRange, decode_object
 from .objects.store import ObjectStoreError
+from .thread_priority import background_executor
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -51,6 +53,20 @@ class RewriteResult:
     bytes_before: int = 0        # the stream's payload bytes read
     bytes_after: int = 0         # the stream's payload bytes written
     payloads_dropped: int = 0
+
+
+_filter_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def filter_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The thread a rewrite decodes and filters on: SCHED_BATCH and the idle I/O class, but
+    nice 0. It runs Python over every record, holding the GIL most of the time; at nice 19 the
+    kernel preempted it while it held the GIL and the event loop waited for its next slice
+    (priority inversion: 100-400 ms loop stalls under load, see docs/storage.md)."""
+    global _filter_pool
+    if _filter_pool is None:
+        _filter_pool = background_executor(1, "s3kafka-rewrite", 0, "idle")
+    return _filter_pool
 
 
 class Maintenance:
@@ -249,8 +265,9 @@ class Maintenance:
 
         Only whole object ranges are rewritten: from the one holding ``start`` up to the last
         one ending at or before ``end`` (the result says which). Objects are read one at a
-        time and ``keep`` runs on a low-priority thread, so memory stays bounded by one input
-        object plus one output object, and the event loop keeps serving; with
+        time and ``keep`` runs on a background thread (SCHED_BATCH, idle I/O), so memory stays
+        bounded by one input object plus one output object, and the event loop keeps serving;
+        with
         ``max_bytes_per_s`` the reads are paced. Other streams' records in a stream set object
         are copied unchanged into a new stream set object. The old objects stay readable
         until the commit, and are deleted one cleanup pass later (reads in progress finish).
@@ -326,9 +343,9 @@ class Maintenance:
             for r in picked:
                 t0 = time.monotonic()
                 data = await e.cold_io(e.store.get, r.key, 0, None)
-                # a low-priority thread: the event loop keeps serving meanwhile
+                # a background thread (filter_executor): the event loop keeps serving meanwhile
                 kept, others, before, after, dropped = await loop.run_in_executor(
-                    e._cold_executor, run_filter, data, r, res.end)
+                    filter_executor(), run_filter, data, r, res.end)
                 res.objects_before += 1
                 res.bytes_before += before
                 res.bytes_after += after

@@ -29,15 +29,18 @@ def coordinator_candidates(broker: Any) -> list[int]:
     return nodes or sorted(live) or [_node_id(broker)]
 
 
+def _placed(broker: Any, key: str) -> int | None:
+    """The cluster's own placement of a coordinator key (broker/cluster/coordinators.py:
+    groups and transactional ids share it), None when the cluster has none."""
+    place = getattr(getattr(broker, "cluster", None), "coordinator", None)
+    return None if place is None else int(place(key))
+
+
 def transaction_coordinator(broker: Any, transactional_id: str) -> int:
     """The node coordinating ``transactional_id``, -1 while no broker is live."""
-    try:
-        from ..cluster import coordinators  # noqa: PLC0415 - the cluster's shared placement
-    except ImportError:
-        coordinators = None
-    place = getattr(coordinators, "transaction_coordinator", None)
-    if place is not None:
-        return int(place(broker, transactional_id))
+    node = _placed(broker, transactional_id)
+    if node is not None:
+        return node
     nodes = coordinator_candidates(broker)
     if not nodes:
         return -1
@@ -47,13 +50,9 @@ def transaction_coordinator(broker: Any, transactional_id: str) -> int:
 def group_coordinator(broker: Any, group_id: str) -> int:
     """The node coordinating consumer group ``group_id`` (transactional offsets are committed
     there)."""
-    try:
-        from ..cluster import coordinators  # noqa: PLC0415
-    except ImportError:
-        coordinators = None
-    place = getattr(coordinators, "group_coordinator", None)
-    if place is not None:
-        return int(place(broker, group_id))
+    node = _placed(broker, group_id)
+    if node is not None:
+        return node
     cluster = getattr(broker, "cluster", None)
     if cluster is None:
         return _node_id(broker)

@@ -18,7 +18,7 @@ import time
 
 import protocol
 import pytest
-from confluent_kafka import KafkaException
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 
 from clients.e2e_helpers import CLIENT_BROKER_ARGS, JavaCli, compile_java, unique
@@ -71,6 +71,25 @@ def txn_coordinator(bootstrap_broker, tid: str) -> int:
         return r.node_id
 
 
+def group_coordinator(bootstrap_broker, group: str) -> int:
+    with WireClient(bootstrap_broker.host, bootstrap_broker.port, timeout=30) as c:
+        r = c.call(protocol.request_class(10)(key=group, key_type=0),
+                   protocol.response_class(10), 3)
+        assert r.error_code == 0, r
+        return r.node_id
+
+
+def apart(brokers: list, make) -> tuple[str, str, int, int]:
+    """A (group, transactional id) pair ``make(i)`` whose coordinators are different brokers:
+    TxnOffsetCommit then reaches a broker that does not coordinate the transaction."""
+    for i in range(200):
+        group, tid = make(i)
+        g, t = group_coordinator(brokers[0], group), txn_coordinator(brokers[0], tid)
+        if g != t:
+            return group, tid, g, t
+    raise AssertionError("no group/transaction pair on different brokers")
+
+
 def ids_on_every_broker(brokers: list, prefix: str) -> dict[int, str]:
     """One transactional id coordinated by each broker."""
     out: dict[int, str] = {}
@@ -113,12 +132,16 @@ def test_transactions_span_every_broker(broker_factory, tmp_path, java_classpath
     assert len(consume_all(boot, topic, PARTITIONS, "read_uncommitted",
                            expect=len(expected) * 3 // 2, timeout=60)) == len(expected) * 3 // 2
 
-    # Java consume-transform-produce with sendOffsetsToTransaction (group coordinated by the
-    # controller, transaction by whichever broker its id hashes to), 3.9 and 4.x (KIP-890 p2)
+    # Java consume-transform-produce with sendOffsetsToTransaction, the group and the
+    # transaction coordinated by different brokers (KafkaCli txn: group <prefix>-ctp,
+    # transactional id <prefix>-ctp-tid), 3.9 and 4.x (KIP-890 part 2)
     for version in sorted(java_classpath):
         cli = JavaCli(version, compile_java(version, java_classpath[version]))
-        out = cli("txn", bootstrap=boot, topic=unique(f"cj{version.replace('.', '')}"),
-                  count=40, timeout=300)
+        base = unique(f"cj{version.replace('.', '')}")
+        _g, _t, gnode, tnode = apart(brokers, lambda i: (f"{base}{i}-ctp", f"{base}{i}-ctp-tid"))
+        prefix = _g[:-len("-ctp")]
+        print(f"java {version}: group at broker {gnode}, transaction at broker {tnode}")
+        out = cli("txn", bootstrap=boot, topic=prefix, count=40, timeout=300)
         assert sorted(out["ctp_out"]) == sorted(f"out-{i}" for i in range(40)), out
         assert out["ctp_group_offsets"] == 40, out
         assert out["fence_values"] == ["second"], out
@@ -170,3 +193,68 @@ def test_coordinator_killed_mid_transaction(broker_factory, tmp_path):
     if outcome == "commit":
         assert opened == sorted(want_open), got
     print(f"coordinator kill: producer outcome={outcome} open records visible={len(opened)}")
+
+
+def test_offsets_committed_at_a_remote_group_coordinator(broker_factory, tmp_path):
+    """confluent-kafka consume-transform-produce where the group's coordinator is not the
+    transaction's: TxnOffsetCommit reaches the group's coordinator, which hands the offsets to
+    the transaction; they become the group's only when the transaction commits (the
+    coordinator's marker for __consumer_offsets at the group's broker), never on abort."""
+    brokers = start_cluster(broker_factory, tmp_path)
+    boot = ",".join(b.bootstrap for b in brokers)
+    admin = KafkaAdminClient(bootstrap_servers=boot)
+    wait_for(lambda: len(admin.describe_cluster()["brokers"]) == 3, what="3 live brokers")
+    src, dst = unique("rin"), unique("rout")
+    spread_topic(admin, src, 3)
+    admin.create_topics([NewTopic(dst, PARTITIONS, 1)])
+    admin.close()
+    base = unique("rg")
+    group, tid, gnode, tnode = apart(brokers, lambda i: (f"{base}-g{i}", f"{base}-t{i}"))
+    print(f"group {group} at broker {gnode}, transaction {tid} at broker {tnode}")
+    plain = Producer({"bootstrap.servers": boot, "log_level": 0})
+    for i in range(60):
+        plain.produce(src, f"v{i}".encode(), partition=i % PARTITIONS)
+    assert plain.flush(30) == 0
+    c = Consumer({"bootstrap.servers": boot, "group.id": group, "auto.offset.reset": "earliest",
+                  "enable.auto.commit": False, "isolation.level": "read_committed",
+                  "log_level": 0})
+    c.subscribe([src])
+    p = txn_producer(boot, tid)
+
+    def committed() -> dict[int, int]:
+        got = c.committed([TopicPartition(src, i) for i in range(PARTITIONS)], timeout=30)
+        return {tp.partition: tp.offset for tp in got if tp.offset >= 0}
+
+    def poll_all() -> list:
+        msgs, deadline = [], time.monotonic() + 90
+        while len(msgs) < 60 and time.monotonic() < deadline:
+            msgs += [m for m in c.consume(60, 1.0) if not m.error()]
+        assert len(msgs) == 60, len(msgs)
+        return msgs
+
+    def transform(msgs, commit: bool) -> dict[int, int]:
+        p.begin_transaction()
+        for m in msgs:
+            p.produce(dst, m.value().replace(b"v", b"out"), partition=m.partition())
+        ends: dict[int, int] = {}
+        for m in msgs:
+            ends[m.partition()] = max(ends.get(m.partition(), 0), m.offset() + 1)
+        p.send_offsets_to_transaction(
+            [TopicPartition(src, part, off) for part, off in ends.items()],
+            c.consumer_group_metadata(), 30)
+        if commit:
+            p.commit_transaction(60)
+        else:
+            assert p.flush(30) == 0
+            p.abort_transaction(60)
+        return ends
+
+    transform(poll_all(), commit=False)
+    assert committed() == {}, "an aborted transaction's offsets reached the group"
+    for part in range(PARTITIONS):     # reprocess from the group's (absent) offsets
+        c.seek(TopicPartition(src, part, 0))
+    ends = transform(poll_all(), commit=True)
+    assert wait_for(lambda: committed() == ends, timeout=30, what="offsets committed")
+    c.close()
+    out = consume_all(boot, dst, PARTITIONS, "read_committed", expect=60, timeout=60)
+    assert sorted(out) == sorted(f"out{i}" for i in range(60))
