@@ -20,8 +20,9 @@ from protocol import ErrorCode as E
 from ..partition import find_topic, get_partition
 from ..transactions import ensure_transactions
 from ..transactions.coordinator import OFFSETS_TOPIC, WRITE_TXN_MARKERS
+from ..transactions.peers import CLIENT_ID as PEER_CLIENT_ID
 from ..transactions.peers import PeerError
-from ..transactions.placement import transaction_coordinator
+from ..transactions.placement import group_coordinator, transaction_coordinator
 from ..transactions.store import STATES
 from .registry import RequestContext, handler
 
@@ -127,6 +128,8 @@ async def txn_offset_commit(ctx: RequestContext, req: Any) -> Any:
     err = E.NONE
     if not req.group_id:
         err = E.INVALID_GROUP_ID
+    elif offsets and not _forwarded(ctx) and not _coordinates_group(ctx, req.group_id):
+        err = E.NOT_COORDINATOR    # the client looks the group's coordinator up again
     elif offsets:
         err = _check_member(ctx, req)
         tid = req.transactional_id or ""
@@ -143,6 +146,16 @@ async def txn_offset_commit(ctx: RequestContext, req: Any) -> Any:
                     error_code=int(per.get((t.name, p.partition_index), err)))
             for p in t.partitions or []]))
     return Resp(version=ctx.version, throttle_time_ms=0, topics=topics)
+
+
+def _forwarded(ctx: RequestContext) -> bool:
+    """Sent by a group coordinator on another broker (it checked the member there)."""
+    return getattr(ctx.header, "client_id", None) == PEER_CLIENT_ID
+
+
+def _coordinates_group(ctx: RequestContext, group_id: str) -> bool:
+    node = int(getattr(getattr(ctx.broker, "config", None), "node_id", 0))
+    return group_coordinator(ctx.broker, group_id) == node
 
 
 async def _forward_offsets(ctx: RequestContext, coord: Any, req: Any, tid: str) -> int:
