@@ -68,12 +68,13 @@ def produce(bootstrap: str, topic: str, items: list[tuple[bytes, bytes | None]])
     return offsets
 
 
-def read_all(bootstrap: str, topic: str) -> list[tuple[int, bytes | None, bytes | None]]:
+def read_all(bootstrap: str, topic: str, isolation: str = "read_committed"
+             ) -> list[tuple[int, bytes | None, bytes | None]]:
     """Every record from the beginning to the high watermark (librdkafka)."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": unique("g"),
                   "enable.auto.commit": False, "fetch.wait.max.ms": 50,
-                  "enable.partition.eof": True})
+                  "enable.partition.eof": True, "isolation.level": isolation})
     try:
         c.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
         out: list[tuple[int, bytes | None, bytes | None]] = []
@@ -207,3 +208,51 @@ def test_crash_during_rewrite_then_restarts(broker_factory) -> None:
     assert " keys=1 " in last_pass, "the checkpoint survived: only the new record was dirty"
     final = read_all(b.bootstrap, topic)
     assert final[-1][1:] == (b"k0", b"v-10-0") and len(final) == KEYS
+
+
+def test_aborted_transactions_and_their_markers_cleaned(broker_factory) -> None:
+    """A transactional librdkafka producer aborts one transaction and commits the next on a
+    compacted topic: the cleaner removes the aborted records (read_uncommitted readers stop
+    seeing them; read_committed readers see the same records throughout) and, once
+    delete.retention.ms has passed, the ABORT marker whose data is gone."""
+    from confluent_kafka import Producer
+    b = broker_factory(BROKER_ARGS)
+    topic = unique("compact-txn")
+    create(b.bootstrap, topic, {"cleanup.policy": "delete", "delete.retention.ms": "1000",
+                                "min.cleanable.dirty.ratio": "0.01"})
+    p = Producer({"bootstrap.servers": b.bootstrap, "transactional.id": unique("ctid"),
+                  "linger.ms": 2})
+    p.init_transactions(30)
+    p.begin_transaction()
+    for k in range(KEYS):
+        p.produce(topic, key=b"a%d" % k, value=b"aborted", partition=0)
+    assert p.flush(30) == 0
+    p.abort_transaction(30)
+    p.begin_transaction()
+    for k in range(KEYS):
+        p.produce(topic, key=b"t%d" % k, value=b"committed", partition=0)
+    p.commit_transaction(30)
+    offsets: list[int] = []
+    items = [(b"k%d" % k, b"v-%d-%d" % (r, k)) for r in range(3) for k in range(KEYS)]
+    for r in range(3):                                # a few objects after the transactions
+        offsets += produce(b.bootstrap, topic, items[r * KEYS:(r + 1) * KEYS])
+        time.sleep(0.4)
+    committed = read_all(b.bootstrap, topic)
+    uncommitted = read_all(b.bootstrap, topic, "read_uncommitted")
+    assert sum(v == b"aborted" for _, _, v in uncommitted) == KEYS
+    assert not any(v == b"aborted" for _, _, v in committed)
+    set_configs(b.bootstrap, topic, {"cleanup.policy": "compact"})
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        uncommitted = read_all(b.bootstrap, topic, "read_uncommitted")
+        if not any(v == b"aborted" for _, _, v in uncommitted) and \
+                "markers_dropped=1" in b.log_text():
+            break
+        time.sleep(0.5)
+    assert not any(v == b"aborted" for _, _, v in uncommitted), "aborted records not cleaned"
+    assert "markers_dropped=1" in b.log_text(), "the ABORT marker was not removed"
+    want = {(k, v) for _, k, v in committed if not k.startswith(b"k")} | \
+        {(k, v) for k, v in items[2 * KEYS:]}
+    final = read_all(b.bootstrap, topic)
+    assert {(k, v) for _, k, v in final} == want
+    assert read_all(b.bootstrap, topic, "read_uncommitted") == final
