@@ -183,9 +183,12 @@ async def test_aborted_data_removed_and_ongoing_transactions_left_alone(engine, 
     await engine.flush()
     p.txns.begin(11, 4)                                  # an ongoing transaction from 4 on
     assert p.last_stable_offset == 4
-    assert await cleaner.clean(p, NOW) is None           # the object reaches past the LSO
+    res = await cleaner.clean(p, NOW)
+    # nothing at or past the LSO is cleaned (None when one object holds it all; a background
+    # upload under load may have split the log at 3, and [0, 3) may be cleaned)
+    assert res is None or res.end <= 4
     p.txns.ongoing.pop(11)                               # (committed)
-    assert await cleaner.clean(p, NOW)
+    assert await cleaner.clean(p, NOW, force=True)
     engine.drop_caches()
     got = await records(p)
     assert (0, b"k", b"committed") in got                 # not superseded by the aborted write
