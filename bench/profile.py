@@ -2,7 +2,7 @@
 each one waits for the interpreter lock.
 
     python -m bench.profile [--load raw|raw-small|clients|hotfetch|coldfetch|fetch]
-                            [--seconds 10] [--rate 250] [--out bench/profiles]
+                            [--seconds 10] [--rate 250] [--out bench/profiles] [--perf]
                             [--batch-bytes N] [--storage engine|memory] [--broker-arg=ARG ...]
 
 Workloads: ``raw`` 1 MiB acks=all Produce requests (bench.rawload, 4 connections x 8 in
@@ -220,6 +220,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--broker-arg", action="append", default=[],
                     help="extra broker argument, repeatable")
     ap.add_argument("--analyse", metavar="FILE", help="only print the report of a collapsed file")
+    ap.add_argument("--perf", action="store_true",
+                    help="`perf record -g` the broker instead of py-spy and print where its CPU "
+                         "goes including the kernel (page faults, copies into the page cache, "
+                         "socket copies: invisible to py-spy)")
     a = ap.parse_args(argv)
     if a.analyse:
         with open(a.analyse) as f:
@@ -237,18 +241,45 @@ def main(argv: list[str] | None = None) -> None:
         ready.wait()
         time.sleep(1)
         cpu0 = thread_cpu(b.pid)
-        subprocess.run([spy, "record", "--native", "--threads", "--idle",
-                        "--pid", str(b.pid), "-r", str(a.rate), "-d", str(int(a.seconds)),
-                        "--format", "raw", "-o", raw_out], check=False,
-                       stdout=subprocess.DEVNULL)
+        perf_out = os.path.join(a.out, f"{a.load}.perf.data")
+        if a.perf:      # instead of py-spy: its ptrace stops would show in perf's samples
+            subprocess.run(["perf", "record", "-q", "-g", "-o", perf_out, "-p", str(b.pid),
+                            "--", "sleep", str(int(a.seconds))], check=False,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        else:
+            subprocess.run([spy, "record", "--native", "--threads", "--idle",
+                            "--pid", str(b.pid), "-r", str(a.rate), "-d", str(int(a.seconds)),
+                            "--format", "raw", "-o", raw_out], check=False,
+                           stdout=subprocess.DEVNULL)
         cpu1 = thread_cpu(b.pid)
         t.join()
     cpu = {tid: cpu1[tid] - cpu0.get(tid, 0.0) for tid in cpu1}
+    if a.perf:
+        print(f"perf profile of the whole broker under '{a.load}' load, {a.seconds:.0f} s")
+        print(f"broker CPU over the profile: {sum(cpu.values()):.2f} s (all threads)")
+        print(perf_report(perf_out))
+        return
     with open(raw_out) as f:
         collapsed = f.read()
     print(f"profile of the whole broker under '{a.load}' load, {a.seconds:.0f} s -> {raw_out}")
     print(f"broker CPU over the profile: {sum(cpu.values()):.2f} s (all threads)\n")
     print(analyse(collapsed, cpu))
+
+
+def perf_report(path: str, n: int = 25) -> str:
+    """The top symbols of a `perf record -g` file by own time and, for the kernel, by total
+    time (what each syscall or fault costs with everything under it)."""
+    if not os.path.exists(path):
+        return "\n(no perf data: perf missing or not permitted)"
+    out = ["", f"perf ({path}): top symbols by own time, % of all broker samples"]
+    own = subprocess.run(["perf", "report", "-i", path, "--no-children", "--sort", "dso,sym",
+                          "--stdio", "-g", "none"], capture_output=True, text=True).stdout
+    out += [ln for ln in own.splitlines() if "%" in ln and not ln.startswith("#")][:n]
+    out.append("\nkernel symbols by total time (children included)")
+    tot = subprocess.run(["perf", "report", "-i", path, "--children", "--sort", "sym",
+                          "--stdio", "-g", "none"], capture_output=True, text=True).stdout
+    out += [ln for ln in tot.splitlines() if "[k]" in ln and "%" in ln][:n]
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
