@@ -3,6 +3,12 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
+# `make test` runs pytest on TEST_WORKERS pytest-xdist workers (the suite mostly waits on
+# brokers and clients, so 4 workers keep 2 cores busy); tests sharing a fixed resource carry
+# @pytest.mark.xdist_group and run on one worker (--dist loadgroup). A serial run:
+# `make test ARGS=-n0` or `make test ARGS='-p no:xdist'`.
+TEST_WORKERS ?= 4
+XDIST = $(if $(findstring no:xdist,$(ARGS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 .PHONY: run test test-fast bench bench-failover venv test-deps clean chaos-backpressure chaos
 
@@ -29,11 +35,11 @@ test-deps: $(VENV)/.test-installed
 	bash tests/setup_deps.sh
 
 test: test-deps
-	$(BIN)/python -m pytest -q -ra $(ARGS)
+	$(BIN)/python -m pytest -q -ra $(XDIST) $(ARGS)
 
 ## Quick loop for developers: skip the slow suites.
 test-fast: test-deps
-	$(BIN)/python -m pytest -q -ra -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -q -ra -m "not slow" $(XDIST) $(ARGS)
 
 ## Long fault schedule for issue 21: small WAL, object store cut/black-holed/restored, kill -9.
 CHAOS_ROUNDS ?= 20

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
+from filelock import FileLock
 
 from datapath.wire import api_versions_roundtrip
 
@@ -30,6 +31,25 @@ START_TIMEOUT_S = float(os.environ.get("S3KAFKA_TEST_START_TIMEOUT", "60"))
 
 # Brokers currently running in this pytest process (for log tails on failure).
 _LIVE: set["BrokerProcess"] = set()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:  # noqa: ARG001
+    """Under pytest-xdist, slow tests first: the long ones (Spark, bench smoke, chaos, cluster,
+    crash loops) start at once, spread over the workers, while the many short ones fill the gaps,
+    so the run does not end on one worker finishing a long test alone. Stable and deterministic
+    (every worker must collect the same order); a serial run keeps the file order, so module
+    fixtures are set up once."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
+
+
+def run_setup_deps() -> None:
+    """tests/setup_deps.sh (idempotent), one pytest-xdist worker at a time: `make test` has
+    already run it, this is for a bare `pytest` on a machine that lacks something."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(CACHE / "setup_deps.lock")):
+        subprocess.run(["bash", str(REPO / "tests" / "setup_deps.sh")], cwd=REPO,
+                       stdin=subprocess.DEVNULL, check=False, timeout=1200)
 
 
 def free_port() -> int:
@@ -320,8 +340,7 @@ def java_classpath() -> dict[str, str]:
     """
     cps = {v: _classpath_for(v) for v in JAVA_VERSIONS}
     if not all(cps.values()):
-        subprocess.run(["bash", str(REPO / "tests" / "setup_deps.sh")], cwd=REPO,
-                       stdin=subprocess.DEVNULL, check=False, timeout=1200)
+        run_setup_deps()
         cps = {v: _classpath_for(v) for v in JAVA_VERSIONS}
     missing = [v for v, cp in cps.items() if not cp]
     if missing:
@@ -337,8 +356,7 @@ def postgres() -> Iterator["PostgresServer"]:
     from pgserver import PostgresServer, pg_bindir  # noqa: PLC0415
 
     if pg_bindir() is None:
-        subprocess.run(["bash", str(REPO / "tests" / "setup_deps.sh")], cwd=REPO,
-                       stdin=subprocess.DEVNULL, check=False, timeout=1200)
+        run_setup_deps()
     server = PostgresServer().start()
     try:
         yield server

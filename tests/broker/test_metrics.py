@@ -328,6 +328,7 @@ def test_explicit_metrics_address_taken_is_a_one_line_error(tmp_path) -> None:
     assert not (tmp_path / "d").exists(), "nothing opened or written before the check"
 
 
+@pytest.mark.xdist_group("port-9644")   # the default metrics port: one test at a time holds it
 def test_default_metrics_address_taken_only_warns(broker_factory) -> None:
     """A second broker on a host finds the default port taken: it runs, without metrics."""
     holder = socket.socket()

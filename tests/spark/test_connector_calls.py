@@ -14,6 +14,7 @@ import subprocess
 import uuid
 
 import pytest
+from filelock import FileLock
 
 HERE = pathlib.Path(__file__).resolve().parent
 SOURCE = HERE / "java" / "SparkConnectorCalls.java"
@@ -28,9 +29,12 @@ def _compile(version: str, classpath: str) -> pathlib.Path:
         pytest.skip("javac not installed")
     out = CLASSES / version
     target = out / "SparkConnectorCalls.class"
-    if not target.exists() or target.stat().st_mtime < SOURCE.stat().st_mtime:
-        out.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["javac", "-cp", classpath, "-d", str(out), str(SOURCE)], check=True, timeout=300)
+    CLASSES.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(CLASSES / f"{version}.lock")):   # pytest-xdist workers: one javac at a time
+        if not target.exists() or target.stat().st_mtime < SOURCE.stat().st_mtime:
+            out.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["javac", "-cp", classpath, "-d", str(out), str(SOURCE)], check=True,
+                           timeout=300)
     return out
 
 
