@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
-import shutil
 import socket
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 
 import pytest
 
+import loopdev
 from conftest import REPO, free_port
 
 PY = sys.executable
@@ -179,21 +179,12 @@ def test_wal_capacity_differs_from_header(tmp_path):
 def loop_device(tmp_path):
     """A 32 MiB loop device (root and losetup needed, else skipped) over a file outside
     tmp_path's snapshots."""
-    if shutil.which("losetup") is None:
-        pytest.skip("losetup is not installed")
     backing = tmp_path.parent / f"{tmp_path.name}-loop.img"
-    with open(backing, "wb") as f:
-        f.truncate(32 << 20)
     try:
-        dev = subprocess.run(["losetup", "-f", "--show", str(backing)], check=True,
-                             capture_output=True, text=True).stdout.strip()
-    except (subprocess.CalledProcessError, OSError) as e:
-        pytest.skip(f"losetup cannot attach a loop device here: {e}")
-    try:
-        yield dev, backing
+        with loopdev.loop_device(backing, 32 << 20) as dev:
+            yield dev, backing
     finally:
-        subprocess.run(["losetup", "-d", dev], check=False)
-        backing.unlink()
+        backing.unlink(missing_ok=True)
 
 
 def test_wal_on_a_block_device(tmp_path, loop_device):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from storage.wal import FencedError
 from storage.wal.device import Device
 from storage.wal.format import (HEADER_AREA, TAKEOVER_DONE, TAKEOVER_FENCED, TAKEOVER_NONE)
 
+import loopdev
 from takeover_helpers import (HERE, REPO, build_dead_wal, check_exactly_once, commit_records,
                               framed, open_wal, payload, run_py)
 
@@ -397,20 +397,8 @@ def test_registry_compare_and_set(metadata_url, tmp_path):
 
 @pytest.fixture
 def loop_device(tmp_path):
-    if shutil.which("losetup") is None:
-        pytest.skip("losetup is not installed: cannot create a loop device")
-    backing = tmp_path / "loop.img"
-    with open(backing, "wb") as f:
-        f.truncate(8 << 20)
-    try:
-        dev = subprocess.run(["losetup", "-f", "--show", str(backing)], check=True,
-                             capture_output=True, text=True).stdout.strip()
-    except (subprocess.CalledProcessError, OSError) as e:
-        pytest.skip(f"losetup cannot attach a loop device here: {e}")
-    try:
+    with loopdev.loop_device(tmp_path / "loop.img", 8 << 20) as dev:
         yield dev
-    finally:
-        subprocess.run(["losetup", "-d", dev], check=False)
 
 
 def test_takeover_of_a_loop_device_wal(loop_device, tmp_path, stores):

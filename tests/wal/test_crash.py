@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+import loopdev
+
 from storage.wal import DeltaWAL, WALConfig
 
 from .crash_writer import payload
@@ -139,20 +141,8 @@ def test_crash_loop_on_file(tmp_path, engine):
 
 @pytest.fixture
 def loop_device(tmp_path):
-    if shutil.which("losetup") is None:
-        pytest.skip("losetup is not installed: cannot create a loop device")
-    backing = tmp_path / "loop.img"
-    with open(backing, "wb") as f:
-        f.truncate(32 << 20)
-    try:
-        dev = subprocess.run(["losetup", "-f", "--show", str(backing)], check=True,
-                             capture_output=True, text=True).stdout.strip()
-    except (subprocess.CalledProcessError, OSError) as e:
-        pytest.skip(f"losetup cannot attach a loop device here: {e}")
-    try:
+    with loopdev.loop_device(tmp_path / "loop.img", 32 << 20) as dev:
         yield dev
-    finally:
-        subprocess.run(["losetup", "-d", dev], check=False)
 
 
 @ENGINES
