@@ -4,15 +4,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .common import Result, table
+from .common import Family, Result, table
 
 
 def register(families: Any, common: argparse.ArgumentParser) -> None:
-    fam = families.add_parser("cluster", parents=[common], help="describe the cluster",
-                              description="Cluster-wide information.")
-    sub = fam.add_subparsers(dest="action", required=True, metavar="ACTION")
-    p = sub.add_parser("describe", parents=[common], help="cluster id, controller, brokers")
-    p.set_defaults(func=describe_cluster)
+    fam = Family(families, common, "cluster", help="describe the cluster",
+                 description="Cluster-wide information.")
+    fam.action("describe", describe_cluster, help="cluster id, controller, brokers")
 
 
 def describe_cluster(args: argparse.Namespace, admin: Any) -> Result:

@@ -47,6 +47,25 @@ def common_options() -> argparse.ArgumentParser:
     return p
 
 
+class Family:
+    """One command family (``s3kafka topics ...``): every action accepts the common options
+    (before or after its words) and names the function that runs it (``args.func``)."""
+
+    def __init__(self, families: Any, common: argparse.ArgumentParser, name: str, help: str,
+                 description: str) -> None:
+        fam = families.add_parser(name, parents=[common], help=help, description=description)
+        self._actions = fam.add_subparsers(dest="action", required=True, metavar="ACTION")
+        self._common = common
+
+    def action(self, name: str, func: Any, help: str, description: str | None = None
+               ) -> argparse.ArgumentParser:
+        """Add ``ACTION`` run by ``func(args, admin) -> Result``; its parser, for its arguments."""
+        p = self._actions.add_parser(name, parents=[self._common], help=help,
+                                     description=description)
+        p.set_defaults(func=func)
+        return p
+
+
 def option(args: argparse.Namespace, name: str) -> Any:
     """The value of a common option wherever it was given, or its default."""
     if hasattr(args, name):

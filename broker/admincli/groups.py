@@ -11,29 +11,25 @@ import re
 import time
 from typing import Any
 
-from .common import CliError, Result, exception_line, kafka_error, list_offsets, table
+from .common import CliError, Family, Result, exception_line, kafka_error, list_offsets, table
 
 INACTIVE_STATES = ("Empty", "Dead")
 
 
 def register(families: Any, common: argparse.ArgumentParser) -> None:
-    fam = families.add_parser("groups", parents=[common], help="list, describe, reset offsets "
-                              "of, delete consumer groups", description="Manage consumer groups "
-                              "(like kafka-consumer-groups.sh).")
-    sub = fam.add_subparsers(dest="action", required=True, metavar="ACTION")
+    fam = Family(families, common, "groups", help="list, describe, reset offsets of, delete "
+                 "consumer groups", description="Manage consumer groups (like "
+                 "kafka-consumer-groups.sh).")
+    fam.action("list", list_groups, help="groups with state and protocol type")
 
-    p = sub.add_parser("list", parents=[common], help="groups with state and protocol type")
-    p.set_defaults(func=list_groups)
-
-    p = sub.add_parser("describe", parents=[common],
-                       help="members, assignments, committed offsets and lag")
+    p = fam.action("describe", describe_group,
+                   help="members, assignments, committed offsets and lag")
     p.add_argument("group", metavar="GROUP")
-    p.set_defaults(func=describe_group)
 
-    p = sub.add_parser("reset-offsets", parents=[common],
-                       help="move committed offsets (dry run unless --execute)",
-                       description="Plan, and with --execute commit, new offsets for an inactive "
-                       "group. Offsets outside [log start, log end] are clamped to it.")
+    p = fam.action("reset-offsets", reset_offsets,
+                   help="move committed offsets (dry run unless --execute)",
+                   description="Plan, and with --execute commit, new offsets for an inactive "
+                   "group. Offsets outside [log start, log end] are clamped to it.")
     p.add_argument("group", metavar="GROUP")
     scope = p.add_mutually_exclusive_group(required=True)
     scope.add_argument("--topic", action="append", metavar="TOPIC[:P,P...]",
@@ -55,19 +51,16 @@ def register(families: Any, common: argparse.ArgumentParser) -> None:
     run = p.add_mutually_exclusive_group()
     run.add_argument("--execute", action="store_true", help="commit the planned offsets")
     run.add_argument("--dry-run", action="store_true", help="only show the plan (the default)")
-    p.set_defaults(func=reset_offsets)
 
-    p = sub.add_parser("delete-offsets", parents=[common],
-                       help="delete a group's committed offsets of some topics")
+    p = fam.action("delete-offsets", delete_offsets,
+                   help="delete a group's committed offsets of some topics")
     p.add_argument("group", metavar="GROUP")
     p.add_argument("--topic", action="append", required=True, metavar="TOPIC[:P,P...]",
                    help="a topic (the partitions the group committed), or some of its "
                    "partitions (repeatable)")
-    p.set_defaults(func=delete_offsets)
 
-    p = sub.add_parser("delete", parents=[common], help="delete inactive groups and their offsets")
+    p = fam.action("delete", delete_groups, help="delete inactive groups and their offsets")
     p.add_argument("groups", nargs="+", metavar="GROUP")
-    p.set_defaults(func=delete_groups)
 
 
 # ------------------------------------------------------------------------- helpers

@@ -10,29 +10,25 @@ import argparse
 import re
 from typing import Any
 
-from .common import CliError, Result, exception_line, kafka_error, list_offsets, parse_kv, table
+from .common import CliError, Family, Result, exception_line, kafka_error, list_offsets, parse_kv, table
 
 TOPIC_OVERRIDE = "DYNAMIC_TOPIC_CONFIG"
 
 
 def register(families: Any, common: argparse.ArgumentParser) -> None:
-    fam = families.add_parser("topics", parents=[common], help="list, describe, create, delete, "
-                              "alter topics", description="Manage topics (like kafka-topics.sh "
-                              "and kafka-configs.sh --entity-type topics).")
-    sub = fam.add_subparsers(dest="action", required=True, metavar="ACTION")
-
-    p = sub.add_parser("list", parents=[common], help="topics with partition counts")
+    fam = Family(families, common, "topics", help="list, describe, create, delete, alter topics",
+                 description="Manage topics (like kafka-topics.sh and kafka-configs.sh "
+                 "--entity-type topics).")
+    p = fam.action("list", list_topics, help="topics with partition counts")
     p.add_argument("--exclude-internal", action="store_true", help="hide internal topics")
-    p.set_defaults(func=list_topics)
 
-    p = sub.add_parser("describe", parents=[common],
-                       help="partitions, leaders, offsets and config overrides")
+    p = fam.action("describe", describe_topics,
+                   help="partitions, leaders, offsets and config overrides")
     p.add_argument("topics", nargs="*", metavar="TOPIC", help="default: every topic")
     p.add_argument("--all-configs", action="store_true",
                    help="every config with its value and source, not only overrides")
-    p.set_defaults(func=describe_topics)
 
-    p = sub.add_parser("create", parents=[common], help="create a topic")
+    p = fam.action("create", create_topic, help="create a topic")
     p.add_argument("topic", metavar="TOPIC")
     p.add_argument("--partitions", type=int, default=-1, metavar="N",
                    help="default: the broker's num.partitions")
@@ -41,28 +37,23 @@ def register(families: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--config", action="append", metavar="NAME=VALUE",
                    help="topic config override (repeatable, or comma-separated)")
     p.add_argument("--if-not-exists", action="store_true", help="succeed if it exists already")
-    p.set_defaults(func=create_topic)
 
-    p = sub.add_parser("delete", parents=[common], help="delete topics")
+    p = fam.action("delete", delete_topics, help="delete topics")
     p.add_argument("topics", nargs="+", metavar="TOPIC")
     p.add_argument("--if-exists", action="store_true", help="succeed if a topic does not exist")
-    p.set_defaults(func=delete_topics)
 
-    p = sub.add_parser("alter-config", parents=[common],
-                       help="set or remove topic config overrides")
+    p = fam.action("alter-config", alter_config, help="set or remove topic config overrides")
     p.add_argument("topic", metavar="TOPIC")
     p.add_argument("--set", action="append", metavar="NAME=VALUE",
                    help="set an override (repeatable, or comma-separated)")
     p.add_argument("--delete", action="append", metavar="NAME",
                    help="remove an override, back to the default (repeatable)")
-    p.set_defaults(func=alter_config)
 
-    p = sub.add_parser("add-partitions", parents=[common],
-                       help="grow a topic to a total partition count")
+    p = fam.action("add-partitions", add_partitions,
+                   help="grow a topic to a total partition count")
     p.add_argument("topic", metavar="TOPIC")
     p.add_argument("--total", type=int, required=True, metavar="N",
                    help="partition count after the change")
-    p.set_defaults(func=add_partitions)
 
 
 # ------------------------------------------------------------------------- helpers
