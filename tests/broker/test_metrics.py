@@ -332,12 +332,22 @@ def test_explicit_metrics_address_taken_is_a_one_line_error(tmp_path) -> None:
 def test_default_metrics_address_taken_only_warns(broker_factory) -> None:
     """A second broker on a host finds the default port taken: it runs, without metrics."""
     holder = socket.socket()
+    # SO_REUSEADDR: a closed connection in TIME_WAIT on 9644 must not stop the holder (the
+    # broker binds with it, so it would get the port and the test would fail). Another live
+    # process may hold 9644 for a moment (another checkout's run of this test): wait for it
+    # rather than rely on it still holding the port when the broker starts.
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        try:
-            holder.bind(("127.0.0.1", 9644))
-            holder.listen()
-        except OSError:
-            pass                       # already taken by someone else: the same situation
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                holder.bind(("127.0.0.1", 9644))
+                holder.listen()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break              # held for good by someone else: the same situation
+                time.sleep(0.2)
         b = broker_factory(env={"S3KAFKA_METRICS_LISTEN": "127.0.0.1:9644"})
     finally:
         holder.close()
