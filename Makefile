@@ -8,7 +8,7 @@ ARGS ?=
 # @pytest.mark.xdist_group and run on one worker (--dist loadgroup). A serial run:
 # `make test ARGS=-n0` or `make test ARGS='-p no:xdist'`.
 TEST_WORKERS ?= 4
-XDIST = $(if $(findstring no:xdist,$(ARGS)),,-n $(TEST_WORKERS) --dist loadgroup)
+XDIST = $(if $(findstring no:xdist,$(ARGS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 .PHONY: run test test-fast bench bench-failover venv test-deps clean chaos-backpressure chaos
 

@@ -33,14 +33,51 @@ START_TIMEOUT_S = float(os.environ.get("S3KAFKA_TEST_START_TIMEOUT", "60"))
 _LIVE: set["BrokerProcess"] = set()
 
 
+#: The tests that load the machine most (several brokers, JVMs, fault schedules), in lanes:
+#: under pytest-xdist each lane runs on one worker, one test at a time, so at most two of them
+#: overlap on the 2-core CI machine and they do not starve each other (or time out). A lane is
+#: a list of path prefixes (new tests under them join it). tests/spark shares one SparkSession
+#: (package fixture): one lane means one JVM, not one per worker.
+HEAVY_LANES: dict[str, tuple[str, ...]] = {
+    "heavy-a": ("tests/chaos/", "tests/bench/"),
+    "heavy-b": ("tests/spark/", "tests/cluster/"),
+}
+
+
+def _xdist_group(item: pytest.Item) -> str:
+    path = item.nodeid.split("::", 1)[0]
+    for lane, prefixes in HEAVY_LANES.items():
+        if path.startswith(prefixes):
+            return lane
+    return path
+
+
+@pytest.hookimpl(tryfirst=True)     # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:  # noqa: ARG001
-    """Under pytest-xdist, slow tests first: the long ones (Spark, bench smoke, chaos, cluster,
-    crash loops) start at once, spread over the workers, while the many short ones fill the gaps,
-    so the run does not end on one worker finishing a long test alone. Stable and deterministic
-    (every worker must collect the same order); a serial run keeps the file order, so module
-    fixtures are set up once."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
+    """Under pytest-xdist (``make test``: --dist loadgroup --no-loadscope-reorder) every module
+    is one unit of work, so its module/package fixtures (brokers, a SparkSession) are set up
+    once, on one worker; the heavy tests form the HEAVY_LANES; an explicit xdist_group mark
+    (a fixed port) wins. Order: the lanes first (their slow tests first), then the modules
+    holding slow tests, then the rest, so the run does not end on one worker finishing a long
+    module alone. Stable and deterministic (every worker must collect the same order). A
+    serial run keeps the file order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slow_modules: set[str] = set()
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+        if item.get_closest_marker("slow"):
+            slow_modules.add(item.nodeid.split("::", 1)[0])
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        group = _xdist_group(item)
+        slow = 0 if item.nodeid.split("::", 1)[0] in slow_modules else 1
+        if group in HEAVY_LANES:
+            return (0, list(HEAVY_LANES).index(group) * 2 + slow)
+        return (1 + slow, 0)
+
+    items.sort(key=rank)
 
 
 def run_setup_deps() -> None:
