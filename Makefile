@@ -4,9 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 # `make test` runs pytest on TEST_WORKERS pytest-xdist workers (the suite mostly waits on
-# brokers and clients, so 4 workers keep 2 cores busy); tests sharing a fixed resource carry
-# @pytest.mark.xdist_group and run on one worker (--dist loadgroup). A serial run:
-# `make test ARGS=-n0` or `make test ARGS='-p no:xdist'`.
+# brokers and clients, so 4 workers keep 2 cores busy). Each test module is one unit of work
+# and the heavy tests (cluster, chaos, Spark, bench) run in two lanes (tests/conftest.py:
+# HEAVY_LANES, pytest_xdist_make_scheduler). A serial run: `make test ARGS=-n0` or
+# `make test ARGS='-p no:xdist'`.
 TEST_WORKERS ?= 4
 XDIST = $(if $(findstring no:xdist,$(ARGS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 

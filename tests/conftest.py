@@ -44,37 +44,50 @@ HEAVY_LANES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _xdist_group(item: pytest.Item) -> str:
-    path = item.nodeid.split("::", 1)[0]
+def work_unit(nodeid: str) -> str:
+    """The pytest-xdist unit of work of a test: its lane, else its module (so module and
+    package fixtures - brokers, a SparkSession - are set up once, on one worker)."""
+    path = nodeid.split("::", 1)[0]
     for lane, prefixes in HEAVY_LANES.items():
         if path.startswith(prefixes):
             return lane
     return path
 
 
-@pytest.hookimpl(tryfirst=True)     # before pytest-xdist reads the xdist_group marks
+@pytest.hookimpl(tryfirst=True, optionalhook=True)   # optional: `-p no:xdist` works
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadgroup`` (``make test``) schedules whole work_unit()s. pytest-xdist 3.8's
+    own loadgroup does not group under pytest 9.2 (it renames ``item._nodeid``, which pytest no
+    longer reads), so the grouping is done here, on the controller, from the node ids."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415
+
+    class WorkUnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if "@" in nodeid.rsplit("::", 1)[-1]:      # an xdist_group mark, if xdist honours it
+                return nodeid.rsplit("@", 1)[-1]
+            return work_unit(nodeid)
+
+    return WorkUnitScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:  # noqa: ARG001
-    """Under pytest-xdist (``make test``: --dist loadgroup --no-loadscope-reorder) every module
-    is one unit of work, so its module/package fixtures (brokers, a SparkSession) are set up
-    once, on one worker; the heavy tests form the HEAVY_LANES; an explicit xdist_group mark
-    (a fixed port) wins. Order: the lanes first (their slow tests first), then the modules
-    holding slow tests, then the rest, so the run does not end on one worker finishing a long
-    module alone. Stable and deterministic (every worker must collect the same order). A
-    serial run keeps the file order."""
+    """Under pytest-xdist (``make test``: --dist loadgroup --no-loadscope-reorder, units in the
+    order of the first test of each): the HEAVY_LANES first, then the modules holding slow
+    tests, then the rest, so the run does not end on one worker finishing a long module
+    alone. Stable and deterministic (every worker must collect the same order). A serial run
+    keeps the file order."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    slow_modules: set[str] = set()
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
-        if item.get_closest_marker("slow"):
-            slow_modules.add(item.nodeid.split("::", 1)[0])
+    slow_modules = {item.nodeid.split("::", 1)[0] for item in items
+                    if item.get_closest_marker("slow")}
 
     def rank(item: pytest.Item) -> tuple[int, int]:
-        group = _xdist_group(item)
+        unit = work_unit(item.nodeid)
         slow = 0 if item.nodeid.split("::", 1)[0] in slow_modules else 1
-        if group in HEAVY_LANES:
-            return (0, list(HEAVY_LANES).index(group) * 2 + slow)
+        if unit in HEAVY_LANES:
+            return (0, list(HEAVY_LANES).index(unit) * 2 + slow)
         return (1 + slow, 0)
 
     items.sort(key=rank)
