@@ -21,9 +21,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e .
 	touch $@
 
-$(VENV)/.test-installed: $(VENV)/.installed
-	$(BIN)/pip install -q -e '.[test]'
-	touch $@
+# One pip run for the package and its test extras (one resolve, one editable build: a second
+# `pip install -e .` first cost a minute). --no-compile: the suite imports a small part of what
+# it installs (pyspark alone is thousands of modules); Python compiles that part on first use.
+$(VENV)/.test-installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q --no-compile -e '.[test]'
+	touch $(VENV)/.installed $@
 
 venv: $(VENV)/.installed
 
