@@ -164,7 +164,8 @@ class Cluster:
                        data_dir=os.path.join(self.dir, f"b{n}"))
         os.makedirs(b.data_dir, exist_ok=True)
         b.log_path = os.path.join(b.data_dir, "broker.log")
-        self.brokers.append(b.start())
+        self.brokers.append(b)       # stopped by close() even if it never comes up
+        b.start()
         return b
 
     def epoch_start(self, partition: int, epoch: int) -> int | None:
