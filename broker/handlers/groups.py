@@ -270,19 +270,25 @@ async def offset_commit(ctx: RequestContext, req: Any) -> Any:
 
 
 # ------------------------------------------------------------------------- OffsetFetch
+async def _unstable(ctx: RequestContext, group_id: str, require_stable: bool
+                    ) -> set[tuple[str, int]]:
+    """Partitions of ``group_id`` with offsets pending in an unfinished transaction (any
+    broker's: in a cluster the transaction's coordinator may be another broker)."""
+    txn_coord = coordinator_for(ctx.broker) if require_stable else None
+    if txn_coord is None:
+        return set()
+    return await txn_coord.pending_offsets_anywhere(group_id)
+
+
 def _fetch_group(
     ctx: RequestContext, group_id: str, req_topics: Iterable[Any] | None, use_ids: bool,
-    require_stable: bool = False,
+    unstable: set[tuple[str, int]] | None = None,
 ) -> list[tuple[str, Any, list[tuple[int, int, int, str, int]]]]:
     """[(topic name, topic id, [(partition, offset, leader epoch, metadata, error)])].
-    ``require_stable`` (KIP-447): a partition with offsets pending in an open transaction
-    answers UNSTABLE_OFFSET_COMMIT (retriable) until the transaction ends."""
+    ``unstable`` (KIP-447 require_stable, see ``_unstable``): those partitions answer
+    UNSTABLE_OFFSET_COMMIT (retriable) until their transaction ends."""
     coord = _coordinator(ctx)
-    unstable: set[tuple[str, int]] = set()
-    if require_stable:
-        txn_coord = coordinator_for(ctx.broker)
-        if txn_coord is not None:
-            unstable = txn_coord.pending_offset_partitions(group_id)
+    unstable = unstable or set()
     if req_topics is None:
         wanted = None
     else:
@@ -326,8 +332,9 @@ async def offset_fetch(ctx: RequestContext, req: Any) -> Any:
         if _elsewhere(ctx, req.group_id):
             return cls(throttle_time_ms=0, error_code=E.NOT_COORDINATOR, topics=[])
         await _fresh_offsets(ctx, req.group_id)
-        result = _fetch_group(ctx, req.group_id, req.topics, use_ids=False,
-                              require_stable=v >= 7 and bool(getattr(req, "require_stable", False)))
+        unstable = await _unstable(ctx, req.group_id,
+                                   v >= 7 and bool(getattr(req, "require_stable", False)))
+        result = _fetch_group(ctx, req.group_id, req.topics, use_ids=False, unstable=unstable)
         return cls(
             throttle_time_ms=0,
             error_code=E.NONE,
@@ -348,8 +355,8 @@ async def offset_fetch(ctx: RequestContext, req: Any) -> Any:
             groups.append(gcls(group_id=g.group_id, error_code=E.NOT_COORDINATOR, topics=[]))
             continue
         await _fresh_offsets(ctx, g.group_id)
-        result = _fetch_group(ctx, g.group_id, g.topics, use_ids=v >= 10,
-                              require_stable=bool(getattr(req, "require_stable", False)))
+        unstable = await _unstable(ctx, g.group_id, bool(getattr(req, "require_stable", False)))
+        result = _fetch_group(ctx, g.group_id, g.topics, use_ids=v >= 10, unstable=unstable)
         groups.append(gcls(
             group_id=g.group_id,
             error_code=E.NONE,

@@ -595,11 +595,22 @@ class TransactionCoordinator:
         return E.NONE
 
     def pending_offset_partitions(self, group_id: str) -> set[tuple[str, int]]:
-        """(topic, partition) of ``group_id`` with offsets pending in an unfinished transaction."""
+        """(topic, partition) of ``group_id`` with offsets pending in an unfinished transaction
+        this broker coordinates."""
         out: set[tuple[str, int]] = set()
         for meta in self.txns.values():
             if meta.pending_offsets and meta.state in (ONGOING, PREPARE_COMMIT, PREPARE_ABORT):
                 out.update(meta.pending_offsets.get(group_id, ()))
+        return out
+
+    async def pending_offsets_anywhere(self, group_id: str) -> set[tuple[str, int]]:
+        """The same over every broker's transactions: in a cluster the group's coordinator
+        need not coordinate the transaction holding its offsets, so the store is asked."""
+        if getattr(self.broker, "cluster", None) is None:
+            return self.pending_offset_partitions(group_id)
+        out: set[tuple[str, int]] = set()
+        for meta in await self._run(self.store.load_unfinished):
+            out.update((meta.pending_offsets or {}).get(group_id, ()))
         return out
 
     # --- describe ------------------------------------------------------------------------------

@@ -113,6 +113,12 @@ class TxnStore:
                                  " WHERE transactional_id = ?", (transactional_id,))
         return None if row is None else TxnMeta.from_row(row)
 
+    def load_unfinished(self) -> list[TxnMeta]:
+        """Transactions not complete yet (Ongoing, PrepareCommit, PrepareAbort)."""
+        rows = self._db.query(f"SELECT {_COLUMNS}, row_version FROM kafka_txn_state"
+                              " WHERE state IN (?, ?, ?)", (ONGOING, PREPARE_COMMIT, PREPARE_ABORT))
+        return [TxnMeta.from_row(r) for r in rows]
+
     def load_by_producer(self, producer_id: int) -> TxnMeta | None:
         row = self._db.query_one(f"SELECT {_COLUMNS}, row_version FROM kafka_txn_state"
                                  " WHERE producer_id = ?", (producer_id,))

@@ -232,6 +232,18 @@ def test_offsets_committed_at_a_remote_group_coordinator(broker_factory, tmp_pat
         assert len(msgs) == 60, len(msgs)
         return msgs
 
+    def unstable_at_group_coordinator() -> set[int]:
+        """Partitions OffsetFetch v7 require_stable answers UNSTABLE_OFFSET_COMMIT for, asked
+        at the group's coordinator (the transaction holding the offsets is elsewhere)."""
+        T = protocol.request_class(9).OffsetFetchRequestTopic
+        with WireClient(brokers[gnode].host, brokers[gnode].port, timeout=30) as w:
+            r = w.call(protocol.request_class(9)(
+                group_id=group, require_stable=True,
+                topics=[T(name=src, partition_indexes=list(range(PARTITIONS)))]),
+                protocol.response_class(9), 7)
+        return {p.partition_index for t in r.topics for p in t.partitions
+                if p.error_code == 88}          # UNSTABLE_OFFSET_COMMIT
+
     def transform(msgs, commit: bool) -> dict[int, int]:
         p.begin_transaction()
         for m in msgs:
@@ -242,6 +254,7 @@ def test_offsets_committed_at_a_remote_group_coordinator(broker_factory, tmp_pat
         p.send_offsets_to_transaction(
             [TopicPartition(src, part, off) for part, off in ends.items()],
             c.consumer_group_metadata(), 30)
+        assert unstable_at_group_coordinator() == set(ends)   # pending in the transaction
         if commit:
             p.commit_transaction(60)
         else:
@@ -255,6 +268,7 @@ def test_offsets_committed_at_a_remote_group_coordinator(broker_factory, tmp_pat
         c.seek(TopicPartition(src, part, 0))
     ends = transform(poll_all(), commit=True)
     assert wait_for(lambda: committed() == ends, timeout=30, what="offsets committed")
+    assert unstable_at_group_coordinator() == set()
     c.close()
     out = consume_all(boot, dst, PARTITIONS, "read_committed", expect=60, timeout=60)
     assert sorted(out) == sorted(f"out{i}" for i in range(60))
