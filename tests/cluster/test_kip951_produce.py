@@ -50,7 +50,9 @@ def test_produce_not_leader_names_the_leader(cluster_factory):
         assert pr.error_code == NOT_LEADER
         # the leader accepts the same batch; a partition broker 0 leads is unaffected
         other = 1 - part
-        ok = c.produce("k951", batch, partition=other, version=12)
-        assert ok.error_code == 0
+        # (it may still be opening there: UNKNOWN_TOPIC_OR_PARTITION, retriable, until then)
+        wait_for(lambda: c.produce("k951", batch, partition=other, version=12).error_code == 0,
+                 what="broker 0 accepts the partition it leads")
     with WireClient("127.0.0.1", brokers[1].port) as c:
-        assert c.produce("k951", batch, partition=part, version=12).error_code == 0
+        wait_for(lambda: c.produce("k951", batch, partition=part, version=12).error_code == 0,
+                 what="broker 1 accepts the partition it leads")
