@@ -371,6 +371,15 @@ class Engine(StreamStore):
         self._fence_checked = 0.0
         self._release_lock = asyncio.Lock()
         self._foreign: set[int] = set()      # streams another node claimed under our feet
+        # the WAL is never trimmed past a record not durably committed by someone (issue 17):
+        # uploads in flight (first WAL offset of their entries) and dropped entries of
+        # foreign streams (stream -> (first WAL offset, end offset)) hold the trim point
+        self._inflight: dict[int, int] = {}
+        self._held: dict[int, tuple[int, int]] = {}
+        # the cluster's lease gate (broker/cluster/room.py sets it): while it answers False
+        # this node uploads, commits and trims nothing (a lapsed lease: maybe fenced already)
+        self.writes_allowed: Callable[[], bool] = lambda: True
+        self.writes_paused = Episode(log, "storage_writes_paused", quiet_s=float("inf"))
         self.maintenance: Any = None
         self.upload_errors = 0
         self.stats = StorageStats()          # read by storage.metrics.StorageCollector
@@ -706,6 +715,11 @@ class Engine(StreamStore):
             self.wal_full.expire()
             self.backpressure.expire()
             while self.cache.pending:
+                if not self.writes_allowed():
+                    self.writes_paused.hit("lease lapsed: no uploads, commits or WAL trims "
+                                           "until it is renewed")
+                    break
+                self.writes_paused.clear()
                 due = (self._force_upload
                        or self.cache.pending_bytes >= c.upload_threshold_bytes
                        or time.monotonic() - self._last_upload >= c.upload_interval_s
@@ -738,6 +752,26 @@ class Engine(StreamStore):
                 self._force_upload = False
                 self._last_upload = time.monotonic()
 
+    async def _trim_point(self, entries: list[CacheEntry], key_: int) -> int:
+        """How far the WAL may be trimmed after committing ``entries``: up to the first entry
+        still pending, but never past an entry another upload holds in flight (a release's
+        drain beside the upload loop: its commit may still fail) nor past dropped entries of
+        a stream another node claimed until the store's end of that stream covers them."""
+        to = self.cache.pending[0].wal_offset if self.cache.pending else \
+            max(e.wal_next for e in entries)
+        for sid, (w0, end) in list(self._held.items()):
+            m = await self.io(self.meta.stream, sid)
+            if m is None or m.deleted or m.end_offset >= end:
+                del self._held[sid]           # committed by someone (or gone): free to trim
+                log.info("stream %d: the store's end covers the records dropped here; the "
+                         "WAL may be trimmed past them", sid)
+            else:
+                to = min(to, w0)
+        for k, w0 in self._inflight.items():
+            if k != key_:
+                to = min(to, w0)
+        return to
+
     def _take_encode_buffer(self, size: int) -> Any:
         """The reusable encode buffer if ``size`` fits (taken: a drain may upload beside the
         upload loop), a larger one (rounded up to a power of two, so growing objects do not
@@ -753,6 +787,19 @@ class Engine(StreamStore):
 
     async def _upload(self, entries: list[CacheEntry]) -> None:
         """Write entries as objects, commit them, trim the WAL, release the cache."""
+        key_ = id(entries)
+        self._inflight[key_] = min(e.wal_offset for e in entries) if entries else 1 << 62
+        try:
+            await self._upload_entries(entries, key_)
+        finally:
+            self._inflight.pop(key_, None)
+
+    def _check_writes(self) -> None:
+        if not self.writes_allowed():
+            raise StorageError("lease lapsed: this node commits and trims nothing until it "
+                               "is renewed")
+
+    async def _upload_entries(self, entries: list[CacheEntry], key_: int) -> None:
         c = self.config
         by_stream: dict[int, list[CacheEntry]] = {}
         foreign: set[int] = set()
@@ -796,6 +843,7 @@ class Engine(StreamStore):
                 self.stats.objects_written[kind] += 1
                 self.stats.uploaded_bytes += size
             crash_point("before_commit")
+            self._check_writes()
             if new:
                 # conditioned on this node's WAL not being taken over (a zombie never
                 # commits what a taker commits: storage/takeover.py)
@@ -821,7 +869,15 @@ class Engine(StreamStore):
             raise
         crash_point("after_commit")
         for sid in foreign:
-            self.cache.drop_stream(sid)     # their entries leave pending and memory
+            # their entries leave pending and memory, but not the WAL: a taker of this WAL
+            # may still commit them (held until the store's end of the stream covers them)
+            dropped = [e for e in entries if e.stream_id == sid] + \
+                [e for e in self.cache.pending if e.stream_id == sid]
+            if dropped:
+                w0, end = self._held.get(sid, (1 << 62, 0))
+                self._held[sid] = (min(w0, min(e.wal_offset for e in dropped)),
+                                   max(end, max(e.next_offset for e in dropped)))
+            self.cache.drop_stream(sid)
         # the records' payload views would pin the produce frames that mark_committed's
         # evictions hand back for reuse
         groups.clear()
@@ -837,8 +893,8 @@ class Engine(StreamStore):
                     s.committed = max(s.committed, r.end_offset)
                 self.cache.mark_committed(r.stream_id, r.end_offset)
         self.reader.add(added)
-        trim_to = self.cache.pending[0].wal_offset if self.cache.pending else \
-            max(e.wal_next for e in entries)
+        trim_to = await self._trim_point(entries, key_)
+        self._check_writes()
         if trim_to > self._wal_trimmed:
             await self.io(self.wal.trim, trim_to)
             self._wal_trimmed = trim_to

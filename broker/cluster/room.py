@@ -100,6 +100,11 @@ class ClusterRoom:
             raise ClusterError(str(e)) from None
         self.own_lease.renewed(sent)
         self._renewed_at = sent
+        engine = getattr(self.broker, "store", None)
+        if hasattr(engine, "writes_allowed"):
+            # a lapsed lease stops uploads, commits and WAL trims too, not only produce
+            # answers: this node may be fenced and its WAL about to be taken over (issue 17)
+            engine.writes_allowed = self.own_lease.valid
         await self._elect()
         await self._refresh()
         log.info("cluster joined node_id=%d rack=%s live_brokers=%s controller=%d",
@@ -311,6 +316,15 @@ class ClusterRoom:
                     self._renewed_at = sent
                     self.own_lease.renewed(sent)
                 else:
+                    if not self.own_lease.valid():
+                        # refused while our lease is lapsed: the controller fenced us (or
+                        # another instance took the id): no second round trip to be sure -
+                        # a zombie's every extra moment is a risk (issue 17)
+                        log.critical("this broker's lease lapsed and its renewal was refused "
+                                     "(fenced); exiting - restart it to rejoin at a new node "
+                                     "epoch")
+                        logging.shutdown()
+                        os._exit(4)
                     row = await asyncio.to_thread(self.store.broker, self.node_id)
                     if row is not None and row.instance == self.instance \
                             and row.state in (FENCED, TAKEN_OVER):

@@ -397,3 +397,119 @@ async def test_a_stream_claimed_by_another_node_does_not_block_other_uploads(tmp
         assert await eng.io(eng.meta.stream_owner, lost.stream_id) == (7, 5)
     finally:
         await eng.close()
+
+
+async def test_records_of_a_claimed_stream_stay_in_the_wal_until_someone_commits_them(
+        tmp_path) -> None:
+    """Issue 17: entries of a stream another node claimed are dropped from the cache, but the
+    WAL is not trimmed past them: the claimer may be the taker of this very WAL, which commits
+    them from it. Here node 7 claims the stream, this node keeps uploading another stream,
+    then node 7 takes the WAL over: it must find every record of the claimed stream."""
+    from storage.metastore import StreamFenced, open_metastore
+    from storage.objects.store import open_object_store
+    from storage.takeover import take_over_wal
+    eng = open_engine(small_config(tmp_path, upload_interval_s=3600,
+                                   upload_threshold_bytes=64 << 20))
+    await eng.start()
+    try:
+        lost, fine = await eng.create_stream(), await eng.create_stream()
+        await fill(lost, 2)
+        await eng.flush()
+        assert lost.committed == 10
+        assert await eng.io(eng.meta.claim_stream, lost.stream_id, 7, 5)
+        await fill(lost, 3)                          # 10..25: in this WAL only
+        await fill(fine, 4)
+        held = min(e.wal_offset for e in eng.cache.pending if e.stream_id == lost.stream_id)
+        with pytest.raises(StreamFenced):
+            await eng.flush()
+        await eng.flush()                            # the claimed stream's entries dropped
+        assert fine.committed == 20 and eng.cache.pending_bytes == 0
+        assert eng.wal.trim_offset <= held, (eng.wal.trim_offset, held)
+        await fill(fine, 2)                          # later uploads do not trim past them
+        await eng.flush()
+        assert fine.committed == 30 and eng.wal.trim_offset <= held
+        c = eng.config
+    finally:
+        await eng.close()
+    meta = open_metastore(c.metadata_url)
+    try:
+        res = take_over_wal(c.wal_path, node_id=c.node_id, node_epoch=c.node_epoch, taker=7,
+                            taker_epoch=1, meta=meta, store=open_object_store(c.object_store))
+        assert not res.lost, res.lost
+        assert meta.stream(lost.stream_id).end_offset == 25
+        # once the store covers them, the hold is released (a later upload trims past)
+    finally:
+        meta.close()
+
+
+async def test_wal_not_trimmed_past_an_upload_still_in_flight(tmp_path) -> None:
+    """Issue 17: two uploads at once (a release's drain beside the upload loop): the one that
+    commits first must not trim the WAL past the other's entries, whose commit may still fail
+    (the process may die before it retries: the records would be in neither place)."""
+    import threading
+    eng = open_engine(small_config(tmp_path, upload_interval_s=3600,
+                                   upload_threshold_bytes=64 << 20))
+    await eng.start()
+    gate = threading.Event()
+    try:
+        a, b = await eng.create_stream(), await eng.create_stream()
+        await fill(a, 2)
+        first = eng.cache.take_pending(1 << 30)
+        await fill(b, 2)
+        put = eng.store.put
+        blocked = threading.Event()
+
+        def slow_put(key, data):
+            if not gate.is_set():
+                blocked.set()
+                gate.wait(10)
+            return put(key, data)
+        eng.store.put = slow_put
+        slow = asyncio.create_task(eng._upload(first))
+        while not blocked.is_set():
+            await asyncio.sleep(0.01)
+        gate.set()                       # later puts pass; the first one is still inside
+        eng.store.put = put
+        await eng.flush()                # b's entries uploaded, committed, trim attempted
+        assert b.committed == 10
+        assert eng.wal.trim_offset <= first[0].wal_offset, (eng.wal.trim_offset,
+                                                            first[0].wal_offset)
+        await slow
+        assert a.committed == 10
+        await fill(b, 1)
+        await eng.flush()
+        assert eng.wal.trim_offset > first[-1].wal_offset     # free to trim now
+    finally:
+        gate.set()
+        await eng.close()
+
+
+async def test_no_upload_commit_or_trim_while_the_lease_is_lapsed(tmp_path) -> None:
+    """Issue 17: a node whose lease lapsed (paused past it, maybe fenced already) writes
+    nothing to storage: the uploader leaves its entries pending and the WAL untrimmed until
+    the lease is renewed (the cluster room sets ``writes_allowed`` to its lease check)."""
+    eng = open_engine(small_config(tmp_path, upload_interval_s=0.05))
+    await eng.start()
+    lease = {"valid": False}
+    eng.writes_allowed = lambda: lease["valid"]
+    try:
+        s = await eng.create_stream()
+        await fill(s, 4)
+        trimmed = eng.wal.trim_offset
+        await asyncio.sleep(0.6)                     # many upload rounds due
+        assert s.committed == 0 and eng.cache.pending_bytes > 0
+        assert eng.wal.trim_offset == trimmed
+        assert await eng.io(eng.meta.stream, s.stream_id) is not None
+        assert (await eng.io(eng.meta.stream, s.stream_id)).end_offset == 0
+        with pytest.raises(StorageError, match="lease lapsed"):
+            await eng.flush()                        # a drain (release, shutdown) too
+        assert (await eng.io(eng.meta.stream, s.stream_id)).end_offset == 0
+        lease["valid"] = True
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 10
+        while s.committed < 20 and loop.time() < end:
+            await asyncio.sleep(0.05)
+        assert s.committed == 20 and eng.wal.trim_offset > trimmed
+    finally:
+        lease["valid"] = True
+        await eng.close()
