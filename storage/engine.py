@@ -490,11 +490,17 @@ class Engine(StreamStore):
         acquire_stream) see the recovered records."""
         from .takeover import take_over_wal
         c = self.config
-        return await self.io(functools.partial(
+        res = await self.io(functools.partial(
             take_over_wal, path, node_id=node_id, node_epoch=node_epoch, taker=c.node_id,
             taker_epoch=taker_epoch, meta=self.meta, store=self.store,
             own_wal_path=c.wal_path, force_lock=force_lock,
             object_block_bytes=c.object_block_bytes))
+        if res.lost:
+            # records of these streams are lost (a gap or another owner): the streams open
+            # at their committed end; counted for alerting (s3kafka_takeover_lost_streams_total)
+            # besides the ERROR lines (issue 17; docs/cluster.md)
+            self.stats.takeover_lost_streams += len(res.lost)
+        return res
 
     def _recover(self, records: list[tuple[int, bytes]]) -> None:
         """Re-append WAL records not yet committed to objects into the cache, in order."""

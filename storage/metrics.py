@@ -77,6 +77,9 @@ class StorageStats:
         self.compacted_objects = 0                 # objects replaced by compaction
         self.trims = 0                             # stream start moved (retention, DeleteRecords)
         self.trimmed_records = 0                   # offsets removed from stream starts
+        # streams whose records a takeover (by this node) could not recover: a gap between
+        # the committed end and the dead node's WAL, or another owner (issue 17; ERROR logged)
+        self.takeover_lost_streams = 0
         # object-store calls, from the IO threads: guarded by _lock
         self._lock = threading.Lock()
         self.store_latency = {op: Histogram(STORE_BUCKETS) for op in STORE_OPS}
@@ -210,6 +213,9 @@ class StorageCollector(Collector):
         yield _c(p + "upload_errors", "Upload rounds that failed (retried)",
                  getattr(eng, "upload_errors", 0))
         yield _c(p + "uploaded_bytes", "Object bytes written by uploads", st.uploaded_bytes)
+        yield _c(p + "takeover_lost_streams", "Streams whose records a WAL takeover by this "
+                 "node could not recover (a gap or another owner: records lost)",
+                 getattr(st, "takeover_lost_streams", 0))
         objs = CounterMetricFamily(p + "objects_written", "Objects written by uploads, per kind "
                                    "(sso: several streams, so: one stream)", labels=["kind"])
         for kind, n in st.objects_written.items():

@@ -647,7 +647,11 @@ class ClusterRoom:
                                                      force_lock=True)
                 records, committed = res.records, res.committed_records
                 if res.lost:
-                    log.error("takeover node_id=%d left records behind: %s", n, res.lost)
+                    # records lost for good (a gap between the committed end and the WAL, or
+                    # another owner): the partitions open at their committed end; counted in
+                    # s3kafka_takeover_lost_streams_total (docs/cluster.md, issue 17)
+                    log.error("takeover node_id=%d left records behind (LOST: their partitions "
+                              "open at the committed end): %s", n, res.lost)
                 log.info("takeover finished node_id=%d records=%d committed=%d skipped=%d "
                          "objects=%d bytes=%d already_done=%s took_ms=%.0f", n, res.records,
                          res.committed_records, res.skipped_records, res.objects, res.bytes,

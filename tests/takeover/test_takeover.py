@@ -569,3 +569,37 @@ def test_takeover_and_second_taker_on_each_metadata_store(tmp_path, any_stores):
     assert (res.committed_records, res.skipped_records) == (0, 100)
     assert meta.wal(1).state == WAL_TAKEN_OVER and meta.wal(1).taken_over_by == 3
     assert check_exactly_once(meta, store, acked) == 120
+
+
+async def test_a_gap_in_the_dead_wal_is_counted_and_logged(tmp_path, stores, caplog):
+    """Issue 17: a takeover that finds a stream's WAL records starting past its committed
+    end (records lost before the takeover) cannot recover them: it reports the stream in
+    ``lost`` (ERROR logged) and the taker's engine counts it for alerting
+    (s3kafka_takeover_lost_streams_total); the records after the gap are not committed."""
+    meta, store, meta_url, store_url = stores
+    dead = str(tmp_path / "wal-1")
+    sid = meta.create_stream()
+    w = open_wal(dead, 4 << 20, 1, 0)
+    list(w.open())
+    meta.register_wal(wal_identity(dead, 1, 0, 4 << 20))
+    nexts = []
+    for base in range(0, 20, 2):
+        res = w.append(framed(sid, base, 2), sid)
+        res.future.result(timeout=30)
+        nexts.append(res.next_offset)
+    w.trim(nexts[2])                     # offsets 0..6 trimmed but never committed
+    w.stats["abandoned"] = 1
+    eng = open_engine(EngineConfig(
+        data_dir=str(tmp_path / "n2"), metadata_url=meta_url, object_store=store_url,
+        node_id=2, node_epoch=1, wal_capacity=4 << 20, compaction_interval_s=3600,
+        cleanup_interval_s=3600, wal_sync_mode="fdatasync"))
+    await eng.start()
+    try:
+        res = await eng.take_over_wal(dead, node_id=1, node_epoch=0, taker_epoch=1)
+        assert res.lost == {sid: "gap: committed end 0, WAL continues at 6"}
+        assert eng.stats.takeover_lost_streams == 1
+        assert meta.stream(sid).end_offset == 0
+        assert any(r.levelname == "ERROR" and "WAL records continue at 6" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        await eng.close()
