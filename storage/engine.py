@@ -900,8 +900,9 @@ class Engine(StreamStore):
                 self.cache.mark_committed(r.stream_id, r.end_offset)
         self.reader.add(added)
         trim_to = await self._trim_point(entries, key_)
-        self._check_writes()
-        if trim_to > self._wal_trimmed:
+        # a lease lapsed meanwhile: committed, but the WAL stays as it is (a later upload
+        # trims; a taker skips what is committed)
+        if trim_to > self._wal_trimmed and self.writes_allowed():
             await self.io(self.wal.trim, trim_to)
             self._wal_trimmed = trim_to
         self._last_upload = time.monotonic()

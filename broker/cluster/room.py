@@ -320,9 +320,9 @@ class ClusterRoom:
                         # refused while our lease is lapsed: the controller fenced us (or
                         # another instance took the id): no second round trip to be sure -
                         # a zombie's every extra moment is a risk (issue 17)
-                        log.critical("this broker's lease lapsed and its renewal was refused "
-                                     "(fenced); exiting - restart it to rejoin at a new node "
-                                     "epoch")
+                        log.critical("this broker was fenced after its lease lapsed (its "
+                                     "renewal was refused while lapsed); exiting - restart it "
+                                     "to rejoin at a new node epoch")
                         logging.shutdown()
                         os._exit(4)
                     row = await asyncio.to_thread(self.store.broker, self.node_id)
