@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from storage import sqldb
+from storage.metastore import WAL_ACTIVE, WAL_TAKING_OVER
 
 STEPS: list[sqldb.Step] = [(1, """
 CREATE TABLE IF NOT EXISTS cluster_brokers (
@@ -196,6 +197,18 @@ class ClusterStore:
                            (FENCED, taker, node_id, instance, lease_until_ms, LIVE, DRAINING))
             if n != 1:
                 return None
+            if db.query_one("SELECT 1 FROM schema_migrations WHERE component = ? AND "
+                            "version >= 3", ("engine",)) is not None:
+                # the WAL registry (storage/metastore.py, engine step 3) marks the WAL taken
+                # over in the same transaction: the fenced node's uploads are refused from
+                # the fence on (commit_objects' wal_owner check), not only once the taker
+                # begins - a zombie resumed in between commits nothing (issue 17). The taker's
+                # begin_wal_takeover accepts it (same taker and takeover epoch, or a newer one)
+                db.execute("UPDATE s3_wals SET state = ?, taken_over_by = ?, "
+                           "taken_over_epoch = (SELECT takeover_epoch FROM cluster_brokers "
+                           "WHERE node_id = ?), updated_ms = ? WHERE node_id = ? AND "
+                           "state = ?", (WAL_TAKING_OVER, taker, node_id, now_ms(), node_id,
+                                         WAL_ACTIVE))
             self._bump(db)
             return True
         return self.broker(node_id) if self._tx(body) else None

@@ -603,3 +603,41 @@ async def test_a_gap_in_the_dead_wal_is_counted_and_logged(tmp_path, stores, cap
                    for r in caplog.records)
     finally:
         await eng.close()
+
+
+async def test_a_fenced_node_commits_nothing_from_the_fence_on(tmp_path, stores):
+    """Issue 17: the controller's fence marks the node's WAL registry row taken over in the
+    same transaction, so the fenced node's uploads are refused from the fence on - not only
+    once its taker begins the takeover (a zombie resumed in between committed and trimmed);
+    the taker's begin still succeeds at the fence's takeover epoch."""
+    from broker.cluster.store import ClusterStore
+    from storage.metastore import StreamFenced
+    meta, store, meta_url, store_url = stores
+    eng = open_engine(EngineConfig(
+        data_dir=str(tmp_path / "n1"), metadata_url=meta_url, object_store=store_url,
+        node_id=1, node_epoch=0, wal_capacity=4 << 20, upload_interval_s=3600,
+        upload_threshold_bytes=64 << 20, compaction_interval_s=3600,
+        cleanup_interval_s=3600, wal_sync_mode="fdatasync"))
+    await eng.start()
+    cluster = ClusterStore(meta_url)
+    try:
+        for n in (0, 1):
+            cluster.register(n, "127.0.0.1", 9000 + n, None, f"i{n}", 2000, f"h:{n}", 0)
+        controller = cluster.elect(0, -1, 2000)
+        assert controller[0] == 0
+        s = await eng.create_stream()
+        await s.append(payload(s.stream_id, 0), 0, 2)
+        await eng.flush()
+        assert s.committed == 2
+        await s.append(payload(s.stream_id, 2), 2, 2)
+        row = cluster.broker(1)
+        fenced = cluster.fence(1, "i1", row.lease_until_ms, 0, controller)
+        assert fenced is not None and fenced.state == "fenced"
+        with pytest.raises(StreamFenced, match="may not commit"):
+            await eng.flush()
+        assert meta.stream(s.stream_id).end_offset == 2
+        assert meta.wal(1).state == WAL_TAKING_OVER
+        assert meta.begin_wal_takeover(1, 0, 0, fenced.takeover_epoch)
+    finally:
+        cluster.db.close()
+        await eng.close()
