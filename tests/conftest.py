@@ -136,6 +136,10 @@ class BrokerProcess:
         self.log_path = log_path
         self.env = env
         self.proc: subprocess.Popen | None = None
+        # seconds each start() took (spawn -> ApiVersions answered): a same-run baseline for
+        # tests that bound a degraded start, since interpreter start-up alone takes seconds
+        # on a loaded 2-core machine
+        self.start_seconds: list[float] = []
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -153,12 +157,14 @@ class BrokerProcess:
                 self.args, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         _LIVE.add(self)
-        deadline = time.monotonic() + START_TIMEOUT_S
+        t0 = time.monotonic()
+        deadline = t0 + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"broker exited with {self.proc.returncode} during start-up\n{self.log_tail()}")
             if api_versions_roundtrip(self.host, self.port, timeout=1.0):
+                self.start_seconds.append(time.monotonic() - t0)
                 return
             time.sleep(0.05)
         self.kill()

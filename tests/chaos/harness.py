@@ -46,6 +46,7 @@ class Outcome:
     steps: list[str] = field(default_factory=list)
     writer_errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    first_start_s: float = 0.0     # the healthy first start (spawn -> ApiVersions): a baseline
 
     def summary(self) -> str:
         lines = [self.report.summary(), f"schedule: {' '.join(self.steps)} ({self.seconds:.0f}s)"]
@@ -115,6 +116,7 @@ def run_schedule(broker_factory: Any, s3_endpoint: Any, steps: list[Any], *,
     writers = start_writers(bp.bootstrap, topic, partitions, ledger, stop,
                             confluent=confluent, kafka_python=kafka_python, rate=rate)
     out = Outcome(report=None)  # type: ignore[arg-type]
+    out.first_start_s = bp.start_seconds[0] if getattr(bp, "start_seconds", None) else 0.0
     t_start = time.monotonic()
     killed_at = 0.0
     try:

@@ -21,8 +21,12 @@ def _assert_clean(out) -> None:
                               f"wrong={r.wrong_offset[:5]} order={r.out_of_order[:5]}")
     assert not out.writer_errors, out.summary()
     assert r.fatal == 0, out.summary()
+    # a restart with the store away takes at most 10 s more than the healthy first start of
+    # this run (interpreter start-up alone takes seconds on a loaded 2-core machine)
+    base = out.first_start_s
     for rs in out.restarts:
-        assert 0 <= rs.listen_s <= 10 and 0 <= rs.produce_s <= 10, out.summary()
+        assert 0 <= rs.listen_s - base <= 10 and 0 <= rs.produce_s - base <= 10, (
+            f"healthy start {base:.1f}s\n" + out.summary())
 
 
 def test_short_fault_schedule(broker_factory, s3_endpoint) -> None:

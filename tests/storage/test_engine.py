@@ -460,7 +460,7 @@ async def test_wal_not_trimmed_past_an_upload_still_in_flight(tmp_path) -> None:
         blocked = threading.Event()
 
         def slow_put(key, data):
-            if not gate.is_set():
+            if not blocked.is_set():     # only the first put (a's upload) waits for the gate
                 blocked.set()
                 gate.wait(10)
             return put(key, data)
@@ -468,12 +468,13 @@ async def test_wal_not_trimmed_past_an_upload_still_in_flight(tmp_path) -> None:
         slow = asyncio.create_task(eng._upload(first))
         while not blocked.is_set():
             await asyncio.sleep(0.01)
-        gate.set()                       # later puts pass; the first one is still inside
-        eng.store.put = put
         await eng.flush()                # b's entries uploaded, committed, trim attempted
         assert b.committed == 10
+        assert not slow.done() and a.committed == 0
         assert eng.wal.trim_offset <= first[0].wal_offset, (eng.wal.trim_offset,
                                                             first[0].wal_offset)
+        gate.set()
+        eng.store.put = put
         await slow
         assert a.committed == 10
         await fill(b, 1)
