@@ -11,6 +11,7 @@ import glob
 import itertools
 import os
 import pwd
+import shlex
 import shutil
 import socket
 import subprocess
@@ -76,7 +77,22 @@ class PostgresServer:
                 " -c shared_buffers=32MB")
         self._run(os.path.join(self.bindir, "pg_ctl"), "-D", self.data, "-o", opts, "-w",
                   "-t", "60", "-l", os.path.join(self.dir, "server.log"), "start")
+        self._watchdog()
         return self
+
+    def _watchdog(self) -> None:
+        """pg_ctl daemonizes the server, so a killed pytest (CI timeout, ^C twice, kill -9)
+        would leak it: a detached shell stops it and removes its directory once this
+        process is gone."""
+        pg_ctl = os.path.join(self.bindir, "pg_ctl")
+        stop = " ".join(shlex.quote(a) for a in
+                        [*self._prefix, pg_ctl, "-D", self.data, "-m", "immediate", "stop"])
+        script = (f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 2; done; "
+                  f"if [ -d {shlex.quote(self.data)} ]; then {stop} >/dev/null 2>&1; "
+                  f"rm -rf {shlex.quote(self.dir)}; fi")
+        subprocess.Popen(["sh", "-c", script], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True, cwd="/")
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://{self.USER}@{self.host}:{self.port}/{database}"

@@ -305,7 +305,7 @@ def test_degraded_start_episodes_and_restart_with_store_down(tmp_path):
     # restart, store still down: the WAL's records are served
     b = start_broker(tmp_path, args)
     try:
-        assert "a restart" in b.log()
+        wait_for_line(b, "a restart", timeout=30)   # logged by a task, maybe after ApiVersions
         c = Consumer({"bootstrap.servers": b.bootstrap, "group.id": "g",
                       "enable.auto.commit": False})
         c.assign([TopicPartition("t", 0, 0)])
