@@ -530,7 +530,7 @@ class Broker:
             await asyncio.to_thread(self.meta.bind_object_store, cfg.object_store_url)
         if cfg.storage == "engine":     # the node epoch (and a taken-over WAL) from the room
             from .cluster.room import prepare_node_epoch  # noqa: PLC0415
-            await prepare_node_epoch(cfg)
+            await prepare_node_epoch(cfg, self.startup)
         self.store = self._open_store()
         cache = getattr(self.store, "cache", None)
         if cache is not None and hasattr(cache, "recycle"):

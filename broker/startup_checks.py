@@ -53,6 +53,20 @@ class Startup:
     store_error: str = ""           # "" = the object store check passed
     degraded_reason: str = ""       # why the broker starts although store_error is set
     started: bool = False           # set once the broker serves (a later failure keeps files)
+    wal_fd: int | None = None       # the WAL's lock (also in lock_fds)
+
+    def release_wal(self) -> None:
+        """Drop the WAL's lock (a fenced node waiting for its taker, which must open it)."""
+        if self.wal_fd is not None:
+            self.lock_fds.remove(self.wal_fd)
+            os.close(self.wal_fd)
+            self.wal_fd = None
+
+    def lock_wal_again(self, cfg: BrokerConfig) -> None:
+        """Take the WAL's lock again after release_wal (waiting while a taker holds it)."""
+        if self.wal_fd is None:
+            self.wal_fd = after_takeover(cfg, lambda: lock_wal(cfg, []))
+            self.lock_fds.append(self.wal_fd)
 
     def release(self, undo: bool = False) -> None:
         """Drop the locks; with undo (start-up failed) also remove what taking them created,
@@ -397,7 +411,10 @@ def prepare(cfg: BrokerConfig) -> Startup:
     try:
         startup.lock_fds.append(lock_data_dir(cfg, startup.created))
         if cfg.storage == "engine":
-            startup.lock_fds.append(after_takeover(cfg, lambda: lock_wal(cfg, startup.created)))
+            startup.wal_fd = after_takeover(cfg, lambda: lock_wal(cfg, startup.created))
+            startup.lock_fds.append(startup.wal_fd)
+            from storage.crash import crash_point  # noqa: PLC0415 - a test hook
+            crash_point("startup_wal_locked")
     except BaseException:
         startup.release(undo=True)
         raise

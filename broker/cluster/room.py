@@ -702,9 +702,11 @@ def _holder_gone(message: str) -> bool:
     return state in ("T", "t", "Z", "X")
 
 
-async def prepare_node_epoch(cfg: Any) -> None:
+async def prepare_node_epoch(cfg: Any, startup: Any = None) -> None:
     """Before the engine opens its WAL: take this node's epoch from the cluster registry.
-    A node whose WAL another broker is taking over waits for that to finish; a node whose WAL
+    A node whose WAL another broker is taking over waits for that to finish, without the
+    WAL's lock (``startup``, startup_checks.Startup: the taker must open the WAL; a restart
+    that locked it before the fence would otherwise block its own takeover); a node whose WAL
     was taken over starts at its bumped epoch and formats the WAL afresh (its records are
     committed elsewhere)."""
     def read() -> BrokerRow | None:
@@ -726,7 +728,11 @@ async def prepare_node_epoch(cfg: Any) -> None:
             log.warning("waiting for the takeover of this node's WAL by broker %d "
                         "(node_epoch=%d)", row.taker, row.node_epoch)
             logged = True
+        if startup is not None and getattr(startup, "wal_fd", None) is not None:
+            startup.release_wal()
         await asyncio.sleep(0.5)
+    if startup is not None and hasattr(startup, "lock_wal_again"):
+        await asyncio.to_thread(startup.lock_wal_again, cfg)
     if row is None:
         return
     epoch = max(int(cfg.engine.get("node_epoch", 0) or 0), row.node_epoch)

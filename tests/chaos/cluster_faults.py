@@ -4,7 +4,8 @@ proxy (tests/tcp_proxy.py), a short lease (2 s) so failover is quick.
 
 Faults (each bounded in time, all on 127.0.0.1):
 - ``kill``: kill -9 of one broker, then start it again (it waits until its WAL was taken over);
-- ``pause``: SIGSTOP of one broker for longer than lease + margin, then SIGCONT (it finds itself
+- ``pause``: SIGSTOP of one broker until the controller fenced it (at least lease + margin +
+  2 s, at most PAUSE_MAX_S: a pause never fenced is an anomaly), then SIGCONT (it finds itself
   fenced and exits 4; the supervisor starts it again);
 - ``store_cut``: the object store cut for every broker, then restored;
 - ``pg_cut``: PostgreSQL cut for every broker (longer than the lease), then restored;
@@ -35,6 +36,7 @@ from tcp_proxy import TcpProxy
 
 LEASE_MS = 2000
 MARGIN_MS = 500
+PAUSE_MAX_S = 30.0                  # a SIGSTOP lasts until fenced, at most this long
 TINY_WAL = 1 << 20                  # the WAL of the last broker: fills within seconds
 FAULTS = ("kill", "pause", "store_cut", "pg_cut", "pg_restart", "wal_full")
 
@@ -97,11 +99,13 @@ class ChaosCluster:
         self.start_failures = 0
         self.faults: Counter = Counter()
         self.fault_log: list[str] = []
+        self.unfenced_pauses: list[str] = []       # SIGSTOPs no controller fenced in time
         self._stop = threading.Event()
         self.t0 = time.monotonic()                 # fault times are logged relative to it
         self.topic = "queue"                       # the workload's topic (wal_full moves one)
         try:
-            db = self.pg.new_database("chaos").rsplit("/", 1)[1]
+            self.db_url = self.pg.new_database("chaos")
+            db = self.db_url.rsplit("/", 1)[1]
             bucket = f"chaos-{os.getpid()}-{time.time_ns()}"
             boto3.client("s3", endpoint_url=s3_endpoint.url, region_name="us-east-1",
                          aws_access_key_id="testing",
@@ -192,10 +196,27 @@ class ChaosCluster:
                 self._start(nd)
             what = f"kill -9 broker {victim}, restarted"
         elif fault == "pause":
-            pause_s = (LEASE_MS + MARGIN_MS) / 1000 + 2.0
+            # SIGSTOP until the controller fenced it (its node epoch bumped), at least lease +
+            # margin + 2 s: on a loaded machine the watchers' own slow rounds count as blind
+            # time (broker/cluster/lease.py), so a fixed pause may end before anyone fenced it
+            # and the fault would test nothing
+            epoch0 = self._node_epoch(victim)
+            min_s = (LEASE_MS + MARGIN_MS) / 1000 + 2.0
             with nd.lock:
                 nd.broker.proc.send_signal(signal.SIGSTOP)
-                time.sleep(pause_s)
+                t_stop = time.monotonic()
+                time.sleep(min_s)
+                fenced = False
+                while time.monotonic() - t_stop < PAUSE_MAX_S:
+                    epoch = self._node_epoch(victim)
+                    if epoch is not None and epoch0 is not None and epoch > epoch0:
+                        fenced = True
+                        break
+                    time.sleep(0.25)
+                pause_s = time.monotonic() - t_stop
+                if not fenced:
+                    self.unfenced_pauses.append(f"broker {victim} paused {pause_s:.1f}s at "
+                                                f"{t_stop - self.t0:.1f}s was not fenced")
                 nd.broker.proc.send_signal(signal.SIGCONT)
                 try:
                     code: Any = nd.broker.proc.wait(15)     # fenced: exits 4
@@ -208,7 +229,8 @@ class ChaosCluster:
                     self.unexpected_exits.append(f"broker {victim} exited with {code} after "
                                                  f"SIGCONT:\n{nd.broker.log_tail(15)}")
                     self._start(nd)
-            what = f"SIGSTOP broker {victim} {pause_s:.1f}s, SIGCONT: {code}"
+            what = (f"SIGSTOP broker {victim} {pause_s:.1f}s "
+                    f"({'fenced' if fenced else 'NOT fenced'}), SIGCONT: {code}")
         elif fault == "store_cut":
             for n in self.nodes:
                 n.s3.cut()
@@ -261,6 +283,18 @@ class ChaosCluster:
         what = f"@{t0 - self.t0:.1f}s {what} ({time.monotonic() - t0:.1f}s)"
         self.fault_log.append(what)
         return what
+
+    def _node_epoch(self, node: int) -> int | None:
+        """The node's epoch in the cluster registry, read directly (not through the proxies);
+        None when PostgreSQL does not answer."""
+        import psycopg  # noqa: PLC0415
+        try:
+            with psycopg.connect(self.db_url, connect_timeout=3) as c:
+                row = c.execute("SELECT node_epoch FROM cluster_brokers WHERE node_id = %s",
+                                (node,)).fetchone()
+        except Exception:  # noqa: BLE001 - PostgreSQL restarting: ask again
+            return None
+        return None if row is None else int(row[0])
 
     def _lead_one(self, node: int) -> bool:
         """Make ``node`` lead a partition of ``self.topic`` (a move) if it leads none, so

@@ -40,6 +40,7 @@ class ClusterOutcome:
     fault_counts: dict[str, int] = field(default_factory=dict)
     exits: dict[Any, int] = field(default_factory=dict)
     unexpected_exits: list[str] = field(default_factory=list)
+    unfenced_pauses: list[str] = field(default_factory=list)
     start_failures: int = 0
     writer_errors: list[str] = field(default_factory=list)
     member_errors: list[str] = field(default_factory=list)
@@ -71,6 +72,8 @@ class ClusterOutcome:
             out.append(f"client threads failed: {self.writer_errors + self.member_errors}")
         if self.lagging:
             out.append(f"groups did not reach the end within the bound: {self.lagging}")
+        if self.unfenced_pauses:
+            out.append("paused brokers never fenced: " + "; ".join(self.unfenced_pauses))
         if self.not_running:
             out.append("not every broker was running again after the schedule")
         if self.read_error:
@@ -197,6 +200,7 @@ def run_cluster_chaos(broker_factory: Any, s3_endpoint: Any, schedule: list[tupl
 def _collect(out: ClusterOutcome, cl: ChaosCluster, t_start: float) -> None:
     out.faults, out.fault_counts = list(cl.fault_log), dict(cl.faults)
     out.exits, out.unexpected_exits = dict(cl.exits), list(cl.unexpected_exits)
+    out.unfenced_pauses = list(cl.unfenced_pauses)
     out.start_failures = cl.start_failures
     out.seconds = time.monotonic() - t_start
 
