@@ -37,7 +37,7 @@ SNAPSHOT_EVERY_BATCHES = 1000
 REPLAY_READ_BYTES = 8 << 20
 CHUNK_BYTES = 1 << 20
 LONG_MAX = 2**63 - 1
-LEADER_EPOCH = 0  # one node, leadership never moves
+LEADER_EPOCH = 0  # a single broker's, and the first leader's, epoch
 TXN_ATTRS = protocol.batches.TRANSACTIONAL_MASK | protocol.batches.CONTROL_MASK
 DEFAULT_ADMISSION_TIMEOUT_S = 5.0  # the engine's default backpressure_timeout_s
 REPLAY_FOREGROUND_S = 0.5  # open() waits this long for the log-tail replay, then it goes on
@@ -207,6 +207,10 @@ class Partition:
         except (TypeError, ValueError, AttributeError):
             wait = DEFAULT_ADMISSION_TIMEOUT_S
         self._admission_timeout_s = wait     # longest wait behind an append that waits for room
+        # stamped into every appended batch (partitionLeaderEpoch), so consumers validate
+        # their position against the real epoch history (OffsetForLeaderEpoch); the cluster
+        # room sets it when it opens the partition at a new epoch
+        self.leader_epoch = _cluster_epoch(broker, topic_id, index)
 
     # --- life cycle ------------------------------------------------------------------------
     @classmethod
@@ -363,14 +367,17 @@ class Partition:
             log.error("producer snapshot failed topic=%s partition=%d: %r",
                       self.topic, self.index, exc)
 
-    async def close(self) -> None:
-        """Snapshot producer state and release long-polling fetches."""
+    async def close(self, snapshot: bool = True) -> None:
+        """Snapshot producer state and release long-polling fetches (``snapshot=False``: the
+        caller saves one itself once the appends in flight are done - a partition move)."""
         if self._closed:
             return
         self._closed = True
         self._wake()
         if self._replay_task is not None and not self._replay_task.done():
             self._replay_task.cancel()
+        if not snapshot:
+            return
         fut = self.snapshot()
         if fut is not None:
             try:
@@ -553,10 +560,11 @@ class Partition:
                 base = self.stream.end_offset
                 end = base + count
                 next_offset = base
+                epoch_stamp = self.leader_epoch
                 payload_max_ts = -1
                 for (pos, view), max_ts in zip(views, max_ts_of):
                     protocol.set_base_offset(buf, pos, next_offset)
-                    protocol.set_partition_leader_epoch(buf, pos, LEADER_EPOCH)
+                    protocol.set_partition_leader_epoch(buf, pos, epoch_stamp)
                     if log_append:
                         protocol.set_log_append_time(buf, pos, now)
                     payload_max_ts = max(payload_max_ts, now if log_append else max_ts)
@@ -955,6 +963,15 @@ def _views_with_pos(payload: bytes | memoryview) -> list[tuple[int, Any]]:
 
 
 # --- lookups shared by the datapath handlers -------------------------------------------------
+def _cluster_epoch(broker: Any, topic_id: uuid.UUID, index: int) -> int:
+    """The partition's leader epoch in the cluster's assignment (0 without a cluster)."""
+    assign = getattr(getattr(broker, "cluster", None), "assign", None)
+    if not isinstance(assign, dict):
+        return LEADER_EPOCH
+    a = assign.get((str(topic_id), index))
+    return int(getattr(a, "leader_epoch", LEADER_EPOCH)) if a is not None else LEADER_EPOCH
+
+
 def find_topic(broker: Any, name: str | None) -> Any | None:
     """The broker's Topic called ``name`` (``broker.topics: dict[str, Topic]``), else None."""
     if not name:

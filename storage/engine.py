@@ -11,6 +11,7 @@ WAL (dropping what is already committed), upload it, trim.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import functools
 import logging
@@ -370,6 +371,8 @@ class Engine(StreamStore):
         self.wal_fenced = False              # another node took this WAL over (_check_fenced)
         self._fence_checked = 0.0
         self._release_lock = asyncio.Lock()
+        self._trim_lock = asyncio.Lock()     # WAL trims in order (drains beside the loop)
+        self._inflight_streams: collections.Counter[int] = collections.Counter()
         self._foreign: set[int] = set()      # streams another node claimed under our feet
         # the WAL is never trimmed past a record not durably committed by someone (issue 17):
         # uploads in flight (first WAL offset of their entries) and dropped entries of
@@ -613,25 +616,26 @@ class Engine(StreamStore):
             deadline = time.monotonic() + 30
             while s._confirmed < s._end and time.monotonic() < deadline:
                 await asyncio.sleep(0.002)     # appends in flight reach the WAL first
-            # another caller (the uploader, a concurrent release) may hold some entries
-            # in an upload right now: upload from the head of the pending queue until this
-            # stream's end is committed - not until nothing is pending (other streams keep
-            # appending: under a steady load that never happens, and the move would wait
-            # for the load to stop)
-            async with self._release_lock:   # one drain at a time (WAL trim order)
-                while s.committed < s._end and time.monotonic() < deadline:
-                    if self._uploading or not self.cache.pending:
-                        await asyncio.sleep(0.005)      # the uploader holds entries now
-                        continue
-                    entries = self.cache.take_pending(self.config.upload_max_bytes)
-                    if not entries:
-                        await asyncio.sleep(0.001)      # head not durable yet
-                        continue
-                    try:
-                        await self._upload(entries)
-                    except Exception:
-                        self.cache.return_pending(entries)
-                        raise
+            # upload only this stream's pending entries, out of WAL order: a move waited for
+            # the whole backlog ahead of the stream's last record (seconds on S3 under a
+            # flat-out load). The WAL stays trimmed only up to the first entry still pending
+            # (or in flight elsewhere), so skipping ahead never trims another stream's
+            # records. Entries of this stream another upload holds (the upload loop) are
+            # waited for: a stream's objects commit in offset order.
+            while s.committed < s._end and time.monotonic() < deadline:
+                if self._inflight_streams[stream_id]:
+                    await asyncio.sleep(0.002)          # the uploader holds some of them
+                    continue
+                entries = self.cache.take_pending_stream(stream_id,
+                                                         self.config.upload_max_bytes)
+                if not entries:
+                    await asyncio.sleep(0.001)          # not durable yet / being committed
+                    continue
+                try:
+                    await self._upload(entries)
+                except Exception:
+                    self.cache.return_pending(entries)
+                    raise
             if s.committed < s._end:
                 raise StorageError(f"stream {stream_id}: only {s.committed} of {s._end} "
                                    "offsets reached the object store")
@@ -795,10 +799,13 @@ class Engine(StreamStore):
         """Write entries as objects, commit them, trim the WAL, release the cache."""
         key_ = id(entries)
         self._inflight[key_] = min(e.wal_offset for e in entries) if entries else 1 << 62
+        sids = {e.stream_id for e in entries}
+        self._inflight_streams.update(sids)
         try:
             await self._upload_entries(entries, key_)
         finally:
             self._inflight.pop(key_, None)
+            self._inflight_streams.subtract(sids)
 
     def _check_writes(self) -> None:
         if not self.writes_allowed():
@@ -902,9 +909,10 @@ class Engine(StreamStore):
         trim_to = await self._trim_point(entries, key_)
         # a lease lapsed meanwhile: committed, but the WAL stays as it is (a later upload
         # trims; a taker skips what is committed)
-        if trim_to > self._wal_trimmed and self.writes_allowed():
-            await self.io(self.wal.trim, trim_to)
-            self._wal_trimmed = trim_to
+        async with self._trim_lock:      # two uploads' trims never run backwards
+            if trim_to > self._wal_trimmed and self.writes_allowed():
+                await self.io(self.wal.trim, trim_to)
+                self._wal_trimmed = trim_to
         self._last_upload = time.monotonic()
         self.stats.uploads += 1
         self._room.set()

@@ -28,6 +28,7 @@ from typing import Any
 from storage.wal.errors import WALLockedError
 
 from ..listeners import decode as decode_listeners, encode as encode_listeners
+from .changes import ChangeWatch
 from .coordinators import Placement
 from .lease import LeaseWatch, OwnLease
 from .store import ACTIVE, DRAINING, FENCED, LIVE, MOVING, STOPPED, TAKEN_OVER, Assignment, \
@@ -40,6 +41,8 @@ LEASE_MS = 6000
 TAKEOVER_MARGIN_MS = 1000
 POLL_S = 0.2
 MAX_MOVES_PER_ROUND = 16
+OP_STUCK_S = 15.0        # a partition operation running longer is logged (once per op)
+SNAPSHOT_WAIT_S = 30.0   # a release waits at most this long for a producer snapshot
 
 
 class ClusterError(Exception):
@@ -63,6 +66,10 @@ class ClusterRoom:
         self.version = -1
         self._tasks: list[asyncio.Task] = []
         self._busy: set[tuple[str, int]] = set()
+        # what runs for each busy partition and since when (monotonic): an operation that
+        # never ends holds every later move of that partition back, so say so in the log
+        self._busy_since: dict[tuple[str, int], tuple[str, float, bool]] = {}
+        self._changes: ChangeWatch | None = None
         # partitions this broker handed over, at the epoch it led them: a round whose
         # assignments were read before the hand-over must not open them again at that epoch
         self._handed: dict[tuple[str, int], int] = {}
@@ -135,6 +142,10 @@ class ClusterRoom:
     def run(self) -> None:
         """Start the background loops (after the topics are loaded)."""
         self._members_seen = frozenset(self.live)
+        loop = asyncio.get_running_loop()
+        # a change committed by any broker wakes the watch loop at once (changes.py)
+        self._changes = ChangeWatch(str(self.broker.config.metadata_url),
+                                    lambda: loop.call_soon_threadsafe(self._wake.set)).start()
         self._tasks = [asyncio.create_task(self._heartbeat_loop(), name="cluster-heartbeat"),
                        asyncio.create_task(self._watch_loop(), name="cluster-watch")]
 
@@ -157,6 +168,8 @@ class ClusterRoom:
 
     async def stop(self) -> None:
         self._stopping = True
+        if self._changes is not None:
+            self._changes.stop()
         for t in list(self._tasks) + list(self._takeovers.values()):
             t.cancel()
         for t in list(self._tasks) + list(self._ops) + list(self._takeovers.values()):
@@ -375,6 +388,7 @@ class ClusterRoom:
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
+            self._report_stuck()
             try:
                 await self._refresh()
                 await self._apply()
@@ -403,12 +417,15 @@ class ClusterRoom:
             await self._placement_changed()
         if v == self.version and not force and not changed:
             return
-        self.version = v
         self.assign = {(a.topic_id, a.partition): a
                        for a in await asyncio.to_thread(self.store.assignments)}
         tm = self.broker.topic_manager
         if tm is not None and self._tasks:
             await tm.sync()
+        # only now: a round that failed half way (database cut) must read everything again
+        # next time, not skip it because the version did not move since (a move requested
+        # then was never seen: the chaos suite's "reassignment that never happened")
+        self.version = v
 
     # ---- this broker's partitions -----------------------------------------------------------
     async def _apply(self) -> None:
@@ -424,24 +441,40 @@ class ClusterRoom:
                 if a.leader == self.node_id and a.leader_epoch <= self._handed.get(key, -1):
                     continue            # a stale view: this broker handed that epoch over
                 if a.leader == self.node_id and p is None:
-                    self._spawn(key, self._open(topic, i, a))
+                    self._spawn(key, self._open(topic, i, a), f"open {topic.name}-{i}")
                 elif a.leader == self.node_id and a.state == MOVING:
-                    self._spawn(key, self._release(topic, i, a))
+                    self._spawn(key, self._release(topic, i, a), f"release {topic.name}-{i}")
                 elif a.leader != self.node_id and p is not None:
                     log.warning("partition led elsewhere was open here topic=%s partition=%d "
                                 "leader=%d; closing", topic.name, i, a.leader)
-                    self._spawn(key, self._close_local(topic, i))
+                    self._spawn(key, self._close_local(topic, i), f"close {topic.name}-{i}")
 
-    def _spawn(self, key: tuple[str, int], coro: Any) -> None:
+    def _spawn(self, key: tuple[str, int], coro: Any, what: str = "") -> None:
         self._busy.add(key)
-        t = asyncio.create_task(coro)
+        self._busy_since[key] = (what, time.monotonic(), False)
+        t = asyncio.create_task(coro, name=f"cluster-{what}")
         self._ops.add(t)
 
         def done(t: asyncio.Task) -> None:
             self._busy.discard(key)
+            self._busy_since.pop(key, None)
             self._ops.discard(t)
             self._wake.set()
+            if not t.cancelled() and t.exception() is not None:
+                # never silent: an operation that died leaves the partition to the next round
+                log.error("partition operation failed (%s): %r", what, t.exception(),
+                          exc_info=t.exception())
         t.add_done_callback(done)
+
+    def _report_stuck(self) -> None:
+        """Log (once each) partition operations running for more than OP_STUCK_S: while one
+        runs, no other move of that partition starts."""
+        now = time.monotonic()
+        for key, (what, t0, told) in list(self._busy_since.items()):
+            if not told and now - t0 > OP_STUCK_S:
+                self._busy_since[key] = (what, t0, True)
+                log.warning("partition operation still running after %.0f s (%s): further "
+                            "moves of this partition wait for it", now - t0, what)
 
     async def _open(self, topic: Any, index: int, a: Assignment) -> None:
         from ..partition import Partition  # noqa: PLC0415
@@ -461,6 +494,7 @@ class ClusterRoom:
             await p.close()
             return
         start = stream.end_offset   # where this epoch begins (appends may follow at once)
+        p.leader_epoch = a.leader_epoch     # stamped into every batch it appends
         topic.partitions[index] = p
         if a.leader_epoch > 0 and self.store is not None:   # a failover records no start
             await asyncio.to_thread(self.store.record_epoch_start, a.topic_id, index,
@@ -476,26 +510,39 @@ class ClusterRoom:
         if p is None:
             return
         topic.partitions[index] = None      # produce/fetch answer NOT_LEADER_OR_FOLLOWER now
-        await p.close()
         store = self.broker.store
         release = getattr(store, "release_stream", None)
         try:
+            # no snapshot at close: the one below, after the appends in flight, covers it
+            await p.close(snapshot=False)
             end = await release(p.stream.stream_id) if release else p.stream.end_offset
             fut = p.snapshot(force=True)     # covers the appends that were in flight
             if fut is not None:
-                await asyncio.wrap_future(fut)
+                await asyncio.wait_for(asyncio.wrap_future(fut), SNAPSHOT_WAIT_S)
         except Exception:  # noqa: BLE001 - keep leading; the move is retried
             log.exception("releasing partition failed topic=%s partition=%d", topic.name, index)
             await self._reopen(topic, index, p)
             await asyncio.sleep(1)
             return
         assert self.store is not None
-        new = await asyncio.to_thread(self.store.hand_over, a.topic_id, index, self.node_id,
-                                      a.leader_epoch, end)
+        try:
+            new = await asyncio.to_thread(self.store.hand_over, a.topic_id, index, self.node_id,
+                                          a.leader_epoch, end)
+        except Exception:  # noqa: BLE001
+            # not reopened here: the hand-over may have committed with its answer lost; the
+            # next round reads the row and opens the partition again if it is still ours
+            log.exception("hand-over failed topic=%s partition=%d leader_epoch=%d; the next "
+                          "round retries", topic.name, index, a.leader_epoch)
+            await asyncio.sleep(1)
+            return
         if new is None:     # cancelled meanwhile: lead it again
             await self._reopen(topic, index, p)
             return
         self._handed[(str(topic.topic_id), index)] = a.leader_epoch
+        # our own view at once: NOT_LEADER answers name the new leader (KIP-951) from now,
+        # not from our next round
+        self.assign[(str(topic.topic_id), index)] = Assignment(
+            a.topic_id, index, new, a.leader_epoch + 1, a.replicas, ACTIVE, -1)
         log.info("partition moved topic=%s partition=%d from=%d to=%d leader_epoch=%d "
                  "end_offset=%d release_ms=%.0f", topic.name, index, self.node_id, new,
                  a.leader_epoch + 1, end, (time.monotonic() - t0) * 1000)
@@ -505,8 +552,15 @@ class ClusterRoom:
         stream = old.stream
         if hasattr(stream, "owned"):
             stream.owned = True
-        topic.partitions[index] = await Partition.open(
-            self.broker, topic.name, topic.topic_id, index, stream, topic.configs)
+        try:
+            p = await Partition.open(self.broker, topic.name, topic.topic_id, index, stream,
+                                     topic.configs)
+        except Exception:  # noqa: BLE001 - left closed: the next round opens it afresh
+            log.exception("reopening partition failed topic=%s partition=%d; the next round "
+                          "opens it", topic.name, index)
+            return
+        p.leader_epoch = getattr(old, "leader_epoch", 0)
+        topic.partitions[index] = p
 
     async def _close_local(self, topic: Any, index: int) -> None:
         p = topic.partitions[index]

@@ -15,6 +15,8 @@ from typing import Any
 from storage import sqldb
 from storage.metastore import WAL_ACTIVE, WAL_TAKING_OVER
 
+from .changes import CHANNEL as CHANGES_CHANNEL
+
 STEPS: list[sqldb.Step] = [(1, """
 CREATE TABLE IF NOT EXISTS cluster_brokers (
     node_id BIGINT PRIMARY KEY, host TEXT NOT NULL, port INTEGER NOT NULL, rack TEXT,
@@ -101,9 +103,12 @@ class ClusterStore:
     def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
         return self.db.query(sql, args)
 
-    @staticmethod
-    def _bump(db: Any) -> None:
+    def _bump(self, db: Any) -> None:
         db.execute("UPDATE cluster_state SET version = version + 1 WHERE id = 1")
+        if self.db.is_postgres:
+            # delivered to every LISTENing broker when (and only if) this transaction
+            # commits: they act at once instead of on their next poll (changes.py)
+            db.query(f"SELECT pg_notify('{CHANGES_CHANNEL}', '')")
 
     def version(self) -> int:
         return int(self._query("SELECT version FROM cluster_state WHERE id = 1")[0][0])

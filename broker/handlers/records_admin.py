@@ -1,10 +1,12 @@
 """DeleteRecords (21) and OffsetForLeaderEpoch (23).
 
-Stored batches carry leader epoch 0 (LEADER_EPOCH) whichever leader wrote them, so
-OffsetForLeaderEpoch answers epoch 0 with the log end offset as its end offset (as Kafka does
-for the latest epoch: a consumer never sees a truncation, and the log never truncates), the
-latest epoch likewise, an epoch in between with where the next one began (cluster history),
-and UNDEFINED (-1, -1) for an epoch above the latest, as Kafka does for epochs it has not seen.
+Appended batches carry the leader epoch of the broker that appended them (partition.py,
+``Partition.leader_epoch``), and the cluster records where each epoch after 0 began
+(``cluster_leader_epochs``). OffsetForLeaderEpoch answers as Kafka does: the latest epoch ends
+at the log end offset; an older epoch E ends where the first epoch after E began; an epoch
+above the latest is UNDEFINED (-1, -1). Epoch 0 is answered with the log end offset: batches
+appended before leader epochs were stamped carry 0 whichever leader wrote them, at any offset,
+so a consumer that last read one of those must not see a truncation (the log never truncates).
 """
 from __future__ import annotations
 
@@ -88,11 +90,11 @@ async def handle_offset_for_leader_epoch(ctx: RequestContext, req: Any) -> Any:
             # consumer position, so clients cannot mistake it for a truncation)
             err, epoch, end = ErrorCode.NONE, latest, partition.log_end_offset
         elif p.leader_epoch == LEADER_EPOCH:
-            # every stored batch carries LEADER_EPOCH (partition.py does not stamp the
-            # leader's own epoch), so a client that fetched records of any leader asks for
-            # this epoch: as far as the log tells, it has not ended. Answering where epoch 1
-            # began would look like a truncation to a consumer past it (librdkafka, Java and
-            # kafka-python then seek back there and commit the lower offset).
+            # batches appended before epochs were stamped carry 0 whichever leader wrote
+            # them, so a client that read one of those asks for epoch 0 at any position: as
+            # far as the log tells, it has not ended. Answering where epoch 1 began would look
+            # like a truncation to a consumer past it (librdkafka, Java and kafka-python then
+            # seek back there and commit the lower offset).
             err, epoch, end = ErrorCode.NONE, LEADER_EPOCH, partition.log_end_offset
         elif p.leader_epoch < 0 or p.leader_epoch > latest:   # unknown epoch, like Kafka
             err, epoch, end = ErrorCode.NONE, UNDEFINED, UNDEFINED

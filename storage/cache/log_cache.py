@@ -124,11 +124,36 @@ class LogCache:
             size += e.size
         return out
 
+    def take_pending_stream(self, stream_id: int, max_bytes: int) -> list[CacheEntry]:
+        """One stream's durable pending entries from its first on (at least one if any; a
+        partition move uploads only its own stream), removed from pending; the others keep
+        their WAL order."""
+        out: list[CacheEntry] = []
+        kept: deque[CacheEntry] = deque()
+        size = 0
+        taking = True
+        for e in self.pending:
+            if taking and e.stream_id == stream_id:
+                if e.durable and (not out or size + e.size <= max_bytes):
+                    out.append(e)
+                    size += e.size
+                    continue
+                taking = False       # the stream's entries go in offset order
+            kept.append(e)
+        if out:
+            self.pending = kept
+            self.pending_bytes -= size
+        return out
+
     def return_pending(self, entries: list[CacheEntry]) -> None:
-        """Put back entries whose upload failed, ahead of everything newer."""
+        """Put back entries whose upload failed, in WAL order (the trim point is the first
+        pending entry: entries taken out of order must not go back ahead of older ones)."""
         for e in reversed(entries):
             self.pending.appendleft(e)
             self.pending_bytes += e.size
+        n = len(entries)
+        if n and len(self.pending) > n and entries[-1].wal_offset > self.pending[n].wal_offset:
+            self.pending = deque(sorted(self.pending, key=lambda e: e.wal_offset))
 
     def mark_committed(self, stream_id: int, end_offset: int) -> None:
         """Offsets below end_offset are in the object store: their entries become evictable."""

@@ -167,6 +167,7 @@ public final class KafkaCli {
         m.put("o", r.offset());
         m.put("k", r.key());
         m.put("v", r.value());
+        m.put("e", r.leaderEpoch().orElse(-1));
         return m;
     }
 

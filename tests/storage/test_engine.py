@@ -370,6 +370,47 @@ async def test_release_returns_while_other_streams_keep_appending(tmp_path) -> N
         await eng.close()
 
 
+async def test_release_uploads_only_its_own_stream_and_keeps_the_wal_for_the_rest(
+        tmp_path) -> None:
+    """Issue 16: a move uploads only the released stream's pending entries (it waited for the
+    whole upload backlog ahead of its last record: seconds on S3 under load). The others stay
+    pending, the WAL is not trimmed past the first of them, and they survive a crash."""
+    c = small_config(tmp_path, upload_interval_s=3600, upload_threshold_bytes=64 << 20)
+    eng = open_engine(c)
+    await eng.start()
+    try:
+        backlog, moving = await eng.create_stream(), await eng.create_stream()
+        await fill(backlog, 30)                      # older in the WAL than the moving stream
+        await fill(moving, 4)
+        await fill(backlog, 10)
+        first = min(e.wal_offset for e in eng.cache.pending)
+        puts = []
+        put = eng.store.put
+        eng.store.put = lambda key, data: (puts.append(len(data)), put(key, data))[1]
+        end = await asyncio.wait_for(eng.release_stream(moving.stream_id), 20)
+        assert end == 20 and moving.committed == 20
+        assert backlog.committed == 0, "the backlog was uploaded by the move"
+        assert {e.stream_id for e in eng.cache.pending} == {backlog.stream_id}
+        assert [e.base_offset for e in eng.cache.pending] == list(range(0, 200, 5))
+        assert eng.wal.trim_offset <= first, (eng.wal.trim_offset, first)
+        assert sum(puts) < 4 * 600, puts             # about 4 payloads of 300 B, not 44
+        eng.store.put = put
+    finally:
+        for t in eng._tasks:                         # a crash: no final upload
+            t.cancel()
+        eng.closing = True
+        eng.wal.close()
+        eng.meta.close()
+    eng = open_engine(c)                             # the backlog is recovered from the WAL
+    await eng.start()
+    try:
+        b = await eng.open_stream(backlog.stream_id)
+        assert b.end_offset == 200
+        assert len(await read_all(b)) == 40
+    finally:
+        await eng.close()
+
+
 async def test_a_stream_claimed_by_another_node_does_not_block_other_uploads(tmp_path) -> None:
     """Entries of a stream another node claimed meanwhile can never be committed here; they
     are dropped (logged) instead of failing every upload behind them for good (the WAL and
