@@ -184,6 +184,25 @@ class Cluster:
             return datetime.datetime.fromisoformat(m.group(1).replace("Z", "+00:00")).timestamp()
         return None
 
+    def phases(self, partition: int, epoch: int, wall0: float, acked: float | None
+               ) -> dict[str, float] | None:
+        """One move's timeline from the brokers' logs (seconds): ``notice`` request -> the old
+        leader starts releasing, ``release`` its release (close, upload, snapshot, hand-over),
+        ``reopen`` hand-over -> the new leader opened it, ``client`` opened -> first ack."""
+        text = "\n".join(b.log_text() for b in self.brokers)
+        moved = re.search(rf"ts=(\S+) .*partition moved topic={TOPIC} partition={partition} "
+                          rf"from=\d+ to=\d+ leader_epoch={epoch} .*release_ms=(\d+)", text)
+        opened = re.search(rf"ts=(\S+) .*partition opened topic={TOPIC} partition={partition} "
+                           rf"leader_epoch={epoch} ", text)
+        if moved is None or opened is None:
+            return None
+        ts = lambda s: datetime.datetime.fromisoformat(  # noqa: E731
+            s.replace("Z", "+00:00")).timestamp()
+        t_moved, rel = ts(moved.group(1)), int(moved.group(2)) / 1000
+        t_open = ts(opened.group(1))
+        return {"notice": t_moved - rel - wall0, "release": rel, "reopen": t_open - t_moved,
+                "client": (acked - t_open) if acked is not None else float("nan")}
+
     def close(self, keep: str | None = None) -> None:
         for b in self.brokers:
             b.stop()
@@ -228,7 +247,8 @@ def run(window: float = 8.0, moves: int = 6, backend: str = "files",
     from kafka.admin import KafkaAdminClient, NewTopic  # noqa: PLC0415
 
     cl = Cluster(backend)
-    out: dict = {"backend": backend, "throughput": {}, "join_s": [], "move_s": [], "open_s": []}
+    out: dict = {"backend": backend, "throughput": {}, "join_s": [], "move_s": [], "open_s": [],
+                 "phases": []}
     load = None
     try:
         cl.add()
@@ -268,6 +288,8 @@ def run(window: float = 8.0, moves: int = 6, backend: str = "files",
             out["move_s"].append(None if t is None else t - t0)
             opened = cl.opened_at(target, p, epoch + 1)
             out["open_s"].append(None if opened is None else opened - wall0)
+            out["phases"].append(cl.phases(p, epoch + 1, wall0,
+                                           None if t is None else wall0 + (t - t0)))
         load.stop()
         out["errors"] = load.errors
         load = None
@@ -300,6 +322,12 @@ def report(out: dict) -> str:
     lines.append(f"| broker spawn -> first ack on a partition it received | {len(joins)}"
                  f"/{len(out['join_s'])} | {pct(joins, 0.5):.2f} | "
                  f"{max(joins, default=float('nan')):.2f} |")
+    ph = [x for x in out.get("phases", []) if x is not None]
+    if ph:
+        lines.append("| (phases, p50 s: request -> old leader releases / release / hand-over -> "
+                     "opened / opened -> first ack) | " + f"{len(ph)} | " + " / ".join(
+                         f"{pct([x[k] for x in ph], 0.5):.2f}"
+                         for k in ("notice", "release", "reopen", "client")) + " | |")
     fmt = lambda xs: ", ".join("-" if x is None else f"{x:.2f}" for x in xs)  # noqa: E731
     lines += ["", f"moves (s): {fmt(out['move_s'])}; of which broker side (s): "
               f"{fmt(out['open_s'])}; joins (s): {fmt(out['join_s'])}"]
@@ -323,6 +351,12 @@ def ranges(outs: list[dict]) -> str:
     opens = [pct(m, 0.5) for o in outs if (m := [x for x in o["open_s"] if x is not None])]
     lines.append(f"| reassignment -> partition opened on the new leader, p50 per run (s) | "
                  f"{rng(opens, '.2f')} |")
+    for k, what in (("notice", "request -> old leader releases"), ("release", "release"),
+                    ("reopen", "hand-over -> opened on the new leader"),
+                    ("client", "opened -> first ack (client)")):
+        xs = [pct(v, 0.5) for o in outs
+              if (v := [ph[k] for ph in o.get("phases", []) if ph is not None])]
+        lines.append(f"| phase {what}, p50 per run (s) | {rng(xs, '.2f')} |")
     allm = [x for o in outs for x in o["move_s"] if x is not None]
     lines.append(f"| reassignment -> first ack, every move (s) | {rng(allm, '.2f')} |")
     joins = [x for o in outs for x in o["join_s"] if x is not None]

@@ -25,6 +25,7 @@ run on the shared 2-core machine); ``make bench-failover``.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import re
 import shutil
@@ -191,7 +192,7 @@ def one_run(rate: int, warmup: float) -> dict:
         acks = [a for pr in producers for a in list(pr.acks)]
         last = {p: max(off for _, _, q, off in acks if q == p) for p in victim_parts}
         cl.brokers[VICTIM].proc.send_signal(signal.SIGKILL)
-        t_kill = time.monotonic()
+        t_kill, wall_kill = time.monotonic(), time.time()
         survivors = ",".join(b.bootstrap for i, b in enumerate(cl.brokers) if i != VICTIM)
         reader: dict = {}
         rt = threading.Thread(target=read_last, args=(survivors, last, t_kill, reader),
@@ -226,6 +227,8 @@ def one_run(rate: int, warmup: float) -> dict:
         m = re.search(rf"takeover finished node_id={VICTIM} records=(\d+) committed=(\d+) "
                       r".*?took_ms=(\d+)", logs)
         f = re.search(rf"broker fenced node_id={VICTIM} .*", logs)
+        res_phases = timeline(logs, wall_kill, wall_kill + (t_back - t_kill), after,
+                              victim_parts)
         res = {"back_s": t_back - t_kill, "wal_readable_s": reader.get("wal_readable_s"),
                "p99_before_ms": pct(pre, 0.99) * 1000, "p99_during_ms": pct(during, 0.99) * 1000,
                "p50_before_ms": pct(pre, 0.5) * 1000, "p50_during_ms": pct(during, 0.5) * 1000,
@@ -235,13 +238,41 @@ def one_run(rate: int, warmup: float) -> dict:
                "takeover_ms": int(m.group(3)) if m else None,
                "fenced": f.group(0) if f else None,
                "errors": sum(len(pr.errors) for pr in producers),
-               "victim_partitions": victim_parts}
+               "victim_partitions": victim_parts, "phases": res_phases}
         producers = []
     finally:
         for pr in producers:
             pr.stop()
         cl.close(keep=not res)
     return res
+
+
+def _ts(line: str) -> float:
+    m = re.search(r"ts=(\S+)", line)
+    return datetime.datetime.fromisoformat(m.group(1).replace("Z", "+00:00")).timestamp()
+
+
+def timeline(logs: str, wall_kill: float, wall_back: float, after: dict,
+             victim_parts: list[int]) -> dict[str, float]:
+    """Seconds from the kill to each step, from the brokers' logs: the victim's last lease
+    renewal is not logged, so ``fenced`` includes lease + margin; then the taker starts,
+    finishes the takeover, reassigns, the new leaders open the partitions, clients ack."""
+    out: dict[str, float] = {}
+    pats = {"fenced": rf"broker fenced node_id={VICTIM} ",
+            "takeover_started": rf"takeover started node_id={VICTIM} ",
+            "takeover_finished": rf"takeover finished node_id={VICTIM} ",
+            "reassigned": rf"partitions reassigned node_id={VICTIM} "}
+    lines = logs.splitlines()
+    for k, pat in pats.items():
+        hit = [ln for ln in lines if re.search(pat, ln) and "ts=" in ln]
+        if hit:
+            out[k] = min(_ts(ln) for ln in hit) - wall_kill
+    opened = [ln for ln in lines if "partition opened" in ln and "ts=" in ln and any(
+        f"topic={TOPIC} partition={p} leader_epoch={after[p][1]} " in ln for p in victim_parts)]
+    if opened:
+        out["all_opened"] = max(_ts(ln) for ln in opened) - wall_kill
+    out["produce_back"] = wall_back - wall_kill
+    return out
 
 
 def _rng(xs: list) -> str:
@@ -264,6 +295,13 @@ def report(runs: list[dict], rate: int) -> str:
                      f"{r['p99_before_ms']:.1f} / {r['p99_during_ms']:.1f} | "
                      f"{r['p50_before_ms']:.1f} / {r['p50_during_ms']:.1f} | "
                      f"{r['takeover_records']} / {r['takeover_ms']} | {r['errors']} |")
+    steps = ("fenced", "takeover_started", "takeover_finished", "reassigned", "all_opened",
+             "produce_back")
+    lines += ["", "timeline from the kill (s): " + " -> ".join(steps)]
+    for i, r in enumerate(runs, 1):
+        ph = r.get("phases") or {}
+        lines.append(f"- run {i}: " + " -> ".join(
+            f"{ph[k]:.2f}" if k in ph else "-" for k in steps))
     lines += ["", f"ranges over {len(runs)} runs: produce back {_rng([r['back_s'] for r in runs])} s "
               f"(goal < 10 s), WAL readable {_rng([r['wal_readable_s'] for r in runs])} s, "
               f"survivors' p99 before {_rng([r['p99_before_ms'] for r in runs])} ms, during "
@@ -285,8 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(a.runs):
         r = one_run(a.rate, a.warmup)
         print(f"run {i + 1}: back {r['back_s']:.2f} s, WAL readable {r['wal_readable_s']}, "
-              f"p99 {r['p99_before_ms']:.1f} -> {r['p99_during_ms']:.1f} ms, {r['fenced']}",
-              flush=True)
+              f"p99 {r['p99_before_ms']:.1f} -> {r['p99_during_ms']:.1f} ms, {r['fenced']}, "
+              f"timeline {r.get('phases')}", flush=True)
         runs.append(r)
     print(report(runs, a.rate))
     print(f"took {time.monotonic() - t0:.0f} s")

@@ -70,6 +70,8 @@ class ClusterRoom:
         # never ends holds every later move of that partition back, so say so in the log
         self._busy_since: dict[tuple[str, int], tuple[str, float, bool]] = {}
         self._changes: ChangeWatch | None = None
+        # partitions being opened or released here: produce waits for these (produce.py)
+        self._settling: dict[tuple[str, int], asyncio.Future] = {}
         # partitions this broker handed over, at the epoch it led them: a round whose
         # assignments were read before the hand-over must not open them again at that epoch
         self._handed: dict[tuple[str, int], int] = {}
@@ -237,6 +239,11 @@ class ClusterRoom:
             if ep is not None:
                 return ep
         return b.host, b.port
+
+    def settling(self, topic: Any, index: int) -> "asyncio.Future | None":
+        """Done when the open or release of this partition under way here ends (None when
+        there is none): a produce that finds the partition closed waits for it."""
+        return self._settling.get((str(topic.topic_id), index))
 
     def should_open(self, topic_id: Any, index: int) -> bool:
         a = self.assign.get((str(topic_id), index))
@@ -452,12 +459,17 @@ class ClusterRoom:
     def _spawn(self, key: tuple[str, int], coro: Any, what: str = "") -> None:
         self._busy.add(key)
         self._busy_since[key] = (what, time.monotonic(), False)
+        if what.startswith(("open ", "release ")):
+            self._settling[key] = asyncio.get_running_loop().create_future()
         t = asyncio.create_task(coro, name=f"cluster-{what}")
         self._ops.add(t)
 
         def done(t: asyncio.Task) -> None:
             self._busy.discard(key)
             self._busy_since.pop(key, None)
+            fut = self._settling.pop(key, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
             self._ops.discard(t)
             self._wake.set()
             if not t.cancelled() and t.exception() is not None:

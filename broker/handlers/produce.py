@@ -40,15 +40,37 @@ log = logging.getLogger(__name__)
 PRODUCE = 0
 LEASE_LAPSED = AppendResult(error=ErrorCode.NOT_LEADER_OR_FOLLOWER,
                             message="this broker's cluster lease lapsed; retry")
+# a partition this broker is handing over (or opening after a hand-over): hold its produce
+# until that is done, at most this long, instead of answering NOT_LEADER_OR_FOLLOWER at once
+HANDOVER_HOLD_S = 2.0
+
+
+async def _settled(broker: Any, topic: Any, index: int) -> Any:
+    """The partition once a hand-over in progress on this broker is done (None if it is
+    then led elsewhere). Answering NOT_LEADER_OR_FOLLOWER during the release sent clients
+    into retry backoff (librdkafka doubles it on each retry: ~1 s after a 0.3 s release);
+    answered after the hand-over it names the new leader (KIP-951), and on the new leader a
+    produce that arrives while the partition opens is appended once it is open."""
+    settling = getattr(getattr(broker, "cluster", None), "settling", None)
+    fut = settling(topic, index) if settling is not None else None
+    if fut is None:
+        return None
+    try:
+        await asyncio.wait_for(asyncio.shield(fut), HANDOVER_HOLD_S)
+    except asyncio.TimeoutError:
+        return None
+    return get_partition(topic, index)
 
 
 async def _append(topic: Any, index: int, records: Any, version: int,
                   tid: str | None = None, broker: Any = None) -> AppendResult:
     partition = get_partition(topic, index)
     if partition is None:
-        if topic is not None and 0 <= index < len(topic.partitions):
+        if topic is None or not 0 <= index < len(topic.partitions):
+            return AppendResult(error=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION)
+        partition = await _settled(broker, topic, index)
+        if partition is None:
             return AppendResult(error=ErrorCode.NOT_LEADER_OR_FOLLOWER)  # led elsewhere
-        return AppendResult(error=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION)
     keyless = keyless_record_error(topic, index, records)   # compacted topics only
     if keyless is not None:
         return AppendResult(error=ErrorCode.INVALID_RECORD, message=keyless)

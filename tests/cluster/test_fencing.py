@@ -84,28 +84,36 @@ def test_lease_watch_counts_on_its_own_clock_not_the_rows_wall_time():
     assert not w.expired(1, 100, 50) and not w.expired(2, 100, 50)
 
 
-def test_lease_watch_does_not_count_time_it_could_not_see():
+def test_lease_watch_does_not_count_time_it_could_not_see(monkeypatch):
     """A watcher cut off from the database (no read for longer than blind_ms, or its own
     renewals failing) does not count that time as anyone's silence: after an outage everyone
-    shared, nobody looks expired at once; one that stays silent afterwards is, later."""
+    shared, nobody looks expired at once; one that stays silent afterwards is, later. (On a
+    fake monotonic clock: real sleeps of 80 ms overslept the 100 ms blind limit under load.)"""
+    import types
+    clock = [1000.0]
+    monkeypatch.setattr("broker.cluster.lease.time",
+                        types.SimpleNamespace(monotonic=lambda: clock[0]))
+
+    def sleep(s: float) -> None:
+        clock[0] += s
     now = 1_800_000_000_000
     w = LeaseWatch(blind_ms=100)
     rows = [_Row(1, "a", now + 1), _Row(2, "b", now + 1)]
     w.observe(rows, now)
-    time.sleep(0.15)
+    sleep(0.15)
     w.observe([_Row(1, "a", now + 2), _Row(2, "b", now + 1)], now)   # a gap: blind 150 ms
     assert not w.expired(1, 100, 50) and not w.expired(2, 100, 50)
-    time.sleep(0.08)
+    sleep(0.08)
     w.observe([_Row(1, "a", now + 3), _Row(2, "b", now + 1)], now)
-    time.sleep(0.08)
+    sleep(0.08)
     w.observe([_Row(1, "a", now + 4), _Row(2, "b", now + 1)], now)
     assert not w.expired(1, 100, 50) and w.expired(2, 100, 50)        # 160 ms seen silent
     # reads worked but our own renewals failed for 300 ms: that time is not silence either
     w2 = LeaseWatch(blind_ms=10_000)
     w2.observe([_Row(3, "c", now + 1)], now)
-    t_ok = time.monotonic()
+    t_ok = clock[0]
     for _ in range(6):
-        time.sleep(0.05)
+        sleep(0.05)
         w2.observe([_Row(3, "c", now + 1)], now)
     w2.blind_since(t_ok)
     w2.observe([_Row(3, "c", now + 1)], now)
