@@ -40,6 +40,7 @@ HEARTBEAT_S = 1.0
 LEASE_MS = 6000
 TAKEOVER_MARGIN_MS = 1000
 POLL_S = 0.2
+CATCH_UP_GAP_S = 0.05     # catch_up() rounds (a full re-read) at most this often
 MAX_MOVES_PER_ROUND = 16
 OP_STUCK_S = 15.0        # a partition operation running longer is logged (once per op)
 SNAPSHOT_WAIT_S = 30.0   # a release waits at most this long for a producer snapshot
@@ -79,6 +80,9 @@ class ClusterRoom:
         self._members_seen: frozenset[int] = frozenset()
         self._stopping = False
         self._wake = asyncio.Event()
+        # callers of catch_up() waiting for the next round, which then reads everything anew
+        self._catch_up: list[asyncio.Future[None]] = []
+        self._forced_at = 0.0
         self.lease_ms: int = int(getattr(cfg, "cluster_lease_ms", LEASE_MS) or LEASE_MS)
         self.margin_ms: int = int(getattr(cfg, "cluster_takeover_margin_ms",
                                           TAKEOVER_MARGIN_MS))
@@ -313,6 +317,24 @@ class ClusterRoom:
         assert self.store is not None
         return await asyncio.to_thread(self.store.leader_epochs, str(topic.topic_id), index)
 
+    async def catch_up(self, timeout_s: float = 2.0) -> None:
+        """Read topics and assignments from the metadata store now rather than at the next
+        poll, e.g. for a topic this broker does not know: another broker may have created it
+        a moment ago, and a client told UNKNOWN_TOPIC_OR_PARTITION right after CreateTopics
+        may join a group with nothing to assign (kafka-python 3.0.12 can then hang in the
+        rebalance that follows: docs/groups.md). Waits for a round that starts after the
+        call (at most ``timeout_s``); concurrent callers share it."""
+        if self.store is None or not self._tasks or self._stopping \
+                or not any(n != self.node_id for n in self.live):
+            return          # alone: nobody else creates topics
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._catch_up.append(fut)
+        self._wake.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
     def topic_changed(self) -> None:
         """Topics were created, deleted, grown or reconfigured here: tell the others."""
         if self.store is not None:
@@ -397,7 +419,17 @@ class ClusterRoom:
             self._wake.clear()
             self._report_stuck()
             try:
-                await self._refresh()
+                waiters, self._catch_up = self._catch_up, []
+                if waiters:     # forced rounds at most every CATCH_UP_GAP_S
+                    await asyncio.sleep(max(0.0, self._forced_at + CATCH_UP_GAP_S
+                                            - time.monotonic()))
+                    self._forced_at = time.monotonic()
+                try:
+                    await self._refresh(force=bool(waiters))
+                finally:
+                    for w in waiters:
+                        if not w.done():
+                            w.set_result(None)
                 await self._apply()
                 self._take_over_assigned()
                 if self.controller_id == self.node_id:

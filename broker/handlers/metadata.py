@@ -34,6 +34,15 @@ async def resolve_topic(ctx: RequestContext, name: str, allow_create: bool
         validate_topic_name(name)
     except TopicError as exc:
         return None, exc.code
+    catch_up = getattr(getattr(broker, "cluster", None), "catch_up", None)
+    if catch_up is not None:
+        # another broker may have created it a moment ago: once CreateTopics was answered,
+        # every broker's Metadata lists the topic (a group joining right after it would get
+        # nothing assigned and depend on a metadata-triggered rebalance)
+        await catch_up()
+        topic = broker.topics.get(name)
+        if topic is not None:
+            return topic, ErrorCode.NONE
     if allow_create and broker.config.auto_create_topics:
         try:
             topic = await broker.auto_create_topic(name)
