@@ -22,6 +22,7 @@ Fencing must not depend on two machines agreeing on the time of day. So:
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ class OwnLease:
         self.enforced = False           # set once registered: before that, nothing to fence
         self.lapsed_at: float | None = None
         self.withheld = 0               # produce answers refused while lapsed (this lapse)
+        self._renewal: asyncio.Event | None = None   # set by renewed() (wait_valid)
 
     def renewed(self, sent_at: float) -> None:
         """A renewal sent at monotonic ``sent_at`` succeeded."""
@@ -46,6 +48,9 @@ class OwnLease:
         if until > self.valid_until:
             self.valid_until = until
         self.enforced = True
+        if self._renewal is not None:
+            self._renewal.set()
+            self._renewal = None
         if self.lapsed_at is not None and time.monotonic() < self.valid_until:
             log.warning("lease renewed: acknowledging produces again after %.0f ms "
                         "(answers withheld=%d)", (time.monotonic() - self.lapsed_at) * 1000,
@@ -66,6 +71,22 @@ class OwnLease:
                         "acknowledgements (NOT_LEADER_OR_FOLLOWER) until one succeeds",
                         (now - self.valid_until) * 1000)
         return False
+
+    async def wait_valid(self, timeout_s: float) -> bool:
+        """Until the lease is valid again (a renewal succeeded), at most ``timeout_s``;
+        whether it is. Called from the event loop (renewed() runs there too)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.valid():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self._renewal is None:
+                self._renewal = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._renewal.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        return True
 
     def withhold(self, n: int = 1) -> None:
         self.withheld += n

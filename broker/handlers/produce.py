@@ -145,8 +145,14 @@ async def handle_produce(ctx: RequestContext, req: Any) -> Any:
                 if isinstance(job, asyncio.Future):
                     jobs[i] = (index, await job)
 
-    if lease is not None and pending and not lease.valid():
-        _withhold(plan, lease)      # the lease ended while appending: acknowledge nothing
+    if lease is not None and pending and not lease.valid() \
+            and not await lease.wait_valid(_renewal_wait_s(req, lease)):
+        # the lease ended while appending and was not renewed in time: acknowledge nothing.
+        # (Valid again means no controller can have fenced this node yet, so the appends were
+        # in its WAL before any takeover: they are acknowledged, with their offsets. An
+        # error for an appended batch makes librdkafka acknowledge it without an offset once
+        # a later batch of the producer succeeds.)
+        _withhold(plan, lease)
     stats = stats_of(ctx.broker)
     if acks == 0:
         for _, jobs in plan:
@@ -210,6 +216,14 @@ def _with_current_leaders(ctx: RequestContext, version: int,
                                    rack=getattr(cluster.live.get(n), "rack", None) or None)
                  for n in sorted(leaders) if (ep := cluster.endpoint(n, of_connection(ctx))) is not None]
     return Resp(version=version, responses=out, throttle_time_ms=0, node_endpoints=endpoints)
+
+
+def _renewal_wait_s(req: Any, lease: Any) -> float:
+    """How long appended batches wait for a lapsed lease to be renewed before their answer
+    is withheld: a lease (a renewal late under load, a short database outage), within half
+    the request's own timeout (the client's clock runs too)."""
+    timeout_ms = getattr(req, "timeout_ms", None)
+    return max(0.0, min(lease.lease_s, (30000 if timeout_ms is None else timeout_ms) / 2000))
 
 
 def _withhold(plan: list[tuple[Any, list[tuple[int, Any]]]], lease: Any) -> None:
