@@ -231,10 +231,17 @@ def _groups_of(cl: ChaosCluster) -> list[str]:
     try:
         admin = KafkaAdminClient(bootstrap_servers=cl.bootstrap, request_timeout_ms=10000)
         try:
-            for g in admin.describe_consumer_groups(["chaos-ck", "chaos-kp"]):
-                out.append(f"  {g.group} state={g.state} members=" + "; ".join(
-                    f"{m.client_id}: {getattr(m.member_assignment, 'assignment', None)}"
-                    for m in g.members))
+            if hasattr(admin, "describe_groups"):          # kafka-python 3: dicts
+                for gid, g in admin.describe_groups(["chaos-ck", "chaos-kp"]).items():
+                    out.append(f"  {gid} state={g.get('group_state', g.get('state'))} "
+                               f"error={g.get('error')} members=" + "; ".join(
+                                   f"{m.get('client_id')}: {m.get('member_assignment')}"
+                                   for m in g.get("members", [])))
+            else:
+                for g in admin.describe_consumer_groups(["chaos-ck", "chaos-kp"]):
+                    out.append(f"  {g.group} state={g.state} members=" + "; ".join(
+                        f"{m.client_id}: {getattr(m.member_assignment, 'assignment', None)}"
+                        for m in g.members))
         finally:
             admin.close()
     except Exception as e:  # noqa: BLE001 - diagnostics only
