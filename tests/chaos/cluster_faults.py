@@ -126,7 +126,11 @@ class ChaosCluster:
                       "--cluster-takeover-margin-ms", str(MARGIN_MS),
                       "--upload-interval-s", "1", "--upload-threshold-bytes", str(256 << 10),
                       "--log-cache-bytes", str(16 << 20), "--backpressure-timeout-s", "2",
-                      "--cleanup-interval-s", "2"]
+                      "--cleanup-interval-s", "2",
+                      # Kafka's default (tests default to 0): kafka-python 3.0.12 joins before
+                      # it has the topic's metadata and can hang in the rebalance that follows
+                      # (docs/groups.md); with the delay its first assignment has the topic
+                      "--group-initial-rebalance-delay-ms", "3000"]
             brokers = ClusterFactory(broker_factory, shared)(n, per_node=per_node)
             self.nodes = [Node(i, b, s3p[i], pgp[i]) for i, b in enumerate(brokers)]
         except BaseException:
