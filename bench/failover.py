@@ -120,12 +120,17 @@ class Cluster:
                             (TOPIC, partition, epoch)).fetchone()
         return None if row is None else int(row[0])
 
-    def close(self, keep: bool = False) -> None:
-        """Stop the brokers; their directory (logs) is kept when ``keep`` (a failed run)."""
+    def close(self, keep: bool = False, copy_to: str | None = None) -> None:
+        """Stop the brokers; their directory (logs) is kept when ``keep`` (a failed run);
+        ``copy_to``: copy the brokers' logs there."""
         for b in self.brokers:
             if b.proc is not None and b.proc.poll() is None:
                 b.proc.kill()
                 b.proc.wait()
+        if copy_to:
+            os.makedirs(copy_to, exist_ok=True)
+            for i, b in enumerate(self.brokers):
+                shutil.copy(b.log_path, os.path.join(copy_to, f"b{i}.log"))
         if keep:
             print(f"run failed: brokers' logs kept in {self.dir}/b*/broker.log", flush=True)
         else:
@@ -170,7 +175,7 @@ def read_last(bootstrap: str, last: dict[int, int], t0: float, out: dict) -> Non
     c.close()
 
 
-def one_run(rate: int, warmup: float) -> dict:
+def one_run(rate: int, warmup: float, keep_logs: str | None = None) -> dict:
     from kafka.admin import KafkaAdminClient, NewTopic  # noqa: PLC0415
     cl = Cluster()
     producers: list[PacedProducer] = []
@@ -243,7 +248,7 @@ def one_run(rate: int, warmup: float) -> dict:
     finally:
         for pr in producers:
             pr.stop()
-        cl.close(keep=not res)
+        cl.close(keep=not res, copy_to=keep_logs)
     return res
 
 
@@ -316,12 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rate", type=int, default=1500, help="records/s per producer")
     ap.add_argument("--warmup", type=float, default=8.0, help="seconds of load before the kill")
+    ap.add_argument("--keep-logs", metavar="DIR", help="copy the brokers' logs here (run<i>/)")
     a = ap.parse_args(argv)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     t0 = time.monotonic()
     runs = []
     for i in range(a.runs):
-        r = one_run(a.rate, a.warmup)
+        r = one_run(a.rate, a.warmup,
+                    a.keep_logs and os.path.join(a.keep_logs, f"run{i + 1}"))
         print(f"run {i + 1}: back {r['back_s']:.2f} s, WAL readable {r['wal_readable_s']}, "
               f"p99 {r['p99_before_ms']:.1f} -> {r['p99_during_ms']:.1f} ms, {r['fenced']}, "
               f"timeline {r.get('phases')}", flush=True)
