@@ -1,0 +1,85 @@
+"""The cluster room's rounds against a real metadata database, with a stand-in broker: a round
+that fails half way, and a release whose producer snapshot never completes, must not hold a
+partition's moves back for good (the chaos suite's "reassignment that never happened": the
+leader logged the request three times and neither moved the partition nor said why)."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import types
+import uuid
+
+import pytest
+
+from broker.cluster import room as room_mod
+from broker.cluster.room import ClusterRoom
+from broker.cluster.store import MOVING, ClusterStore
+
+
+def _room(url: str) -> ClusterRoom:
+    cfg = types.SimpleNamespace(node_id=0, rack=None, metadata_url=url, cluster_lease_ms=6000,
+                                cluster_takeover_margin_ms=1000)
+    broker = types.SimpleNamespace(config=cfg, topic_manager=None, topics={}, store=None)
+    r = ClusterRoom(broker)
+    r.store = ClusterStore(url)
+    return r
+
+
+async def test_a_round_that_failed_half_way_reads_the_assignments_again(tmp_path) -> None:
+    r = _room(f"sqlite:///{tmp_path}/meta.db")
+    try:
+        tid = str(uuid.uuid4())
+        await asyncio.to_thread(r.store.assign_new, tid, 0, [0], 1)
+        await r._refresh()
+        assert r.assign[(tid, 0)].state != MOVING
+        assert await asyncio.to_thread(r.store.start_move, tid, 0, 0, 1)   # bumps the version
+        real = r.store.assignments
+
+        def cut() -> list:
+            raise OSError("metadata database cut")
+        r.store.assignments = cut
+        with pytest.raises(OSError):
+            await r._refresh()                   # the version moved, the rows were not read
+        r.store.assignments = real
+        await r._refresh()                       # nothing changed since: must read them now
+        assert r.assign[(tid, 0)].state == MOVING and r.assign[(tid, 0)].target == 1
+    finally:
+        r.store.close()
+
+
+class _StuckPartition:
+    """A partition whose producer snapshot never completes (its writer thread hangs)."""
+
+    def __init__(self) -> None:
+        self.stream = types.SimpleNamespace(stream_id=7, end_offset=42)
+        self.closed = False
+
+    async def close(self, snapshot: bool = True) -> None:
+        self.closed = True
+
+    def snapshot(self, force: bool = False) -> concurrent.futures.Future:
+        return concurrent.futures.Future()       # never done
+
+
+async def test_a_release_whose_snapshot_hangs_gives_up_and_says_so(tmp_path, monkeypatch,
+                                                                  caplog) -> None:
+    monkeypatch.setattr(room_mod, "SNAPSHOT_WAIT_S", 0.3, raising=False)
+    r = _room(f"sqlite:///{tmp_path}/meta.db")
+    try:
+        tid = uuid.uuid4()
+        await asyncio.to_thread(r.store.assign_new, str(tid), 0, [0], 1)
+        assert await asyncio.to_thread(r.store.start_move, str(tid), 0, 0, 1)
+        await r._refresh(force=True)
+        topic = types.SimpleNamespace(name="t", topic_id=tid, partitions=[_StuckPartition()],
+                                      configs={})
+        caplog.set_level(logging.INFO, logger="broker.cluster")
+        # without a bound the release waited for the snapshot for ever: the partition stayed
+        # busy and no later move of it ever started
+        await asyncio.wait_for(r._release(topic, 0, r.assign[(str(tid), 0)]), 10)
+        assert "releasing partition failed topic=t partition=0" in caplog.text
+        row = {(a.topic_id, a.partition): a for a in await asyncio.to_thread(
+            r.store.assignments)}[(str(tid), 0)]
+        assert row.leader == 0 and row.state == MOVING      # not handed over: retried later
+    finally:
+        r.store.close()
