@@ -442,9 +442,16 @@ class ClusterRoom:
 
     async def _refresh(self, force: bool = False) -> None:
         assert self.store is not None
-        v = await asyncio.to_thread(self.store.version)
-        now = now_ms()
-        rows = await asyncio.to_thread(self.store.brokers)
+        store, known = self.store, self.version
+
+        def read() -> tuple[int, int, list[BrokerRow], list[Assignment] | None]:
+            # one thread hop for the round's reads (three hops took a loaded box's round
+            # hundreds of ms); the version first: a change after it is seen next round
+            v = store.version()
+            now = now_ms()
+            rows = store.brokers()
+            return v, now, rows, (store.assignments() if v != known or force else None)
+        v, now, rows, fresh = await asyncio.to_thread(read)
         self.rows = {b.node_id: b for b in rows}
         self.watch.observe(rows, now)
         live = {b.node_id: b for b in rows if b.state != STOPPED
@@ -456,10 +463,14 @@ class ClusterRoom:
             await self._placement_changed()
         if v == self.version and not force and not changed:
             return
-        self.assign = {(a.topic_id, a.partition): a
-                       for a in await asyncio.to_thread(self.store.assignments)}
+        if fresh is None:       # only the membership changed
+            fresh = await asyncio.to_thread(self.store.assignments)
+        self.assign = {(a.topic_id, a.partition): a for a in fresh}
         tm = self.broker.topic_manager
         if tm is not None and self._tasks:
+            # moves of known topics start now, not after re-reading every topic (new topics
+            # are opened by the round's _apply after the sync)
+            await self._apply()
             await tm.sync()
         # only now: a round that failed half way (database cut) must read everything again
         # next time, not skip it because the version did not move since (a move requested
@@ -499,9 +510,7 @@ class ClusterRoom:
         def done(t: asyncio.Task) -> None:
             self._busy.discard(key)
             self._busy_since.pop(key, None)
-            fut = self._settling.pop(key, None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+            self._settle(key)
             self._ops.discard(t)
             self._wake.set()
             if not t.cancelled() and t.exception() is not None:
@@ -509,6 +518,12 @@ class ClusterRoom:
                 log.error("partition operation failed (%s): %r", what, t.exception(),
                           exc_info=t.exception())
         t.add_done_callback(done)
+
+    def _settle(self, key: tuple[str, int]) -> None:
+        """Answer the produces waiting for this partition's open or release now."""
+        fut = self._settling.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     def _report_stuck(self) -> None:
         """Log (once each) partition operations running for more than OP_STUCK_S: while one
@@ -532,6 +547,7 @@ class ClusterRoom:
                                      topic.configs)
         except Exception:  # noqa: BLE001 - retried next round
             log.exception("opening partition failed topic=%s partition=%d", topic.name, index)
+            self._settle((str(topic.topic_id), index))
             await asyncio.sleep(1)
             return
         if self.broker.topics.get(topic.name) is not topic or index >= len(topic.partitions):
@@ -550,6 +566,7 @@ class ClusterRoom:
     async def _release(self, topic: Any, index: int, a: Assignment) -> None:
         """Stop accepting, upload, save producer state, hand the row to the target."""
         t0 = time.monotonic()
+        key = (str(topic.topic_id), index)
         p = topic.partitions[index]
         if p is None:
             return
@@ -560,12 +577,15 @@ class ClusterRoom:
             # no snapshot at close: the one below, after the appends in flight, covers it
             await p.close(snapshot=False)
             end = await release(p.stream.stream_id) if release else p.stream.end_offset
+            t_up = time.monotonic()
             fut = p.snapshot(force=True)     # covers the appends that were in flight
             if fut is not None:
                 await asyncio.wait_for(asyncio.wrap_future(fut), SNAPSHOT_WAIT_S)
+            t_snap = time.monotonic()
         except Exception:  # noqa: BLE001 - keep leading; the move is retried
             log.exception("releasing partition failed topic=%s partition=%d", topic.name, index)
             await self._reopen(topic, index, p)
+            self._settle(key)               # held produces: answered now, not after the pause
             await asyncio.sleep(1)
             return
         assert self.store is not None
@@ -577,6 +597,7 @@ class ClusterRoom:
             # next round reads the row and opens the partition again if it is still ours
             log.exception("hand-over failed topic=%s partition=%d leader_epoch=%d; the next "
                           "round retries", topic.name, index, a.leader_epoch)
+            self._settle(key)
             await asyncio.sleep(1)
             return
         if new is None:     # cancelled meanwhile: lead it again
@@ -587,9 +608,12 @@ class ClusterRoom:
         # not from our next round
         self.assign[(str(topic.topic_id), index)] = Assignment(
             a.topic_id, index, new, a.leader_epoch + 1, a.replicas, ACTIVE, -1)
+        t1 = time.monotonic()
         log.info("partition moved topic=%s partition=%d from=%d to=%d leader_epoch=%d "
-                 "end_offset=%d release_ms=%.0f", topic.name, index, self.node_id, new,
-                 a.leader_epoch + 1, end, (time.monotonic() - t0) * 1000)
+                 "end_offset=%d release_ms=%.0f (upload_ms=%.0f snapshot_ms=%.0f "
+                 "handover_ms=%.0f)", topic.name, index, self.node_id, new, a.leader_epoch + 1,
+                 end, (t1 - t0) * 1000, (t_up - t0) * 1000, (t_snap - t_up) * 1000,
+                 (t1 - t_snap) * 1000)
 
     async def _reopen(self, topic: Any, index: int, old: Any) -> None:
         from ..partition import Partition  # noqa: PLC0415
