@@ -188,7 +188,10 @@ class KafkaPythonMember(_Member):
         try:
             while not self.stop_ev.is_set():
                 try:
-                    batches = c.poll(timeout_ms=200, max_records=500)
+                    # a poll long enough for a JoinGroup + SyncGroup round: kafka-python
+                    # 3.0.12 can hang for good when poll() returns before the SyncGroup
+                    # answer of a metadata-triggered rebalance (docs/groups.md)
+                    batches = c.poll(timeout_ms=1000, max_records=500)
                 except Exception as e:  # noqa: BLE001 - counted, then poll again
                     self.log.errors.add(f"consumer:{type(e).__name__}",
                                         bool(getattr(e, "retriable", False)), repr(e))
