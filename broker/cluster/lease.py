@@ -18,7 +18,12 @@ Fencing must not depend on two machines agreeing on the time of day. So:
   pause: no read for ``blind_ms``, or its own renewals failing) cannot tell a broker that
   died from one that was cut off as it was: that time does not count as anyone's silence, so
   after the database is back the others have (nearly) a full lease + margin to renew before
-  anyone is fenced. A broker that really died is fenced that much later.
+  anyone is fenced. A broker that really died is fenced that much later. A gap between two
+  reads is not blindness when this broker's own renewals reached the database all along
+  (every gap between them, counted from the earliest each could have landed to the latest,
+  below ``blind_ms``): the database was there, and only this broker's watch rounds ran late
+  (a loaded machine). Counting such gaps as blindness postponed a dead broker's fence for as
+  long as the rounds stayed late (the chaos suite at load 15-20: a paused broker never fenced).
 """
 from __future__ import annotations
 
@@ -112,6 +117,29 @@ class LeaseWatch:
         self._last: float | None = None  # monotonic time of the last read
         self._blind_since: float | None = None     # set by blind_since()
         self.blind_gaps = 0
+        # our own renewals that committed since the last read: (sent, acknowledged) monotonic
+        self._renewals: list[tuple[float, float]] = []
+
+    def renewal(self, sent: float, acked: float) -> None:
+        """A renewal of our own, sent at ``sent``, committed (answer at ``acked``): the
+        database was reachable at some moment in between."""
+        self._renewals.append((sent, acked))
+        if len(self._renewals) > 256:
+            del self._renewals[:128]
+
+    def _reached_throughout(self, start: float, end: float) -> bool:
+        """Whether our renewals show the database reachable from ``start`` to ``end`` with no
+        gap of ``blind_ms`` or more (worst case: each renewal landed as late as its answer,
+        the one before as early as its send)."""
+        limit = self.blind_ms / 1000
+        early = start
+        for sent, acked in self._renewals:
+            if acked <= start:
+                continue
+            if acked - early > limit:
+                return False
+            early = max(early, sent)
+        return end - early <= limit
 
     def blind_since(self, since: float) -> None:
         """Our own writes to the database failed from monotonic ``since`` until now (reads
@@ -122,7 +150,8 @@ class LeaseWatch:
     def observe(self, rows: Iterable[object], now_ms: int) -> None:
         now = time.monotonic()
         since = self._blind_since
-        if self._last is not None and (now - self._last) * 1000 > self.blind_ms:
+        if self._last is not None and (now - self._last) * 1000 > self.blind_ms \
+                and not self._reached_throughout(self._last, now):
             since = self._last if since is None else min(since, self._last)
         blind = since is not None
         if blind:
@@ -130,6 +159,7 @@ class LeaseWatch:
             log.warning("metadata unreachable for %.0f ms: that time does not count towards "
                         "any broker's lease lapse", (now - since) * 1000)  # type: ignore[operator]
         self._last, self._blind_since = now, None
+        self._renewals = [r for r in self._renewals if r[1] > now]
         seen: dict[int, _Seen] = {}
         for r in rows:
             node, inst, value = r.node_id, r.instance, r.lease_until_ms  # type: ignore[attr-defined]

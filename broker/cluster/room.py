@@ -357,6 +357,7 @@ class ClusterRoom:
                         self.watch.blind_since(self._renewed_at)
                     self._renewed_at = sent
                     self.own_lease.renewed(sent)
+                    self.watch.renewal(sent, time.monotonic())
                 else:
                     if not self.own_lease.valid():
                         # refused while our lease is lapsed: the controller fenced us (or

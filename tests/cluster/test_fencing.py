@@ -121,6 +121,34 @@ def test_lease_watch_does_not_count_time_it_could_not_see(monkeypatch):
     assert not w2.expired(3, 100, 50) and w2.alive(3, 100)
 
 
+def test_late_watch_rounds_with_renewals_going_through_are_not_blindness(monkeypatch):
+    """A watch round that runs late (a loaded machine) while this broker's own renewals keep
+    reaching the database is not blindness: a silent broker still expires on schedule (the
+    chaos suite at load 15-20: 1.6-2.1 s between rounds with a 1 s blind limit, and the paused
+    broker was never fenced). Without renewals in the gap, it is blindness as before."""
+    import types
+    clock = [1000.0]
+    monkeypatch.setattr("broker.cluster.lease.time",
+                        types.SimpleNamespace(monotonic=lambda: clock[0]))
+    now = 1_800_000_000_000
+    w = LeaseWatch(blind_ms=100)
+    w.observe([_Row(1, "a", now + 1), _Row(2, "b", now + 1)], now)
+    for _ in range(5):                   # 50 ms renewals of our own, the rounds 250 ms apart
+        clock[0] += 0.05
+        w.renewal(clock[0] - 0.01, clock[0])
+    w.observe([_Row(1, "a", now + 2), _Row(2, "b", now + 1)], now)
+    assert w.blind_gaps == 0
+    assert not w.expired(1, 100, 50) and w.expired(2, 100, 50)        # 250 ms seen silent
+    # the same late round with a hole in our renewals: blind, nobody's silence counts
+    w2 = LeaseWatch(blind_ms=100)
+    w2.observe([_Row(1, "a", now + 1), _Row(2, "b", now + 1)], now)
+    clock[0] += 0.05
+    w2.renewal(clock[0] - 0.01, clock[0])
+    clock[0] += 0.2                      # 200 ms with no renewal going through
+    w2.observe([_Row(1, "a", now + 2), _Row(2, "b", now + 1)], now)
+    assert w2.blind_gaps == 1 and not w2.expired(2, 100, 50)
+
+
 # ---- a broker cut off from its metadata database -----------------------------------------------
 class _Blocker:
     """Holds a write lock on the metadata database so that lease renewals cannot commit
