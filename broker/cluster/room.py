@@ -71,7 +71,7 @@ class ClusterRoom:
         # never ends holds every later move of that partition back, so say so in the log
         self._busy_since: dict[tuple[str, int], tuple[str, float, bool]] = {}
         self._changes: ChangeWatch | None = None
-        # partitions being opened or released here: produce waits for these (produce.py)
+        # partitions being released here: produce waits for these (produce.py)
         self._settling: dict[tuple[str, int], asyncio.Future] = {}
         # partitions this broker handed over, at the epoch it led them: a round whose
         # assignments were read before the hand-over must not open them again at that epoch
@@ -245,8 +245,9 @@ class ClusterRoom:
         return b.host, b.port
 
     def settling(self, topic: Any, index: int) -> "asyncio.Future | None":
-        """Done when the open or release of this partition under way here ends (None when
-        there is none): a produce that finds the partition closed waits for it."""
+        """Done when the release of this partition under way here ends (None when there is
+        none): a produce that finds the partition closed waits for it (then answers
+        NOT_LEADER_OR_FOLLOWER naming the new leader; produce.py)."""
         return self._settling.get((str(topic.topic_id), index))
 
     def should_open(self, topic_id: Any, index: int) -> bool:
@@ -503,7 +504,7 @@ class ClusterRoom:
     def _spawn(self, key: tuple[str, int], coro: Any, what: str = "") -> None:
         self._busy.add(key)
         self._busy_since[key] = (what, time.monotonic(), False)
-        if what.startswith(("open ", "release ")):
+        if what.startswith("release "):
             self._settling[key] = asyncio.get_running_loop().create_future()
         t = asyncio.create_task(coro, name=f"cluster-{what}")
         self._ops.add(t)

@@ -40,26 +40,27 @@ log = logging.getLogger(__name__)
 PRODUCE = 0
 LEASE_LAPSED = AppendResult(error=ErrorCode.NOT_LEADER_OR_FOLLOWER,
                             message="this broker's cluster lease lapsed; retry")
-# a partition this broker is handing over (or opening after a hand-over): hold its produce
-# until that is done, at most this long, instead of answering NOT_LEADER_OR_FOLLOWER at once
+# a partition this broker is handing over: hold its produce until the hand-over is done, at
+# most this long, instead of answering NOT_LEADER_OR_FOLLOWER at once
 HANDOVER_HOLD_S = 2.0
 
 
-async def _settled(broker: Any, topic: Any, index: int) -> Any:
-    """The partition once a hand-over in progress on this broker is done (None if it is
-    then led elsewhere). Answering NOT_LEADER_OR_FOLLOWER during the release sent clients
-    into retry backoff (librdkafka doubles it on each retry: ~1 s after a 0.3 s release);
-    answered after the hand-over it names the new leader (KIP-951), and on the new leader a
-    produce that arrives while the partition opens is appended once it is open."""
+async def _hand_over_done(broker: Any, topic: Any, index: int) -> None:
+    """Wait until a release of this partition under way here is done. Answering
+    NOT_LEADER_OR_FOLLOWER during the release sent clients into retry backoff (librdkafka
+    doubles it on each retry: ~1 s after a 0.3 s release); answered after the hand-over it
+    names the new leader (KIP-951). A held produce is never appended, even if the release
+    failed and the partition reopened here: one that waited could otherwise be appended after
+    a later batch of the same producer that found the partition open (pipelined idempotent
+    batches out of order: a fatal OUT_OF_ORDER_SEQUENCE in librdkafka)."""
     settling = getattr(getattr(broker, "cluster", None), "settling", None)
     fut = settling(topic, index) if settling is not None else None
     if fut is None:
-        return None
+        return
     try:
         await asyncio.wait_for(asyncio.shield(fut), HANDOVER_HOLD_S)
     except asyncio.TimeoutError:
-        return None
-    return get_partition(topic, index)
+        pass
 
 
 async def _append(topic: Any, index: int, records: Any, version: int,
@@ -68,9 +69,8 @@ async def _append(topic: Any, index: int, records: Any, version: int,
     if partition is None:
         if topic is None or not 0 <= index < len(topic.partitions):
             return AppendResult(error=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION)
-        partition = await _settled(broker, topic, index)
-        if partition is None:
-            return AppendResult(error=ErrorCode.NOT_LEADER_OR_FOLLOWER)  # led elsewhere
+        await _hand_over_done(broker, topic, index)
+        return AppendResult(error=ErrorCode.NOT_LEADER_OR_FOLLOWER)  # led elsewhere
     keyless = keyless_record_error(topic, index, records)   # compacted topics only
     if keyless is not None:
         return AppendResult(error=ErrorCode.INVALID_RECORD, message=keyless)
