@@ -33,7 +33,7 @@ from .metrics import MeasuredStore, StorageStats
 from .objects.format import Record, object_size
 from .objects.store import ObjectStore, open_object_store
 from .reader import ObjectReader
-from .thread_priority import background_executor
+from .thread_priority import background_executor, in_io_class
 from .stream import (Batch, OffsetOutOfRange, RetriableStorageError, StorageError, Stream,
                      StreamStore)
 
@@ -69,9 +69,9 @@ class EngineConfig:
     stream_object_threshold_bytes: int = 8 << 20   # a stream's run this big gets its own object
     object_block_bytes: int = 512 << 10      # data block size inside objects
     readahead_max_bytes: int = 32 << 20
-    # file:// objects written with O_DIRECT (no page-cache copy: less CPU per uploaded MiB,
-    # but cold reads then come from the device, not the page cache); docs/storage.md
-    object_direct_writes: bool = False
+    # file:// objects written and their blocks read with O_DIRECT (no page-cache copy either
+    # way: less CPU per uploaded and per cold-read MiB); docs/storage.md
+    object_direct_writes: bool = True
     compaction_interval_s: float = 300.0
     compaction_min_objects: int = 4          # compact when this many small objects exist
     compaction_max_bytes: int = 256 << 20    # most bytes one compaction round reads
@@ -102,8 +102,9 @@ class EngineConfig:
                                              # like cold reads (at least 1.5x the append rate);
                                              # 0 = never
     cold_read_threads: int = 2               # threads for object reads of the cold path
-    cold_read_nice: int = 19                 # their nice value (and SCHED_BATCH): a large read
-                                             # never preempts the event loop
+    cold_read_nice: int = 0                  # their nice value (and SCHED_BATCH: a large read
+                                             # never preempts the event loop); 19 starved them
+                                             # and, holding the GIL, the loop (thread_priority)
     cold_read_io_class: str = "idle"         # their I/O class ("idle" or "be"): cold reads
                                              # never queue ahead of WAL writes on one disk
                                              # (thread_priority.py)
@@ -402,8 +403,16 @@ class Engine(StreamStore):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def cold_io(self, fn: Callable, *args: Any) -> Any:
-        """Run an object read for the cold path on the low-priority threads."""
-        return await asyncio.get_running_loop().run_in_executor(self._cold_executor, fn, *args)
+        """Run an object read for the cold path on the low-priority threads: in the idle I/O
+        class (when configured) while producers append, so their WAL writes go first; in the
+        normal class when nothing hot runs, where the idle class only let other processes'
+        I/O starve a lone catch-up reader (its reads are O_DIRECT with direct object writes:
+        every one goes to the device)."""
+        io_class = self.config.cold_read_io_class
+        if io_class == "idle" and not self.cold_pacer.hot_active():
+            io_class = "be"
+        return await asyncio.get_running_loop().run_in_executor(
+            self._cold_executor, in_io_class, io_class, fn, *args)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -418,6 +427,8 @@ class Engine(StreamStore):
         inner = await self.io(open_object_store, c.object_store)
         if hasattr(inner, "direct_writes"):
             inner.direct_writes = c.object_direct_writes
+        if hasattr(inner, "buffers"):       # read buffers kept for reuse: half the BlockCache
+            inner.buffers.max_bytes = min(inner.buffers.max_bytes, c.block_cache_bytes // 2)
         self.store = MeasuredStore(inner, self.stats)
         self.reader = ObjectReader(self.store, self.cold_io, c.block_cache_bytes,
                                    c.readahead_max_bytes)

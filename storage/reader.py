@@ -31,10 +31,18 @@ class ObjectReader:
         self._starts: dict[int, list[int]] = {}
         self._index: OrderedDict[int, list[IndexEntry]] = OrderedDict()
         self._readers: OrderedDict[tuple[int, int], Readahead] = OrderedDict()
-        self.block_cache = BlockCache(block_cache_bytes, self._fetch, readahead_max)
+        buffers = getattr(store, "buffers", None)     # the file store's read buffer pool
+        self.block_cache = BlockCache(block_cache_bytes, self._fetch, readahead_max,
+                                      buffers.give_back if buffers is not None else None)
 
     async def _fetch(self, key: str, ranges: list[tuple[int, int]]) -> list:
-        return await self._io(self._get_decoded, key, ranges)
+        got = await self._io(self._get_decoded, key, ranges)
+        # the executor's future (in a reference cycle with the loop's future until the
+        # cyclic GC runs) keeps this list: emptied, so the block buffers go back to the
+        # store's pool as soon as the cache and the readers let go of them
+        out = list(got)
+        got.clear()
+        return out
 
     def _get_decoded(self, key: str, ranges: list[tuple[int, int]]) -> list:
         """On the cold read thread: the blocks, each decoded (its CRC-32C checked, which runs

@@ -27,6 +27,7 @@ import logging
 import os
 import platform
 import threading
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,25 @@ def lower_current_thread(nice: int, io_class: str = "") -> None:
     if io_class:
         try:
             set_io_class(io_class, tid)
+            _current.io_class = io_class
         except (OSError, AttributeError) as e:
             log.debug("could not set I/O class %s: %s", io_class, e)
+
+
+_current = threading.local()
+
+
+def in_io_class(io_class: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)`` on this (pool) thread in ``io_class`` ("" = leave it): the class is
+    switched only when it differs from what this thread last set (one syscall), best
+    effort like lower_current_thread."""
+    if io_class and getattr(_current, "io_class", None) != io_class:
+        try:
+            set_io_class(io_class)
+        except (OSError, AttributeError) as e:
+            log.debug("could not set I/O class %s: %s", io_class, e)
+        _current.io_class = io_class
+    return fn(*args)
 
 
 def background_executor(threads: int, name: str, nice: int, io_class: str = ""

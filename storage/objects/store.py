@@ -17,6 +17,8 @@ import uuid
 from typing import Iterator
 from urllib.parse import urlsplit
 
+from .buffers import PAGE, BufferPool
+
 
 class ObjectStoreError(Exception):
     """The store failed an operation (network, throttling, missing object...)."""
@@ -85,6 +87,8 @@ class ObjectStore(abc.ABC):
 FILE_WRITE_CHUNK = 1 << 20
 # ... and read in pieces of this size (see FileObjectStore.get).
 FILE_READ_CHUNK = 1 << 20
+# most bytes of neighbouring blocks get_ranges reads at once, into one pool buffer
+FILE_READ_SPAN = 4 << 20
 
 
 def _read_range(fd: int, start: int, n: int) -> bytes | memoryview:
@@ -108,9 +112,11 @@ class FileObjectStore(ObjectStore):
     def __init__(self, root: str, direct_writes: bool = False) -> None:
         self.root = os.path.abspath(root)
         self.url = "file://" + self.root
-        # page-aligned objects bypass the page cache (see put); the engine sets this from
-        # EngineConfig.object_direct_writes
+        # page-aligned objects bypass the page cache (see put), and so do block reads (see
+        # get_ranges); the engine sets this from EngineConfig.object_direct_writes
         self.direct_writes = direct_writes
+        # block buffers of get_ranges: reused once the BlockCache dropped them (buffers.py)
+        self.buffers = BufferPool()
         os.makedirs(self.root, exist_ok=True)
 
     def _path(self, key: str) -> str:
@@ -188,30 +194,96 @@ class FileObjectStore(ObjectStore):
             return _read_range(fd, start, n)
 
     def get_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes | memoryview]:
-        """One read, and one malloc'd ``bytes``, per range (a data block, <= 1 MiB) instead of
-        one large mmap sliced: a 32 MiB readahead buffer was unmapped on the event loop when
-        the BlockCache evicted its last block (inserts that evicted one took up to 0.4-0.7 ms,
-        with per-block buffers at most 0.15 ms), and its pages were faulted in fresh on every
-        read, while block-sized buffers come from and go back to the allocator's heap."""
-        with self._reading(key) as fd:
+        """The ranges (data blocks, ~0.5-1 MiB) read into page-aligned buffers from
+        ``self.buffers``, neighbouring blocks together up to FILE_READ_SPAN per read and per
+        buffer; each range answered as a view of its buffer.
+
+        Buffers of at most a few MiB, not one readahead buffer sliced: a 32 MiB buffer was
+        unmapped on the event loop when the BlockCache evicted its last block (0.4-0.7 ms
+        stalls). Pool buffers, not fresh ``bytes``: fresh memory costs a page fault per 4 KiB
+        (0.4-1.1 ms of CPU per MiB on the test VM against 0.11 ms for the read). With
+        ``direct_writes`` the objects are not in the page cache, so the read is O_DIRECT too
+        (the aligned span around the blocks, straight into the buffer: 650-1500 MB/s at ~0.1
+        ms of CPU per MiB here, where a buffered read that missed the page cache did 150 MB/s
+        at ~1 ms per MiB); file systems that refuse O_DIRECT (tmpfs) are read through the page
+        cache."""
+        with self._reading(key, direct=self.direct_writes) as fd:
             if ranges and hasattr(os, "posix_fadvise"):
                 first = ranges[0][0]
                 os.posix_fadvise(fd, first, ranges[-1][0] + ranges[-1][1] - first,
                                  os.POSIX_FADV_RANDOM)
             out: list[bytes | memoryview] = []
-            for pos, n in ranges:
-                part = _read_range(fd, pos, n)
-                out.append(part)
-                if len(part) < n:
+            i = 0
+            while i < len(ranges):
+                # neighbouring blocks are read together, up to FILE_READ_SPAN per read: the
+                # device serves larger reads faster (here 1 MiB 680 MB/s, 8 MiB 1.5 GB/s)
+                start, n = ranges[i]
+                end = start + n
+                j = i + 1
+                while j < len(ranges) and 0 <= ranges[j][0] - end <= PAGE \
+                        and ranges[j][0] + ranges[j][1] - start <= FILE_READ_SPAN:
+                    end = ranges[j][0] + ranges[j][1]
+                    j += 1
+                span = self._read_block(fd, start, end - start)
+                for pos, size in ranges[i:j]:
+                    out.append(span[pos - start:pos - start + size])
+                span.release()
+                if len(out[-1]) < ranges[j - 1][1]:
                     break                     # past the end: the caller sees a short answer
+                i = j
             return out
 
-    @contextlib.contextmanager
-    def _reading(self, key: str) -> Iterator[int]:
-        """An fd of the object's file; a missing file is ObjectNotFound, any other OS error
-        (opening or reading) ObjectStoreError."""
+    def _read_block(self, fd: int, pos: int, n: int) -> memoryview:
+        """Bytes [pos, pos + n) of the file (fewer past its end) as a view into a pool
+        buffer; the read covers whole pages around them (O_DIRECT alignment)."""
+        if n > FILE_READ_SPAN * 2:
+            return memoryview(_read_range(fd, pos, n))    # not a block: no pool buffer
+        a0 = pos - pos % PAGE
+        a1 = -(-(pos + n) // PAGE) * PAGE
+        buf = self.buffers.take(a1 - a0)
+        mv = memoryview(buf)
+        got = 0
         try:
-            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+            while got < a1 - a0:
+                try:
+                    r = os.preadv(fd, [mv[got:a1 - a0]], a0 + got)
+                except OSError as e:
+                    if e.errno != errno.EINVAL or not _O_DIRECT:
+                        raise
+                    # O_DIRECT refused for this read: the page cache it is
+                    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+                    if not flags & _O_DIRECT:
+                        raise
+                    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+                    continue
+                if r == 0:
+                    break
+                got += r
+                if r % PAGE:
+                    break                     # the end of the file
+        except BaseException:
+            mv.release()
+            self.buffers.give_back(buf)
+            raise
+        start = pos - a0
+        view = mv[start:max(start, min(got, start + n))]
+        mv.release()
+        return view
+
+    @contextlib.contextmanager
+    def _reading(self, key: str, direct: bool = False) -> Iterator[int]:
+        """An fd of the object's file (``direct``: opened with O_DIRECT where the file system
+        takes it); a missing file is ObjectNotFound, any other OS error (opening or reading)
+        ObjectStoreError."""
+        path = self._path(key)
+        flags = os.O_RDONLY | os.O_CLOEXEC
+        try:
+            try:
+                fd = os.open(path, flags | (_O_DIRECT if direct else 0))
+            except OSError as e:
+                if not direct or not _O_DIRECT or e.errno != errno.EINVAL:
+                    raise
+                fd = os.open(path, flags)         # O_DIRECT refused (tmpfs)
         except FileNotFoundError as e:
             raise ObjectNotFound(key) from e
         except OSError as e:

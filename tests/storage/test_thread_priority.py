@@ -51,8 +51,9 @@ def test_unknown_io_class_is_refused() -> None:
 
 @linux_ioprio
 async def test_engine_cold_reads_run_on_low_priority_threads(tmp_path) -> None:
-    """Object reads of the cold path run on the cold threads (nice 19, SCHED_BATCH, idle
-    I/O); uploads keep the normal IO threads, and the WAL (written by the loop) stays untouched."""
+    """Object reads of the cold path run on the cold threads (SCHED_BATCH; the idle I/O class
+    while producers append, the normal one otherwise); uploads keep the normal IO threads, and
+    the WAL (written by the loop) stays untouched."""
     before = {t.ident for t in threading.enumerate()}   # other tests' WALs may leave threads
     eng = open_engine(small_config(tmp_path))
     await eng.start()
@@ -78,11 +79,19 @@ async def test_engine_cold_reads_run_on_low_priority_threads(tmp_path) -> None:
         await fill(s, 200)
         await eng.flush()
         eng.drop_caches()
+        eng.cold_pacer._hot_at = eng.cold_pacer._clock()      # producers appending now
         assert len(await read_all(s)) == 200
         assert seen["get"] and seen["put"]
         for name, nice, policy, io in seen["get"]:
             assert name.startswith("s3kafka-cold")
-            assert (nice, policy, io) == (19, os.SCHED_BATCH, "idle")
+            assert (nice, policy, io) == (0, os.SCHED_BATCH, "idle")
+        # nothing hot to protect: the same threads read in the normal I/O class
+        seen["get"].clear()
+        eng.cold_pacer._hot_at = float("-inf")
+        eng.drop_caches()
+        assert len(await read_all(s)) == 200
+        assert seen["get"] and {io for *_, io in seen["get"]} == {"be"}
+        assert {(n, p) for _, n, p, _ in seen["get"]} == {(0, os.SCHED_BATCH)}
         for name, nice, policy, io in seen["put"]:
             assert name.startswith("s3kafka-io") and policy != os.SCHED_BATCH and io != "idle"
         # the WAL is written by the event loop itself (native AIO): no WAL threads, and the
