@@ -25,6 +25,9 @@ from .aio import AioContext, TimerFD, yield_cpu
 from .config import IO_RETRIES, IO_RETRY_DELAY_S
 from .format import align_up
 
+# writes at least this large yield the CPU after their submit (see LoopDriver._submit)
+YIELD_FROM_BYTES = 256 << 10
+
 if TYPE_CHECKING:
     from .block import Block
     from .wal import DeltaWAL
@@ -135,13 +138,18 @@ class LoopDriver:
             del exports
             self._retry(group, attempt, e)
             return
-        self._inflight[token] = (group, [exports, keep], sum(n for _, n in pieces), attempt)
+        size = sum(n for _, n in pieces)
+        self._inflight[token] = (group, [exports, keep], size, attempt)
         # A device served by a kernel worker (a loop device's, the writes to its backing file)
         # gets it woken on this CPU by io_submit: on these VMs the scheduler packs it here and
         # lets it wait while the loop goes on appending (~0.3 ms per 4 MiB copied), so the
         # device idled. Yielding lets it start the write now: loop device, alternating runs,
-        # 1 MiB records 0.75 -> 0.85 of raw, 256 KiB 0.70 -> 0.83 (bench/HISTORY.md).
-        yield_cpu()
+        # 1 MiB records 0.75 -> 0.85 of raw, 256 KiB 0.70 -> 0.83 (bench/HISTORY.md). Only
+        # after large writes: with other runnable work on the CPU each yield hands it the CPU
+        # and a small acks=all request waits a scheduler slice (100 B at 1000 msgs/s under
+        # load, p50 76-237 ms with a yield per write against 30-33 ms without, session 11).
+        if size >= YIELD_FROM_BYTES:
+            yield_cpu()
 
     def on_completion(self) -> None:
         self.aio.clear_signal()

@@ -175,34 +175,41 @@ async def test_next_writes_start_before_finished_ones_are_completed(make_wal):
     assert all(after_reap)
 
 
-async def test_each_submit_gives_the_cpu_to_kernel_work_before_the_loop_goes_on(
+async def test_a_large_submit_gives_the_cpu_to_kernel_work_before_the_loop_goes_on(
         make_wal, monkeypatch):
-    """After every io_submit the loop yields its CPU (keeping the GIL): a kernel worker that
-    io_submit woke on this CPU (a loop device's) starts the write at once instead of after
-    the loop's next appends."""
+    """After an io_submit of at least YIELD_FROM_BYTES the loop yields its CPU (keeping the
+    GIL): a kernel worker that io_submit woke on this CPU (a loop device's) starts the write at
+    once instead of after the loop's next appends. Small writes do not yield: under CPU
+    contention each yield cost a small acks=all request a scheduler slice."""
     from storage.wal import loop_driver
 
     w, _ = make_wal(capacity=64 << 20)
     assert w.attach_loop()
     driver = w._driver
-    log: list[str] = []
+    log: list[tuple[str, int]] = []
     real_submit, real_yield = driver.aio.submit_write, loop_driver.yield_cpu
 
-    def submit(*a, **kw):
-        out = real_submit(*a, **kw)
-        log.append("submit")
+    def submit(fd, pieces, *a, **kw):
+        out = real_submit(fd, pieces, *a, **kw)
+        log.append(("submit", sum(n for _, n in pieces)))
         return out
 
     def yield_cpu():
-        log.append("yield")
+        log.append(("yield", 0))
         real_yield()
 
     driver.aio.submit_write = submit
     monkeypatch.setattr(loop_driver, "yield_cpu", yield_cpu)
-    rs = [w.append_loop(body(1, i, 64 << 10), stream_id=1) for i in range(64)]
+    rs = [w.append_loop(body(1, i, 512 << 10), stream_id=1) for i in range(16)]
     await asyncio.gather(*[r.future for r in rs])
-    assert log.count("submit") >= 4
-    assert all(log[k + 1] == "yield" for k, what in enumerate(log) if what == "submit")
+    large = [k for k, (what, n) in enumerate(log) if what == "submit"]
+    assert len(large) >= 4
+    assert all(log[k + 1][0] == "yield" for k in large if log[k][1] >= loop_driver.YIELD_FROM_BYTES)
+    log.clear()
+    for i in range(20):                         # one small record at a time: no yields
+        await w.append_loop(body(1, 100 + i, 100), stream_id=1).future
+    assert [what for what, _ in log].count("submit") >= 20
+    assert ("yield", 0) not in log
 
 
 async def test_durable_writes_are_acknowledged_when_starting_the_next_fails(make_wal):
