@@ -259,6 +259,9 @@ class Partition:
                 log.warning("ignoring producer snapshot topic=%s partition=%d: %s",
                             self.topic, self.index, e)
         offset = max(start, snap_end)
+        log.info("producer state topic=%s partition=%d stream=%d: snapshot end %d (%d producers)"
+                 ", replaying %d..%d", self.topic, self.index, self.stream.stream_id, snap_end,
+                 len(self.producers.entries), offset, end)
         self.log_index.truncate_below(start)
         if offset >= end:
             self._replayed(end)
@@ -543,6 +546,9 @@ class Partition:
                                               view.last_offset_delta + 1)
                 except ProducerError as e:
                     res.error, res.message = ErrorCode[e.code], str(e)
+                    if e.code == "OUT_OF_ORDER_SEQUENCE_NUMBER":   # rare, and fatal for
+                        log.warning("produce refused topic=%s partition=%d: %s (log end %d)",
+                                    self.topic, self.index, e, self.stream.end_offset)
                     return res
                 if dup is not None:
                     break
