@@ -338,6 +338,11 @@ class EngineStream(Stream):
             self.stream_id, start, end, keep, max_object_bytes, max_bytes_per_s)
 
 
+class _EarlierNotCommitted(Exception):
+    """A release's upload found this stream's earlier entries uncommitted (their upload
+    failed): it is not committed either, and its entries are taken again with those."""
+
+
 class Engine(StreamStore):
     """Ties WAL, LogCache, uploader, reader and maintenance together."""
 
@@ -633,20 +638,42 @@ class Engine(StreamStore):
             # (or in flight elsewhere), so skipping ahead never trims another stream's
             # records. Entries of this stream another upload holds (the upload loop) are
             # waited for: a stream's objects commit in offset order.
+            # Entries of this stream another upload holds (the upload loop) are not waited
+            # for before starting: this upload writes its object meanwhile and waits only
+            # before its commit (a stream's objects commit in offset order).
+            t0 = time.monotonic()
+            waited = 0.0
+
+            async def after_earlier(first: int) -> None:
+                nonlocal waited
+                t = time.monotonic()
+                while self._inflight_streams[stream_id] > 1 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.002)          # the uploader commits them first
+                waited += time.monotonic() - t
+                if s.committed < first:                 # its upload failed: ours waits too
+                    raise _EarlierNotCommitted(f"stream {stream_id}: offsets {s.committed}.."
+                                               f"{first} are not committed yet")
             while s.committed < s._end and time.monotonic() < deadline:
-                if self._inflight_streams[stream_id]:
-                    await asyncio.sleep(0.002)          # the uploader holds some of them
-                    continue
                 entries = self.cache.take_pending_stream(stream_id,
                                                          self.config.upload_max_bytes)
                 if not entries:
                     await asyncio.sleep(0.001)          # not durable yet / being committed
                     continue
+                first = entries[0].base_offset
                 try:
-                    await self._upload(entries)
+                    await self._upload(entries, lambda: after_earlier(first))
+                except _EarlierNotCommitted:
+                    self.cache.return_pending(entries)  # taken again with the earlier ones
+                    await asyncio.sleep(0.01)
+                    continue
                 except Exception:
                     self.cache.return_pending(entries)
                     raise
+            took = time.monotonic() - t0
+            if took > 0.5:
+                log.info("release of stream %d: uploads took %.0f ms, of which %.0f ms "
+                         "waiting for an earlier upload of its entries", stream_id,
+                         took * 1000, waited * 1000)
             if s.committed < s._end:
                 raise StorageError(f"stream {stream_id}: only {s.committed} of {s._end} "
                                    "offsets reached the object store")
@@ -806,14 +833,16 @@ class Engine(StreamStore):
         return mmap.mmap(-1, min(ENCODE_BUFFER_MAX, 1 << (size - 1).bit_length()),
                          flags=mmap.MAP_PRIVATE)
 
-    async def _upload(self, entries: list[CacheEntry]) -> None:
-        """Write entries as objects, commit them, trim the WAL, release the cache."""
+    async def _upload(self, entries: list[CacheEntry],
+                      before_commit: Callable[[], Any] | None = None) -> None:
+        """Write entries as objects, commit them, trim the WAL, release the cache
+        (``before_commit``: awaited after the objects are written, before their commit)."""
         key_ = id(entries)
         self._inflight[key_] = min(e.wal_offset for e in entries) if entries else 1 << 62
         sids = {e.stream_id for e in entries}
         self._inflight_streams.update(sids)
         try:
-            await self._upload_entries(entries, key_)
+            await self._upload_entries(entries, key_, before_commit)
         finally:
             self._inflight.pop(key_, None)
             self._inflight_streams.subtract(sids)
@@ -823,7 +852,8 @@ class Engine(StreamStore):
             raise StorageError("lease lapsed: this node commits and trims nothing until it "
                                "is renewed")
 
-    async def _upload_entries(self, entries: list[CacheEntry], key_: int) -> None:
+    async def _upload_entries(self, entries: list[CacheEntry], key_: int,
+                              before_commit: Callable[[], Any] | None = None) -> None:
         c = self.config
         by_stream: dict[int, list[CacheEntry]] = {}
         foreign: set[int] = set()
@@ -866,6 +896,8 @@ class Engine(StreamStore):
                 new.append((NewObject(oid, size, ranges), key, kind))
                 self.stats.objects_written[kind] += 1
                 self.stats.uploaded_bytes += size
+            if before_commit is not None:
+                await before_commit()
             crash_point("before_commit")
             self._check_writes()
             if new:

@@ -411,6 +411,66 @@ async def test_release_uploads_only_its_own_stream_and_keeps_the_wal_for_the_res
         await eng.close()
 
 
+@pytest.mark.parametrize("earlier_fails", [False, True])
+async def test_release_writes_its_object_while_an_earlier_upload_of_the_stream_runs(
+        tmp_path, earlier_fails) -> None:
+    """Issue 16: a release does not wait for the upload loop's object holding the stream's
+    earlier entries before writing its own (seconds on S3 under load): it waits only before
+    its commit, so the stream's objects still commit in offset order. If that earlier upload
+    fails, the release's object is not committed either; both are taken again."""
+    import threading
+    eng = open_engine(small_config(tmp_path, upload_interval_s=3600,
+                                   upload_threshold_bytes=64 << 20))
+    await eng.start()
+    gate = threading.Event()
+    try:
+        s = await eng.create_stream()
+        await fill(s, 4)                             # 0..20: taken by the "upload loop"
+        early = eng.cache.take_pending(1 << 30)
+        await fill(s, 4)                             # 20..40: the release's own
+        put = eng.store.put
+        puts: list[str] = []
+        blocked = threading.Event()
+
+        def slow_put(key, data):
+            puts.append(key)
+            if not blocked.is_set():                 # the earlier upload's put
+                blocked.set()
+                gate.wait(10)
+                if earlier_fails:
+                    raise OSError("object store hiccup")
+            return put(key, data)
+        eng.store.put = slow_put
+
+        async def loop_upload() -> None:             # what the upload loop does
+            try:
+                await eng._upload(early)
+            except Exception:
+                eng.cache.return_pending(early)
+        earlier = asyncio.create_task(loop_upload())
+        while not blocked.is_set():
+            await asyncio.sleep(0.01)
+        release = asyncio.create_task(eng.release_stream(s.stream_id))
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 10
+        while len(puts) < 2 and loop.time() < end:
+            await asyncio.sleep(0.01)
+        assert len(puts) == 2, "the release waited for the earlier upload to write its object"
+        assert s.committed == 0 and not release.done()   # but does not commit before it
+        gate.set()
+        await earlier
+        assert await asyncio.wait_for(release, 20) == 40
+        assert s.committed == 40
+        ranges = await eng.io(eng.meta.stream_ranges, s.stream_id)
+        assert [(r.start_offset, r.end_offset) for r in ranges] in (
+            [(0, 20), (20, 40)], [(0, 40)]), ranges
+        eng.drop_caches()
+        assert len(await read_all(s)) == 8
+    finally:
+        gate.set()
+        await eng.close()
+
+
 async def test_a_stream_claimed_by_another_node_does_not_block_other_uploads(tmp_path) -> None:
     """Entries of a stream another node claimed meanwhile can never be committed here; they
     are dropped (logged) instead of failing every upload behind them for good (the WAL and
