@@ -237,18 +237,21 @@ def _plan(records: list[tuple[int, bytes]], meta: MetaStore, node_id: int, taker
             if m is None or m.deleted:
                 stopped.add(sid)
                 continue
-            owner = meta.stream_owner(sid)
-            if owner is not None and owner[0] not in (node_id, taker):
-                res.lost[sid] = f"stream owned by node {owner[0]} at epoch {owner[1]}"
-                log.error("takeover: stream %d is owned by node %d (epoch %d): its WAL records "
-                          "from offset %d are not committed", sid, owner[0], owner[1], base)
-                stopped.add(sid)
-                continue
             ends[sid] = m.end_offset
-            owners[sid] = owner
+            owners[sid] = meta.stream_owner(sid)
         end = ends[sid]
         if base + count <= end:
+            # already committed (by the owner, an earlier taker, or before the stream moved
+            # to another node: a release commits its records, the WAL still holds them)
             res.skipped_records += 1
+            continue
+        owner = owners[sid]
+        if owner is not None and owner[0] not in (node_id, taker):
+            res.lost[sid] = f"stream owned by node {owner[0]} at epoch {owner[1]}"
+            log.error("takeover: stream %d is owned by node %d (epoch %d): its WAL records "
+                      "from offset %d (committed end %d) are not committed", sid, owner[0],
+                      owner[1], base, end)
+            stopped.add(sid)
             continue
         if base != end:
             res.lost[sid] = f"gap: committed end {end}, WAL continues at {base}"

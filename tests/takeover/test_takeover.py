@@ -641,3 +641,40 @@ async def test_a_fenced_node_commits_nothing_from_the_fence_on(tmp_path, stores)
     finally:
         cluster.db.close()
         await eng.close()
+
+
+async def test_committed_records_of_a_stream_now_owned_elsewhere_are_not_lost(tmp_path, stores,
+                                                                             caplog):
+    """Issue 17 (chaos, 30-minute run): a node released a partition (its records committed,
+    the stream claimed by the new leader) and died before its WAL was trimmed past them. The
+    takeover found those records, saw another owner and reported the stream LOST (ERROR,
+    s3kafka_takeover_lost_streams_total) although every one of them was committed. Records at
+    or below the committed end are skipped whoever owns the stream; only records past it
+    under another owner are lost."""
+    meta, store, meta_url, store_url = stores
+    dead = str(tmp_path / "wal-1")
+    moved, gone = meta.create_stream(), meta.create_stream()
+    w = open_wal(dead, 4 << 20, 1, 0)
+    list(w.open())
+    meta.register_wal(wal_identity(dead, 1, 0, 4 << 20))
+    for base in range(0, 20, 2):
+        for sid in (moved, gone):
+            w.append(framed(sid, base, 2), sid).future.result(timeout=30)
+    w.stats["abandoned"] = 1
+    commit_records(meta, store, [(moved, b, 2) for b in range(0, 20, 2)], node_id=1)
+    commit_records(meta, store, [(gone, b, 2) for b in range(0, 10, 2)], node_id=1)
+    assert meta.claim_stream(moved, 3, 5) and meta.claim_stream(gone, 3, 5)
+    eng = open_engine(EngineConfig(
+        data_dir=str(tmp_path / "n2"), metadata_url=meta_url, object_store=store_url,
+        node_id=2, node_epoch=1, wal_capacity=4 << 20, compaction_interval_s=3600,
+        cleanup_interval_s=3600, wal_sync_mode="fdatasync"))
+    await eng.start()
+    try:
+        res = await eng.take_over_wal(dead, node_id=1, node_epoch=0, taker_epoch=1)
+        assert res.lost == {gone: "stream owned by node 3 at epoch 5"}, res.lost
+        assert res.skipped_records == 10 + 5 and res.committed_records == 0
+        assert eng.stats.takeover_lost_streams == 1
+        assert meta.stream(moved).end_offset == 20 and meta.stream(gone).end_offset == 10
+        assert not any(f"stream {moved} is owned" in r.getMessage() for r in caplog.records)
+    finally:
+        await eng.close()
