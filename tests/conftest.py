@@ -7,6 +7,7 @@ that was alive during it is attached to the failure report (section "broker log 
 from __future__ import annotations
 
 import os
+import re
 import pathlib
 import signal
 import socket
@@ -140,6 +141,7 @@ class BrokerProcess:
         # tests that bound a degraded start, since interpreter start-up alone takes seconds
         # on a loaded 2-core machine
         self.start_seconds: list[float] = []
+        self._spawned_wall = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -153,6 +155,7 @@ class BrokerProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"\n===== start {time.strftime('%H:%M:%S')}: {' '.join(self.args)}\n".encode())
             log.flush()
+            self._spawned_wall = time.time()
             self.proc = subprocess.Popen(
                 self.args, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -170,6 +173,20 @@ class BrokerProcess:
         self.kill()
         raise RuntimeError(f"broker did not answer ApiVersions within {START_TIMEOUT_S}s\n"
                            f"{self.log_tail()}")
+
+    def interpreter_seconds(self) -> float:
+        """Seconds the last start spent before the broker's own code ran (interpreter start-up
+        and imports: several seconds on a loaded 2-core machine), from the log line
+        'startup checks passed duration_s=X' (its timestamp minus X, minus the spawn time).
+        Tests bounding a start subtract it; 0.0 when the line is missing."""
+        import datetime  # noqa: PLC0415
+
+        text = self.log_path.read_text(errors="replace").rsplit("\n===== start ", 1)[-1]
+        m = re.search(r"^ts=(\S+) .*startup checks passed duration_s=([0-9.]+)", text, re.M)
+        if not m:
+            return 0.0
+        ts = datetime.datetime.fromisoformat(m.group(1).replace("Z", "+00:00")).timestamp()
+        return max(0.0, ts - float(m.group(2)) - self._spawned_wall)
 
     def stop(self, timeout: float = 30) -> None:
         """Graceful stop (SIGTERM); asserts the process exits cleanly with code 0."""

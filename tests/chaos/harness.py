@@ -31,12 +31,14 @@ class Restart:
     listen_s: float       # kill -> ApiVersions answered
     produce_s: float      # kill -> a plain produce acknowledged
     idempotent_s: float   # kill -> an idempotent produce acknowledged (-1: not within 10 s)
+    interpreter_s: float = 0.0   # of listen_s: interpreter start-up and imports (load-bound)
 
     def __str__(self) -> str:
         idem = (f"{self.idempotent_s:.1f}s" if self.idempotent_s >= 0 else
                 "refused (retriable) while the store is away: replay needs objects")
-        return (f"restart(store {self.store}): listen {self.listen_s:.1f}s, produce "
-                f"{self.produce_s:.1f}s, idempotent produce {idem}")
+        return (f"restart(store {self.store}): listen {self.listen_s:.1f}s (interpreter "
+                f"{self.interpreter_s:.1f}s), produce {self.produce_s:.1f}s, idempotent "
+                f"produce {idem}")
 
 
 @dataclass
@@ -46,7 +48,6 @@ class Outcome:
     steps: list[str] = field(default_factory=list)
     writer_errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    first_start_s: float = 0.0     # the healthy first start (spawn -> ApiVersions): a baseline
 
     def summary(self) -> str:
         lines = [self.report.summary(), f"schedule: {' '.join(self.steps)} ({self.seconds:.0f}s)"]
@@ -56,9 +57,11 @@ class Outcome:
 
 
 def short_schedule() -> list[Any]:
-    """About 45 s of faults: a cut long enough to back-pressure, kill -9 and restart while
-    cut, kill -9 and restart while black-holed, each followed by recovery."""
-    return [("run", 3), "cut", ("run", 6), "restore", ("run", 3), "cut", ("run", 3), "kill",
+    """About 50 s of faults: kill -9 and restart with the store up (the run's baseline), a cut
+    long enough to back-pressure, kill -9 and restart while cut, kill -9 and restart while
+    black-holed, each followed by recovery."""
+    return [("run", 3), "kill", "restart", ("run", 2), "cut", ("run", 6), "restore", ("run", 3),
+            "cut", ("run", 3), "kill",
             "restart", ("run", 4), "restore", ("run", 3), "blackhole", ("run", 3), "kill",
             "restart", ("run", 4), "restore", ("run", 4)]
 
@@ -116,7 +119,6 @@ def run_schedule(broker_factory: Any, s3_endpoint: Any, steps: list[Any], *,
     writers = start_writers(bp.bootstrap, topic, partitions, ledger, stop,
                             confluent=confluent, kafka_python=kafka_python, rate=rate)
     out = Outcome(report=None)  # type: ignore[arg-type]
-    out.first_start_s = bp.start_seconds[0] if getattr(bp, "start_seconds", None) else 0.0
     t_start = time.monotonic()
     killed_at = 0.0
     try:
@@ -142,7 +144,8 @@ def run_schedule(broker_factory: Any, s3_endpoint: Any, steps: list[Any], *,
                 listen = time.monotonic() - t0
                 produce = _probe(bp.host, bp.port, topic, t0, idempotent=False)
                 idem = _probe(bp.host, bp.port, topic, t0, idempotent=True)
-                r = Restart(proxy.state, listen, produce, idem)
+                interp = bp.interpreter_seconds() if hasattr(bp, "interpreter_seconds") else 0.0
+                r = Restart(proxy.state, listen, produce, idem, interp)
                 out.restarts.append(r)
                 log(f"chaos: {r}")
             log(f"chaos: {name} at {time.monotonic() - t_start:.1f}s, acked so far "

@@ -147,5 +147,5 @@ def test_restart_with_store_down_refuses_idempotent_produce_until_state_is_compl
         r = c.produce("s3", _idem(b"v3", pid, epoch, 3))
         assert r.error_code == 0
         assert [v for _, v in _log(c, "s3")] == [b"v0", b"v1", b"v2", b"v3"]
-    # the store being down adds at most 10 s to a healthy start measured in this run
-    assert listen_s - bp.start_seconds[0] < 10, (listen_s, bp.start_seconds)
+    # the broker's own start (not its interpreter's start-up and imports) within 10 s
+    assert listen_s - bp.interpreter_seconds() < 10, (listen_s, bp.interpreter_seconds())
