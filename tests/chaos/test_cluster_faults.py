@@ -28,11 +28,6 @@ def _assert_clean(out, details, capsys) -> None:
                                + f"\n(details: {details}, broker logs beside it)")
 
 
-# Known anomalies (docs/FINDINGS.md, chaos 20:05-20:28), each seen in some runs of the short
-# schedule with the fencing fixes in: a value stored twice after a takeover, acknowledgements
-# without an offset, a kafka-python member that never rejoined its group. Not strict: a clean
-# run passes; remove the mark once the suite runs clean on main run after run.
-@pytest.mark.xfail(strict=False, reason="intermittent anomalies, docs/FINDINGS.md (chaos)")
 @pytest.mark.timeout(600)
 def test_three_brokers_short_fault_schedule(broker_factory, s3_endpoint, tmp_path,
                                             capsys) -> None:
