@@ -665,6 +665,20 @@ class Partition:
         res.log_start_offset = self.log_start_offset
         return res
 
+    def refused(self, records: Any) -> None:
+        """A produce refused before any append (this broker's lease lapsed): like an append
+        that failed, its idempotent batches leave failed marks, so the producer's next
+        pipelined batch, arriving a moment later, is refused retriably (NOT_ENOUGH_REPLICAS)
+        instead of OUT_OF_ORDER_SEQUENCE - on which librdkafka bumps the producer's epoch and
+        re-sends records that may have been stored (duplicates; chaos suite)."""
+        try:
+            for view in protocol.iter_batches(records):
+                if view.producer_id != NO_PRODUCER_ID and not view.is_control:
+                    self.producers.fail(view.producer_id, view.producer_epoch,
+                                        view.base_sequence)
+        except protocol.CorruptRecordError:
+            pass                            # refused anyway; nothing to remember
+
     def _not_appended(self, res: AppendResult, idempotent: list[tuple[int, int, int]],
                       error: int, message: str | None) -> AppendResult:
         """Answer an append that never reached the stream: its producers' windows are as if

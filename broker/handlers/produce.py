@@ -120,6 +120,10 @@ async def handle_produce(ctx: RequestContext, req: Any) -> Any:
         jobs: list[tuple[int, Any]] = []
         for pd in td.partition_data or []:
             if refused is not None:
+                if refused is LEASE_LAPSED and topic is not None and pd.records:
+                    partition = get_partition(topic, pd.index)
+                    if partition is not None:
+                        partition.refused(pd.records)   # failed marks (Partition.refused)
                 jobs.append((pd.index, refused))
             elif topic is None:
                 jobs.append((pd.index, AppendResult(error=unknown)))

@@ -225,3 +225,20 @@ async def test_restart_waits_for_producer_state_before_idempotent_appends(tmp_pa
     # the index kept the plain append taken during the replay
     assert p2.log_index.end_offset == 5
     await p2.close()
+
+
+async def test_a_batch_refused_before_append_holds_back_its_successor(tmp_path):
+    """Issue 17 (chaos suite): a produce refused at the door (this broker's lease lapsed for
+    a few ms) appends nothing; the producer's next pipelined batch, arriving once the lease
+    is renewed, must get a retriable error, not OUT_OF_ORDER_SEQUENCE (librdkafka bumps the
+    epoch on that and re-sends records that may have been stored: duplicates). The retry of
+    the refused batch and then its successor land in order."""
+    p, *_ = await open_partition(tmp_path)
+    assert (await p.append(idem(b"A", 0))).error == 0
+    p.refused(idem(b"B", 1))
+    rc = await p.append(idem(b"C", 2))
+    assert rc.error == ErrorCode.NOT_ENOUGH_REPLICAS, rc
+    rb = await p.append(idem(b"B", 1))
+    rc = await p.append(idem(b"C", 2))
+    assert (rb.error, rb.base_offset, rc.error, rc.base_offset) == (0, 1, 0, 2)
+    assert await values(p) == [(0, b"A"), (1, b"B"), (2, b"C")]
