@@ -221,8 +221,9 @@ def test_restart_that_locked_its_wal_before_the_fence_lets_the_taker_in(broker_f
     nothing acknowledged is lost."""
     if not metadata_url.startswith("sqlite"):
         pytest.skip("the takeover path is the same on PostgreSQL; SQLite keeps this lean")
-    # an 8 s lease: the restart (interpreter start included) locks the WAL before the fence
-    brokers = cluster_factory(2, extra=("--cluster-lease-ms", "8000",
+    # a 12 s lease: the restart (interpreter start included: 2-6 s at load 20) locks the WAL
+    # before the fence
+    brokers = cluster_factory(2, extra=("--cluster-lease-ms", "12000",
                                         "--cluster-takeover-margin-ms", "500",
                                         "--upload-interval-s", "30"))
     boot = ",".join(b.bootstrap for b in brokers)
@@ -237,7 +238,7 @@ def test_restart_that_locked_its_wal_before_the_fence_lets_the_taker_in(broker_f
         time.sleep(0.5)
         brokers[1].kill()
         brokers[1].env = {**(brokers[1].env or {}), "S3KAFKA_PAUSE_POINT": "startup_wal_locked",
-                          "S3KAFKA_PAUSE_S": "14"}
+                          "S3KAFKA_PAUSE_S": "17"}
         brokers[1].start()   # returns once it answers; raises if it exited or hung 60 s
         text1 = brokers[1].log_text().rsplit("===== start", 1)[1]
         assert "pause point startup_wal_locked" in text1, text1[-2000:]
