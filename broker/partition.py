@@ -283,6 +283,8 @@ class Partition:
         delay = 0.2
         floor = offset                        # batches below it are in the snapshot
         while offset < end and not self._closed:
+            if self.stream.start_offset >= end:
+                break                         # the whole range went below the log start
             try:
                 batches = await self.stream.read(max(offset, self.stream.start_offset),
                                                  REPLAY_READ_BYTES)
@@ -293,7 +295,15 @@ class Partition:
                 delay = min(delay * 2, REPLAY_RETRY_MAX_S)
                 continue
             if not batches:
-                break
+                # nothing readable below the end (a stream just released or taken over, its
+                # objects not visible here yet): producer state must not be declared complete
+                # without the tail, or the producers' next batches are refused out of order
+                # (fatal in librdkafka; chaos suite) - read again, as after a storage error
+                log.error("replay read nothing topic=%s partition=%d offset=%d end=%d (retry in "
+                          "%.1fs)", self.topic, self.index, offset, end, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, REPLAY_RETRY_MAX_S)
+                continue
             offset = max(offset, self.stream.start_offset)
             for b in batches:
                 if b.next_offset <= offset or b.base_offset >= end:

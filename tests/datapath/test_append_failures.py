@@ -8,7 +8,7 @@ import asyncio
 
 from broker.partition import Partition
 from protocol import ErrorCode
-from storage.memory import MemoryStream
+from storage.memory import MemoryStream, MemoryStreamStore
 from storage.stream import RetriableStorageError, StorageError
 
 from .batches import make_batch, read_records
@@ -242,3 +242,39 @@ async def test_a_batch_refused_before_append_holds_back_its_successor(tmp_path):
     rc = await p.append(idem(b"C", 2))
     assert (rb.error, rb.base_offset, rc.error, rc.base_offset) == (0, 1, 0, 2)
     assert await values(p) == [(0, b"A"), (1, b"B"), (2, b"C")]
+
+
+class _ReadsNothingAtFirst:
+    """A stream whose first reads return no batches (objects not visible yet)."""
+
+    def __init__(self, stream, empty_reads: int) -> None:
+        self._s, self.empty = stream, empty_reads
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+    async def read(self, start_offset, max_bytes):
+        if self.empty > 0:
+            self.empty -= 1
+            return []
+        return await self._s.read(start_offset, max_bytes)
+
+
+async def test_replay_that_reads_nothing_retries_until_the_tail_is_read(tmp_path):
+    """Issue 17 (chaos suite): a partition reopened on a stream whose objects were not
+    readable yet ended its producer-state replay at the first empty read and declared the
+    state complete: the producers' next batches were refused out of order (fatal in
+    librdkafka) and a retried batch was not recognised. The replay reads again instead."""
+    store = MemoryStreamStore()
+    stream = await store.create_stream()
+    p, *_ = await open_partition(tmp_path / "a", store=store, stream=stream)
+    for i in range(3):
+        assert (await p.append(idem(b"v%d" % i, i))).error == 0
+    q, *_ = await open_partition(tmp_path / "b", store=store,
+                                 stream=_ReadsNothingAtFirst(stream, 2))
+    await asyncio.wait_for(q._replay_task or asyncio.sleep(0), 10)
+    dup = await q.append(idem(b"v2", 2))      # a retry of the last batch: its offset
+    assert (dup.error, dup.base_offset) == (0, 2)
+    nxt = await q.append(idem(b"v3", 3))
+    assert (nxt.error, nxt.base_offset) == (0, 3)
+    assert await values(q) == [(0, b"v0"), (1, b"v1"), (2, b"v2"), (3, b"v3")]
