@@ -31,6 +31,7 @@ class ObjectReader:
         self._starts: dict[int, list[int]] = {}
         self._index: OrderedDict[int, list[IndexEntry]] = OrderedDict()
         self._readers: OrderedDict[tuple[int, int], Readahead] = OrderedDict()
+        self._tasks: set[asyncio.Task] = set()
         buffers = getattr(store, "buffers", None)     # the file store's read buffer pool
         self.block_cache = BlockCache(block_cache_bytes, self._fetch, readahead_max,
                                       buffers.give_back if buffers is not None else None)
@@ -122,6 +123,29 @@ class ObjectReader:
             self._index.popitem(last=False)
         return idx
 
+    def _read_ahead(self, stream_id: int, nxt: ObjectRange, ra: Readahead) -> None:
+        """Prefetch the first window of the stream's next object (its index first) while the
+        reader finishes this one; errors are left to the reader's own read."""
+        ra.ahead = nxt.key
+
+        async def run() -> None:
+            try:
+                index = await self._load_index(nxt)
+                if ra.prefetching and ra.pending is not None:
+                    await asyncio.shield(ra.pending)     # this object's own prefetch first
+                entries = [e for e in index if e.stream_id == stream_id]
+                blocks = sorted({(e.position, e.size) for e in entries})
+                first = next((e for e in entries if e.end_offset > nxt.start_offset), None)
+                if first is not None and not self.block_cache.prefetch(
+                        nxt.key, blocks, bisect.bisect_left(blocks, (first.position, first.size)),
+                        ra):
+                    ra.ahead = ""                   # busy: the next block asks again
+            except Exception as e:  # noqa: BLE001 - the reader reads (and reports) itself
+                log.debug("read-ahead of %s failed: %r", nxt.key, e)
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def read(self, stream_id: int, offset: int, max_bytes: int, limit: int,
                    first_required: bool) -> list[Batch]:
         """Batches from objects starting at the one holding ``offset``, below ``limit``.
@@ -148,6 +172,10 @@ class ObjectReader:
                     if e.end_offset <= offset:
                         continue
                     bi = bisect.bisect_left(blocks, (e.position, e.size))
+                    rs = self._ranges[stream_id]
+                    if i + 1 < len(rs) and ra.ahead != rs[i + 1].key \
+                            and blocks[-1][0] + blocks[-1][1] - blocks[bi][0] <= 2 * ra.size:
+                        self._read_ahead(stream_id, rs[i + 1], ra)
                     records = await self.block_cache.get(r.key, blocks, bi, ra)
                     for rec in records:
                         if rec.stream_id != stream_id or rec.end_offset <= offset:

@@ -40,6 +40,8 @@ class Readahead:
     size: int = READAHEAD_INITIAL
     prefetching: bool = False
     current: BlockKey | None = None     # the block this reader read last
+    ahead: str = ""                     # the next object whose first window was prefetched
+    pending: asyncio.Future | None = None   # the running prefetch's claim
 
 
 class BlockCache:
@@ -240,7 +242,7 @@ class BlockCache:
         if ra.prefetching or ra.key != key or ra.next_position < 0:
             return
         nxt = ra.next_position
-        if nxt - blocks[i][0] > ra.size // 2:
+        if nxt - blocks[i][0] > max(ra.size // 2, blocks[i][1]):   # not yet in its last half (or block)
             return
         j = bisect.bisect_left(blocks, (nxt, 0))
         if j >= len(blocks) or blocks[j][0] != nxt:
@@ -248,13 +250,26 @@ class BlockCache:
         if (key, nxt) in self._lru or (key, nxt) in self._inflight:
             return
         ra.size = min(max(ra.size * 2, ra.size + READAHEAD_STEP), self.readahead_max)
-        wanted = self._window(key, blocks, j, ra.size)
+        self._start_prefetch(key, self._window(key, blocks, j, ra.size), ra)
+
+    def prefetch(self, key: str, blocks: list[tuple[int, int]], i: int, ra: Readahead) -> bool:
+        """Fetch reader ``ra``'s first window of another object (from ``blocks[i]``) in the
+        background: a sequential reader near the end of one object gets the next one's first
+        blocks before it asks (else every object starts with a wait). False when the reader
+        has a prefetch running (try again later) or the block is cached or on its way."""
+        if ra.prefetching:
+            return False
+        if (key, blocks[i][0]) not in self._lru and (key, blocks[i][0]) not in self._inflight:
+            self._start_prefetch(key, self._window(key, blocks, i, ra.size), ra)
+        return True
+
+    def _start_prefetch(self, key: str, wanted: list[tuple[int, int]], ra: Readahead) -> None:
         ra.prefetching = True
         self.prefetches += 1
         # claimed now, not when the task first runs: a reader asking for one of these blocks
         # meanwhile waits for the prefetch instead of fetching the same blocks again (it did:
         # 47 % of the bytes of a cold scan were read twice, bench/HISTORY.md session 12)
-        fut = self._claim(key, wanted)
+        fut = ra.pending = self._claim(key, wanted)
         task = asyncio.get_running_loop().create_task(self._prefetch(key, wanted, ra, fut))
         self._tasks.add(task)
 
