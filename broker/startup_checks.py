@@ -226,8 +226,12 @@ def check_metadata(cfg: BrokerConfig) -> None:
     if os.path.exists(path):
         import sqlite3  # noqa: PLC0415
 
-        try:            # read-only: a garbage or foreign file is refused before anything else
-            db = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+        # read-only: a garbage or foreign file is refused before anything else. Not
+        # immutable=1: that ignores the -wal file, and a database whose last changes are
+        # still only there (a connection left open at exit, a checkpoint cut short) then
+        # reads as empty or "malformed" although it is intact
+        try:
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
             try:
                 db.execute("PRAGMA schema_version").fetchone()
             finally:
