@@ -372,14 +372,23 @@ def after_takeover(cfg: BrokerConfig, check: Callable[[], T]) -> T:
     ``cluster_takeover_wait_s``, logged once) instead of refusing: restarting a broker right
     after it was fenced is what supervisors do."""
     deadline: float | None = None
+    grace: float | None = None
     while True:
         try:
             return check()
         except StartupError:
             taker = fenced_taker(cfg)
-            if taker is None:
-                raise
             now = time.monotonic()
+            if taker is None:
+                if deadline is None:
+                    raise
+                # the takeover we waited for just ended (the row is no longer fenced); its
+                # taker lets the WAL's lock go right after: retry for a few seconds
+                grace = now + 10.0 if grace is None else grace
+                if now > grace:
+                    raise
+                time.sleep(0.5)
+                continue
             if deadline is None:
                 deadline = now + float(getattr(cfg, "cluster_takeover_wait_s", 120.0))
                 log.warning("waiting for the takeover of this node's WAL by broker %d "
