@@ -94,7 +94,10 @@ def test_compose_topology_as_processes(broker_factory, postgres, s3_endpoint, tm
     # the partition's leader (the cluster may have put it on any broker) stops: a controlled
     # shutdown uploads its data and hands the partition over; its WAL is then deleted, so
     # what comes back is from S3
-    md = AdminClient({"bootstrap.servers": brokers[0].bootstrap}).list_topics(timeout=30)
+    # asked by name: a broker that has not yet seen a topic another broker auto-created reads
+    # the metadata store first (a listing of all topics shows what it knows)
+    md = AdminClient({"bootstrap.servers": brokers[0].bootstrap}).list_topics("compose-t",
+                                                                             timeout=30)
     leader_id = md.topics["compose-t"].partitions[0].leader
     leader = next(b for b, name in zip(brokers, BROKERS)
                   if str(compose["services"][name]["environment"]["S3KAFKA_NODE_ID"]) ==
