@@ -137,10 +137,6 @@ class BrokerProcess:
         self.log_path = log_path
         self.env = env
         self.proc: subprocess.Popen | None = None
-        # seconds each start() took (spawn -> ApiVersions answered): a same-run baseline for
-        # tests that bound a degraded start, since interpreter start-up alone takes seconds
-        # on a loaded 2-core machine
-        self.start_seconds: list[float] = []
         self._spawned_wall = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -160,14 +156,12 @@ class BrokerProcess:
                 self.args, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         _LIVE.add(self)
-        t0 = time.monotonic()
-        deadline = t0 + START_TIMEOUT_S
+        deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"broker exited with {self.proc.returncode} during start-up\n{self.log_tail()}")
             if api_versions_roundtrip(self.host, self.port, timeout=1.0):
-                self.start_seconds.append(time.monotonic() - t0)
                 return
             time.sleep(0.05)
         self.kill()
