@@ -205,15 +205,22 @@ def start_writers(bootstrap: str, topic: str, partitions: int, ledger: Ledger,
     return ws
 
 
-def read_all(bootstrap: str, topic: str, partitions: int, timeout: float = 60.0
-             ) -> list[tuple[int, int, bytes]]:
-    """(partition, offset, value) of every record up to each partition's high watermark."""
+def read_all(bootstrap: str, topic: str, partitions: int, timeout: float = 60.0,
+             limit: float = 900.0) -> list[tuple[int, int, bytes]]:
+    """(partition, offset, value) of every record up to each partition's high watermark.
+
+    Fails when no record arrived for ``timeout`` s (a partition whose tail cannot be read),
+    or after ``limit`` s in all: the 30-minute schedule's log (~1 M values, ~550 MB, read
+    cold from the object store while both groups read too) takes longer than any fixed
+    ``timeout`` that still catches a stuck tail quickly (session 18's long run: 99.6 % read
+    when a 120 s deadline for the whole read ran out, no read failing)."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"chaos-check-{time.time_ns()}",
                   "enable.auto.commit": False, "fetch.max.bytes": 8 << 20, "log_level": 2})
     try:
         highs = {}
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         for p in range(partitions):
             while True:
                 try:
@@ -231,12 +238,15 @@ def read_all(bootstrap: str, topic: str, partitions: int, timeout: float = 60.0
             for m in c.consume(1000, timeout=1.0):
                 if m.error():
                     continue
+                deadline = min(t0 + limit, time.monotonic() + timeout)    # progress
                 out.append((m.partition(), m.offset(), m.value()))
                 pos[m.partition()] = m.offset() + 1
                 if pos[m.partition()] >= highs[m.partition()]:
                     done.add(m.partition())
         if len(done) < partitions:
-            raise AssertionError(f"read incomplete: {pos} of {highs}")
+            raise AssertionError(f"read incomplete after {time.monotonic() - t0:.0f} s "
+                                 f"(no progress for {timeout:.0f} s or {limit:.0f} s in all):"
+                                 f" {pos} of {highs}")
         return out
     finally:
         c.close()
