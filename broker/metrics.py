@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from protocol import ErrorCode, api_name
 
 from storage.metrics import Histogram, StorageCollector, histogram_family
+from .failures import failure_answer
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +114,15 @@ async def timed(fn: Callable[[Any, Any], Awaitable[Any]], ctx: Any, request: Any
     start = _now()
     try:
         result = await fn(ctx, request)
-    except BaseException:
+    except BaseException as exc:
         h = ctx.header
         stats.error(h.api_key, h.api_version, "EXCEPTION")
         stats.observe(h.api_key, h.api_version, start - received, _now() - start)
+        if isinstance(exc, Exception):
+            # answered like Kafka does (an error response, the connection stays open)
+            answer = failure_answer(ctx, request, exc)
+            if answer is not None:
+                return answer
         raise
     h = ctx.header
     stats.observe(h.api_key, h.api_version, start - received, _now() - start)

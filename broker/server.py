@@ -26,6 +26,8 @@ import protocol
 from protocol import (MalformedRequestError, UnknownApiError, UnsupportedVersionError,
                       api_name, parse_request)
 
+from storage import sqldb
+
 from .config import BrokerConfig
 from .handlers import HANDLERS
 from .handlers.registry import RequestContext
@@ -524,6 +526,8 @@ class Broker:
     # ---- life cycle --------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
+        # PostgreSQL calls fail within about a lease when the route drops (storage/sqldb.py)
+        sqldb.configure_timeouts(cfg.cluster_lease_ms)
         self.meta = await asyncio.to_thread(open_metadata_store, cfg.metadata_url)
         self.cluster_id = await asyncio.to_thread(self.meta.cluster_id)
         if cfg.storage == "engine":

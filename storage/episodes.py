@@ -17,11 +17,12 @@ class Episode:
     hit (for conditions with no clear "over" event, such as back-pressure)."""
 
     def __init__(self, logger: logging.Logger, what: str, quiet_s: float = 5.0,
-                 level: int = logging.WARNING) -> None:
+                 level: int = logging.WARNING, end_level: int | None = None) -> None:
         self.log = logger
         self.what = what
         self.quiet_s = quiet_s
         self.level = level
+        self.end_level = level if end_level is None else end_level   # e.g. INFO: "it is back"
         self.active = False
         self.started = 0.0          # monotonic start of the current episode
         self.last_hit = 0.0
@@ -49,7 +50,7 @@ class Episode:
         took = time.monotonic() - self.started
         self.active = False
         self.total_s += took
-        self.log.log(self.level, "episode=%s state=ended duration_s=%.1f count=%d", self.what,
+        self.log.log(self.end_level, "episode=%s state=ended duration_s=%.1f count=%d", self.what,
                      took, self.hits)
 
     def expire(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sqlite3
 import threading
 import time
@@ -26,6 +27,8 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from .episodes import Episode
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -33,6 +36,14 @@ Params = Sequence[Any]
 Step = tuple[int, str]              # (version, sql: one or more statements separated by ';')
 
 CONNECT_TIMEOUT_S = 5
+# PostgreSQL connections: a dropped route must fail a call, not hang it for TCP's ~15 min
+# retransmission timeout (the group coordinator's single store thread would queue everything
+# behind it). ``configure_timeouts`` (the broker, from its lease) sets these before connecting.
+TCP_USER_TIMEOUT_MS = 6000     # unacknowledged data for this long: the kernel drops the link
+KEEPALIVES_IDLE_S = 3          # an idle connection is probed after this ...
+KEEPALIVES_INTERVAL_S = 1      # ... every this ...
+KEEPALIVES_COUNT = 3           # ... and dropped after this many unanswered probes
+CALL_TIMEOUT_S = 10.0          # one call (or transaction) running longer: its socket is shut
 _MIGRATION_LOCK_KEY = 0x53334B4146  # "S3KAF": the advisory lock id taken while migrating
 _RETRIES = 20
 _COMMIT_NOTE = "sqldb: failed during COMMIT"
@@ -48,7 +59,52 @@ _DIALECT = {
 
 class MetadataUnreachable(ConnectionError):
     """The metadata database cannot be reached or opened (the message is one line; an OSError,
-    so the broker's start-up reports it as ``cannot start: ...`` and exits 1)."""
+    so the broker's start-up reports it as ``cannot start: ...`` and exits 1). Calls on a
+    connection that broke (and could not be reopened) raise it too: callers answer clients a
+    retriable error (broker/failures.py)."""
+
+
+# one episode per process: every store's connection goes to the same database, so the first
+# failed call starts it (WARNING) and the first call answered afterwards ends it (INFO)
+outage = Episode(log, "metadata_unreachable", level=logging.WARNING, end_level=logging.INFO)
+_outage_lock = threading.Lock()
+
+
+def note_unreachable(reason: str) -> None:
+    """A call found the metadata database unreachable (thread-safe)."""
+    with _outage_lock:
+        outage.hit(reason)
+
+
+def _note_reachable() -> None:
+    if outage.active:
+        with _outage_lock:
+            outage.clear()
+
+
+def configure_timeouts(lease_ms: int, call_timeout_ms: int | None = None) -> None:
+    """Bound PostgreSQL calls by the broker's lease: a connection whose route dropped is given
+    up after ``lease_ms`` of unacknowledged data (tcp_user_timeout) or unanswered keepalives,
+    and a call still running after ``call_timeout_ms`` (default: the lease, at least 5 s) has
+    its socket shut, so it fails (and the next call reconnects) instead of hanging."""
+    global TCP_USER_TIMEOUT_MS, KEEPALIVES_IDLE_S, CALL_TIMEOUT_S
+    lease_ms = max(1000, int(lease_ms))
+    TCP_USER_TIMEOUT_MS = max(2000, lease_ms)
+    KEEPALIVES_IDLE_S = max(1, lease_ms // 2000)
+    CALL_TIMEOUT_S = (call_timeout_ms if call_timeout_ms else max(5000, lease_ms)) / 1000.0
+
+
+def pg_connect_options(url: str) -> dict[str, Any]:
+    """Keepalive and user-timeout options for ``psycopg.connect``, except those the URL sets
+    itself (libpq parameters in the URL win)."""
+    from psycopg import conninfo  # noqa: PLC0415
+
+    info = conninfo.conninfo_to_dict(url)
+    opts: dict[str, Any] = {"keepalives": 1, "keepalives_idle": KEEPALIVES_IDLE_S,
+                            "keepalives_interval": KEEPALIVES_INTERVAL_S,
+                            "keepalives_count": KEEPALIVES_COUNT,
+                            "tcp_user_timeout": TCP_USER_TIMEOUT_MS}
+    return {k: v for k, v in opts.items() if k not in info}
 
 
 class IntegrityError(Exception):
@@ -157,13 +213,36 @@ class Database:
             return self._once_more(lambda: self._b.query(sql, params))
 
     def _once_more(self, call: Callable[[], T]) -> T:
+        b = self._b
         try:
-            return call()
-        except Exception as exc:  # noqa: BLE001 - filtered just below
-            if not self._b.lost(exc):
-                raise
-            self._b.reconnect()
-            return call()
+            b.call_started()
+            try:
+                result = call()
+            except Exception as exc:  # noqa: BLE001 - filtered just below
+                if not b.lost(exc):
+                    raise
+                b.reconnect()
+                result = call()
+        except Exception as exc:  # noqa: BLE001 - an unreachable database is raised as one
+            raise self._unreachable(exc)
+        finally:
+            b.call_done()
+        _note_reachable()
+        return result
+
+    def _unreachable(self, exc: Exception) -> Exception:
+        """``exc`` itself, or a one-line MetadataUnreachable when the database was out of
+        reach (the connection broke, or could not be reopened); notes the outage episode."""
+        if isinstance(exc, MetadataUnreachable):
+            note_unreachable(str(exc))
+            return exc
+        if not self._b.unreachable(exc):
+            return exc
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        new = MetadataUnreachable(f"{self._b.where}: {detail}")
+        new.__cause__ = exc
+        note_unreachable(str(new))
+        return new
 
     def query_one(self, sql: str, params: Params = ()) -> tuple | None:
         rows = self.query(sql, params)
@@ -174,32 +253,57 @@ class Database:
     def transaction(self) -> Iterator[Tx]:
         """One transaction (SQLite BEGIN IMMEDIATE; PostgreSQL SERIALIZABLE); commits on normal
         exit, rolls back on an exception. Serialization failures propagate: use ``transact``
-        for a body that may be retried."""
+        for a body that may be retried. A database out of reach raises MetadataUnreachable."""
+        try:
+            with self._raw_transaction() as tx:
+                yield tx
+        except Exception as exc:  # noqa: BLE001 - an unreachable database is raised as one
+            raise self._unreachable(exc)
+        _note_reachable()
+
+    @contextmanager
+    def _raw_transaction(self) -> Iterator[Tx]:
         with self._lock:
             self._once_more(self._b.begin)
+            self._b.call_started()
             try:
-                yield Tx(self._b)
-            except BaseException:
-                self._b.rollback()
-                raise
-            try:
-                self._b.commit()
-            except Exception as exc:
-                exc.add_note(_COMMIT_NOTE)
-                raise
+                try:
+                    yield Tx(self._b)
+                except BaseException:
+                    self._b.rollback()
+                    raise
+                try:
+                    self._b.commit()
+                except Exception as exc:
+                    exc.add_note(_COMMIT_NOTE)
+                    raise
+            finally:
+                self._b.call_done()
 
     def transact(self, body: Callable[[Tx], T]) -> T:
         """Run ``body`` in a transaction, retrying it when PostgreSQL reports a serialization
         failure or deadlock (another broker changed the same rows); ``body`` must only touch
         the database."""
+        try:
+            result = self._transact(body)
+        except Exception as exc:  # noqa: BLE001 - an unreachable database is raised as one
+            raise self._unreachable(exc)
+        _note_reachable()
+        return result
+
+    def _transact(self, body: Callable[[Tx], T]) -> T:
+        lost = 0
         for attempt in range(_RETRIES):
             try:
-                with self.transaction() as tx:
+                with self._raw_transaction() as tx:
                     return body(tx)
             except Exception as exc:  # noqa: BLE001 - filtered just below
                 if attempt == _RETRIES - 1:
                     raise
                 if self._b.lost(exc) and _COMMIT_NOTE not in getattr(exc, "__notes__", ()):
+                    lost += 1
+                    if lost > 1:      # lost again on a fresh connection: out of reach
+                        raise
                     with self._lock:
                         self._b.reconnect()   # the server rolled the transaction back: rerun
                     continue
@@ -265,8 +369,12 @@ class _Backend:
     def rollback(self) -> None: ...
     def retryable(self, exc: BaseException) -> bool: return False
     def lost(self, exc: BaseException) -> bool: return False
+    def unreachable(self, exc: BaseException) -> bool: return False
     def reconnect(self) -> None: ...
     def close(self) -> None: ...
+    def call_started(self) -> None: ...
+    def call_done(self) -> None: ...
+    where = "metadata database"
 
 
 class _SqliteBackend(_Backend):
@@ -340,18 +448,23 @@ class _PgBackend(_Backend):
         except psycopg.ProgrammingError as exc:
             raise MetadataUnreachable(f"bad PostgreSQL URL {redact(url)}: {exc}") from None
         self._tx: Any = None
+        info = self._info
+        self.where = f"PostgreSQL metadata at {info.get('host') or 'localhost'}:" \
+                     f"{info.get('port') or 5432}"
+        self._busy_since = 0.0     # monotonic start of the call in flight (0: none)
         self._db = self._connect()
+        _CallWatch.watch(self)
 
     def _connect(self) -> Any:
         psycopg, info = self._psycopg, self._info
-        where = f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}"
         try:
             db = psycopg.connect(self._url, autocommit=True,
                                  connect_timeout=int(info.get("connect_timeout")
-                                                     or CONNECT_TIMEOUT_S))
+                                                     or CONNECT_TIMEOUT_S),
+                                 **pg_connect_options(self._url))
         except psycopg.Error as exc:
             detail = " ".join(str(exc).split()) or type(exc).__name__
-            raise MetadataUnreachable(f"cannot reach PostgreSQL metadata at {where}"
+            raise MetadataUnreachable(f"cannot reach {self.where}"
                                       f" ({redact(self._url)}): {detail}") from None
         db.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
         return db
@@ -360,6 +473,19 @@ class _PgBackend(_Backend):
         return isinstance(exc, self._psycopg.OperationalError) and (
             self._db.closed or self._db.broken)
 
+    def unreachable(self, exc: BaseException) -> bool:
+        """The connection broke (server gone, route dropped, call cut by the watch) or the
+        server refused work for now (shutting down, starting up, statement cancelled)."""
+        psycopg = self._psycopg
+        if isinstance(exc, psycopg.InterfaceError) and (self._db.closed or self._db.broken):
+            return True
+        if not isinstance(exc, psycopg.OperationalError):
+            return False
+        errors = psycopg.errors
+        return self._db.closed or self._db.broken or isinstance(
+            exc, (errors.QueryCanceled, errors.AdminShutdown, errors.CannotConnectNow,
+                  errors.CrashShutdown))
+
     def reconnect(self) -> None:
         self._tx = None
         try:
@@ -367,8 +493,37 @@ class _PgBackend(_Backend):
         except self._psycopg.Error:
             pass
         self._db = self._connect()
-        log.warning("reconnected to PostgreSQL metadata at %s:%s",
-                    self._info.get("host") or "localhost", self._info.get("port") or 5432)
+        log.info("reconnected to %s", self.where)
+
+    # -- the call watch: a call in flight for longer than CALL_TIMEOUT_S has its socket shut
+    def call_started(self) -> None:
+        if not self._busy_since:
+            self._busy_since = time.monotonic()
+
+    def call_done(self) -> None:
+        self._busy_since = 0.0
+
+    def overdue(self, now: float) -> bool:
+        since = self._busy_since
+        return bool(since) and now - since > CALL_TIMEOUT_S
+
+    def cut_call(self) -> None:
+        """Shut the socket of the call in flight (from the watch thread): libpq's wait ends
+        with an error, the connection is broken, the next call reconnects."""
+        self._busy_since = 0.0
+        try:
+            fd = self._db.pgconn.socket
+            s = socket.socket(fileno=os.dup(fd))
+        except Exception:  # noqa: BLE001 - closed meanwhile: nothing to cut
+            return
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            s.close()
+        log.debug("%s: a call ran longer than %.1f s; its connection was cut", self.where,
+                  CALL_TIMEOUT_S)
 
     @staticmethod
     def _sql(sql: str) -> str:
@@ -415,4 +570,41 @@ class _PgBackend(_Backend):
         return isinstance(exc, (errors.SerializationFailure, errors.DeadlockDetected))
 
     def close(self) -> None:
+        _CallWatch.forget(self)
         self._db.close()
+
+
+class _CallWatch:
+    """One daemon thread per process watching the PostgreSQL calls in flight: a call longer
+    than CALL_TIMEOUT_S (a black-holed route with the kernel still acknowledging, e.g. a
+    proxy; a server that stopped answering) has its connection cut. Sleeps 0.5 s between
+    looks; nothing is logged while all is well."""
+
+    _lock = threading.Lock()
+    _backends: "set[_PgBackend]" = set()
+    _thread: threading.Thread | None = None
+
+    @classmethod
+    def watch(cls, backend: "_PgBackend") -> None:
+        with cls._lock:
+            cls._backends.add(backend)
+            if cls._thread is None or not cls._thread.is_alive():
+                cls._thread = threading.Thread(target=cls._run, daemon=True,
+                                               name="s3kafka-sql-watch")
+                cls._thread.start()
+
+    @classmethod
+    def forget(cls, backend: "_PgBackend") -> None:
+        with cls._lock:
+            cls._backends.discard(backend)
+
+    @classmethod
+    def _run(cls) -> None:
+        while True:
+            time.sleep(min(0.5, CALL_TIMEOUT_S / 4))
+            now = time.monotonic()
+            with cls._lock:
+                late = [b for b in cls._backends if b.overdue(now)]
+            for b in late:
+                b.cut_call()
+

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
-import time
 from typing import Callable
 
 from storage import sqldb
@@ -50,8 +49,18 @@ class ChangeWatch:
         self._t.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 3.0) -> None:
+        """End the thread and wait for it (bounded: a PostgreSQL connect in progress may take
+        its connect timeout), so its connection is closed before the broker exits - an open
+        SQLite connection at exit leaves the database's -wal file un-checkpointed. Blocking:
+        call it from a worker thread."""
         self._stop.set()
+        t = self._t
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout_s)
+            if t.is_alive():
+                log.info("cluster change watch still closing after %.1f s; left behind",
+                         timeout_s)
 
     def _fire(self) -> None:
         self.notified += 1
@@ -74,7 +83,8 @@ class ChangeWatch:
     def _run_pg(self) -> None:
         import psycopg  # noqa: PLC0415 - only with PostgreSQL metadata
 
-        with psycopg.connect(self.url, autocommit=True, connect_timeout=5) as conn:
+        with psycopg.connect(self.url, autocommit=True, connect_timeout=5,
+                             **sqldb.pg_connect_options(self.url)) as conn:
             conn.execute(f"LISTEN {CHANNEL}")
             self._fire()            # anything that changed while not listening
             while not self._stop.is_set():
@@ -102,6 +112,6 @@ class ChangeWatch:
                     if last is not None:
                         self._fire()
                     last = v
-                time.sleep(SQLITE_POLL_S)
+                self._stop.wait(SQLITE_POLL_S)
         finally:
             db.close()

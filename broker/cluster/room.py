@@ -27,6 +27,7 @@ from typing import Any
 
 from storage.wal.errors import WALLockedError
 
+from ..failures import note as note_failure
 from ..listeners import decode as decode_listeners, encode as encode_listeners
 from .changes import ChangeWatch
 from .coordinators import Placement
@@ -175,7 +176,7 @@ class ClusterRoom:
     async def stop(self) -> None:
         self._stopping = True
         if self._changes is not None:
-            self._changes.stop()
+            await asyncio.to_thread(self._changes.stop)
         for t in list(self._tasks) + list(self._takeovers.values()):
             t.cancel()
         for t in list(self._tasks) + list(self._ops) + list(self._takeovers.values()):
@@ -384,8 +385,8 @@ class ClusterRoom:
                 await self._elect()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - database briefly unavailable: next beat
-                log.exception("cluster heartbeat failed")
+            except Exception as exc:  # noqa: BLE001 - database briefly unavailable: next beat
+                note_failure(exc, "cluster heartbeat")   # an outage: one episode, not a line each
 
     async def _elect(self) -> None:
         assert self.store is not None
@@ -439,8 +440,8 @@ class ClusterRoom:
                     await self._control()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001
-                log.exception("cluster watch round failed")
+            except Exception as exc:  # noqa: BLE001
+                note_failure(exc, "cluster watch round")  # an outage: one episode
 
     async def _refresh(self, force: bool = False) -> None:
         assert self.store is not None

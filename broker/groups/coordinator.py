@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
 from protocol import ErrorCode as E
+from storage.sqldb import note_unreachable
+from ..failures import is_store_outage
 from .group import Group, GroupState, JoinResult, Member, SyncResult
 from .store import GroupRecord, GroupStore, OffsetRecord, SqliteGroupStore
 
@@ -237,8 +239,13 @@ class GroupCoordinator:
     def _on_group_saved(self, fut: asyncio.Future[None]) -> None:
         self._background.discard(fut)
         if not fut.cancelled() and fut.exception() is not None:
-            # The group keeps working; only the state it would restart with is stale.
-            log.error("could not persist group state: %r", fut.exception())
+            # The group keeps working; only the state it would restart with is stale. A
+            # metadata outage is one episode in the log (storage/sqldb.py), not a line each.
+            exc = fut.exception()
+            if not is_store_outage(exc):
+                log.error("could not persist group state: %r", exc)
+            else:
+                note_unreachable(f"group state not persisted: {exc}")
 
     async def _persist(self, group: Group) -> None:
         """Persist and wait (SyncGroup answers only once the new generation is stored)."""

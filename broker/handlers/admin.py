@@ -9,6 +9,7 @@ from typing import Any
 from protocol import ErrorCode, response_class
 from storage.stream import StorageError
 
+from ..failures import is_store_outage, note
 from ..listeners import encode as encode_listeners
 from ..partition import find_topic_by_id
 from ..topics import (BOOLEAN, INT, LIST, LONG, SOURCE_DEFAULT, SOURCE_STATIC_BROKER,
@@ -30,6 +31,9 @@ def _err(exc: Exception) -> tuple[int, str]:
     if isinstance(exc, StorageError):
         log.warning("admin operation hit a storage error: %s", exc)
         return ErrorCode.KAFKA_STORAGE_ERROR, str(exc)
+    if is_store_outage(exc):   # what a broker answers when its controller cannot be reached
+        note(exc, "admin operation")
+        return ErrorCode.REQUEST_TIMED_OUT, "metadata store unavailable; retry"
     log.exception("admin operation failed", exc_info=exc)
     return ErrorCode.UNKNOWN_SERVER_ERROR, str(exc) or type(exc).__name__
 

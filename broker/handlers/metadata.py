@@ -8,6 +8,7 @@ from typing import Any
 
 from protocol import ErrorCode, response_class
 
+from ..failures import note
 from ..listeners import of_connection, own_address
 from ..partition import find_topic_by_id
 from ..topics import INTERNAL_TOPICS, Topic, TopicError, validate_topic_name
@@ -48,8 +49,8 @@ async def resolve_topic(ctx: RequestContext, name: str, allow_create: bool
             topic = await broker.auto_create_topic(name)
         except TopicError as exc:
             return None, exc.code
-        except Exception:  # noqa: BLE001 - e.g. storage trouble: the client retries
-            log.exception("auto-creating topic=%s failed", name)
+        except Exception as exc:  # noqa: BLE001 - e.g. storage trouble: the client retries
+            note(exc, f"auto-creating topic={name}")
             return None, ErrorCode.LEADER_NOT_AVAILABLE
         if topic is not None:
             return topic, ErrorCode.NONE

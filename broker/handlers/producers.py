@@ -15,6 +15,7 @@ from typing import Any
 import protocol
 from protocol import ErrorCode
 
+from ..failures import note
 from ..partition import Partition
 from ..producer_state import producer_store_for
 from ..transactions import ensure_transactions
@@ -37,8 +38,8 @@ async def handle_init_producer_id(ctx: RequestContext, req: Any) -> Any:
             err, pid, epoch = await coord.init_producer_id(
                 txn_id, req.transaction_timeout_ms, getattr(req, "producer_id", -1),
                 getattr(req, "producer_epoch", -1))
-        except Exception:  # noqa: BLE001 - the database may be busy/broken: retriable
-            log.exception("InitProducerId failed transactional_id=%s", txn_id)
+        except Exception as exc:  # noqa: BLE001 - the database may be busy/broken: retriable
+            note(exc, f"InitProducerId transactional_id={txn_id}")
             err, pid, epoch = ErrorCode.COORDINATOR_NOT_AVAILABLE, -1, -1
         if err == ErrorCode.PRODUCER_FENCED and ctx.version < 4:
             err = ErrorCode.INVALID_PRODUCER_EPOCH  # PRODUCER_FENCED is v4+ (KIP-588)
@@ -48,9 +49,11 @@ async def handle_init_producer_id(ctx: RequestContext, req: Any) -> Any:
         store = producer_store_for(ctx.broker)
         pid, epoch = await asyncio.to_thread(store.allocate_producer_id), 0
         err = ErrorCode.NONE
-    except Exception:  # noqa: BLE001 - the database may be busy/broken: a retriable answer
-        log.exception("producer id allocation failed")
-        pid, epoch, err = -1, -1, ErrorCode.COORDINATOR_NOT_AVAILABLE
+    except Exception as exc:  # noqa: BLE001 - the database may be busy/broken: retriable
+        # Kafka answers COORDINATOR_LOAD_IN_PROGRESS while no producer id block is at hand:
+        # an idempotent producer retries in place (it has no coordinator to look up)
+        note(exc, "producer id allocation")
+        pid, epoch, err = -1, -1, ErrorCode.COORDINATOR_LOAD_IN_PROGRESS
     return Resp(version=ctx.version, throttle_time_ms=0, error_code=int(err),
                 producer_id=pid, producer_epoch=epoch)
 

@@ -1,0 +1,141 @@
+"""A metadata store (PostgreSQL) that goes away is answered the way Kafka clients expect:
+retriable errors on the same connection (never a closed connection), one WARNING for the
+outage and one INFO when it is back, and what clients retried lands afterwards.
+
+PostgreSQL sits behind a TcpProxy (tests/tcp_proxy.py) that is cut (connections reset) or
+black-holed (connections silent) and then restored.
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+from kafka import KafkaConsumer, TopicPartition
+from kafka.protocol.admin import CreateTopicsRequest, CreateTopicsResponse
+from kafka.protocol.consumer import (OffsetCommitRequest, OffsetCommitResponse,
+                                     OffsetFetchRequest, OffsetFetchResponse)
+from kafka.protocol.producer import InitProducerIdRequest, InitProducerIdResponse
+from kafka.structs import OffsetAndMetadata
+
+from datapath.wire import WireClient
+from tcp_proxy import TcpProxy
+
+pytestmark = pytest.mark.e2e
+
+COORDINATOR_NOT_AVAILABLE, REQUEST_TIMED_OUT, COORDINATOR_LOAD_IN_PROGRESS = 15, 7, 14
+ARGS = ["--group-min-session-timeout-ms", "1000", "--group-initial-rebalance-delay-ms", "0"]
+
+
+def _proxied(postgres) -> tuple[TcpProxy, str]:
+    u = urlsplit(postgres.new_database())
+    proxy = TcpProxy(u.hostname, u.port)
+    return proxy, urlunsplit(u._replace(netloc=f"{u.username}@127.0.0.1:{proxy.port}"))
+
+
+def _commit(c: WireClient, group: str, topic: str, offset: int, version: int = 8) -> int:
+    req = OffsetCommitRequest(
+        group_id=group, generation_id_or_member_epoch=-1, member_id="", group_instance_id=None,
+        retention_time_ms=-1,
+        topics=[OffsetCommitRequest.OffsetCommitRequestTopic(name=topic, partitions=[
+            OffsetCommitRequest.OffsetCommitRequestTopic.OffsetCommitRequestPartition(
+                partition_index=0, committed_offset=offset, committed_leader_epoch=-1,
+                committed_metadata="")])])
+    resp = c.call(req, OffsetCommitResponse, version)
+    (t,) = resp.topics
+    (p,) = t.partitions
+    return p.error_code
+
+
+def _fetch_offset(c: WireClient, group: str, topic: str, version: int = 8) -> tuple[int, int]:
+    """(error code of the group, committed offset of partition 0)."""
+    G = OffsetFetchRequest.OffsetFetchRequestGroup
+    req = OffsetFetchRequest(groups=[G(group_id=group, member_id=None, member_epoch=-1, topics=[
+        G.OffsetFetchRequestTopics(name=topic, partition_indexes=[0])])], require_stable=False)
+    (g,) = c.call(req, OffsetFetchResponse, version).groups
+    offset = g.topics[0].partitions[0].committed_offset if g.topics else -1
+    return g.error_code, offset
+
+
+def _create_topic(c: WireClient, name: str) -> int:
+    T = CreateTopicsRequest.CreatableTopic
+    req = CreateTopicsRequest(topics=[T(name=name, num_partitions=1, replication_factor=1,
+                                        assignments=[], configs=[])],
+                              timeout_ms=10000, validate_only=False)
+    (t,) = c.call(req, CreateTopicsResponse, 5).topics
+    return t.error_code
+
+
+def _init_producer_id(c: WireClient) -> int:
+    req = InitProducerIdRequest(transactional_id=None, transaction_timeout_ms=60000,
+                                producer_id=-1, producer_epoch=-1)
+    return c.call(req, InitProducerIdResponse, 4).error_code
+
+
+def _episode_lines(text: str) -> tuple[list[str], list[str]]:
+    started = re.findall(r".*episode=metadata_unreachable state=started.*", text)
+    ended = re.findall(r".*episode=metadata_unreachable state=ended.*", text)
+    return started, ended
+
+
+def test_pg_cut_answers_retriable_errors_on_the_same_connection(broker_factory, postgres):
+    """While PostgreSQL is cut: OffsetCommit/OffsetFetch answer COORDINATOR_NOT_AVAILABLE,
+    CreateTopics REQUEST_TIMED_OUT, InitProducerId COORDINATOR_LOAD_IN_PROGRESS - all on one
+    connection that stays open; a kafka-python commit started during the cut lands once the
+    database is back; the log has one WARNING for the outage, one INFO at its end, no ERROR."""
+    proxy, url = _proxied(postgres)
+    broker = broker_factory([*ARGS, "--metadata", url])
+    c = WireClient(broker.host, broker.port, timeout=60, client_id="outage-test")
+    try:
+        assert _create_topic(c, "ot") == 0
+        assert _commit(c, "og", "ot", 3) == 0
+        assert _fetch_offset(c, "og", "ot") == (0, 3)
+
+        proxy.cut()
+        assert _commit(c, "og", "ot", 5) == COORDINATOR_NOT_AVAILABLE
+        assert _commit(c, "og", "ot", 5, version=2) == COORDINATOR_NOT_AVAILABLE
+        assert _create_topic(c, "ot2") == REQUEST_TIMED_OUT
+        assert _init_producer_id(c) == COORDINATOR_LOAD_IN_PROGRESS
+        # a real client's synchronous commit keeps retrying through the outage
+        consumer = KafkaConsumer(bootstrap_servers=broker.bootstrap, group_id="kp",
+                                 enable_auto_commit=False, request_timeout_ms=30000,
+                                 retry_backoff_ms=200)
+        outcome: list[object] = []
+
+        def commit() -> None:
+            try:
+                consumer.commit({TopicPartition("ot", 0): OffsetAndMetadata(7, "", -1)})
+                outcome.append("ok")
+            except Exception as exc:  # noqa: BLE001 - reported below
+                outcome.append(exc)
+
+        t = threading.Thread(target=commit)
+        t.start()
+        time.sleep(3.0)
+        assert _commit(c, "og", "ot", 5) == COORDINATOR_NOT_AVAILABLE   # same connection
+        proxy.restore()
+        t.join(60)
+        assert outcome == ["ok"], outcome
+        assert consumer.committed(TopicPartition("ot", 0)) == 7
+        consumer.close()
+
+        # the same raw connection: everything works again
+        deadline = time.monotonic() + 30
+        while _commit(c, "og", "ot", 5) != 0:
+            assert time.monotonic() < deadline, "commits still refused after the restore"
+            time.sleep(0.2)
+        assert _fetch_offset(c, "og", "ot") == (0, 5)
+        assert _create_topic(c, "ot2") == 0
+        assert _init_producer_id(c) == 0
+    finally:
+        c.close()
+        proxy.close()
+    text = broker.log_text()
+    assert "handler failed" not in text and "closing connection" not in text, text[-3000:]
+    started, ended = _episode_lines(text)
+    assert len(started) == 1 and "level=WARNING" in started[0], started
+    assert len(ended) == 1 and "level=INFO" in ended[0], ended
+    errors = [ln for ln in text.splitlines() if "level=ERROR" in ln]
+    assert not errors, errors[:5]
