@@ -164,6 +164,8 @@ def _mirror(fields: dict[str, Any], version: int, src: Any, code: int,
             kwargs[name] = message
         elif name == "throttle_time_ms":
             kwargs[name] = 0
+        elif name == "committed_offset":
+            kwargs[name] = -1          # OffsetFetch v0-1: no offset (Kafka's INVALID_OFFSET)
         elif f.is_struct_array():
             items = []
             for item in _source_items(src, name):

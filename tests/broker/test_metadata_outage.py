@@ -139,3 +139,37 @@ def test_pg_cut_answers_retriable_errors_on_the_same_connection(broker_factory, 
     assert len(ended) == 1 and "level=INFO" in ended[0], ended
     errors = [ln for ln in text.splitlines() if "level=ERROR" in ln]
     assert not errors, errors[:5]
+
+
+@pytest.mark.slow
+def test_black_holed_pg_fails_a_commit_within_a_bound_then_recovers(broker_factory, postgres):
+    """PostgreSQL black-holed (connections silent, as on a dropped route; the proxy's kernel
+    still acknowledges, so TCP keepalives and tcp_user_timeout cannot see it - the broker's
+    call watch cuts a call running longer than the lease): an OffsetCommit is answered
+    COORDINATOR_NOT_AVAILABLE within lease + connect timeout instead of hanging for TCP's
+    retransmission timeout, and commits work again once the route is back."""
+    proxy, url = _proxied(postgres)
+    lease_ms = 4000
+    broker = broker_factory([*ARGS, "--metadata", url, "--cluster-lease-ms", str(lease_ms)])
+    c = WireClient(broker.host, broker.port, timeout=90, client_id="outage-test")
+    try:
+        assert _create_topic(c, "bh") == 0
+        assert _commit(c, "bg", "bh", 3) == 0
+        proxy.blackhole()
+        t0 = time.monotonic()
+        assert _commit(c, "bg", "bh", 5) == COORDINATOR_NOT_AVAILABLE
+        took = time.monotonic() - t0
+        # the call watch (lease 4 s) + one reconnect attempt (connect timeout 5 s) + slack
+        assert took < 30, f"a commit during a black hole took {took:.1f} s"
+        proxy.restore()
+        deadline = time.monotonic() + 60
+        while _commit(c, "bg", "bh", 5) != 0:
+            assert time.monotonic() < deadline, "commits still refused after the restore"
+            time.sleep(0.2)
+        assert _fetch_offset(c, "bg", "bh") == (0, 5)
+    finally:
+        c.close()
+        proxy.close()
+    text = broker.log_text()
+    assert "handler failed" not in text, text[-3000:]
+    print(f"\ncommit during the black hole answered COORDINATOR_NOT_AVAILABLE in {took:.1f} s")
