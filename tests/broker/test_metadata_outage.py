@@ -173,3 +173,95 @@ def test_black_holed_pg_fails_a_commit_within_a_bound_then_recovers(broker_facto
     text = broker.log_text()
     assert "handler failed" not in text, text[-3000:]
     print(f"\ncommit during the black hole answered COORDINATOR_NOT_AVAILABLE in {took:.1f} s")
+
+
+@pytest.mark.slow
+def test_pg_cut_under_confluent_and_java_groups(broker_factory, postgres, java_classpath):
+    """Real clients through a PostgreSQL cut shorter than the lease: a confluent-kafka group
+    member committing synchronously after every batch sees only retriable commit errors and
+    never a connection closed by the broker; a Java consumer group (kafka-clients 3.9) joining,
+    reading and committing while the database is cut finishes with its offsets committed; the
+    broker logs one WARNING/INFO episode and no ERROR."""
+    from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+    from confluent_kafka import TopicPartition as CkTopicPartition
+
+    from clients.e2e_helpers import JavaCli, compile_java
+
+    version = "3.9" if "3.9" in java_classpath else sorted(java_classpath)[0]
+    java = JavaCli(version, compile_java(version, java_classpath[version]))
+    proxy, url = _proxied(postgres)
+    broker = broker_factory([*ARGS, "--metadata", url])
+    boot = broker.bootstrap
+    try:
+        with WireClient(broker.host, broker.port, timeout=60) as c:
+            T = CreateTopicsRequest.CreatableTopic
+            req = CreateTopicsRequest(topics=[T(name="cj", num_partitions=2, replication_factor=1,
+                                                assignments=[], configs=[])],
+                                      timeout_ms=10000, validate_only=False)
+            assert c.call(req, CreateTopicsResponse, 5).topics[0].error_code == 0
+        p = Producer({"bootstrap.servers": boot, "enable.idempotence": True, "linger.ms": 5})
+        for i in range(400):
+            p.produce("cj", value=b"v%04d" % i, partition=i % 2)
+        assert p.flush(30) == 0
+        consumer = Consumer({"bootstrap.servers": boot, "group.id": "ck-outage",
+                             "enable.auto.commit": False, "auto.offset.reset": "earliest",
+                             "session.timeout.ms": 10000, "fetch.wait.max.ms": 100})
+        consumer.subscribe(["cj"])
+        commit_errors: list[KafkaError] = []
+        got = 0
+
+        def poll_and_commit(seconds: float) -> None:
+            nonlocal got
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                for i in range(10):              # records keep coming: commits keep going
+                    p.produce("cj", value=b"w%d" % i, partition=i % 2)
+                p.poll(0)
+                msgs = consumer.consume(20, 0.2)
+                got += sum(1 for m in msgs if not m.error())
+                if msgs:
+                    try:
+                        consumer.commit(asynchronous=False)
+                    except KafkaException as exc:
+                        commit_errors.append(exc.args[0])
+
+        poll_and_commit(3.0)
+        proxy.cut()
+        jproc = java.start("consume-group", bootstrap=boot, topic="cj", group="java-outage",
+                           count=400, timeout_ms=60000)
+        poll_and_commit(5.0)
+        proxy.restore()
+        poll_and_commit(3.0)
+        result = java.finish(jproc, timeout=120)
+        assert sum(v for v in result["committed"].values()) >= 400, result["committed"]
+        assert p.flush(30) == 0
+        # everything the confluent member read is committed once the database is back
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                consumer.commit(asynchronous=False)
+                break
+            except KafkaException as exc:
+                if exc.args[0].code() == KafkaError._NO_OFFSET:
+                    break
+                commit_errors.append(exc.args[0])
+                assert time.monotonic() < deadline, commit_errors[-3:]
+                time.sleep(0.5)
+        positions = consumer.position([CkTopicPartition("cj", 0), CkTopicPartition("cj", 1)])
+        committed = consumer.committed([CkTopicPartition("cj", 0), CkTopicPartition("cj", 1)],
+                                       timeout=30)
+        assert [t.offset for t in committed] == [t.offset for t in positions]
+        consumer.close()
+    finally:
+        proxy.close()
+    retriable = {KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError.NOT_COORDINATOR,
+                 KafkaError._WAIT_COORD, KafkaError.COORDINATOR_LOAD_IN_PROGRESS}
+    assert all(e.code() in retriable for e in commit_errors), commit_errors
+    text = broker.log_text()
+    assert "handler failed" not in text and "closing connection" not in text, text[-3000:]
+    started, ended = _episode_lines(text)
+    assert len(started) == 1 and len(ended) == 1, (started, ended)
+    errors = [ln for ln in text.splitlines() if "level=ERROR" in ln]
+    assert not errors, errors[:5]
+    print(f"\nconfluent member read {got}, commit errors during the cut: "
+          f"{sorted({e.name() for e in commit_errors})}; java committed {result['committed']}")
