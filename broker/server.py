@@ -63,6 +63,24 @@ FRAME_POOL_MAX_FRAME = 4 << 20
 # default (700) ran a collection every few requests
 GC_GEN0_THRESHOLD = 20_000
 
+
+def _alloc_frame(size: int) -> bytearray:
+    """A bytearray of ``size`` bytes whose contents are undefined: ``bytearray(size)`` zero-fills
+    (a memset pass that also page-faults fresh memory: while the 1 GiB LogCache fills, every
+    produce frame is fresh), and a frame is always overwritten by the socket before use."""
+    return _from_string_and_size(None, size)
+
+
+try:  # CPython: PyByteArray_FromStringAndSize(NULL, n) allocates without initialising
+    import ctypes
+    _from_string_and_size = ctypes.pythonapi.PyByteArray_FromStringAndSize
+    _from_string_and_size.restype = ctypes.py_object
+    _from_string_and_size.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+except (ImportError, AttributeError):  # pragma: no cover - not CPython
+    def _from_string_and_size(_none: None, size: int) -> bytearray:
+        return bytearray(size)
+
+
 try:  # the zero-copy Fetch encoder, when the protocol package offers it
     from protocol.frames import encode_response_buffers as _encode_buffers
 except ImportError:  # pragma: no cover - older protocol package
@@ -451,7 +469,7 @@ class FramePool:
                 return buf
         # exact size: the LogCache may keep the frame (it holds the payload view), and
         # headroom would be memory it does not account for
-        return bytearray(size)
+        return _alloc_frame(size)
 
     def recycle(self, box: list[Any]) -> None:
         """An evicted LogCache payload (``[payload]``, whose list is the only reference to it):
