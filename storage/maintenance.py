@@ -20,7 +20,7 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from .crash import crash_point
 from .episodes import Episode
@@ -302,7 +302,7 @@ class Maintenance:
         new: list[tuple[NewObject, str, str]] = []
         out: list[Record] = []
         out_bytes = 0
-        rest: list[Record] = []         # other streams' records of stream set objects
+        rest: list[_Piece] = []         # other streams' records of stream set objects
         rest_bytes = 0
         seg_start = res.start
         loop = asyncio.get_running_loop()
@@ -314,15 +314,25 @@ class Maintenance:
             await e.io(e.store.put, key, data)
             new.append((NewObject(oid, len(data), rng or ranges), key, kind))
 
-        def run_filter(data: bytes | memoryview, r: ObjectRange, last_end: int
-                       ) -> tuple[list[Record], list[Record], int, int, int]:
+        async def put_rest(pieces: list[_Piece]) -> None:
+            for recs, rng in _carry_objects(pieces):
+                await put("sso", recs, rng)
+
+        def run_filter(data: bytes | memoryview, r: ObjectRange, last_end: int,
+                       declared: list[StreamRange]
+                       ) -> tuple[list[Record], list[_Piece], int, int, int]:
             """Decode one input object and filter its payloads of the stream (on a thread:
-            Python work over every record); other streams' records are copied unchanged."""
+            Python work over every record); other streams' records within the object's
+            declared ranges are copied unchanged, one piece per declared range."""
             records = list(decode_object(data))
             recs = [x for x in records if x.stream_id == stream_id
                     and r.start_offset <= x.base_offset < r.end_offset]
-            others = [Record(x.stream_id, x.base_offset, x.count, bytes(x.payload))
-                      for x in records if x.stream_id != stream_id]
+            others = [_Piece(d, [Record(x.stream_id, x.base_offset, x.count, bytes(x.payload))
+                                 for x in records if x.stream_id == d.stream_id
+                                 and x.end_offset > d.start_offset
+                                 and x.base_offset < d.end_offset])
+                      for d in declared]
+            others = [p for p in others if p.records]
             kept: list[Record] = []
             before = after = dropped = 0
             for rec in recs:
@@ -343,19 +353,21 @@ class Maintenance:
             for r in picked:
                 t0 = time.monotonic()
                 data = await e.cold_io(e.store.get, r.key, 0, None)
+                declared = [StreamRange(x.stream_id, x.start_offset, x.end_offset)
+                            for x in e.reader.objects.get(r.object_id, [])
+                            if x.stream_id != stream_id]
                 # a background thread (filter_executor): the event loop keeps serving meanwhile
                 kept, others, before, after, dropped = await loop.run_in_executor(
-                    filter_executor(), run_filter, data, r, res.end)
+                    filter_executor(), run_filter, data, r, res.end, declared)
                 res.objects_before += 1
                 res.bytes_before += before
                 res.bytes_after += after
                 res.payloads_dropped += dropped
                 rest.extend(others)         # a stream set object: the rest passes unchanged
-                rest_bytes += sum(len(x.payload) for x in others)
+                rest_bytes += sum(len(x.payload) for p in others for x in p.records)
                 del others, data
                 if rest_bytes >= max_object_bytes:
-                    await put("sso", sorted(rest, key=lambda x: (x.stream_id, x.base_offset)),
-                              None)
+                    await put_rest(rest)
                     rest, rest_bytes = [], 0
                 for rec in kept:
                     out.append(rec)
@@ -370,7 +382,7 @@ class Maintenance:
                     if pause > 0:
                         await asyncio.sleep(pause)
             if rest:
-                await put("sso", sorted(rest, key=lambda x: (x.stream_id, x.base_offset)), None)
+                await put_rest(rest)
             if out:
                 await put("so", out, [StreamRange(stream_id, seg_start, res.end)])
                 res.objects_after += 1
@@ -400,6 +412,44 @@ class Maintenance:
                  stream_id, res.start, res.end, res.objects_before, res.objects_after,
                  res.bytes_before, res.bytes_after)
         return res
+
+
+class _Piece(NamedTuple):
+    """Another stream's share of a rewritten stream set object: its declared range and the
+    records stored for it."""
+
+    range: StreamRange
+    records: list[Record]
+
+
+def _carry_objects(pieces: list[_Piece]) -> list[tuple[list[Record], list[StreamRange]]]:
+    """Group other streams' pieces into new stream set objects, each holding one contiguous
+    range per stream.
+
+    The rewritten objects need not hold all of another stream's offsets between them (its
+    ranges in objects that held none of the rewritten stream stay where they are), and an
+    object's one range per stream spans from its first record to its last: pieces that do
+    not touch end to end go to separate objects, or the new range would cover offsets that
+    other objects serve and shadow them."""
+    runs: dict[int, list[list[_Piece]]] = {}
+    for p in sorted(pieces, key=lambda p: (p.range.stream_id, p.range.start_offset)):
+        own = runs.setdefault(p.range.stream_id, [])
+        if own and own[-1][-1].range.end_offset == p.range.start_offset:
+            own[-1].append(p)
+        else:
+            own.append([p])
+    out: list[tuple[list[Record], list[StreamRange]]] = []
+    for k in range(max((len(v) for v in runs.values()), default=0)):
+        recs: list[Record] = []
+        rng: list[StreamRange] = []
+        for sid in sorted(runs):
+            if k < len(runs[sid]):
+                run = runs[sid][k]
+                recs.extend(x for p in run for x in p.records)
+                rng.append(StreamRange(sid, run[0].range.start_offset, run[-1].range.end_offset))
+        if recs:
+            out.append((recs, rng))
+    return out
 
 
 class _Abandoned(Exception):

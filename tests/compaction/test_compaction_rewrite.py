@@ -87,3 +87,41 @@ async def test_rewrite_refuses_to_drop_the_last_payload(tmp_path) -> None:
         assert await _batches(s) == before        # nothing committed
     finally:
         await eng.close()
+
+
+async def test_rewrite_keeps_other_streams_ranges_that_lie_between_rewritten_objects(
+        tmp_path) -> None:
+    """Another stream's records in the rewritten stream set objects are carried over, but its
+    offsets in between live in an object the rewrite does not touch: the carried records must
+    not claim those offsets (a fresh-clone CI run, with an upload tick between two appends,
+    lost 'other' batches 10 and 35-40 to a carried range that spanned them)."""
+    eng = open_engine(small_config(tmp_path, upload_interval_s=3600))
+    await eng.start()
+    try:
+        s, other = await eng.create_stream(), await eng.create_stream()
+        await fill(s, 3)
+        await fill(other, 1)
+        await eng.flush()                         # {s 0..15, other 0..5}
+        await fill(other, 1)
+        await eng.flush()                         # {other 5..10}: holds nothing of s
+        await fill(s, 3)
+        await fill(other, 1)
+        await eng.flush()                         # {s 15..30, other 10..15}
+        layout = sorted((r.stream_id, r.start_offset, r.end_offset)
+                        for rs in eng.reader.objects.values() for r in rs)
+        assert (other.stream_id, 5, 10) in layout and len(eng.reader.objects) == 3
+        before = await _batches(other)
+        res = await s.rewrite(0, s.uploaded_offset, lambda b, c, d, last: bytes(d[:10]))
+        assert (res.start, res.end) == (0, 30)
+        await eng.maintenance.purge()
+        eng.drop_caches()
+        assert await _batches(other) == before
+        assert [b for b, _, _ in await _batches(s)] == list(range(0, 30, 5))
+    finally:
+        await eng.close()
+    eng = open_engine(small_config(tmp_path, upload_interval_s=3600))
+    await eng.start()                             # and so does the committed metadata
+    try:
+        assert await _batches(await eng.open_stream(other.stream_id)) == before
+    finally:
+        await eng.close()
