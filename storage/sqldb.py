@@ -44,6 +44,14 @@ KEEPALIVES_IDLE_S = 3          # an idle connection is probed after this ...
 KEEPALIVES_INTERVAL_S = 1      # ... every this ...
 KEEPALIVES_COUNT = 3           # ... and dropped after this many unanswered probes
 CALL_TIMEOUT_S = 10.0          # one call (or transaction) running longer: its socket is shut
+# PostgreSQL ends a session that sits inside a transaction this long without sending its next
+# statement: a broker paused (SIGSTOP, a frozen VM) or starved mid-transaction releases its row
+# locks instead of holding them until it wakes. Every broker transaction touches only the
+# database (no waiting in between), so this is far above a healthy gap. Without it, one paused
+# broker whose transaction had bumped cluster_state blocked every other broker's cluster
+# transactions - the controller's fence among them - until SIGCONT (the chaos suite's pauses
+# not fenced within 30 s, session 18).
+IDLE_IN_TRANSACTION_MS = 2000
 _MIGRATION_LOCK_KEY = 0x53334B4146  # "S3KAF": the advisory lock id taken while migrating
 _RETRIES = 20
 _COMMIT_NOTE = "sqldb: failed during COMMIT"
@@ -104,7 +112,11 @@ def pg_connect_options(url: str) -> dict[str, Any]:
                             "keepalives_interval": KEEPALIVES_INTERVAL_S,
                             "keepalives_count": KEEPALIVES_COUNT,
                             "tcp_user_timeout": TCP_USER_TIMEOUT_MS}
-    return {k: v for k, v in opts.items() if k not in info}
+    out = {k: v for k, v in opts.items() if k not in info}
+    if "idle_in_transaction_session_timeout" not in (info.get("options") or ""):
+        out["options"] = (f"{info.get('options') or ''} -c idle_in_transaction_session_timeout="
+                          f"{IDLE_IN_TRANSACTION_MS}").strip()
+    return out
 
 
 class IntegrityError(Exception):
@@ -470,14 +482,17 @@ class _PgBackend(_Backend):
         return db
 
     def lost(self, exc: BaseException) -> bool:
-        return isinstance(exc, self._psycopg.OperationalError) and (
+        # the server ending an idle transaction's session answers 25P03 (an InternalError)
+        return isinstance(exc, (self._psycopg.OperationalError,
+                                self._psycopg.errors.IdleInTransactionSessionTimeout)) and (
             self._db.closed or self._db.broken)
 
     def unreachable(self, exc: BaseException) -> bool:
         """The connection broke (server gone, route dropped, call cut by the watch) or the
         server refused work for now (shutting down, starting up, statement cancelled)."""
         psycopg = self._psycopg
-        if isinstance(exc, psycopg.InterfaceError) and (self._db.closed or self._db.broken):
+        if isinstance(exc, (psycopg.InterfaceError, psycopg.errors.IdleInTransactionSessionTimeout)
+                      ) and (self._db.closed or self._db.broken):
             return True
         if not isinstance(exc, psycopg.OperationalError):
             return False

@@ -17,6 +17,7 @@ are its partitions handed to live brokers at leader epoch + 1 (see docs/cluster.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import re
@@ -95,6 +96,7 @@ class ClusterRoom:
         self._renewed_at = time.monotonic()          # send time of the last good renewal
         self.rows: dict[int, BrokerRow] = {}
         self._takeovers: dict[int, asyncio.Task] = {}
+        self._electing: asyncio.Task | None = None   # the heartbeat loop's election
         self._placement = Placement([self.node_id])
 
     # ---- start / stop -----------------------------------------------------------------------
@@ -177,9 +179,11 @@ class ClusterRoom:
         self._stopping = True
         if self._changes is not None:
             await asyncio.to_thread(self._changes.stop)
-        for t in list(self._tasks) + list(self._takeovers.values()):
+        electing = [self._electing] if self._electing is not None else []
+        for t in list(self._tasks) + list(self._takeovers.values()) + electing:
             t.cancel()
-        for t in list(self._tasks) + list(self._ops) + list(self._takeovers.values()):
+        for t in list(self._tasks) + list(self._ops) + list(self._takeovers.values()) \
+                + electing:
             try:
                 await t
             except (asyncio.CancelledError, Exception):  # noqa: BLE001
@@ -347,12 +351,23 @@ class ClusterRoom:
     # ---- loops --------------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
         assert self.store is not None
+        # a thread of its own: the default executor's few threads can all be waiting on
+        # the metadata store (a broker paused inside a transaction holds its locks)
+        beat = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cluster-lease")
+        try:
+            await self._renew_loop(beat)
+        finally:
+            beat.shutdown(wait=False)
+
+    async def _renew_loop(self, beat: concurrent.futures.Executor) -> None:
+        assert self.store is not None
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.heartbeat_s)
             try:
                 sent = time.monotonic()     # the lease runs from the send, not the answer
-                ok = await asyncio.to_thread(self.store.heartbeat, self.node_id, self.instance,
-                                             self.lease_ms)
+                ok = await loop.run_in_executor(beat, self.store.heartbeat, self.node_id,
+                                                self.instance, self.lease_ms)
                 if ok:
                     if sent - self._renewed_at > self.watch.blind_ms / 1000:
                         # our renewals failed for a while: so may everyone's have (lease.py)
@@ -382,11 +397,20 @@ class ClusterRoom:
                         os._exit(4)
                     log.error("node id %d was taken over by another broker instance",
                               self.node_id)
-                await self._elect()
+                if self._electing is None or self._electing.done():
+                    # not awaited: an election waiting for a row lock (the controller paused
+                    # inside its renewal) must not hold this broker's own renewals back
+                    self._electing = asyncio.create_task(self._elect_logged())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - database briefly unavailable: next beat
                 note_failure(exc, "cluster heartbeat")   # an outage: one episode, not a line each
+
+    async def _elect_logged(self) -> None:
+        try:
+            await self._elect()
+        except Exception as exc:  # noqa: BLE001 - database briefly unavailable: next beat
+            note_failure(exc, "cluster election")   # an outage: one episode
 
     async def _elect(self) -> None:
         assert self.store is not None

@@ -95,6 +95,10 @@ class ClusterStore:
     def __init__(self, url: str) -> None:
         self.db = sqldb.connect(url)
         self.db.migrate("cluster", STEPS)
+        # lease renewals on a connection of their own: on the shared one they queued behind
+        # any cluster transaction waiting for a row lock (another broker paused inside its
+        # transaction), so this broker's lease lapsed too and a healthy broker was fenced
+        self._beat_db = sqldb.connect(url)
 
     def _tx(self, body: Any) -> Any:
         """Run ``body(tx)`` in one transaction (retried on PostgreSQL serialization failures)."""
@@ -162,7 +166,7 @@ class ClusterStore:
                            "AND instance = ? AND state NOT IN (?, ?)",
                            (until, until, node_id, instance, FENCED, TAKEN_OVER))
             return n == 1
-        return self._tx(body)
+        return self._beat_db.transact(body)
 
     def set_state(self, node_id: int, instance: str, state: str, expire: bool = False) -> None:
         def body(db: Any) -> Any:
@@ -412,6 +416,7 @@ class ClusterStore:
 
     def close(self) -> None:
         self.db.close()
+        self._beat_db.close()
 
 
 def describe(rows: list[Any]) -> str:
