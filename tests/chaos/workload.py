@@ -16,6 +16,7 @@ Everything is bounded: writers stop on an event or a count, reads on a deadline.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -25,6 +26,9 @@ from typing import Any
 from .errors import Errors, code_retriable
 
 PAD = b"." * 500
+# librdkafka's idempotence and batch debug lines ("eos,msg") go here when it has a handler
+# (the cluster harness writes them to rdkafka.log): the evidence for a client-side fatal error
+RDKAFKA_LOG = logging.getLogger("chaos.rdkafka")
 
 
 def value_of(writer: str, n: int) -> bytes:
@@ -97,11 +101,14 @@ class ConfluentWriter(_Writer):
         def on_error(err: Any) -> None:
             errs.add(f"producer:{err.name()}", code_retriable(err.code()) and not err.fatal(),
                      str(err))
-        return Producer({"bootstrap.servers": self.bootstrap, "enable.idempotence": True,
-                         "error_cb": on_error, "acks": "all", "linger.ms": 5,
-                         "message.timeout.ms": 120000,
-                         "retry.backoff.ms": 100, "reconnect.backoff.max.ms": 500,
-                         "topic.metadata.refresh.interval.ms": 2000, "log_level": 2})
+        conf = {"bootstrap.servers": self.bootstrap, "enable.idempotence": True,
+                "error_cb": on_error, "acks": "all", "linger.ms": 5,
+                "message.timeout.ms": 120000,
+                "retry.backoff.ms": 100, "reconnect.backoff.max.ms": 500,
+                "topic.metadata.refresh.interval.ms": 2000, "log_level": 2}
+        if RDKAFKA_LOG.handlers:
+            conf.update({"debug": "eos,msg", "logger": RDKAFKA_LOG})
+        return Producer(conf)
 
     def _run(self) -> None:
         from confluent_kafka import KafkaError, KafkaException
