@@ -97,8 +97,9 @@ class ClusterStore:
         self.db.migrate("cluster", STEPS)
         # lease renewals on a connection of their own: on the shared one they queued behind
         # any cluster transaction waiting for a row lock (another broker paused inside its
-        # transaction), so this broker's lease lapsed too and a healthy broker was fenced
-        self._beat_db = sqldb.connect(url)
+        # transaction), so this broker's lease lapsed too and a healthy broker was fenced.
+        # (SQLite: one writer at a time anyway, and a transaction there cannot be cut short.)
+        self._beat_db = sqldb.connect(url) if self.db.is_postgres else self.db
 
     def _tx(self, body: Any) -> Any:
         """Run ``body(tx)`` in one transaction (retried on PostgreSQL serialization failures)."""
@@ -416,7 +417,8 @@ class ClusterStore:
 
     def close(self) -> None:
         self.db.close()
-        self._beat_db.close()
+        if self._beat_db is not self.db:
+            self._beat_db.close()
 
 
 def describe(rows: list[Any]) -> str:
