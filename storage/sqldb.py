@@ -231,9 +231,10 @@ class Database:
             try:
                 result = call()
             except Exception as exc:  # noqa: BLE001 - filtered just below
-                if not b.lost(exc):
+                if not b.lost(exc) or b.take_cut():   # cut for running too long: no retry
                     raise
                 b.reconnect()
+                b.call_started()
                 result = call()
         except Exception as exc:  # noqa: BLE001 - an unreachable database is raised as one
             raise self._unreachable(exc)
@@ -314,7 +315,7 @@ class Database:
                     raise
                 if self._b.lost(exc) and _COMMIT_NOTE not in getattr(exc, "__notes__", ()):
                     lost += 1
-                    if lost > 1:      # lost again on a fresh connection: out of reach
+                    if lost > 1 or self._b.take_cut():   # lost again, or cut: out of reach
                         raise
                     with self._lock:
                         self._b.reconnect()   # the server rolled the transaction back: rerun
@@ -386,6 +387,7 @@ class _Backend:
     def close(self) -> None: ...
     def call_started(self) -> None: ...
     def call_done(self) -> None: ...
+    def take_cut(self) -> bool: return False
     where = "metadata database"
 
 
@@ -464,6 +466,7 @@ class _PgBackend(_Backend):
         self.where = f"PostgreSQL metadata at {info.get('host') or 'localhost'}:" \
                      f"{info.get('port') or 5432}"
         self._busy_since = 0.0     # monotonic start of the call in flight (0: none)
+        self._cut = False          # the watch cut the call in flight
         self._db = self._connect()
         _CallWatch.watch(self)
 
@@ -512,11 +515,17 @@ class _PgBackend(_Backend):
 
     # -- the call watch: a call in flight for longer than CALL_TIMEOUT_S has its socket shut
     def call_started(self) -> None:
-        if not self._busy_since:
-            self._busy_since = time.monotonic()
+        self._busy_since = time.monotonic()
+        self._cut = False
 
     def call_done(self) -> None:
         self._busy_since = 0.0
+
+    def take_cut(self) -> bool:
+        """Whether the watch cut the call that just failed (it is not retried: it already
+        took the whole deadline)."""
+        cut, self._cut = self._cut, False
+        return cut
 
     def overdue(self, now: float) -> bool:
         since = self._busy_since
@@ -526,6 +535,7 @@ class _PgBackend(_Backend):
         """Shut the socket of the call in flight (from the watch thread): libpq's wait ends
         with an error, the connection is broken, the next call reconnects."""
         self._busy_since = 0.0
+        self._cut = True
         try:
             fd = self._db.pgconn.socket
             s = socket.socket(fileno=os.dup(fd))

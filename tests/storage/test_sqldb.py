@@ -166,3 +166,44 @@ def test_lost_postgres_connection_is_reopened(postgres) -> None:
     assert db.query("SELECT count(*) FROM t_items") == [(1,)]
     assert db.query("SELECT owner FROM t_owner") == [(6,)]
     db.close()
+
+
+def test_postgres_connections_carry_keepalives_and_a_user_timeout(postgres, monkeypatch) -> None:
+    """A dropped route fails a call within about the lease: libpq gets keepalives and
+    tcp_user_timeout from configure_timeouts (the broker's lease) unless the URL sets them."""
+    for name in ("TCP_USER_TIMEOUT_MS", "KEEPALIVES_IDLE_S", "CALL_TIMEOUT_S"):
+        monkeypatch.setattr(sqldb, name, getattr(sqldb, name))   # restored afterwards
+    sqldb.configure_timeouts(3000)
+    assert sqldb.CALL_TIMEOUT_S == 5.0
+    url = postgres.new_database()
+    db = sqldb.connect(url)
+    dsn = db._b._db.info.dsn
+    for part in ("keepalives=1", "keepalives_idle=1", "keepalives_interval=1",
+                 "keepalives_count=3", "tcp_user_timeout=3000"):
+        assert part in dsn, dsn
+    db.close()
+    db = sqldb.connect(url + "?tcp_user_timeout=12345")
+    assert "tcp_user_timeout=12345" in db._b._db.info.dsn
+    db.close()
+
+
+def test_a_call_running_past_the_deadline_is_cut_and_reported_unreachable(postgres,
+                                                                          monkeypatch) -> None:
+    """The call watch (for routes a proxy still acknowledges) cuts a call running longer than
+    CALL_TIMEOUT_S: the caller gets MetadataUnreachable (one line), the outage episode starts,
+    and the next call reconnects and ends it."""
+    monkeypatch.setattr(sqldb, "CALL_TIMEOUT_S", 1.0)
+    sqldb.outage.clear()
+    db = sqldb.connect(postgres.new_database())
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(sqldb.MetadataUnreachable) as info:
+            db.query("SELECT pg_sleep(30)")
+        assert time.monotonic() - t0 < 10
+        assert "\n" not in str(info.value)
+        assert sqldb.outage.active
+        assert db.query("SELECT 1") == [(1,)]
+        assert not sqldb.outage.active
+    finally:
+        sqldb.outage.clear()
+        db.close()
