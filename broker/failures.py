@@ -101,6 +101,16 @@ def note(exc: BaseException, what: str) -> bool:
     return False
 
 
+def log_failure(logger: logging.Logger, exc: BaseException, msg: str, *args: Any) -> None:
+    """``logger.exception(msg, *args)`` for a bug; for a metadata outage the store's episode
+    (one WARNING per outage) and a DEBUG line: the operation is retried once it is back."""
+    if is_store_outage(exc):
+        sqldb.note_unreachable(_one_line(exc))
+        logger.debug(msg + ": %s", *args, _one_line(exc))
+    else:
+        logger.error(msg, *args, exc_info=exc)
+
+
 def failure_answer(ctx: Any, request: Any, exc: BaseException) -> Any | None:
     """The answer to a request whose handler raised ``exc`` (None: no error field in its
     schema, the connection is closed as before)."""

@@ -28,7 +28,7 @@ from typing import Any
 
 from storage.wal.errors import WALLockedError
 
-from ..failures import note as note_failure
+from ..failures import log_failure, note as note_failure
 from ..listeners import decode as decode_listeners, encode as encode_listeners
 from .changes import ChangeWatch
 from .coordinators import Placement
@@ -572,8 +572,9 @@ class ClusterRoom:
             stream = await (acquire(sid, a.leader_epoch) if acquire else store.open_stream(sid))
             p = await Partition.open(self.broker, topic.name, topic.topic_id, index, stream,
                                      topic.configs)
-        except Exception:  # noqa: BLE001 - retried next round
-            log.exception("opening partition failed topic=%s partition=%d", topic.name, index)
+        except Exception as exc:  # noqa: BLE001 - retried next round
+            log_failure(log, exc, "opening partition failed topic=%s partition=%d", topic.name,
+                        index)
             self._settle((str(topic.topic_id), index))
             await asyncio.sleep(1)
             return
@@ -609,8 +610,9 @@ class ClusterRoom:
             if fut is not None:
                 await asyncio.wait_for(asyncio.wrap_future(fut), SNAPSHOT_WAIT_S)
             t_snap = time.monotonic()
-        except Exception:  # noqa: BLE001 - keep leading; the move is retried
-            log.exception("releasing partition failed topic=%s partition=%d", topic.name, index)
+        except Exception as exc:  # noqa: BLE001 - keep leading; the move is retried
+            log_failure(log, exc, "releasing partition failed topic=%s partition=%d",
+                        topic.name, index)
             await self._reopen(topic, index, p)
             self._settle(key)               # held produces: answered now, not after the pause
             await asyncio.sleep(1)
@@ -619,11 +621,11 @@ class ClusterRoom:
         try:
             new = await asyncio.to_thread(self.store.hand_over, a.topic_id, index, self.node_id,
                                           a.leader_epoch, end)
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
             # not reopened here: the hand-over may have committed with its answer lost; the
             # next round reads the row and opens the partition again if it is still ours
-            log.exception("hand-over failed topic=%s partition=%d leader_epoch=%d; the next "
-                          "round retries", topic.name, index, a.leader_epoch)
+            log_failure(log, exc, "hand-over failed topic=%s partition=%d leader_epoch=%d; the "
+                        "next round retries", topic.name, index, a.leader_epoch)
             self._settle(key)
             await asyncio.sleep(1)
             return
@@ -650,9 +652,9 @@ class ClusterRoom:
         try:
             p = await Partition.open(self.broker, topic.name, topic.topic_id, index, stream,
                                      topic.configs)
-        except Exception:  # noqa: BLE001 - left closed: the next round opens it afresh
-            log.exception("reopening partition failed topic=%s partition=%d; the next round "
-                          "opens it", topic.name, index)
+        except Exception as exc:  # noqa: BLE001 - left closed: the next round opens it afresh
+            log_failure(log, exc, "reopening partition failed topic=%s partition=%d; the next "
+                        "round opens it", topic.name, index)
             return
         p.leader_epoch = getattr(old, "leader_epoch", 0)
         topic.partitions[index] = p

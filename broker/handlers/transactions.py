@@ -17,6 +17,7 @@ from typing import Any
 import protocol
 from protocol import ErrorCode as E
 
+from ..failures import note
 from ..partition import find_topic, get_partition
 from ..transactions import ensure_transactions
 from ..transactions.coordinator import OFFSETS_TOPIC, WRITE_TXN_MARKERS
@@ -207,9 +208,8 @@ async def write_txn_markers(ctx: RequestContext, req: Any) -> Any:
                     try:
                         err = await coord.commit_offsets_of(m.producer_id, m.producer_epoch,
                                                             commit)
-                    except Exception:  # noqa: BLE001 - the coordinator retries
-                        log.exception("transactional offsets not committed producer_id=%d",
-                                      m.producer_id)
+                    except Exception as exc:  # noqa: BLE001 - the coordinator retries
+                        note(exc, f"transactional offsets of producer_id={m.producer_id}")
                         err = E.COORDINATOR_NOT_AVAILABLE
                 else:
                     partition = get_partition(find_topic(ctx.broker, t.name), index)

@@ -38,6 +38,7 @@ from typing import Any
 import protocol
 from protocol import ErrorCode as E
 
+from ..failures import note
 from ..periodic import Periodic
 from ..producer_state import EPOCH_MAX, producer_store_for
 from .peers import PeerClients, PeerError
@@ -461,9 +462,8 @@ class TransactionCoordinator:
                         continue
                     await groups.commit_txn_offsets(
                         group_id, [(t, p, o, le, md) for (t, p), (o, le, md) in tps.items()])
-            except Exception:  # noqa: BLE001 - retried with the markers (they are idempotent)
-                log.exception("transactional offsets not committed transactional_id=%s",
-                              meta.transactional_id)
+            except Exception as exc:  # noqa: BLE001 - retried with the markers (idempotent)
+                note(exc, f"transactional offsets of transactional_id={meta.transactional_id}")
                 ok = False
         if not ok:
             return
