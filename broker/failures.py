@@ -115,6 +115,10 @@ def failure_answer(ctx: Any, request: Any, exc: BaseException) -> Any | None:
     """The answer to a request whose handler raised ``exc`` (None: no error field in its
     schema, the connection is closed as before)."""
     h = ctx.header
+    if h.api_key == 0 and getattr(request, "acks", -1) == 0:
+        # acks=0 expects no answer: Kafka closes the connection to tell the producer (the
+        # server logs it: "handler failed ... closing connection")
+        return None
     outage = is_store_outage(exc)
     if outage:
         code = outage_code(h.api_key, request)

@@ -99,3 +99,9 @@ async def test_a_raising_handler_is_answered_not_closed(caplog) -> None:
     assert any("state=ended" in r.getMessage() and r.levelno == logging.INFO
                for r in caplog.records)
     assert failure_answer(_ctx(8, 8), req, KeyError("x")) is not None
+    # acks=0 produce expects no answer: the connection is closed instead, as Kafka does
+    produce = sample_message(request_class(0), 9)
+    produce.acks = 0
+    assert failure_answer(_ctx(0, 9), produce, KeyError("x")) is None
+    produce.acks = -1
+    assert failure_answer(_ctx(0, 9), produce, KeyError("x")) is not None
