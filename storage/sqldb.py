@@ -76,6 +76,9 @@ class MetadataUnreachable(ConnectionError):
 # failed call starts it (WARNING) and the first call answered afterwards ends it (INFO)
 outage = Episode(log, "metadata_unreachable", level=logging.WARNING, end_level=logging.INFO)
 _outage_lock = threading.Lock()
+# the episode ends at the first call answered this long after the last failure: calls still
+# in flight on connections the outage killed fail a little later, and would start a new one
+OUTAGE_END_QUIET_S = 2.0
 
 
 def note_unreachable(reason: str) -> None:
@@ -85,7 +88,7 @@ def note_unreachable(reason: str) -> None:
 
 
 def _note_reachable() -> None:
-    if outage.active:
+    if outage.active and time.monotonic() - outage.last_hit >= OUTAGE_END_QUIET_S:
         with _outage_lock:
             outage.clear()
 

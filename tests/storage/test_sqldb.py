@@ -193,6 +193,7 @@ def test_a_call_running_past_the_deadline_is_cut_and_reported_unreachable(postgr
     CALL_TIMEOUT_S: the caller gets MetadataUnreachable (one line), the outage episode starts,
     and the next call reconnects and ends it."""
     monkeypatch.setattr(sqldb, "CALL_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(sqldb, "OUTAGE_END_QUIET_S", 0.0)
     sqldb.outage.clear()
     db = sqldb.connect(postgres.new_database())
     try:
