@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import sys
 from typing import Any
 
 from protocol import ErrorCode as E, response_class
@@ -63,14 +64,16 @@ _RENAMED = {"partition_index": ("partition", "index"), "topic": ("name",),
 
 def is_store_outage(exc: BaseException) -> bool:
     """The metadata database could not be reached (or its connection broke): retriable."""
+    psycopg = sys.modules.get("psycopg")    # only loaded when PostgreSQL is configured
+    pg_errors = (psycopg.OperationalError, psycopg.InterfaceError) if psycopg else ()
     seen = 0
     e: BaseException | None = exc
     while e is not None and seen < 5:
         if isinstance(e, sqldb.MetadataUnreachable):
             return True
-        mod = type(e).__module__
-        if mod.startswith("psycopg") and type(e).__name__ in (
-                "OperationalError", "InterfaceError", "ConnectionTimeout", "QueryCanceled"):
+        # OperationalError: connection trouble, but also serialization failures and
+        # deadlocks that outlasted the retries, a cancelled statement - all worth a retry
+        if pg_errors and isinstance(e, pg_errors):
             return True
         if isinstance(e, sqlite3.OperationalError) and any(
                 w in str(e) for w in ("locked", "busy", "disk I/O")):
