@@ -27,6 +27,7 @@ import crc32c
 from .cache.log_cache import CacheEntry, LogCache
 from .crc import combine as crc_combine
 from .cold_reads import ColdReadPacer
+from . import sqldb
 from .crash import crash_point
 from .episodes import Episode
 from .metastore import (MetaStore, NewObject, ObjectRange, StreamFenced, StreamMeta,
@@ -858,6 +859,29 @@ class Engine(StreamStore):
             self._inflight.pop(key_, None)
             self._inflight_streams.subtract(sids)
 
+    async def _commit_outcome(self, exc: BaseException, object_ids: list[int]) -> str:
+        """"committed", "failed" or "unknown" for a commit that raised. One whose COMMIT was
+        sent may have committed (the answer was lost with the connection): the objects'
+        state is read back. Deleting committed objects as if the upload had failed lost
+        committed records (the 30-minute chaos run: an object a partition's committed ranges
+        point to gone from the store)."""
+        if not sqldb.commit_outcome_unknown(exc):
+            return "failed"
+        for attempt in range(3):
+            try:
+                states = await self.io(self.meta.object_states, object_ids)
+            except Exception:  # noqa: BLE001 - still unreachable: try again, then unknown
+                await asyncio.sleep(0.2 * (attempt + 1))
+                continue
+            if object_ids and all(states.get(o) == "committed" for o in object_ids):
+                log.warning("upload: the commit of %d objects answered an error after it "
+                            "reached the database; they are committed", len(object_ids))
+                return "committed"
+            if all(states.get(o) == "prepared" for o in object_ids):
+                return "failed"
+            return "unknown"
+        return "unknown"
+
     def _check_writes(self) -> None:
         if not self.writes_allowed():
             raise StorageError("lease lapsed: this node commits and trims nothing until it "
@@ -893,6 +917,7 @@ class Engine(StreamStore):
             groups.append(("sso", sso, sso_crcs))
         new: list[tuple[NewObject, str, str]] = []
         prepared: list[tuple[int, str]] = []
+        unknown = False          # a commit whose outcome could not be read back
         try:
             for kind, recs, crcs in groups:
                 oid, key = await self.io(self.meta.prepare_object, kind, c.node_id)
@@ -918,11 +943,24 @@ class Engine(StreamStore):
             if new:
                 # conditioned on this node's WAL not being taken over (a zombie never
                 # commits what a taker commits: storage/takeover.py)
-                await self.io(self.meta.commit_objects, [n for n, _, _ in new], [], None,
-                              (c.node_id, c.node_epoch))
+                try:
+                    await self.io(self.meta.commit_objects, [n for n, _, _ in new], [], None,
+                                  (c.node_id, c.node_epoch))
+                except Exception as exc:
+                    outcome = await self._commit_outcome(exc, [n.object_id for n, _, _ in new])
+                    if outcome != "committed":
+                        unknown = outcome == "unknown"
+                        raise
         except Exception as exc:
-            # never committed: delete them later (or at the next start, from their rows)
-            self.maintenance.forget_later(prepared)
+            if unknown:
+                # the commit may have landed and could not be read back: never delete what
+                # the store's metadata may point to (still prepared ones are removed at the
+                # next start; committed ones are this stream's data)
+                log.warning("upload: commit outcome unknown, keeping objects %s: %s",
+                            [k for _, k in prepared], exc)
+            else:
+                # never committed: delete them later (or at the next start, from their rows)
+                self.maintenance.forget_later(prepared)
             sid = getattr(exc, "stream_id", None)
             if isinstance(exc, StreamFenced) and sid is not None and sid not in self._foreign:
                 # another node claimed the stream (a move or takeover this node missed):

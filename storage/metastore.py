@@ -144,6 +144,10 @@ class MetaStore(abc.ABC):
         """(object id, key) of the objects in ``state``; with ``node_id`` only that node's
         (a broker sharing the database must not clean up another's upload in flight)."""
 
+    def object_states(self, object_ids: list[int]) -> dict[int, str]:
+        """object id -> state (prepared / committed / destroyed) of those that have a row."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     def mark_destroyed(self, object_ids: list[int]) -> None: ...
 
@@ -372,6 +376,14 @@ class SqlMetaStore(MetaStore):
                                  " ORDER BY object_id", (state,))
         return self.db.query("SELECT object_id, object_key FROM s3_objects WHERE state=? AND"
                              " node_id=? ORDER BY object_id", (state, node_id))
+
+    def object_states(self, object_ids: list[int]) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for oid in object_ids:
+            r = self.db.query_one("SELECT state FROM s3_objects WHERE object_id=?", (oid,))
+            if r is not None:
+                out[oid] = str(r[0])
+        return out
 
     def mark_destroyed(self, object_ids: list[int]) -> None:
         self.db.transact(lambda tx: self._destroy(tx, object_ids))

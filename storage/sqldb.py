@@ -130,6 +130,19 @@ class StaleEpoch(RuntimeError):
     """A compare-and-set found another epoch: this broker's view is stale (it was fenced)."""
 
 
+def commit_outcome_unknown(exc: BaseException) -> bool:
+    """The transaction's COMMIT was sent but its answer was lost (the connection broke): it
+    may have committed. The caller must read the outcome back before undoing anything."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if _COMMIT_NOTE in getattr(e, "__notes__", ()):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def is_postgres_url(url: str) -> bool:
     return url.startswith(("postgresql://", "postgres://"))
 

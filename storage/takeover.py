@@ -27,8 +27,10 @@ import logging
 import os
 import socket
 import stat
+import time
 from dataclasses import dataclass, field
 
+from . import sqldb
 from .crash import crash_point
 from .metastore import MetaStore, NewObject, TakeoverConflict, WALInfo
 from .objects.format import Record, encode_object
@@ -292,15 +294,42 @@ def _upload_and_commit(todo: list[Record], owners: dict[int, tuple[int, int] | N
             res.bytes += len(data)
         crash_point("takeover_before_commit")
         meta.commit_takeover(new, owners, node_id, taker, taker_epoch)
-    except BaseException:
-        try:
-            meta.mark_destroyed(prepared)
-        except Exception as e:                # the taker's start-up cleanup gets them
-            log.warning("takeover: could not mark uploaded objects destroyed: %s", e)
-        raise
+    except BaseException as exc:
+        state = _outcome(meta, exc, prepared)
+        if state == "committed":
+            # its COMMIT landed, the answer was lost: destroying them would lose the
+            # records the stream's committed ranges now point to
+            log.warning("takeover: the commit answered an error after it reached the "
+                        "database; its %d objects are committed", len(prepared))
+        else:
+            if state == "failed":
+                try:
+                    meta.mark_destroyed(prepared)
+                except Exception as e:        # the taker's start-up cleanup gets them
+                    log.warning("takeover: could not mark uploaded objects destroyed: %s", e)
+            else:
+                log.warning("takeover: commit outcome unknown, objects kept: %s", exc)
+            raise
     crash_point("takeover_after_commit")
     res.objects = len(new)
     res.committed_records = len(todo)
+
+
+def _outcome(meta: MetaStore, exc: BaseException, object_ids: list[int]) -> str:
+    """"committed", "failed" or "unknown" for a takeover commit that raised (one whose COMMIT
+    was sent may have committed: the objects' state is read back)."""
+    if not object_ids or not isinstance(exc, Exception) or not sqldb.commit_outcome_unknown(exc):
+        return "failed"
+    for attempt in range(3):
+        try:
+            states = meta.object_states(object_ids)
+        except Exception:  # noqa: BLE001 - still unreachable: try again, then unknown
+            time.sleep(0.2 * (attempt + 1))
+            continue
+        if all(states.get(o) == "committed" for o in object_ids):
+            return "committed"
+        return "failed" if all(states.get(o) == "prepared" for o in object_ids) else "unknown"
+    return "unknown"
 
 
 __all__ = ["TakeoverConflict", "TakeoverError", "TakeoverResult", "take_over_wal",
