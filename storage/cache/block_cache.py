@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 READAHEAD_INITIAL = 512 << 10
 READAHEAD_STEP = 512 << 10
 READAHEAD_MAX = 32 << 20
+PREFETCH_PIECE = 4 << 20        # a prefetch reads its window in pieces of at most this much
 
 BlockKey = tuple[str, int]                      # (object key, block position)
 # (key, [(position, size), ...]) -> one buffer per block (ObjectStore.get_ranges)
@@ -220,7 +221,9 @@ class BlockCache:
                         raise CorruptObjectError(f"object {key} is shorter than its index says")
                 self.bytes_fetched += size
                 self._put((key, pos), part, size)
-            ra.key, ra.next_position = key, end
+            if not quiet or ra.key != key or end > ra.next_position:
+                # a prefetch's pieces may finish out of order: the window's end only grows
+                ra.key, ra.next_position = key, end
             fut.set_result(None)
             return parts
         except BaseException as e:
@@ -264,24 +267,39 @@ class BlockCache:
         return True
 
     def _start_prefetch(self, key: str, wanted: list[tuple[int, int]], ra: Readahead) -> None:
+        """Fetch ``wanted`` in the background, in pieces of at most PREFETCH_PIECE bytes, each
+        its own read on the cold threads: a reader waits only for the piece holding its next
+        block (one 32 MiB window read as one job kept it waiting for the whole window), and
+        the pieces are read side by side on the cold threads."""
         ra.prefetching = True
         self.prefetches += 1
-        # claimed now, not when the task first runs: a reader asking for one of these blocks
-        # meanwhile waits for the prefetch instead of fetching the same blocks again (it did:
-        # 47 % of the bytes of a cold scan were read twice, bench/HISTORY.md session 12)
-        fut = ra.pending = self._claim(key, wanted)
-        task = asyncio.get_running_loop().create_task(self._prefetch(key, wanted, ra, fut))
-        self._tasks.add(task)
+        loop = asyncio.get_running_loop()
+        pieces = _pieces(wanted, PREFETCH_PIECE)
+        left = [len(pieces)]
+        whole = ra.pending = loop.create_future()
+        for piece in pieces:
+            # claimed now, not when the task first runs: a reader asking for one of these
+            # blocks meanwhile waits for the prefetch instead of fetching the same blocks again
+            # (it did: 47 % of the bytes of a cold scan were read twice, bench/HISTORY.md
+            # session 12)
+            fut = self._claim(key, piece)
+            task = loop.create_task(self._prefetch(key, piece, ra, fut))
+            self._tasks.add(task)
 
-        def done(t: asyncio.Task) -> None:
-            self._tasks.discard(t)
-            if not fut.done():              # cancelled before it ran: readers fetch themselves
-                fut.set_result(None)
-                ra.prefetching = False
-                for pos, _ in wanted:
-                    if self._inflight.get((key, pos)) is fut:
-                        del self._inflight[(key, pos)]
-        task.add_done_callback(done)
+            def done(t: asyncio.Task, fut: asyncio.Future = fut,
+                     piece: list[tuple[int, int]] = piece) -> None:
+                self._tasks.discard(t)
+                if not fut.done():          # cancelled before it ran: readers fetch themselves
+                    fut.set_result(None)
+                    for pos, _ in piece:
+                        if self._inflight.get((key, pos)) is fut:
+                            del self._inflight[(key, pos)]
+                left[0] -= 1
+                if not left[0]:
+                    ra.prefetching = False
+                    if not whole.done():
+                        whole.set_result(None)
+            task.add_done_callback(done)
 
     async def _prefetch(self, key: str, wanted: list[tuple[int, int]], ra: Readahead,
                         fut: asyncio.Future) -> None:
@@ -289,5 +307,20 @@ class BlockCache:
             await self._load(key, wanted, ra, quiet=True, fut=fut)
         except Exception as e:  # noqa: BLE001 - the reader will fetch (and report) itself
             log.debug("prefetch of %s failed: %r", key, e)
-        finally:
-            ra.prefetching = False
+
+
+def _pieces(wanted: list[tuple[int, int]], most: int) -> list[list[tuple[int, int]]]:
+    """``wanted`` (consecutive blocks) cut into runs of at most ``most`` bytes (a block larger
+    than that is a run of its own)."""
+    out: list[list[tuple[int, int]]] = []
+    run: list[tuple[int, int]] = []
+    size = 0
+    for b in wanted:
+        if run and size + b[1] > most:
+            out.append(run)
+            run, size = [], 0
+        run.append(b)
+        size += b[1]
+    if run:
+        out.append(run)
+    return out

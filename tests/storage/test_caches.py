@@ -187,3 +187,27 @@ async def test_a_sequential_reader_gets_the_next_objects_first_blocks_ahead(tmp_
         assert bc.bytes_fetched <= sum(r.size for r in eng.reader.stream_ranges(s.stream_id))
     finally:
         await eng.close()
+
+
+async def test_a_large_prefetch_is_read_in_pieces_the_reader_can_use_early() -> None:
+    """A prefetch window of several MiB is fetched in pieces of at most PREFETCH_PIECE (each
+    its own read on the cold threads), so a reader waits only for the piece holding its next
+    block; every block is still read once, in order for the reader."""
+    from storage.cache.block_cache import PREFETCH_PIECE
+    data, blocks = _object(n=3000, size=16 << 10)       # ~48 MiB in 16 KiB blocks
+    calls: list[int] = []
+
+    async def fetch(key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        calls.append(sum(n for _, n in ranges))
+        await asyncio.sleep(0.001)
+        return [data[p:p + n] for p, n in ranges]
+
+    bc = BlockCache(256 << 20, fetch, readahead_max=32 << 20)
+    ra = Readahead()
+    seen = []
+    for i in range(len(blocks)):
+        seen += [r.base_offset for r in await bc.get("o", blocks, i, ra)]
+    assert seen == list(range(3000))
+    assert bc.bytes_fetched == sum(n for _, n in blocks)   # nothing read twice
+    assert max(calls) <= PREFETCH_PIECE
+    assert bc.prefetches < len(calls)                       # windows were cut into pieces
