@@ -196,8 +196,8 @@ def _payload_crc(buf: Any, views: list[tuple[int, Any]]) -> int:
             size = view.size
             (batch_crc,) = _U32.unpack_from(mv, pos + CRC_START - 4)
             with mv[pos:pos + CRC_START] as head:
-                one = crc_combine(crc32c.crc32c(head), batch_crc, size - CRC_START)
-            crc = crc_combine(crc, one, size)
+                crc = crc32c.crc32c(head, crc)          # continued over the first 21 bytes
+            crc = crc_combine(crc, batch_crc, size - CRC_START)
     return crc
 
 

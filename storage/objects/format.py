@@ -153,7 +153,7 @@ class ObjectEncoder:
                 self._block_crc = None
             else:
                 with memoryview(out) as mv, mv[at - RECORD_HEADER.size:at] as head:
-                    bcrc = crc_combine(bcrc, crc32c.crc32c(head), RECORD_HEADER.size)
+                    bcrc = crc32c.crc32c(head, bcrc)        # continued over the header
                 self._block_crc = crc_combine(bcrc, known, n)
         self._at = at + n
         self._block_records += 1
