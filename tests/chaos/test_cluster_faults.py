@@ -28,13 +28,6 @@ def _assert_clean(out, details, capsys) -> None:
                                + f"\n(details: {details}, broker logs beside it)")
 
 
-# One known intermittent anomaly (session 18: 1 of the last 5 runs, docs/FINDINGS.md chaos
-# 22:55): a value stored twice - a librdkafka producer bumps its epoch after an
-# OUT_OF_ORDER_SEQUENCE answer on another partition (a batch refused at the door during a
-# lease lapse of a few ms leaves no failed mark, so the next pipelined batch is refused OOS)
-# and re-sends a possibly persisted record, recovered by a takeover, under the new epoch.
-# Not strict: a clean run passes; remove the mark once that is fixed.
-@pytest.mark.xfail(strict=False, reason="intermittent duplicate after an epoch bump, FINDINGS")
 @pytest.mark.timeout(600)
 def test_three_brokers_short_fault_schedule(broker_factory, s3_endpoint, tmp_path,
                                             capsys) -> None:
