@@ -1,14 +1,16 @@
 """Profile the whole broker under a named workload with py-spy: every thread, and the time
 each one waits for the interpreter lock.
 
-    python -m bench.profile [--load raw|raw-small|clients|hotfetch|coldfetch|fetch]
+    python -m bench.profile [--load raw|raw-small|clients|latency|hotfetch|coldfetch|fetch]
                             [--seconds 10] [--rate 250] [--out bench/profiles] [--perf]
-                            [--batch-bytes N] [--storage engine|memory] [--broker-arg=ARG ...]
+                            [--batch-bytes N] [--msg-rate N] [--storage engine|memory]
+                            [--broker-arg=ARG ...]
 
 Workloads: ``raw`` 1 MiB acks=all Produce requests (bench.rawload, 4 connections x 8 in
 flight); ``raw-small`` the same with 1 KiB requests (per-request cost); ``clients`` one
-confluent-kafka producer of 100 B messages; ``hotfetch`` raw Fetch over the last 256 MiB
-written (LogCache), after the uploads settled; ``coldfetch`` raw Fetch from the log start
+confluent-kafka producer of 100 B messages; ``latency`` the same at a fixed ``--msg-rate``
+with linger 0 (bench.clients' latency run: many small Produce requests); ``hotfetch`` raw
+Fetch over the last 256 MiB written (LogCache), after the uploads settled; ``coldfetch`` raw Fetch from the log start
 after a restart (object store, BlockCache); ``fetch`` confluent-kafka consumers.
 
 ``py-spy record --native --threads --idle`` samples every thread of the broker process, idle or
@@ -38,7 +40,7 @@ from . import clients, rawload
 from .common import BrokerProc, create_topic
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LOADS = ("raw", "raw-small", "clients", "hotfetch", "coldfetch", "fetch")
+LOADS = ("raw", "raw-small", "clients", "latency", "hotfetch", "coldfetch", "fetch")
 # blocking primitives: where a thread that is not running sits
 _WAITS = ("pthread_cond_wait", "pthread_cond_timedwait", "pthread_cond_clockwait", "sem_wait",
           "sem_timedwait", "sem_clockwait")
@@ -162,7 +164,7 @@ def analyse(collapsed: str, cpu: dict[int, float] | None = None, n: int = 15) ->
 
 
 def drive(load: str, broker: BrokerProc, seconds: float, ready: threading.Event,
-          batch_bytes: int = 1 << 20) -> None:
+          batch_bytes: int = 1 << 20, msg_rate: float = 12_700) -> None:
     """Prepare the workload (fill the log for fetches), set ``ready``, then run it for
     ``seconds``."""
     bootstrap = broker.bootstrap
@@ -197,6 +199,13 @@ def drive(load: str, broker: BrokerProc, seconds: float, ready: threading.Event,
             end = time.monotonic() + seconds
             while time.monotonic() < end:
                 clients.consume_throughput(bootstrap, topic, r["msgs"], timeout=end - time.monotonic())
+        elif load == "latency":
+            topic = f"pl-{time.time_ns()}"
+            create_topic(bootstrap, topic)
+            ready.set()
+            r = clients.produce_latency(bootstrap, topic, 100, msg_rate, seconds)
+            print(f"latency load: {msg_rate:.0f} msgs/s, p50 {r['p50']:.2f} p99 {r['p99']:.2f} "
+                  f"p999 {r['p999']:.2f} ms, {r['n']} acked after warm-up")
         else:
             topic = f"pc-{time.time_ns()}"
             create_topic(bootstrap, topic)
@@ -215,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--batch-bytes", type=int, default=1 << 20,
                     help="raw load: bytes per Produce request")
+    ap.add_argument("--msg-rate", type=float, default=12_700,
+                    help="latency load: 100 B messages/s (linger 0, acks=all, as bench.clients)")
     ap.add_argument("--storage", default="engine", choices=["engine", "memory"],
                     help="memory: profile the request path without WAL and object store")
     ap.add_argument("--broker-arg", action="append", default=[],
@@ -236,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
                      *a.broker_arg]) as b:
         ready = threading.Event()
         t = threading.Thread(target=drive, args=(a.load, b, a.seconds + 2, ready,
-                                                 a.batch_bytes))
+                                                 a.batch_bytes, a.msg_rate))
         t.start()
         ready.wait()
         time.sleep(1)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import gc
 import logging
 import signal
 import struct
@@ -29,6 +28,7 @@ from protocol import (MalformedRequestError, UnknownApiError, UnsupportedVersion
 from storage import sqldb
 
 from .config import BrokerConfig
+from .gc_tuning import FULL_PASS_S, SurvivorFreezer
 from .handlers import HANDLERS
 from .handlers.registry import RequestContext
 from .metrics import RequestStats, start_metrics, timed
@@ -59,9 +59,6 @@ DIRECT_FRAME_MAX = 16 << 20
 # in all (a fresh bytearray is zero-filled and page-faulted: ~7 % of broker CPU at 1 MiB)
 FRAME_POOL_BYTES = 32 << 20
 FRAME_POOL_MAX_FRAME = 4 << 20
-# young-generation GC threshold: a request allocates a few dozen containers, and Python's
-# default (700) ran a collection every few requests
-GC_GEN0_THRESHOLD = 20_000
 
 
 def _alloc_frame(size: int) -> bytearray:
@@ -506,6 +503,8 @@ class Broker:
         self.config = config
         self.startup = startup            # startup_checks.Startup: locks held, store state
         self._store_watch: asyncio.Task | None = None
+        self._gc: SurvivorFreezer | None = None
+        self._gc_pass: asyncio.TimerHandle | None = None
         self.meta: MetadataStore | None = None
         self.store: Any = None
         self.groups: Any = None
@@ -579,7 +578,9 @@ class Broker:
                 log.info("listener %s on %s:%d advertised as %s:%d", lst.name,
                          *srv.sockets[0].getsockname()[:2], lst.adv_host, lst.adv_port)
         self._server = self._servers[0]
-        _tune_gc()
+        self._gc = SurvivorFreezer()
+        self._gc.install()
+        self._gc_pass = loop.call_later(FULL_PASS_S, self._gc_full_pass)
         sock = self._server.sockets[0].getsockname()
         from .startup_checks import redact_url, watch_degraded_store  # noqa: PLC0415
 
@@ -638,6 +639,11 @@ class Broker:
         log.info("broker stopping connections=%d", len(self.connections))
         if self._store_watch is not None:
             self._store_watch.cancel()
+        if self._gc_pass is not None:
+            self._gc_pass.cancel()
+        if self._gc is not None:
+            self._gc.uninstall()
+            self._gc = None
         if self.cluster is not None:
             try:
                 await self.cluster.drain()     # controlled shutdown: partitions move first
@@ -690,6 +696,13 @@ class Broker:
             await self.metrics_server.stop()
         log.info("broker stopped")
 
+    def _gc_full_pass(self) -> None:
+        """The collector's periodic full pass (broker/gc_tuning.py)."""
+        if self._gc is not None:
+            self._gc.full_pass()
+            self._gc_pass = asyncio.get_running_loop().call_later(FULL_PASS_S,
+                                                                   self._gc_full_pass)
+
     async def _wait_idle(self, timeout: float) -> None:
         end = time.monotonic() + timeout
         while any(not c.idle for c in self.connections):
@@ -702,19 +715,6 @@ class Broker:
                 await asyncio.wait_for(self._idle.wait(), min(left, 0.1))
             except asyncio.TimeoutError:
                 pass
-
-
-def _tune_gc() -> None:
-    """Move everything loaded at start-up out of the collector's sight and collect less often.
-
-    A full collection over the start-up heap (codec classes, SQL and AWS modules) took 10-20 ms
-    and ran every few thousand requests: a produce-latency outlier each time (bench p99).
-    Frozen objects are never scanned again; young collections get a larger threshold since
-    a request allocates many short-lived containers."""
-    gc.collect()
-    gc.freeze()
-    _, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
 async def serve(config: BrokerConfig, startup: Any = None) -> None:

@@ -1,0 +1,80 @@
+"""The cyclic garbage collector, tuned for a broker whose long-lived objects die by refcount.
+
+Every produce request leaves about three GC-tracked objects behind for as long as its payload
+stays in the LogCache (the cache entry, the payload's memoryview and its managed buffer): a
+1 GiB cache of small batches holds about a million. CPython's collector promotes young
+survivors to generation 1 and 2 and rescans them there: a generation-1 collection went over
+up to ~200,000 objects and a full one over everything, a stall of tens to hundreds of
+milliseconds on the event loop every few thousand requests (bench/HISTORY.md, session 13).
+Those objects never form reference cycles that only the collector could free: they are freed
+by reference counting when the cache evicts them.
+
+So each survivor is scanned once: after every collection the survivors are frozen
+(``gc.freeze()``, moved to the permanent generation, never scanned again; an object frozen
+there is still freed by its reference count). Young cyclic garbage is still collected by the
+young collections. A cycle that lived through a collection and dies later is not collected
+until the periodic full pass (``gc.unfreeze()`` and one full collection, every
+``FULL_PASS_S``), which bounds what such rare cycles can hold.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+# young-generation threshold: a request allocates a few dozen containers, and Python's default
+# (700) ran a collection every few requests; a young collection scans at most about this many
+# objects (a few milliseconds)
+GEN0_THRESHOLD = 20_000
+# everything frozen since is scanned again (and its dead cycles freed) this often
+FULL_PASS_S = 600.0
+
+
+class SurvivorFreezer:
+    """Freezes what survives each collection; ``full_pass()`` (the broker calls it every
+    ``FULL_PASS_S`` from its event loop) scans everything once."""
+
+    def __init__(self) -> None:
+        self._in_full = False
+        self.full_passes = 0
+        self.last_full_s = 0.0
+
+    def install(self) -> None:
+        """Collect and freeze the start-up heap, then freeze survivors from now on."""
+        gc.collect()
+        gc.freeze()
+        _, gen1, gen2 = gc.get_threshold()
+        gc.set_threshold(GEN0_THRESHOLD, gen1, gen2)
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+
+    def uninstall(self) -> None:
+        """Stop freezing (broker stopped); the last freezer of the process unfreezes."""
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        if not any(isinstance(getattr(cb, "__self__", None), SurvivorFreezer)
+                   for cb in gc.callbacks):
+            gc.unfreeze()
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        # survivors of this collection are live now: never scan them again
+        if phase == "stop" and not self._in_full:
+            gc.freeze()
+
+    def full_pass(self) -> float:
+        """Scan everything once, freeing cycles that died after being frozen; seconds taken
+        (not from a collector callback: a collection cannot start inside one)."""
+        t0 = time.perf_counter()
+        self._in_full = True
+        try:
+            gc.unfreeze()
+            gc.collect()
+        finally:
+            self._in_full = False
+            gc.freeze()
+        self.last_full_s = time.perf_counter() - t0
+        self.full_passes += 1
+        log.debug("gc full pass took %.1f ms", self.last_full_s * 1000)
+        return self.last_full_s
