@@ -66,6 +66,8 @@ class RequestStats:
         self.errors: dict[tuple[int, int, str], int] = {}           # (api, version, error)
         self.topic_out: dict[str, list[int]] = {}                   # topic -> [bytes, records]
         self.connections_opened = 0
+        self.run_requests = 0          # requests answered together with others (run handlers)
+        self.runs = 0                  # run handler calls
 
     def api(self, api_key: int) -> ApiStats:
         a = self.apis.get(api_key)
@@ -172,6 +174,12 @@ class BrokerCollector(Collector):
                                 value=len(b.connections))
         yield CounterMetricFamily(_P + "connections_opened", "Client connections accepted",
                                   value=st.connections_opened)
+        yield CounterMetricFamily(_P + "request_runs", "Runs of pipelined requests of one "
+                                  "connection read together and handed to one run handler "
+                                  "(Produce: one append for several small requests to one "
+                                  "partition)", value=st.runs)
+        yield CounterMetricFamily(_P + "request_run_members", "Requests answered as part of a "
+                                  "run", value=st.run_requests)
         # -- topics and partitions
         bin_ = CounterMetricFamily(_P + "topic_bytes_in", "Produced record-batch bytes "
                                    "appended, per topic", labels=["topic"])

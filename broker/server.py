@@ -30,7 +30,7 @@ from storage import sqldb
 from .config import BrokerConfig
 from .gc_tuning import FULL_PASS_S, SurvivorFreezer
 from .handlers import HANDLERS
-from .handlers.registry import RequestContext
+from .handlers.registry import RUN_HANDLERS, RequestContext
 from .metrics import RequestStats, start_metrics, timed
 from .metastore import MetadataStore, open_metadata_store
 from .cluster import ClusterError, ClusterRoom
@@ -127,6 +127,10 @@ class Connection(asyncio.BufferedProtocol):
         self._unsent: collections.deque[memoryview] = collections.deque()
         self._slice_scheduled = False
         self._close_when_sent = False
+        # requests of the current read that may be handled as one run (RUN_HANDLERS): their
+        # run key and (context, request, received, future in the response queue)
+        self._run_key: Any = None
+        self._run: list[tuple[RequestContext, Any, float, asyncio.Future]] = []
 
     # ---- asyncio callbacks -------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -233,6 +237,7 @@ class Connection(asyncio.BufferedProtocol):
             frame = buf[self._start + 4:self._start + 4 + size]
             self._start += 4 + size
             self._dispatch(frame)
+        self._start_run()
         if self._start == self._end:
             self._start = self._end = 0
             if len(self._buf) > KEEP_BUFFER:
@@ -289,12 +294,80 @@ class Connection(asyncio.BufferedProtocol):
             log.debug("request api=%s version=%d correlation_id=%d client_id=%s peer=%s",
                       api_name(header.api_key), header.api_version, header.correlation_id,
                       header.client_id, self.peer)
+        run = RUN_HANDLERS.get(header.api_key)
+        if run is not None and not pooled:
+            key = run[0](request)
+            if key is not None:
+                if key != self._run_key:
+                    self._start_run()
+                    self._run_key = key
+                fut = self._loop.create_future()
+                self._run.append((RequestContext(self.broker, header, self), request, received,
+                                  fut))
+                self._queue.append((fut, header, None))
+                return
+        self._start_run()
         # the handler coroutine (inside its timing wrapper) is the task itself: the queue
         # keeps (task, header) and the response is encoded when it is written
         task = self._loop.create_task(
             timed(fn, RequestContext(self.broker, header, self), request, stats, received))
         self._queue.append((task, header, frame if pooled else None))
         task.add_done_callback(self._handler_done)
+
+    def _start_run(self) -> None:
+        """Start the requests collected for a run (before anything after them starts): one
+        alone as usual, several through their run handler in one task."""
+        items = self._run
+        if not items:
+            return
+        self._run = []
+        self._run_key = None
+        ctx, request, received, fut = items[0]
+        stats = self.broker.request_stats
+        if len(items) == 1:
+            task = self._loop.create_task(
+                timed(HANDLERS[ctx.header.api_key], ctx, request, stats, received))
+            if self._queue and self._queue[-1][0] is fut:
+                self._queue[-1] = (task, ctx.header, None)
+            else:                                            # pragma: no cover - defensive
+                task.add_done_callback(lambda t, f=fut: _copy_outcome(t, f))
+            task.add_done_callback(self._handler_done)
+            return
+        task = self._loop.create_task(self._run_task(items))
+        task.add_done_callback(self._handler_done)
+
+    async def _run_task(self, items: list[tuple[RequestContext, Any, float, asyncio.Future]]
+                        ) -> None:
+        """One run handler call for ``items``; each future gets its own answer."""
+        ctx0 = items[0][0]
+        fn = RUN_HANDLERS[ctx0.header.api_key][1]
+        stats = self.broker.request_stats
+        start = time.perf_counter()
+        try:
+            bodies = await fn([it[0] for it in items], [it[1] for it in items])
+            if len(bodies) != len(items):
+                raise RuntimeError(f"run handler answered {len(bodies)} of {len(items)}")
+        except BaseException as exc:
+            end = time.perf_counter()
+            for ctx, _req, received, fut in items:
+                h = ctx.header
+                stats.error(h.api_key, h.api_version, "EXCEPTION")
+                stats.observe(h.api_key, h.api_version, start - received, end - start)
+                if not fut.done():
+                    if self._closing:
+                        fut.cancel()
+                    else:
+                        fut.set_exception(exc if isinstance(exc, Exception)
+                                          else RuntimeError("handler cancelled"))
+            raise
+        end = time.perf_counter()
+        stats.runs += 1
+        stats.run_requests += len(items)
+        for (ctx, _req, received, fut), body in zip(items, bodies):
+            h = ctx.header
+            stats.observe(h.api_key, h.api_version, start - received, end - start)
+            if not fut.done():
+                fut.set_result(body)
 
     def _handler_done(self, task: asyncio.Task) -> None:
         if not task.cancelled():
@@ -306,6 +379,7 @@ class Connection(asyncio.BufferedProtocol):
             self._schedule_flush()
 
     def _enqueue_ready(self, buffers: Any) -> None:
+        self._start_run()                  # answers stay in request order
         fut = self._loop.create_future()
         fut.set_result(buffers)
         self._queue.append((fut, None, None))
@@ -431,6 +505,17 @@ class Connection(asyncio.BufferedProtocol):
     @property
     def idle(self) -> bool:
         return not self._queue and not self._unsent
+
+
+def _copy_outcome(task: asyncio.Task, fut: asyncio.Future) -> None:
+    if fut.done():
+        return
+    if task.cancelled():
+        fut.cancel()
+    elif task.exception() is not None:
+        fut.set_exception(task.exception())
+    else:
+        fut.set_result(task.result())
 
 
 class FramePool:

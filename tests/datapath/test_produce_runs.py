@@ -1,0 +1,147 @@
+"""Pipelined Produce requests read together are appended as one run (broker/server.py
+``_start_run``, broker/handlers/produce.py ``handle_produce_run``): each request is answered
+with exactly the offsets it would have had alone, in request order, and anything the run
+cannot take (an idempotent producer, a corrupt batch) is handled one request at a time."""
+from __future__ import annotations
+
+import re
+import urllib.request
+import uuid
+
+import pytest
+
+from kafka.protocol.metadata import MetadataRequest, MetadataResponse
+from kafka.protocol.producer import ProduceResponse
+
+from tests.conftest import free_port
+
+from .batches import make_batch, read_records
+from .conftest import SMALL_WAL
+from .wire import WireClient
+
+pytestmark = pytest.mark.e2e
+
+E_NONE, E_CORRUPT = 0, 2
+
+
+@pytest.fixture(scope="module")
+def broker(module_broker_factory):
+    port = free_port()
+    b = module_broker_factory([*SMALL_WAL, "--metrics-listen", f"127.0.0.1:{port}"])
+    b.metrics_url = f"http://127.0.0.1:{port}/metrics"
+    return b
+
+
+@pytest.fixture
+def client(broker):
+    with WireClient(broker.host, broker.port) as c:
+        yield c
+
+
+def _topic() -> str:
+    return "run-" + uuid.uuid4().hex[:10]
+
+
+def _metric(broker, name: str) -> float:
+    with urllib.request.urlopen(broker.metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _pipeline(client: WireClient, topic: str, batches: list[bytes], version: int = 9,
+              partition: int = 0) -> list:
+    """Send one Produce per batch in a single write; the partition answers, in order."""
+    corrs, data = [], b""
+    for b in batches:
+        corr, frame = client.frame(client.produce_request(topic, {partition: b}), version)
+        corrs.append(corr)
+        data += frame
+    client.sock.sendall(data)
+    return [client.recv(ProduceResponse, version, c).responses[0].partition_responses[0]
+            for c in corrs]
+
+
+def _values(client: WireClient, topic: str, end: int) -> list[bytes]:
+    out: list[bytes] = []
+    while len(out) < end:
+        part = client.fetch(topic, len(out))
+        got = [v for _, _, v in read_records(part.records)]
+        assert got, f"fetch at {len(out)} returned nothing"
+        out += got
+    return out
+
+
+@pytest.mark.parametrize("version", [3, 9])
+def test_pipelined_requests_get_the_offsets_they_would_have_alone(broker, client, version):
+    t = _topic()
+    client.create_topic(t)
+    runs_before = _metric(broker, "s3kafka_request_run_members_total")
+    sizes = [1 + (i % 4) for i in range(40)]
+    batches = [make_batch([f"{i}-{j}".encode() for j in range(n)]) for i, n in enumerate(sizes)]
+    resps = _pipeline(client, t, batches, version)
+    assert [r.error_code for r in resps] == [E_NONE] * len(batches)
+    expected = [sum(sizes[:i]) for i in range(len(sizes))]
+    assert [r.base_offset for r in resps] == expected
+    assert _values(client, t, sum(sizes)) == [f"{i}-{j}".encode() for i, n in enumerate(sizes)
+                                              for j in range(n)]
+    # the requests were read together: at least some went through a run
+    assert _metric(broker, "s3kafka_request_run_members_total") > runs_before
+    # and the next request appends after them
+    assert client.produce(t, make_batch([b"after"])).base_offset == sum(sizes)
+
+
+def test_a_corrupt_request_in_a_run_fails_alone(client):
+    t = _topic()
+    client.create_topic(t)
+    batches = [make_batch([f"v{i}".encode()]) for i in range(6)]
+    bad = bytearray(batches[3])
+    bad[-2] ^= 0x55
+    batches[3] = bytes(bad)
+    resps = _pipeline(client, t, batches)
+    assert [r.error_code for r in resps] == [E_NONE, E_NONE, E_NONE, E_CORRUPT, E_NONE, E_NONE]
+    assert [r.base_offset for r in resps if r.error_code == E_NONE] == [0, 1, 2, 3, 4]
+    assert _values(client, t, 5) == [b"v0", b"v1", b"v2", b"v4", b"v5"]
+
+
+def test_idempotent_pipelined_batches_and_their_retries(client):
+    t = _topic()
+    client.create_topic(t)
+    pid, epoch = client.init_producer_id()
+    batches = [make_batch([f"i{s}".encode()], producer_id=pid, epoch=epoch, base_sequence=s)
+               for s in range(8)]
+    first = _pipeline(client, t, batches)
+    assert [(r.error_code, r.base_offset) for r in first] == [(E_NONE, s) for s in range(8)]
+    again = _pipeline(client, t, batches[3:])      # retries: answered with their offsets
+    assert [(r.error_code, r.base_offset) for r in again] == [(E_NONE, s) for s in range(3, 8)]
+    assert _values(client, t, 8) == [f"i{s}".encode() for s in range(8)]
+
+
+def test_a_run_broken_by_another_request_keeps_the_order(client):
+    t = _topic()
+    client.create_topic(t)
+    T = MetadataRequest.MetadataRequestTopic
+    frames, corrs = b"", []
+    for i in range(3):
+        c, f = client.frame(client.produce_request(t, {0: make_batch([f"a{i}".encode()])}), 9)
+        frames += f
+        corrs.append(("p", c))
+    c, f = client.frame(MetadataRequest(topics=[T(name=t)], allow_auto_topic_creation=False,
+                                        include_topic_authorized_operations=False), 12)
+    frames += f
+    corrs.append(("m", c))
+    for i in range(3, 6):
+        c, f = client.frame(client.produce_request(t, {0: make_batch([f"a{i}".encode()])}), 9)
+        frames += f
+        corrs.append(("p", c))
+    client.sock.sendall(frames)
+    offsets = []
+    for kind, c in corrs:
+        if kind == "m":
+            assert client.recv(MetadataResponse, 12, c).topics[0].name == t
+        else:
+            r = client.recv(ProduceResponse, 9, c).responses[0].partition_responses[0]
+            assert r.error_code == E_NONE
+            offsets.append(r.base_offset)
+    assert offsets == list(range(6))
+    assert _values(client, t, 6) == [f"a{i}".encode() for i in range(6)]
