@@ -5,6 +5,11 @@ long-polling Fetch does not hold up a Heartbeat behind it), but responses are wr
 in request order, as Kafka clients pipeline and match responses by order. Responses that become
 ready in the same loop iteration go out in one ``writelines`` call.
 
+Consecutive requests of one read that a handler module can take together (``RUN_HANDLERS``:
+small Produce requests for one partition, which a linger-0 client pipelines faster than they
+are answered) start as one task through that module's run handler, which answers each: the
+cost per request then falls as a backlog builds instead of the backlog growing.
+
 Every request frame handed to the parser is an owned ``bytearray`` that nothing else reuses:
 handlers may write into it (Produce assigns offsets in the batch headers in place). Large
 frames are received straight into their own buffer (no copy out of the read buffer at all);
@@ -128,9 +133,9 @@ class Connection(asyncio.BufferedProtocol):
         self._slice_scheduled = False
         self._close_when_sent = False
         # requests of the current read that may be handled as one run (RUN_HANDLERS): their
-        # run key and (context, request, received, future in the response queue)
+        # run key and (context, request, time received), not queued yet
         self._run_key: Any = None
-        self._run: list[tuple[RequestContext, Any, float, asyncio.Future]] = []
+        self._run: list[tuple[RequestContext, Any, float]] = []
 
     # ---- asyncio callbacks -------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -296,15 +301,16 @@ class Connection(asyncio.BufferedProtocol):
                       header.client_id, self.peer)
         run = RUN_HANDLERS.get(header.api_key)
         if run is not None and not pooled:
-            key = run[0](request)
+            try:
+                key = run[0](request)
+            except Exception:  # noqa: BLE001 - an odd request is simply handled alone
+                key = None
             if key is not None:
                 if key != self._run_key:
                     self._start_run()
                     self._run_key = key
-                fut = self._loop.create_future()
-                self._run.append((RequestContext(self.broker, header, self), request, received,
-                                  fut))
-                self._queue.append((fut, header, None))
+                # queued when the run starts: nothing else is queued before that
+                self._run.append((RequestContext(self.broker, header, self), request, received))
                 return
         self._start_run()
         # the handler coroutine (inside its timing wrapper) is the task itself: the queue
@@ -315,32 +321,33 @@ class Connection(asyncio.BufferedProtocol):
         task.add_done_callback(self._handler_done)
 
     def _start_run(self) -> None:
-        """Start the requests collected for a run (before anything after them starts): one
-        alone as usual, several through their run handler in one task."""
+        """Start the requests collected for a run (before anything after them is queued):
+        one alone as usual, several through their run handler in one task, each with its own
+        place in the response queue."""
         items = self._run
         if not items:
             return
         self._run = []
         self._run_key = None
-        ctx, request, received, fut = items[0]
-        stats = self.broker.request_stats
         if len(items) == 1:
-            task = self._loop.create_task(
-                timed(HANDLERS[ctx.header.api_key], ctx, request, stats, received))
-            if self._queue and self._queue[-1][0] is fut:
-                self._queue[-1] = (task, ctx.header, None)
-            else:                                            # pragma: no cover - defensive
-                task.add_done_callback(lambda t, f=fut: _copy_outcome(t, f))
+            ctx, request, received = items[0]
+            task = self._loop.create_task(timed(HANDLERS[ctx.header.api_key], ctx, request,
+                                                self.broker.request_stats, received))
+            self._queue.append((task, ctx.header, None))
             task.add_done_callback(self._handler_done)
             return
-        task = self._loop.create_task(self._run_task(items))
+        futs = []
+        for ctx, _request, _received in items:
+            fut = self._loop.create_future()
+            futs.append(fut)
+            self._queue.append((fut, ctx.header, None))
+        task = self._loop.create_task(self._run_task(items, futs))
         task.add_done_callback(self._handler_done)
 
-    async def _run_task(self, items: list[tuple[RequestContext, Any, float, asyncio.Future]]
-                        ) -> None:
+    async def _run_task(self, items: list[tuple[RequestContext, Any, float]],
+                        futs: list[asyncio.Future]) -> None:
         """One run handler call for ``items``; each future gets its own answer."""
-        ctx0 = items[0][0]
-        fn = RUN_HANDLERS[ctx0.header.api_key][1]
+        fn = RUN_HANDLERS[items[0][0].header.api_key][1]
         stats = self.broker.request_stats
         start = time.perf_counter()
         try:
@@ -349,7 +356,7 @@ class Connection(asyncio.BufferedProtocol):
                 raise RuntimeError(f"run handler answered {len(bodies)} of {len(items)}")
         except BaseException as exc:
             end = time.perf_counter()
-            for ctx, _req, received, fut in items:
+            for (ctx, _req, received), fut in zip(items, futs):
                 h = ctx.header
                 stats.error(h.api_key, h.api_version, "EXCEPTION")
                 stats.observe(h.api_key, h.api_version, start - received, end - start)
@@ -363,7 +370,7 @@ class Connection(asyncio.BufferedProtocol):
         end = time.perf_counter()
         stats.runs += 1
         stats.run_requests += len(items)
-        for (ctx, _req, received, fut), body in zip(items, bodies):
+        for (ctx, _req, received), fut, body in zip(items, futs, bodies):
             h = ctx.header
             stats.observe(h.api_key, h.api_version, start - received, end - start)
             if not fut.done():
@@ -505,17 +512,6 @@ class Connection(asyncio.BufferedProtocol):
     @property
     def idle(self) -> bool:
         return not self._queue and not self._unsent
-
-
-def _copy_outcome(task: asyncio.Task, fut: asyncio.Future) -> None:
-    if fut.done():
-        return
-    if task.cancelled():
-        fut.cancel()
-    elif task.exception() is not None:
-        fut.set_exception(task.exception())
-    else:
-        fut.set_result(task.result())
 
 
 class FramePool:
