@@ -60,6 +60,9 @@ DIRECT_FRAME = 64 << 10
 # ...allocated at once up to this size; larger declared frames grow the read buffer step by
 # step, so a client announcing a huge frame and sending nothing pins little memory
 DIRECT_FRAME_MAX = 16 << 20
+# at most this many requests in one run (RUN_HANDLERS): a Produce run is one LogCache entry,
+# and a Fetch whose first entry is larger than its max bytes still gets all of it
+RUN_MAX_REQUESTS = 32
 # finished large frames nobody references any more are kept for reuse, up to this many bytes
 # in all (a fresh bytearray is zero-filled and page-faulted: ~7 % of broker CPU at 1 MiB)
 FRAME_POOL_BYTES = 32 << 20
@@ -306,7 +309,7 @@ class Connection(asyncio.BufferedProtocol):
             except Exception:  # noqa: BLE001 - an odd request is simply handled alone
                 key = None
             if key is not None:
-                if key != self._run_key:
+                if key != self._run_key or len(self._run) >= RUN_MAX_REQUESTS:
                     self._start_run()
                     self._run_key = key
                 # queued when the run starts: nothing else is queued before that

@@ -252,8 +252,9 @@ def _withhold(plan: list[tuple[Any, list[tuple[int, Any]]]], lease: Any) -> None
 _OWN_FAULTS = frozenset((ErrorCode.CORRUPT_MESSAGE, ErrorCode.MESSAGE_SIZE_TOO_LARGE,
                          ErrorCode.UNSUPPORTED_COMPRESSION_TYPE, ErrorCode.INVALID_RECORD,
                          ErrorCode.INVALID_TIMESTAMP))
-# only requests this small join a run (a copy into the run's buffer; large ones gain nothing)
-RUN_MAX_RECORDS_BYTES = 64 << 10
+# only requests this small join a run (a copy into the run's buffer; large ones gain nothing;
+# with the server's RUN_MAX_REQUESTS a run's payload stays under 512 KiB)
+RUN_MAX_RECORDS_BYTES = 16 << 10
 _PRODUCER_ID = 43          # offset of producerId in a v2 batch header
 _NO_PID = b"\xff" * 8
 
