@@ -33,6 +33,7 @@ from protocol import (MalformedRequestError, UnknownApiError, UnsupportedVersion
 from storage import sqldb
 
 from .config import BrokerConfig
+from .failures import failure_answer
 from .gc_tuning import FULL_PASS_S, SurvivorFreezer
 from .handlers import HANDLERS
 from .handlers.registry import RUN_HANDLERS, RequestContext
@@ -359,17 +360,28 @@ class Connection(asyncio.BufferedProtocol):
                 raise RuntimeError(f"run handler answered {len(bodies)} of {len(items)}")
         except BaseException as exc:
             end = time.perf_counter()
-            for (ctx, _req, received), fut in zip(items, futs):
+            answered = 0
+            for (ctx, req, received), fut in zip(items, futs):
                 h = ctx.header
                 stats.error(h.api_key, h.api_version, "EXCEPTION")
                 stats.observe(h.api_key, h.api_version, start - received, end - start)
-                if not fut.done():
-                    if self._closing:
-                        fut.cancel()
-                    else:
-                        fut.set_exception(exc if isinstance(exc, Exception)
-                                          else RuntimeError("handler cancelled"))
-            raise
+                # as timed(): answered like Kafka does (an error response), else closed
+                answer = failure_answer(ctx, req, exc) if isinstance(exc, Exception) else None
+                if fut.done():
+                    continue
+                if answer is not None:
+                    fut.set_result(answer)
+                    answered += 1
+                elif self._closing:
+                    fut.cancel()
+                else:
+                    fut.set_exception(exc if isinstance(exc, Exception)
+                                      else RuntimeError("handler cancelled"))
+            if answered < len(items):
+                raise
+            log.warning("run handler failed peer=%s error=%r; answered with errors", self.peer,
+                        exc)
+            return
         end = time.perf_counter()
         stats.runs += 1
         stats.run_requests += len(items)
