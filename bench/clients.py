@@ -1,7 +1,8 @@
 """Client-level benchmarks through confluent-kafka (librdkafka), run against s3kafka and the mock.
 
     python -m bench.clients [--seconds 8] [--sizes 100,1024,16384] [--skip-mock]
-    python -m bench.clients --latency-only [--rates 1000,30000] [--seconds 5]   (s3kafka only)
+    python -m bench.clients --latency-only [--rates 1000,30000] [--seconds 5] [--trace]
+                                                                             (s3kafka only)
 
 Produce throughput (acks=all) per message size, consume throughput hot (LogCache) and cold
 (object store: the broker is restarted, which uploads and empties the LogCache), and produce
@@ -114,19 +115,16 @@ def raw_fetch(bootstrap: str, topic: str, seconds: float) -> dict[str, float]:
     return {"msgs_s": st["records"] / st["elapsed"], "mb_s": st["bytes"] / st["elapsed"] / 1e6}
 
 
-def produce_latency(bootstrap: str, topic: str, size: int, rate: float, seconds: float) -> dict[str, float]:
+def produce_latency(bootstrap: str, topic: str, size: int, rate: float, seconds: float
+                    ) -> dict[str, Any]:
     """Produce at a fixed rate (linger 0) and record send -> ack latency of every message (ms)."""
     from confluent_kafka import Producer
     p = Producer({**PRODUCER_CONF, "linger.ms": 0, "bootstrap.servers": bootstrap})
     p.list_topics(topic, timeout=10)
-    lat: list[float] = []
     now = time.perf_counter
-
-    def cb(err: Any, msg: Any, t: float = 0.0) -> None:
-        pass
-
     value = b"y" * size
     interval = 1.0 / rate
+    acks: list[tuple[float, float]] = []      # (sent, acknowledged) of each message
     t0 = now()
     sent = 0
     while True:
@@ -137,14 +135,28 @@ def produce_latency(bootstrap: str, topic: str, size: int, rate: float, seconds:
         while sent < due:
             ts = now()
             p.produce(topic, value, partition=0,
-                      on_delivery=lambda err, msg, ts=ts: err is None and lat.append(now() - ts))
+                      on_delivery=lambda err, msg, ts=ts: err is None and acks.append((ts, now())))
             sent += 1
         p.poll(0)
         time.sleep(min(interval, 0.0005))
     p.flush(60)
+    lat = [b - a for a, b in acks]
+    sent_at = [a - t0 for a, _ in acks]
     ms = [x * 1000 for x in lat[len(lat) // 10:]]  # skip warm-up
     return {"rate": rate, "p50": pct(ms, 0.5), "p99": pct(ms, 0.99), "p999": pct(ms, 0.999),
-            "n": len(ms)}
+            "n": len(ms), "trace": latency_trace(sent_at, lat)}
+
+
+def latency_trace(sent_at: list[float], lat: list[float], step: float = 0.25
+                  ) -> list[tuple[float, int, float, float, float]]:
+    """(window start s, acks, p50, p99, max ms) per ``step`` of send time, warm-up included:
+    latency that grows window after window is a queue (the broker or the client cannot keep
+    up), isolated high windows are stalls."""
+    windows: dict[int, list[float]] = {}
+    for t, x in zip(sent_at, lat):
+        windows.setdefault(int(t / step), []).append(x * 1000)
+    return [(k * step, len(v), pct(v, 0.5), pct(v, 0.99), max(v))
+            for k, v in sorted(windows.items())]
 
 
 def run_target(bootstrap: str, sizes: list[int], seconds: float, restart=None,
@@ -244,6 +256,10 @@ def run(seconds: float = 8, sizes: list[int] | None = None, mock: bool = True,
     cons.extra = {"s3kafka": {k: ours[k] for k in ("hot", "cold", "hot_raw")},
                   "mock": {k: theirs[k] for k in ("hot", "hot_raw")} if theirs else None}
     lat.extra = {"s3kafka": ours["latency"], "mock": theirs["latency"] if theirs else None}
+    for a in ours["latency"]:
+        lat.notes.append(f"s3kafka at {a['rate']:.0f} msgs/s, p99 ms per 0.25 s of send time "
+                         "(a queue grows window after window, a stall is one high window): "
+                         + ", ".join(f"{w[3]:.1f}" for w in a.get("trace", [])))
     lat.notes.append("rates: a tenth of the 100 B maximum produce rate measured above "
                      "(with linger 5 ms), and 1000 msgs/s; one Python producer with a delivery "
                      "callback per message, so at high rates the client itself queues")
@@ -251,19 +267,43 @@ def run(seconds: float = 8, sizes: list[int] | None = None, mock: bool = True,
 
 
 def latency_only(rates: list[float], size: int, seconds: float,
-                 broker_args: list[str] | None = None) -> Result:
-    """Produce latency at fixed rates against a fresh broker (quick before/after checks)."""
+                 broker_args: list[str] | None = None, trace: bool = False) -> Result:
+    """Produce latency at fixed rates against a fresh broker (quick before/after checks);
+    ``trace``: also the latency over time of each rate, and the broker's Produce requests,
+    runs (requests appended together) and CPU per request."""
+    from .rawload import process_cpu_s
     broker = BrokerProc(broker_args).start()
+    rows = []
     try:
         topic = f"bench-lat-{time.time_ns()}"
         create_topic(broker.bootstrap, topic)
-        rows = [produce_latency(broker.bootstrap, topic, size, rate, seconds) for rate in rates]
+        for rate in rates:
+            before = [broker.metric(n) for n in ("s3kafka_requests_total",
+                                                 "s3kafka_request_run_members_total")]
+            cpu0 = process_cpu_s(broker.pid)
+            a = produce_latency(broker.bootstrap, topic, size, rate, seconds)
+            cpu = process_cpu_s(broker.pid) - cpu0
+            after = [broker.metric(n) for n in ("s3kafka_requests_total",
+                                                "s3kafka_request_run_members_total")]
+            a["requests"], a["in_runs"] = (y - x for x, y in zip(before, after))
+            a["cpu_us_req"] = cpu / max(a["requests"], 1) * 1e6
+            rows.append(a)
     finally:
         broker.close()
     lat = Result(f"Produce latency, confluent-kafka, {size} B, acks=all, linger 0 (ms)",
-                 ["rate msgs/s", "p50", "p99", "p999", "acked"])
+                 ["rate msgs/s", "p50", "p99", "p999", "acked", "requests", "in runs",
+                  "broker CPU us/request"])
     for a in rows:
-        lat.rows.append([a["rate"], a["p50"], a["p99"], a["p999"], a["n"]])
+        lat.rows.append([a["rate"], a["p50"], a["p99"], a["p999"], a["n"], a["requests"],
+                         a["in_runs"], a["cpu_us_req"]])
+        if trace:
+            lat.notes.append(f"{a['rate']:.0f} msgs/s over time (send time s: acks, p50 / p99 / "
+                             "max ms): " + "; ".join(f"{t:.2f}: {n}, {p50:.1f} / {p99:.1f} / "
+                                                     f"{mx:.1f}" for t, n, p50, p99, mx
+                                                     in a["trace"]))
+    lat.notes.append("requests: all requests the broker answered meanwhile (Produce and the "
+                     "producer's Metadata); in runs: Produce requests appended together with "
+                     "others read at the same time")
     return lat
 
 
@@ -275,10 +315,13 @@ def main() -> None:
     ap.add_argument("--latency-only", action="store_true",
                     help="only the fixed-rate latency runs (first size, --rates)")
     ap.add_argument("--rates", default="1000,30000")
+    ap.add_argument("--trace", action="store_true",
+                    help="latency-only: also latency over time and broker requests per rate")
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
     if a.latency_only:
-        latency_only([float(r) for r in a.rates.split(",")], sizes[0], a.seconds).print()
+        latency_only([float(r) for r in a.rates.split(",")], sizes[0], a.seconds,
+                     trace=a.trace).print()
         return
     for r in run(a.seconds, sizes, not a.skip_mock):
         r.print()
