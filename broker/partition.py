@@ -14,18 +14,13 @@ import collections
 import concurrent.futures
 import json
 import logging
-import struct
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import crc32c
-
 import protocol
 from protocol import ErrorCode
-from protocol.batches import CRC_START
-from storage.crc import combine as crc_combine
 from storage.stream import Batch, OffsetOutOfRange, RetriableStorageError, StorageError, Stream
 
 from .eager import Drive
@@ -175,30 +170,6 @@ def _config_int(configs: dict[str, str], name: str, default: int) -> int:
         return int(configs.get(name, default))
     except (TypeError, ValueError):
         return default
-
-
-
-# payloads from this size on hand the stream their CRC-32C, combined from the batches' own
-# (validated) CRCs: the WAL record and the object block then need not read the bytes again.
-# Below it a combine (~5-10 us in Python) costs more than the hardware CRC of the bytes.
-CRC_COMBINE_FROM = 64 << 10
-_U32 = struct.Struct(">I")
-
-
-def _payload_crc(buf: Any, views: list[tuple[int, Any]]) -> int:
-    """CRC-32C of the whole payload as it is now: per batch, its first 21 bytes (base offset,
-    length, leader epoch, magic, CRC: rewritten by the broker) combined with the batch's own
-    CRC of the rest, which was validated and is rewritten whenever a field under it changes
-    (LogAppendTime, a filled-in max timestamp). The batches tile the payload exactly."""
-    crc = 0
-    with memoryview(buf) as mv:
-        for pos, view in views:
-            size = view.size
-            (batch_crc,) = _U32.unpack_from(mv, pos + CRC_START - 4)
-            with mv[pos:pos + CRC_START] as head:
-                crc = crc32c.crc32c(head, crc)          # continued over the first 21 bytes
-            crc = crc_combine(crc, batch_crc, size - CRC_START)
-    return crc
 
 
 class Partition:
@@ -647,13 +618,8 @@ class Partition:
                     take()
                     return True
 
-                stream = self.stream
-                if len(buf) >= CRC_COMBINE_FROM and getattr(stream, "takes_crc", False):
-                    appending = stream.append(buf, base, count, crc=_payload_crc(buf, views))
-                else:
-                    appending = stream.append(buf, base, count)
                 try:
-                    await Drive(appending, on_suspend)
+                    await Drive(self.stream.append(buf, base, count), on_suspend)
                 except Exception as e:  # noqa: BLE001 - StorageError or a storage bug
                     error = e
                 except BaseException:   # cancelled (broker stopping)

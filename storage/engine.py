@@ -22,10 +22,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-import crc32c
-
 from .cache.log_cache import CacheEntry, LogCache
-from .crc import combine as crc_combine
 from .cold_reads import ColdReadPacer
 from . import sqldb
 from .crash import crash_point
@@ -165,14 +162,7 @@ class EngineStream(Stream):
             self._confirmed = entry.next_offset
         self._engine._maybe_upload()
 
-    # Partition.append may pass the payload's CRC-32C (combined from its batches' own CRCs)
-    takes_crc = True
-
-    async def append(self, payload: bytes | memoryview, base_offset: int, count: int,
-                     crc: int | None = None) -> None:
-        """Stream.append; ``crc``: the payload's CRC-32C if the caller has it (the WAL record
-        and the object block checksums are then combined from it, storage/crc.py, instead of
-        reading the payload twice more)."""
+    async def append(self, payload: bytes | memoryview, base_offset: int, count: int) -> None:
         eng = self._engine
         if self.deleted:
             raise StorageError(f"stream {self.stream_id} is deleted")
@@ -188,7 +178,6 @@ class EngineStream(Stream):
         payload = payload if type(payload) is bytes else memoryview(payload).cast("B")
         header = WAL_RECORD.pack(self.stream_id, base_offset, count)
         size = WAL_RECORD.size + len(payload)
-        body_crc = None if crc is None else crc_combine(crc32c.crc32c(header), crc, len(payload))
         deadline = None
         while True:
             room = eng.cache.has_room(size + 64)
@@ -197,7 +186,7 @@ class EngineStream(Stream):
                     # an asyncio future completed in batches by the WAL: no cross-thread
                     # wake-up per record (append() would cost one self-pipe write each)
                     t0 = time.perf_counter()
-                    res = eng.wal.append_loop((header, payload), self.stream_id, body_crc)
+                    res = eng.wal.append_loop((header, payload), self.stream_id)
                     break
                 except eng.fenced_error as e:   # another node took this WAL over
                     raise StorageError(str(e)) from None
@@ -224,7 +213,7 @@ class EngineStream(Stream):
             if not self.owned:   # released meanwhile: its end offset is already handed over
                 raise StorageError(f"stream {self.stream_id} is released to another node")
         entry = CacheEntry(self.stream_id, base_offset, count, payload, res.offset,
-                           res.next_offset, added=t0, crc=crc)
+                           res.next_offset, added=t0)
         eng.cache.add(entry)
         eng.stats.wal_appended_bytes += size
         self._end = base_offset + count
@@ -900,33 +889,29 @@ class Engine(StreamStore):
             if s is None or s.deleted or e.next_offset <= s.committed:
                 continue
             by_stream.setdefault(e.stream_id, []).append(e)
-        # (kind, records, their payload CRCs where the appender had them)
-        groups: list[tuple[str, list[Record], list[int | None]]] = []
+        groups: list[tuple[str, list[Record]]] = []
         sso: list[Record] = []
-        sso_crcs: list[int | None] = []
         for sid in sorted(by_stream):
             es = by_stream[sid]
             recs = [Record(sid, e.base_offset, e.count, e.payload) for e in es]
-            crcs = [e.crc for e in es]
             if sum(len(e.payload) for e in es) >= c.stream_object_threshold_bytes:
-                groups.append(("so", recs, crcs))
+                groups.append(("so", recs))
             else:
                 sso.extend(recs)
-                sso_crcs.extend(crcs)
         if sso:
-            groups.append(("sso", sso, sso_crcs))
+            groups.append(("sso", sso))
         new: list[tuple[NewObject, str, str]] = []
         prepared: list[tuple[int, str]] = []
         unknown = False          # a commit whose outcome could not be read back
         try:
-            for kind, recs, crcs in groups:
+            for kind, recs in groups:
                 oid, key = await self.io(self.meta.prepare_object, kind, c.node_id)
                 prepared.append((oid, key))
                 # one encode buffer reused across uploads (taken while in use: a drain may
                 # upload beside the loop): fresh memory faults a page per 4 KiB
                 into = self._take_encode_buffer(object_size(recs, c.object_block_bytes))
                 data, _index, ranges = await encode_object_in_slices(
-                    recs, c.object_block_bytes, into=into, crcs=crcs)
+                    recs, c.object_block_bytes, into=into)
                 await self.io(self.store.put, key, data)
                 size = len(data)
                 data = None

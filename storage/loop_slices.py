@@ -20,12 +20,12 @@ SLICE_S = 0.0005
 
 
 async def encode_object_in_slices(records: list[Record], block_size: int = DEFAULT_BLOCK_SIZE,
-                                  slice_s: float = SLICE_S, into: Buffer | None = None,
-                                  crcs: list[int | None] | None = None) -> tuple[Buffer | memoryview, list[IndexEntry],
+                                  slice_s: float = SLICE_S, into: Buffer | None = None
+                                  ) -> tuple[Buffer | memoryview, list[IndexEntry],
                                              list[StreamRange]]:
     """encode_object() on the running loop, yielding to other callbacks every ``slice_s``
-    (``into``: a reusable buffer, ``crcs``: known payload CRCs, see ObjectEncoder)."""
-    enc = ObjectEncoder(records, block_size, into, crcs)
+    (``into``: a reusable buffer, see ObjectEncoder)."""
+    enc = ObjectEncoder(records, block_size, into)
     while not enc.encode(until=time.perf_counter() + slice_s):
         await asyncio.sleep(0)
     return enc.finish()

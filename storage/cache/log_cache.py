@@ -20,11 +20,11 @@ class CacheEntry:
     """One appended payload plus where it sits in the WAL."""
 
     __slots__ = ("stream_id", "base_offset", "count", "payload", "wal_offset", "wal_next",
-                 "durable", "size", "added", "crc")
+                 "durable", "size", "added")
 
     def __init__(self, stream_id: int, base_offset: int, count: int, payload: bytes,
                  wal_offset: int = -1, wal_next: int = -1, durable: bool = False,
-                 added: float = 0.0, crc: int | None = None) -> None:
+                 added: float = 0.0) -> None:
         self.stream_id = stream_id
         self.base_offset = base_offset
         self.count = count
@@ -34,7 +34,6 @@ class CacheEntry:
         self.durable = durable
         self.size = len(payload) + 64
         self.added = added          # time.perf_counter() at the append (0: recovered)
-        self.crc = crc              # the payload's CRC-32C when the appender had it, else None
 
     @property
     def next_offset(self) -> int:

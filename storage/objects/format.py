@@ -27,8 +27,6 @@ from typing import Callable, Iterable, Iterator, NamedTuple, Union
 
 import crc32c
 
-from ..crc import combine as crc_combine
-
 BLOCK_MAGIC = 0x5A
 RECORD_MAGIC = 0x22
 FOOTER_MAGIC = 0x88E241B785F4CFF7
@@ -93,13 +91,10 @@ class ObjectEncoder:
     GIL for the whole object."""
 
     def __init__(self, records: list[Record], block_size: int = DEFAULT_BLOCK_SIZE,
-                 into: Buffer | None = None, crcs: list[int | None] | None = None) -> None:
+                 into: Buffer | None = None) -> None:
         """``into``: a buffer to encode into (its first bytes become the object, returned as a
         memoryview of them) instead of a fresh one: the engine reuses one across uploads, as
-        fresh memory costs a page fault per 4 KiB (~0.5 ms per MiB on this VM).
-        ``crcs``: per record, its payload's CRC-32C when known (None: not known): a block whose
-        payloads all have one gets its checksum combined from them (storage/crc.py) instead
-        of reading the block again."""
+        fresh memory costs a page fault per 4 KiB (~0.5 ms per MiB on this VM)."""
         self.block_size = block_size
         size = object_size(records, block_size)
         if into is not None and len(into) >= size:
@@ -115,8 +110,6 @@ class ObjectEncoder:
         self._block_records = 0
         self._runs: list[list[int]] = []    # [stream, start, end, count] within the open block
         self._last: tuple[int, int] | None = None
-        self._crcs = crcs
-        self._block_crc: int | None = 0     # combined CRC of the open block; None: compute
 
     def encode(self, until: float | None = None, clock: Callable[[], float] = time.perf_counter
                ) -> bool:
@@ -146,15 +139,6 @@ class ObjectEncoder:
                                 r.count - 1, n)
         at += RECORD_HEADER.size
         out[at:at + n] = r.payload
-        bcrc = self._block_crc
-        if bcrc is not None:
-            known = self._crcs[self._next] if self._crcs is not None else None
-            if known is None:
-                self._block_crc = None
-            else:
-                with memoryview(out) as mv, mv[at - RECORD_HEADER.size:at] as head:
-                    bcrc = crc32c.crc32c(head, bcrc)        # continued over the header
-                self._block_crc = crc_combine(bcrc, known, n)
         self._at = at + n
         self._block_records += 1
         runs = self._runs
@@ -177,17 +161,14 @@ class ObjectEncoder:
         pos = self._block_pos
         hdr = BLOCK_HEADER.size
         length = self._at - pos - hdr
-        crc = self._block_crc
-        if crc is None:
-            with memoryview(self.out) as mv, mv[pos + hdr:self._at] as body:
-                crc = crc32c.crc32c(body)
+        with memoryview(self.out) as mv, mv[pos + hdr:self._at] as body:
+            crc = crc32c.crc32c(body)
         BLOCK_HEADER.pack_into(self.out, pos, BLOCK_MAGIC, 0, self._block_records, length, crc)
         size = self._at - pos
         for sid, start, end, cnt in self._runs:
             self.index.append(IndexEntry(sid, start, end, cnt, pos, size))
         self._block_pos = -1
         self._block_records = 0
-        self._block_crc = 0
         self._runs = []
 
     def finish(self) -> tuple[Buffer | memoryview, list[IndexEntry], list[StreamRange]]:

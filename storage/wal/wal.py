@@ -334,21 +334,17 @@ class DeltaWAL:
             self._driver.kick_soon()
         return AppendResult(offset, offset + size, fut)
 
-    def append_loop(self, body: Body, stream_id: int = 0, crc: int | None = None
-                    ) -> AppendResult:
+    def append_loop(self, body: Body, stream_id: int = 0) -> AppendResult:
         """append() for code on a running event loop: the result's future is an asyncio.Future
         of that loop, completed in batches (one cross-thread wake-up per drained batch rather than
         one per record, and no concurrent.futures.Future to build). Never blocks; the caller
-        bounds what it buffers (the ring capacity still bounds everything). ``crc``: the
-        body's CRC-32C when the caller already has it (the engine combines it from the produce
-        batches' own CRCs, storage/crc.py), so the body is not read again here; recovery checks
-        it against the bytes as always."""
+        bounds what it buffers (the ring capacity still bounds everything)."""
         driver = self._driver
         # on the driver's thread its loop is the running one; get_running_loop() costs a
         # getpid() syscall per call
         loop = driver.loop if driver is not None and driver.on_loop() else \
             asyncio.get_running_loop()
-        body, n, crc = _prepare(body, crc)
+        body, n, crc = _prepare(body)
         fut = loop.create_future()
         with self._lock:
             offset = self._reserve(body, n, stream_id, (loop, fut), crc)
@@ -833,23 +829,19 @@ class DeltaWAL:
         self.close()
 
 
-def _prepare(body, known_crc: int | None = None) -> tuple:
+def _prepare(body) -> tuple:
     """(body, length, crc): flat byte views, parts kept as a tuple, CRC-32C computed here, on
-    the appender's thread outside the WAL lock (crc32c drops the GIL for bytes), unless the
-    caller passed it (``known_crc``)."""
+    the appender's thread outside the WAL lock (crc32c drops the GIL for bytes)."""
     if type(body) is bytes:
-        return body, len(body), body_crc(body) if known_crc is None else known_crc
+        return body, len(body), body_crc(body)
     if isinstance(body, (tuple, list)):
         parts = tuple(p if type(p) is bytes else _as_bytes_view(p) for p in body)
-        if known_crc is None:
-            crc = 0
-            for p in parts:
-                crc = crc32c.crc32c(p, crc)
-        else:
-            crc = known_crc
+        crc = 0
+        for p in parts:
+            crc = crc32c.crc32c(p, crc)
         return parts, sum(len(p) for p in parts), crc
     body = _as_bytes_view(body)
-    return body, len(body), body_crc(body) if known_crc is None else known_crc
+    return body, len(body), body_crc(body)
 
 
 def _length(body) -> int:
