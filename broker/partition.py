@@ -321,7 +321,8 @@ class Partition:
                         if view.producer_id != NO_PRODUCER_ID:
                             self.producers.record(view.producer_id, view.producer_epoch,
                                                   view.base_sequence, view.last_offset_delta + 1,
-                                                  view.base_offset, view.max_timestamp)
+                                                  view.base_offset, view.max_timestamp,
+                                                  replayed=True)
                 except protocol.CorruptRecordError as e:
                     # never stop a broker from starting: the payload stays readable as stored
                     log.error("unreadable batch header topic=%s partition=%d offset=%d: %s",
@@ -518,9 +519,11 @@ class Partition:
                       if v.producer_id != NO_PRODUCER_ID and not v.is_control] \
             if views[0][1].producer_id != NO_PRODUCER_ID or len(views) > 1 else []
         if (idempotent or control) and not self._producers_ready:
-            res.error = ErrorCode.NOT_ENOUGH_REPLICAS
-            res.message = "producer state of this partition is still being rebuilt; retry"
-            return res
+            # failed marks: a successor arriving once the replay is done must wait for this
+            # batch's retry too, or a stored one is acknowledged implicitly, without an offset
+            return self._not_appended(
+                res, idempotent, ErrorCode.NOT_ENOUGH_REPLICAS,
+                "producer state of this partition is still being rebuilt; retry")
         if self._offline is not None:
             res.error, res.message = ErrorCode.KAFKA_STORAGE_ERROR, self._offline
             return res

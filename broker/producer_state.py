@@ -115,11 +115,15 @@ class PartitionProducers:
         a producer this partition has no state for (new, or expired by retention) may start at
         any sequence; a new epoch must start at sequence 0."""
         entry = self.entries.get(producer_id)
+        mark = self.failed.get(producer_id)
         if entry is not None:
             dup = entry.find_duplicate(epoch, first_seq, _last_seq(first_seq, count))
             if dup is not None:
+                if mark is not None and mark[0] == epoch and mark[1] == first_seq:
+                    # the marked batch was stored after all (refused while the replay that
+                    # found it ran): its retry is answered, the successors may follow
+                    del self.failed[producer_id]
                 return dup
-        mark = self.failed.get(producer_id)
         if mark is not None:
             m_epoch, m_seq, t = mark
             if epoch > m_epoch or time.monotonic() - t > FAILED_MARK_S:
@@ -148,10 +152,12 @@ class PartitionProducers:
         return None
 
     def record(self, producer_id: int, epoch: int, first_seq: int, count: int,
-               base_offset: int, timestamp: int, outcome: Any = None) -> BatchMeta:
-        """Remember a batch the stream took (or a replayed one); ``outcome`` resolves to
-        whether it became durable."""
-        mark = self.failed.get(producer_id)
+               base_offset: int, timestamp: int, outcome: Any = None,
+               replayed: bool = False) -> BatchMeta:
+        """Remember a batch the stream took (or a ``replayed`` one); ``outcome`` resolves to
+        whether it became durable. A replayed batch leaves failed marks alone: its retry,
+        refused during the replay, is still on its way (``check`` clears the mark then)."""
+        mark = None if replayed else self.failed.get(producer_id)
         if mark is not None and (epoch > mark[0] or (epoch == mark[0] and first_seq == mark[1])):
             del self.failed[producer_id]      # the failed batch's retry (or a new epoch)
         entry = self.entries.get(producer_id)

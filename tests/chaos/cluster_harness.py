@@ -23,7 +23,7 @@ from cluster.kit import leaders, wait_leaders, wait_live
 from .cluster_faults import FAULTS, ChaosCluster
 from .groups import CommitMonitor, ConsumeLog, GroupReport, check_groups, start_members
 from .java_writer import java_classpath, start_java_writers
-from .workload import RDKAFKA_LOG, Ledger, Report, check, read_all, start_writers
+from .workload import Ledger, Report, check, rdkafka_debug_to, read_all, start_writers
 
 TOPIC = "queue"
 PARTITIONS = 6
@@ -111,12 +111,8 @@ def run_cluster_chaos(broker_factory: Any, s3_endpoint: Any, schedule: list[tupl
     if handler:
         handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(name)s %(message)s"))
         client_log.addHandler(handler)
-    rd_handler = logging.FileHandler(details.with_name("rdkafka.log")) if details else None
-    if rd_handler:          # the confluent-kafka writers' debug lines (workload.RDKAFKA_LOG)
-        rd_handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(message)s"))
-        RDKAFKA_LOG.propagate = False
-        RDKAFKA_LOG.setLevel(logging.DEBUG)
-        RDKAFKA_LOG.addHandler(rd_handler)
+    rd_log = rdkafka_debug_to(details.with_name("rdkafka.log") if details else None)
+    rd_log.__enter__()
     cl = ChaosCluster(broker_factory, s3_endpoint, log=log)
     cl.topic = TOPIC
     stop_w, stop_r = threading.Event(), threading.Event()
@@ -201,9 +197,7 @@ def run_cluster_chaos(broker_factory: Any, s3_endpoint: Any, schedule: list[tupl
         if handler:
             client_log.removeHandler(handler)
             handler.close()
-        if rd_handler:
-            RDKAFKA_LOG.removeHandler(rd_handler)
-            rd_handler.close()
+        rd_log.__exit__(None, None, None)
 
 
 def _collect(out: ClusterOutcome, cl: ChaosCluster, t_start: float) -> None:

@@ -18,7 +18,7 @@ from datapath.batches import make_batch
 from datapath.wire import WireClient
 
 from .faults import broker_args, proxy_for, s3_bucket_url
-from .workload import Ledger, Report, check, read_all, start_writers
+from .workload import Ledger, Report, check, rdkafka_debug_to, read_all, start_writers
 
 PROBE_TIMEOUT_S = 20.0        # plain produce after a restart
 IDEMPOTENT_PROBE_S = 10.0     # idempotent produce: refused (retriably) while the producer
@@ -48,6 +48,7 @@ class Outcome:
     steps: list[str] = field(default_factory=list)
     writer_errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    rdkafka_log: str = ""   # the confluent-kafka writers' librdkafka debug lines
 
     def summary(self) -> str:
         lines = [self.report.summary(), f"schedule: {' '.join(self.steps)} ({self.seconds:.0f}s)"]
@@ -116,9 +117,12 @@ def run_schedule(broker_factory: Any, s3_endpoint: Any, steps: list[Any], *,
         c.create_topic(topic, partitions)
     ledger = Ledger()
     stop = threading.Event()
+    out_log = bp.log_path.with_name("rdkafka.log")
+    rd_log = rdkafka_debug_to(out_log)
+    rd_log.__enter__()
     writers = start_writers(bp.bootstrap, topic, partitions, ledger, stop,
                             confluent=confluent, kafka_python=kafka_python, rate=rate)
-    out = Outcome(report=None)  # type: ignore[arg-type]
+    out = Outcome(report=None, rdkafka_log=str(out_log))  # type: ignore[arg-type]
     t_start = time.monotonic()
     killed_at = 0.0
     try:
@@ -163,3 +167,4 @@ def run_schedule(broker_factory: Any, s3_endpoint: Any, steps: list[Any], *,
     finally:
         stop.set()
         proxy.close()
+        rd_log.__exit__(None, None, None)

@@ -20,7 +20,8 @@ def _assert_clean(out) -> None:
     assert r.acked > 1000, out.summary()
     assert r.anomalies == 0, (out.summary() + f"\nlost={r.lost[:5]} dup={r.duplicated[:5]} "
                               f"wrong={r.wrong_offset[:5]} order={r.out_of_order[:5]} "
-                              f"no_offset={r.no_offset[:5]}")
+                              f"no_offset={r.no_offset[:5]} (librdkafka's side: "
+                              f"{out.rdkafka_log})")
     assert not out.writer_errors, out.summary()
     assert r.fatal == 0, out.summary()
     # the broker's own part of each restart (its interpreter's start-up and imports, seconds

@@ -16,12 +16,14 @@ Everything is bounded: writers stop on an event or a count, reads on a deadline.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import Errors, code_retriable
 
@@ -29,6 +31,28 @@ PAD = b"." * 500
 # librdkafka's idempotence and batch debug lines ("eos,msg") go here when it has a handler
 # (the cluster harness writes them to rdkafka.log): the evidence for a client-side fatal error
 RDKAFKA_LOG = logging.getLogger("chaos.rdkafka")
+
+
+@contextlib.contextmanager
+def rdkafka_debug_to(path: "os.PathLike[str] | str | None") -> Iterator[None]:
+    """While inside, the confluent-kafka writers log librdkafka's idempotence and message
+    debug lines (``RDKAFKA_LOG``) to ``path``: the client's side of an anomaly."""
+    if path is None:
+        yield
+        return
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(message)s"))
+    saved = RDKAFKA_LOG.propagate, RDKAFKA_LOG.level
+    RDKAFKA_LOG.propagate = False
+    RDKAFKA_LOG.setLevel(logging.DEBUG)
+    RDKAFKA_LOG.addHandler(handler)
+    try:
+        yield
+    finally:
+        RDKAFKA_LOG.removeHandler(handler)
+        RDKAFKA_LOG.propagate, _ = saved
+        RDKAFKA_LOG.setLevel(saved[1])
+        handler.close()
 
 
 def value_of(writer: str, n: int) -> bytes:

@@ -227,6 +227,32 @@ async def test_restart_waits_for_producer_state_before_idempotent_appends(tmp_pa
     await p2.close()
 
 
+async def test_a_batch_refused_during_replay_holds_back_its_successor(tmp_path):
+    """Back-pressure suite (acknowledged without an offset): after a kill -9 the retry of a
+    stored batch (v2) was refused while the replay ran; its successor (v3, pipelined behind
+    it) arrived once the replay had ended and was appended after the replayed v2. librdkafka
+    then acknowledged v2 implicitly, without an offset. v3 must get a retriable error until
+    v2's retry is answered as a duplicate with its original offset; then v3 follows."""
+    stream = GatedStream()
+    p, store, _, broker = await open_partition(tmp_path, stream=stream)
+    for i in range(3):
+        assert (await p.append(idem(f"v{i}".encode(), i))).error == 0
+    stream.read_error = StorageError("object store unreachable")
+    p2 = await Partition.open(None, "t", TOPIC_ID, 0, stream, {})
+    ra = await p2.append(idem(b"v2", 2))
+    assert ra.error == ErrorCode.NOT_ENOUGH_REPLICAS
+    stream.read_error = None
+    await asyncio.wait_for(p2._replay_task, 10)
+    rb = await p2.append(idem(b"v3", 3))
+    assert rb.error == ErrorCode.NOT_ENOUGH_REPLICAS, rb
+    ra = await p2.append(idem(b"v2", 2))
+    assert (ra.error, ra.base_offset) == (0, 2)        # duplicate of the replayed batch
+    rb = await p2.append(idem(b"v3", 3))
+    assert (rb.error, rb.base_offset) == (0, 3), rb    # the mark went with the duplicate
+    assert [v for _, v in await values(p2)] == [b"v0", b"v1", b"v2", b"v3"]
+    await p2.close()
+
+
 async def test_a_batch_refused_before_append_holds_back_its_successor(tmp_path):
     """Issue 17 (chaos suite): a produce refused at the door (this broker's lease lapsed for
     a few ms) appends nothing; the producer's next pipelined batch, arriving once the lease
