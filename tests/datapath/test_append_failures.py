@@ -196,18 +196,24 @@ async def test_shutdown_while_waiting_leaves_no_trace(tmp_path):
     assert await values(p) == [] and p.producers.entries == {}
 
 
+async def _reopened_while_unreadable(tmp_path) -> tuple[Partition, GatedStream]:
+    """Three idempotent batches (v0-v2, sequences 0-2), then the partition reopened over the
+    same stream without its snapshot while the stream cannot be read (the object store
+    down): the producer state must come from the log, whose replay waits."""
+    stream = GatedStream()
+    p, *_ = await open_partition(tmp_path, stream=stream)
+    for i in range(3):
+        assert (await p.append(idem(f"v{i}".encode(), i))).error == 0
+    stream.read_error = StorageError("object store unreachable")
+    return await Partition.open(None, "t", TOPIC_ID, 0, stream, {}), stream
+
+
 async def test_restart_waits_for_producer_state_before_idempotent_appends(tmp_path):
     """Issue 21, scenario 3: the log tail cannot be read at open (object store down). The
     partition answers idempotent produces with a retriable error (plain ones are appended)
     until the replay completes; then a retry of a replayed batch is a duplicate with its
     original offset, and the next sequence follows."""
-    stream = GatedStream()
-    p, store, _, broker = await open_partition(tmp_path, stream=stream)
-    for i in range(3):
-        assert (await p.append(idem(f"v{i}".encode(), i))).error == 0
-    # reopen without the snapshot: the state must come from the log
-    stream.read_error = StorageError("object store unreachable")
-    p2 = await Partition.open(None, "t", TOPIC_ID, 0, stream, {})
+    p2, stream = await _reopened_while_unreadable(tmp_path)
     r = await p2.append(idem(b"v2", 2))
     assert r.error == ErrorCode.NOT_ENOUGH_REPLICAS
     r = await p2.append(make_batch([b"plain"]))
@@ -233,12 +239,7 @@ async def test_a_batch_refused_during_replay_holds_back_its_successor(tmp_path):
     it) arrived once the replay had ended and was appended after the replayed v2. librdkafka
     then acknowledged v2 implicitly, without an offset. v3 must get a retriable error until
     v2's retry is answered as a duplicate with its original offset; then v3 follows."""
-    stream = GatedStream()
-    p, store, _, broker = await open_partition(tmp_path, stream=stream)
-    for i in range(3):
-        assert (await p.append(idem(f"v{i}".encode(), i))).error == 0
-    stream.read_error = StorageError("object store unreachable")
-    p2 = await Partition.open(None, "t", TOPIC_ID, 0, stream, {})
+    p2, stream = await _reopened_while_unreadable(tmp_path)
     ra = await p2.append(idem(b"v2", 2))
     assert ra.error == ErrorCode.NOT_ENOUGH_REPLICAS
     stream.read_error = None
