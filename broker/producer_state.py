@@ -18,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field

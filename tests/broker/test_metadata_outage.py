@@ -133,11 +133,7 @@ def test_pg_cut_answers_retriable_errors_on_the_same_connection(broker_factory, 
         consumer.close()
 
         # the same raw connection: everything works again
-        deadline = time.monotonic() + 30
-        while _commit(c, "og", "ot", 5) != 0:
-            assert time.monotonic() < deadline, "commits still refused after the restore"
-            time.sleep(0.2)
-        assert _fetch_offset(c, "og", "ot") == (0, 5)
+        _until_commits_work(c, "og", "ot", 30)
         assert _create_topic(c, "ot2") == 0
         assert _init_producer_id(c) == 0
         text = _ended_log(broker)
@@ -150,6 +146,16 @@ def test_pg_cut_answers_retriable_errors_on_the_same_connection(broker_factory, 
     assert len(ended) == 1 and "level=INFO" in ended[0], ended
     errors = [ln for ln in text.splitlines() if "level=ERROR" in ln]
     assert not errors, errors[:5]
+
+
+def _until_commits_work(c: WireClient, group: str, topic: str, timeout: float) -> None:
+    """After the store is back: commit offset 5 until it is accepted (within ``timeout`` s),
+    then read it back."""
+    deadline = time.monotonic() + timeout
+    while _commit(c, group, topic, 5) != 0:
+        assert time.monotonic() < deadline, "commits still refused after the restore"
+        time.sleep(0.2)
+    assert _fetch_offset(c, group, topic) == (0, 5)
 
 
 @pytest.mark.slow
@@ -173,11 +179,7 @@ def test_black_holed_pg_fails_a_commit_within_a_bound_then_recovers(broker_facto
         # the call watch (5 s) + a reconnect attempt (connect timeout 5 s) at most + slack
         assert took < 30, f"a commit during a black hole took {took:.1f} s"
         proxy.restore()
-        deadline = time.monotonic() + 60
-        while _commit(c, "bg", "bh", 5) != 0:
-            assert time.monotonic() < deadline, "commits still refused after the restore"
-            time.sleep(0.2)
-        assert _fetch_offset(c, "bg", "bh") == (0, 5)
+        _until_commits_work(c, "bg", "bh", 60)
         text = _ended_log(broker)
     finally:
         c.close()

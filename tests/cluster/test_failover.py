@@ -13,57 +13,17 @@ from __future__ import annotations
 import collections
 import re
 import signal
-import threading
 import time
 
 import pytest
-from confluent_kafka import Producer
-from kafka.admin import KafkaAdminClient, NewTopic
+from kafka.admin import KafkaAdminClient
 
-from .kit import FAILOVER_FLAGS, ask, leaders, read_all, wait_for, wait_leaders, wait_live
+from .kit import FAILOVER_FLAGS, ask, leaders, read_all, wait_for, wait_live
+from .timed_load import TimedLoad, create_topic
 
 pytestmark = pytest.mark.slow
 
-PARTITIONS = 6
 FLAGS = (*FAILOVER_FLAGS, "--upload-interval-s", "30")
-
-
-class TimedLoad:
-    """An idempotent acks=all producer of unique values; every ack with its arrival time."""
-
-    def __init__(self, bootstrap: str, topic: str) -> None:
-        self.acked: list[tuple[int, int, bytes, float]] = []
-        self.errors: list[str] = []
-        self.sent = 0
-        self.sent_at: list[float] = []      # send time of value v{i}
-        self._stop = threading.Event()
-        self._p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
-                            "acks": "all", "linger.ms": 5, "message.timeout.ms": 60000,
-                            "topic.metadata.refresh.interval.ms": 500,
-                            "retry.backoff.max.ms": 200})
-        self._topic = topic
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _cb(self, err, msg) -> None:
-        if err is not None:
-            self.errors.append(str(err))
-        else:
-            self.acked.append((msg.partition(), msg.offset(), msg.value(), time.monotonic()))
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for _ in range(20):
-                self.sent_at.append(time.monotonic())
-                self._p.produce(self._topic, value=f"v{self.sent}".encode(),
-                                partition=self.sent % PARTITIONS, on_delivery=self._cb)
-                self.sent += 1
-            self._p.poll(0.05)
-        self._p.flush(60)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._t.join(90)
 
 
 @pytest.mark.parametrize("fault", ["kill", "sigstop", "kill-controller"])
@@ -75,20 +35,14 @@ def test_dead_broker_fails_over_and_rejoins(cluster_factory, metadata_url, fault
         pytest.skip("the failover path is the same on PostgreSQL; SQLite keeps this lean")
     brokers = cluster_factory(3, extra=FLAGS)
     boot = ",".join(b.bootstrap for b in brokers)
-    admin = KafkaAdminClient(bootstrap_servers=boot)
-    wait_live(admin, 3)
-    admin.create_topics([NewTopic("fo", PARTITIONS, 1)])
-    wait_leaders(admin, "fo", PARTITIONS)
-    time.sleep(0.5)       # every broker's view follows the database within a poll interval
-    before = leaders(admin, "fo")
+    before = create_topic(boot, "fo", live=3, settle=True)
     victim = 0 if fault == "kill-controller" else 1    # node 0 started first: controller
     dead_parts = sorted(p for p, (lead, _) in before.items() if lead == victim)
     assert dead_parts, before
 
     load = TimedLoad(boot, "fo")
-    wait_for(lambda: {p for p, *_ in load.acked} >= set(range(PARTITIONS)), what="acks")
+    load.wait_every_partition()
     time.sleep(1.0)
-    admin.close()
     # from here on ask only the survivors, each time through a fresh admin (kit.ask): an admin
     # that knew the victim may send it a request, which a paused victim never answers
     survivors = ",".join(b.bootstrap for i, b in enumerate(brokers) if i != victim)

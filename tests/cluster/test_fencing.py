@@ -7,46 +7,19 @@ its acknowledged offset.
 """
 from __future__ import annotations
 
-import collections
 import re
 import signal
 import sqlite3
 import time
 
 import pytest
-from kafka.admin import KafkaAdminClient, NewTopic
 
 from broker.cluster.lease import LeaseWatch, OwnLease
-from .kit import FAILOVER_FLAGS, ask, leaders, read_all, wait_for, wait_leaders, wait_live
-from .test_failover import PARTITIONS, TimedLoad
+from .kit import FAILOVER_FLAGS, ask, leaders, wait_for
+from .timed_load import PARTITIONS, TimedLoad, check_read_back, create_topic
 
 LEASE_S = 2.0                   # FAILOVER_FLAGS: lease 2 s, margin 0.5 s
 FLAGS = (*FAILOVER_FLAGS, "--upload-interval-s", "30")
-
-
-def check_read_back(boot: str, topic: str, acked_list: list) -> int:
-    """Every acknowledged value read back once, at its acknowledged partition and offset;
-    no two acknowledgements of one offset. Returns how many were acknowledged."""
-    ends: dict[int, int] = {}
-    acked: dict[bytes, tuple[int, int]] = {}
-    at: dict[tuple[int, int], bytes] = {}
-    for p, off, v, _ in acked_list:
-        assert v not in acked, f"value {v!r} acknowledged twice"
-        assert (p, off) not in at, f"offset {(p, off)} acknowledged for {at[(p, off)]!r} and {v!r}"
-        acked[v] = (p, off)
-        at[(p, off)] = v
-        ends[p] = max(ends.get(p, 0), off + 1)
-    got = read_all(boot, topic, ends)
-    where: dict[bytes, list[tuple[int, int]]] = collections.defaultdict(list)
-    for p, off, v in got:
-        where[v].append((p, off))
-    lost = [v for v in acked if v not in where]
-    twice = [v for v, w in where.items() if len(w) > 1]
-    moved = [v for v, w in acked.items() if v in where and where[v][0] != w]
-    assert not lost, f"{len(lost)} acknowledged records lost, e.g. {lost[:5]}"
-    assert not twice, f"{len(twice)} values at two offsets, e.g. {twice[:5]}"
-    assert not moved, f"{len(moved)} records not at their acknowledged offset, e.g. {moved[:5]}"
-    return len(acked)
 
 
 # ---- the clocks themselves (no processes) ----------------------------------------------------
@@ -184,10 +157,7 @@ def test_broker_cut_off_from_metadata_stops_acknowledging_within_its_lease(broke
     idempotent producer keeps retrying NOT_LEADER_OR_FOLLOWER), and acknowledges again once
     a renewal succeeds; nothing acknowledged is lost."""
     b = broker_factory(["--metadata", metadata_url, *FLAGS])
-    admin = KafkaAdminClient(bootstrap_servers=b.bootstrap)
-    admin.create_topics([NewTopic("cut", PARTITIONS, 1)])
-    wait_leaders(admin, "cut", PARTITIONS)
-    admin.close()
+    create_topic(b.bootstrap, "cut")
     load = TimedLoad(b.bootstrap, "cut")
     blocker = _Blocker(metadata_url)
     try:
@@ -230,29 +200,7 @@ def test_appends_in_flight_when_the_lease_lapses_are_acknowledged_once_renewed(b
     without an offset). Requests that arrive while it is lapsed are still refused."""
     if not metadata_url.startswith("sqlite"):
         pytest.skip("the lease gate is the same on PostgreSQL; SQLite keeps this lean")
-    b = broker_factory(["--metadata", metadata_url, "--cluster-lease-ms", "2000",
-                        "--cluster-takeover-margin-ms", "60000", "--upload-interval-s", "30"])
-    admin = KafkaAdminClient(bootstrap_servers=b.bootstrap)
-    admin.create_topics([NewTopic("gap", PARTITIONS, 1)])
-    wait_leaders(admin, "gap", PARTITIONS)
-    admin.close()
-    load = TimedLoad(b.bootstrap, "gap")
-    try:
-        for _ in range(3):
-            n = len(load.acked)
-            wait_for(lambda: len(load.acked) > n + 300, what="acks")
-            b.proc.send_signal(signal.SIGSTOP)
-            time.sleep(LEASE_S + 0.6)
-            b.proc.send_signal(signal.SIGCONT)
-    finally:
-        load.stop()
-    text = b.log_text()
-    withheld = [int(n) for n in re.findall(r"answers withheld=(\d+)", text)]
-    assert "lease lapsed" in text and withheld, text[-3000:]
-    assert not any(withheld), f"answers withheld after renewals: {withheld}"
-    assert not load.errors, load.errors[:5]
-    print(f"acknowledged {check_read_back(b.bootstrap, 'gap', load.acked)} records at their "
-          f"offsets, all read back once; lapses: {len(withheld)}")
+    _three_lapses_none_withheld(broker_factory, metadata_url, "gap")
 
 
 @pytest.mark.slow
@@ -264,33 +212,41 @@ def test_appends_in_flight_wait_for_a_renewal_later_than_a_lease(broker_factory,
     renewal, librdkafka acknowledged them without an offset (chaos suite, session 19)."""
     if not metadata_url.startswith("sqlite"):
         pytest.skip("the lease gate is the same on PostgreSQL; SQLite keeps this lean")
+    _three_lapses_none_withheld(broker_factory, metadata_url, "late",
+                                _Blocker(metadata_url))
+
+
+def _three_lapses_none_withheld(broker_factory, metadata_url: str, topic: str,
+                                blocker: "_Blocker | None" = None) -> None:
+    """One broker (2 s lease, nobody to fence it) under load is paused past its lease three
+    times; with ``blocker``, the renewal after each SIGCONT also waits a lease for a database
+    lock. Every lapse is logged, no answer is withheld, nothing acknowledged is lost."""
     b = broker_factory(["--metadata", metadata_url, "--cluster-lease-ms", "2000",
                         "--cluster-takeover-margin-ms", "60000", "--upload-interval-s", "30"])
-    admin = KafkaAdminClient(bootstrap_servers=b.bootstrap)
-    admin.create_topics([NewTopic("late", PARTITIONS, 1)])
-    wait_leaders(admin, "late", PARTITIONS)
-    admin.close()
-    load = TimedLoad(b.bootstrap, "late")
-    blocker = _Blocker(metadata_url)
+    create_topic(b.bootstrap, topic)
+    load = TimedLoad(b.bootstrap, topic)
     try:
         for _ in range(3):
             n = len(load.acked)
             wait_for(lambda: len(load.acked) > n + 300, what="acks")
             b.proc.send_signal(signal.SIGSTOP)
             time.sleep(LEASE_S + 0.6)
-            blocker.block()              # the renewal after SIGCONT waits for this lock
+            if blocker is not None:
+                blocker.block()          # the renewal after SIGCONT waits for this lock
             b.proc.send_signal(signal.SIGCONT)
-            time.sleep(LEASE_S + 0.8)
-            blocker.release()
+            if blocker is not None:
+                time.sleep(LEASE_S + 0.8)
+                blocker.release()
     finally:
-        blocker.release()
+        if blocker is not None:
+            blocker.release()
         load.stop()
     text = b.log_text()
     withheld = [int(n) for n in re.findall(r"answers withheld=(\d+)", text)]
     assert "lease lapsed" in text and withheld, text[-3000:]
     assert not any(withheld), f"answers withheld after renewals: {withheld}"
     assert not load.errors, load.errors[:5]
-    print(f"acknowledged {check_read_back(b.bootstrap, 'late', load.acked)} records at their "
+    print(f"acknowledged {check_read_back(b.bootstrap, topic, load.acked)} records at their "
           f"offsets, all read back once; lapses: {len(withheld)}")
 
 
@@ -310,17 +266,11 @@ def test_taker_killed_mid_takeover_third_broker_takes_over_both(broker_factory, 
     brokers.append(broker_factory(["--node-id", "2", "--rack", "r2", *cluster_factory.shared,
                                    *FLAGS], env=env))
     boot = ",".join(b.bootstrap for b in brokers)
-    admin = KafkaAdminClient(bootstrap_servers=boot)
-    wait_live(admin, 3)
-    admin.create_topics([NewTopic("tk", PARTITIONS, 1)])
-    wait_leaders(admin, "tk", PARTITIONS)
-    time.sleep(0.5)
-    before = leaders(admin, "tk")
-    admin.close()
+    before = create_topic(boot, "tk", live=3, settle=True)
     assert {lead for lead, _ in before.values()} == {0, 1, 2}, before
     load = TimedLoad(boot, "tk")
     try:
-        wait_for(lambda: {p for p, *_ in load.acked} >= set(range(PARTITIONS)), what="acks")
+        load.wait_every_partition()
         time.sleep(1.0)
         brokers[1].kill()
         t_kill = time.monotonic()

@@ -16,11 +16,10 @@ import threading
 import time
 
 import pytest
-from kafka.admin import KafkaAdminClient, NewTopic
 
 from storage import sqldb
-from .kit import FAILOVER_FLAGS, wait_for, wait_leaders, wait_live
-from .test_failover import PARTITIONS, TimedLoad
+from .kit import FAILOVER_FLAGS
+from .timed_load import TimedLoad, create_topic
 
 pytestmark = pytest.mark.e2e
 
@@ -70,15 +69,11 @@ def test_a_metadata_lock_held_past_the_lease_lapses_no_lease(broker_factory, tmp
     brokers = [broker_factory(["--node-id", str(i), "--rack", f"r{i}", *shared])
                for i in range(2)]
     boot = ",".join(b.bootstrap for b in brokers)
-    admin = KafkaAdminClient(bootstrap_servers=boot)
-    wait_live(admin, 2)
-    admin.create_topics([NewTopic("locks", PARTITIONS, 1)])
-    wait_leaders(admin, "locks", PARTITIONS)
-    admin.close()
+    create_topic(boot, "locks", live=2)
     load = TimedLoad(boot, "locks")
     hold_s = 3 * 2.0                              # three leases (FAILOVER_FLAGS: 2 s)
     try:
-        wait_for(lambda: {p for p, *_ in load.acked} >= set(range(PARTITIONS)), what="acks")
+        load.wait_every_partition()
         with psycopg.connect(url, autocommit=True) as lock:
             with lock.transaction():
                 lock.execute("UPDATE cluster_controller SET lease_until_ms = lease_until_ms "

@@ -20,7 +20,6 @@ import time
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
-from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.protocol.consumer import FetchResponse
 from kafka.protocol.producer import ProduceResponse
 
@@ -28,9 +27,8 @@ from datapath.batches import make_batch
 from datapath.wire import WireClient
 from tcp_proxy import TcpProxy
 
-from .kit import FAILOVER_FLAGS, ask, leaders, read_all, wait_for, wait_leaders, wait_live
-from .test_failover import PARTITIONS, TimedLoad
-from .test_fencing import check_read_back
+from .kit import FAILOVER_FLAGS, ask, read_all, wait_for
+from .timed_load import PARTITIONS, TimedLoad, check_read_back, create_topic
 
 pytestmark = pytest.mark.slow
 
@@ -58,13 +56,7 @@ def test_zombie_after_sigcont_acknowledges_and_serves_nothing(cluster_factory, m
         pytest.skip("the fencing path is the same on PostgreSQL; SQLite keeps this lean")
     brokers = cluster_factory(2, extra=FLAGS)
     boot = ",".join(b.bootstrap for b in brokers)
-    admin = KafkaAdminClient(bootstrap_servers=boot)
-    wait_live(admin, 2)
-    admin.create_topics([NewTopic("zb", PARTITIONS, 1)])
-    wait_leaders(admin, "zb", PARTITIONS)
-    time.sleep(0.5)
-    before = leaders(admin, "zb")
-    admin.close()
+    before = create_topic(boot, "zb", live=2, settle=True)
     victim = brokers[1]
     mine = sorted(p for p, (lead, _) in before.items() if lead == 1)
     assert mine, before
@@ -72,7 +64,7 @@ def test_zombie_after_sigcont_acknowledges_and_serves_nothing(cluster_factory, m
     produce = WireClient(victim.host, victim.port, timeout=30)
     fetch = WireClient(victim.host, victim.port, timeout=30)
     try:
-        wait_for(lambda: {p for p, *_ in load.acked} >= set(range(PARTITIONS)), what="acks")
+        load.wait_every_partition()
         time.sleep(0.5)
         victim.proc.send_signal(signal.SIGSTOP)
         # queued in the stopped broker's sockets: 5 Produce requests, 2 Fetch requests
@@ -140,14 +132,10 @@ def test_metadata_outage_longer_than_lease_fences_nobody(broker_factory, tmp_pat
     brokers = [broker_factory(["--node-id", str(i), "--rack", f"r{i}", *shared])
                for i in range(2)]
     boot = ",".join(b.bootstrap for b in brokers)
-    admin = KafkaAdminClient(bootstrap_servers=boot)
-    wait_live(admin, 2)
-    admin.create_topics([NewTopic("pg", PARTITIONS, 1)])
-    wait_leaders(admin, "pg", PARTITIONS)
-    admin.close()
+    create_topic(boot, "pg", live=2)
     load = TimedLoad(boot, "pg")
     try:
-        wait_for(lambda: {p for p, *_ in load.acked} >= set(range(PARTITIONS)), what="acks")
+        load.wait_every_partition()
         time.sleep(1.0)
         proxy.cut()
         time.sleep(2.0 + 0.5 + 1.5)
@@ -182,14 +170,10 @@ def test_fenced_node_restarted_during_its_takeover_waits_for_it(broker_factory, 
                                    "S3KAFKA_PAUSE_S": "6"})]
     brokers += cluster_factory(1, first_id=1, extra=FLAGS)
     boot = ",".join(b.bootstrap for b in brokers)
-    admin = KafkaAdminClient(bootstrap_servers=boot)
-    wait_live(admin, 2)
-    admin.create_topics([NewTopic("rs", PARTITIONS, 1)])
-    wait_leaders(admin, "rs", PARTITIONS)
-    admin.close()
+    create_topic(boot, "rs", live=2)
     load = TimedLoad(boot, "rs")
     try:
-        wait_for(lambda: {p for p, *_ in load.acked} >= set(range(PARTITIONS)), what="acks")
+        load.wait_every_partition()
         time.sleep(0.5)
         brokers[1].kill()
         wait_for(lambda: "pause point takeover_before_commit" in brokers[0].log_text(),
@@ -227,14 +211,10 @@ def test_restart_that_locked_its_wal_before_the_fence_lets_the_taker_in(broker_f
                                         "--cluster-takeover-margin-ms", "500",
                                         "--upload-interval-s", "30"))
     boot = ",".join(b.bootstrap for b in brokers)
-    admin = KafkaAdminClient(bootstrap_servers=boot)
-    wait_live(admin, 2)
-    admin.create_topics([NewTopic("rl", PARTITIONS, 1)])
-    wait_leaders(admin, "rl", PARTITIONS)
-    admin.close()
+    create_topic(boot, "rl", live=2)
     load = TimedLoad(boot, "rl")
     try:
-        wait_for(lambda: {p for p, *_ in load.acked} >= set(range(PARTITIONS)), what="acks")
+        load.wait_every_partition()
         time.sleep(0.5)
         brokers[1].kill()
         brokers[1].env = {**(brokers[1].env or {}), "S3KAFKA_PAUSE_POINT": "startup_wal_locked",

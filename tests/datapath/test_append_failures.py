@@ -11,8 +11,8 @@ from protocol import ErrorCode
 from storage.memory import MemoryStream, MemoryStreamStore
 from storage.stream import RetriableStorageError, StorageError
 
-from .batches import make_batch, read_records
-from .test_partition import TOPIC_ID, fake_broker, open_partition, read_all
+from .batches import make_batch
+from .test_partition import TOPIC_ID, open_partition, read_all
 
 RETRIABLE = {ErrorCode.NOT_ENOUGH_REPLICAS, ErrorCode.REQUEST_TIMED_OUT,
              ErrorCode.KAFKA_STORAGE_ERROR}

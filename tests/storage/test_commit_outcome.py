@@ -7,37 +7,11 @@ object, its records unreadable). Real SQLite metadata, a real file:// store, a r
 from __future__ import annotations
 
 import contextlib
-import sqlite3
 
 from storage.engine import open_engine
 
+from lost_commit import fail_after_commit
 from storage_helpers import fill, read_all, small_config
-
-
-def _fail_after_commit(eng, then=lambda: None) -> list[int]:
-    """The next commit_objects transaction commits, then raises as a lost answer would."""
-    fired: list[int] = []
-    backend = eng.meta.db._b
-    real_commit, real_commit_objects = backend.commit, eng.meta.commit_objects
-    armed = [False]
-
-    def commit() -> None:
-        real_commit()
-        if armed[0]:
-            armed[0] = False
-            fired.append(1)
-            then()
-            raise sqlite3.OperationalError("disk I/O error (injected after COMMIT)")
-
-    def commit_objects(*a, **kw):
-        armed[0] = True
-        try:
-            return real_commit_objects(*a, **kw)
-        finally:
-            armed[0] = False
-    backend.commit = commit
-    eng.meta.commit_objects = commit_objects
-    return fired
 
 
 async def test_upload_whose_commit_answer_was_lost_keeps_its_committed_objects(tmp_path) -> None:
@@ -51,7 +25,7 @@ async def test_upload_whose_commit_answer_was_lost_keeps_its_committed_objects(t
         s = await eng.create_stream()
         await fill(s, 40)
         end = s.end_offset
-        fired = _fail_after_commit(eng, then=lambda: setattr(eng, "writes_allowed",
+        fired = fail_after_commit(eng.meta, "commit_objects", then=lambda: setattr(eng, "writes_allowed",
                                                              lambda: False))
         with contextlib.suppress(Exception):   # the old code raised the lost answer
             await eng.flush()
