@@ -34,6 +34,7 @@ from storage import sqldb
 
 from .config import BrokerConfig
 from .failures import failure_answer
+from .frames import FramePool
 from .gc_tuning import FULL_PASS_S, SurvivorFreezer
 from .handlers import HANDLERS
 from .handlers.registry import RUN_HANDLERS, RequestContext
@@ -64,29 +65,6 @@ DIRECT_FRAME_MAX = 16 << 20
 # at most this many requests in one run (RUN_HANDLERS): a Produce run is one LogCache entry,
 # and a Fetch whose first entry is larger than its max bytes still gets all of it
 RUN_MAX_REQUESTS = 32
-# finished large frames nobody references any more are kept for reuse, up to this many bytes
-# in all (a fresh bytearray is zero-filled and page-faulted: ~7 % of broker CPU at 1 MiB)
-FRAME_POOL_BYTES = 32 << 20
-FRAME_POOL_MAX_FRAME = 4 << 20
-
-
-def _alloc_frame(size: int) -> bytearray:
-    """A bytearray of ``size`` bytes whose contents are undefined: ``bytearray(size)`` zero-fills
-    (a memset pass that also page-faults fresh memory: while the 1 GiB LogCache fills, every
-    produce frame is fresh), and a frame is always overwritten by the socket before use."""
-    return _from_string_and_size(None, size)
-
-
-try:  # CPython: PyByteArray_FromStringAndSize(NULL, n) allocates without initialising
-    import ctypes
-    _from_string_and_size = ctypes.pythonapi.PyByteArray_FromStringAndSize
-    _from_string_and_size.restype = ctypes.py_object
-    _from_string_and_size.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
-except (ImportError, AttributeError):  # pragma: no cover - not CPython
-    def _from_string_and_size(_none: None, size: int) -> bytearray:
-        return bytearray(size)
-
-
 try:  # the zero-copy Fetch encoder, when the protocol package offers it
     from protocol.frames import encode_response_buffers as _encode_buffers
 except ImportError:  # pragma: no cover - older protocol package
@@ -529,69 +507,6 @@ class Connection(asyncio.BufferedProtocol):
         return not self._queue and not self._unsent
 
 
-class FramePool:
-    """Large request frames for reuse: zero-copy frames are received into buffers of their
-    own, and allocating one means zero-filling and page-faulting it each time.
-
-    A frame is only taken back when nothing can still see it: the caller checked that no
-    other reference to the bytearray exists, and here a resize probe fails while any
-    memoryview of it (a request's ``records``, a cache entry) is alive. Since the engine's
-    LogCache keeps the produced payload's buffer itself, produce frames stored by the engine
-    stay with the cache and are not reused; the pool serves stores that copy (memory
-    storage) and frames of other large requests."""
-
-    def __init__(self, max_bytes: int = FRAME_POOL_BYTES) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._free: list[bytearray] = []
-
-    def take(self, size: int) -> bytearray:
-        """A bytearray of exactly ``size`` bytes (contents undefined)."""
-        free = self._free
-        for i in range(len(free) - 1, -1, -1):
-            buf = free[i]
-            cap = buf.__alloc__()
-            if cap // 2 <= size < cap:  # resized within its allocation: no realloc, no copy
-                del free[i]
-                self.bytes -= len(buf)
-                n = len(buf)
-                if n > size:
-                    del buf[size:]
-                elif n < size:
-                    buf.extend(bytes(size - n))
-                return buf
-        # exact size: the LogCache may keep the frame (it holds the payload view), and
-        # headroom would be memory it does not account for
-        return _alloc_frame(size)
-
-    def recycle(self, box: list[Any]) -> None:
-        """An evicted LogCache payload (``[payload]``, whose list is the only reference to it):
-        a view into a produce frame goes back to the pool
-        once nothing else holds the frame (readers still holding this view or a slice of it
-        keep the frame: the resize probe in ``give`` sees their views)."""
-        payload = box.pop()   # the caller keeps no reference
-        if type(payload) is not memoryview:
-            return
-        frame = payload.obj
-        del payload           # not released: a reader may hold this very view
-        # refcount 2 (this name + the call's argument): nobody else has the frame
-        if type(frame) is bytearray and sys.getrefcount(frame) == 2:
-            self.give(frame)
-
-    def give(self, buf: bytearray) -> None:
-        """Keep ``buf`` for reuse if it is unshared and the pool has room."""
-        n = len(buf)
-        if not n or n > FRAME_POOL_MAX_FRAME or self.bytes + n > self.max_bytes:
-            return
-        try:  # a resize fails with BufferError while any view of the buffer exists
-            last = buf.pop()
-            buf.append(last)
-        except BufferError:
-            return
-        self._free.append(buf)
-        self.bytes += n
-
-
 class Broker:
     """Everything one s3kafka process owns; handlers reach it as ``ctx.broker``."""
 
@@ -790,6 +705,7 @@ class Broker:
             self.meta.close()
         if self.metrics_server is not None:
             await self.metrics_server.stop()
+        self.frame_pool.close()
         log.info("broker stopped")
 
     def _gc_full_pass(self) -> None:

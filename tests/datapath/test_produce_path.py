@@ -258,3 +258,34 @@ def test_frame_pool_takes_back_only_unshared_frames():
     assert pool.bytes == 200_000 and box == []
     again = pool.take(199_000)
     assert id(again) == ident and len(again) == 199_000
+
+
+def test_frame_pool_prefills_large_frames_off_the_loop():
+    """While nothing is recycled (the LogCache filling), frames of PREFILL_FROM bytes and more
+    come from the prefill thread, already faulted in: writing one takes no page faults."""
+    import resource
+    import time
+
+    from broker.frames import PREFILL_FROM, FramePool
+
+    pool = FramePool(max_bytes=64 << 20)
+    try:
+        size = 1 << 20
+        first = pool.take(size)                   # nothing ready yet: allocated here
+        assert len(first) == size and pool.prefilled == 0
+        deadline = time.monotonic() + 10
+        while pool._prefill._ready_bytes < 4 * size and time.monotonic() < deadline:
+            time.sleep(0.01)
+        frame = pool.take(size - 1000)            # same size class
+        assert pool.prefilled == 1 and len(frame) == size - 1000
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        frame[::4096] = b"x" * len(range(0, len(frame), 4096))
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults < 16
+        assert bytes(frame[4096:4097]) == b"x"
+        small = pool.take(PREFILL_FROM - 1)       # below the prefill size: plain allocation
+        assert pool.prefilled == 1 and len(small) == PREFILL_FROM - 1
+        other = pool.take(3 << 20)                # another size class: the ready ones go
+        assert pool.prefilled == 1 and len(other) == 3 << 20
+        assert pool._prefill._cls >= 3 << 20
+    finally:
+        pool.close()

@@ -1,0 +1,224 @@
+"""Large request frames: allocated without zero-filling, recycled once nothing sees them, and
+(for large produce frames) faulted in ahead of need by a background thread.
+
+Every large frame a socket receives into is fresh memory until the LogCache is full and
+starts handing evicted frames back: on this VM each 4 KiB page costs a fault (~285 per MiB,
+a third of the broker's CPU while the 1 GiB cache fills), taken on the event loop inside the
+socket read. ``MADV_POPULATE_WRITE`` maps a whole frame's pages in one system call, cheaper
+than a fault per page and, done by the ``s3kafka-frames`` thread (the call releases the GIL),
+off the loop: the loop then receives into memory that is already there.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# finished large frames nobody references any more are kept for reuse, up to this many bytes
+# in all (a fresh bytearray is zero-filled and page-faulted: ~7 % of broker CPU at 1 MiB)
+FRAME_POOL_BYTES = 32 << 20
+FRAME_POOL_MAX_FRAME = 4 << 20
+# frames from this size on are faulted in ahead of need by the prefill thread...
+PREFILL_FROM = 256 << 10
+# ...in size classes of this granularity (a frame may carry up to this many bytes the LogCache
+# does not count: <= 6 % at PREFILL_FROM, 1.5 % at 1 MiB)
+PREFILL_CLASS = 16 << 10
+# ...at most this many bytes ahead (and at most a quarter of the pool's bound)
+PREFILL_AHEAD = 32 << 20
+MADV_POPULATE_WRITE = 23          # Linux >= 5.14
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _alloc_frame(size: int) -> bytearray:
+    """A bytearray of ``size`` bytes whose contents are undefined: ``bytearray(size)`` zero-fills
+    (a memset pass that also page-faults fresh memory: while the 1 GiB LogCache fills, every
+    produce frame is fresh), and a frame is always overwritten by the socket before use."""
+    return _from_string_and_size(None, size)
+
+
+try:  # CPython: PyByteArray_FromStringAndSize(NULL, n) allocates without initialising
+    _from_string_and_size = ctypes.pythonapi.PyByteArray_FromStringAndSize
+    _from_string_and_size.restype = ctypes.py_object
+    _from_string_and_size.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+except (AttributeError, OSError):  # pragma: no cover - not CPython
+    def _from_string_and_size(_none: None, size: int) -> bytearray:
+        return bytearray(size)
+
+try:  # a CDLL call releases the GIL for its duration
+    _madvise = ctypes.CDLL(None, use_errno=True).madvise
+    _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    _madvise.restype = ctypes.c_int
+except (AttributeError, OSError):  # pragma: no cover - no libc symbol
+    _madvise = None
+
+
+def populate(buf: bytearray) -> bool:
+    """Map every page of ``buf`` writable now (one system call instead of a fault per page);
+    the contents do not change. False where the kernel cannot (then pages fault as usual)."""
+    if _madvise is None or not buf:
+        return False
+    c = ctypes.c_char.from_buffer(buf)       # an export: buf cannot move meanwhile
+    try:
+        addr = ctypes.addressof(c)
+        start = addr & ~(PAGE - 1)
+        end = (addr + len(buf) + PAGE - 1) & ~(PAGE - 1)
+        return _madvise(start, end - start, MADV_POPULATE_WRITE) == 0
+    finally:
+        del c
+
+
+def size_class(size: int) -> int:
+    return (size + PREFILL_CLASS - 1) // PREFILL_CLASS * PREFILL_CLASS
+
+
+class FramePool:
+    """Large request frames for reuse: zero-copy frames are received into buffers of their
+    own, and allocating one means page-faulting it each time.
+
+    A frame is only taken back when nothing can still see it: the caller checked that no
+    other reference to the bytearray exists, and here a resize probe fails while any
+    memoryview of it (a request's ``records``, a cache entry) is alive. The engine's LogCache
+    keeps the produced payload's buffer itself, so produce frames come back only when the
+    cache evicts them (``recycle``); until then (the cache filling) frames of at least
+    PREFILL_FROM bytes come from the prefill thread, faulted in ahead of need."""
+
+    def __init__(self, max_bytes: int = FRAME_POOL_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._free: list[bytearray] = []
+        self._prefill: _Prefill | None = None
+        self.prefilled = 0       # frames served from the prefill thread (tests, bench)
+
+    def take(self, size: int) -> bytearray:
+        """A bytearray of exactly ``size`` bytes (contents undefined)."""
+        free = self._free
+        for i in range(len(free) - 1, -1, -1):
+            buf = free[i]
+            cap = buf.__alloc__()
+            if cap // 2 <= size < cap:  # resized within its allocation: no realloc, no copy
+                del free[i]
+                self.bytes -= len(buf)
+                n = len(buf)
+                if n > size:
+                    del buf[size:]
+                elif n < size:
+                    buf.extend(bytes(size - n))
+                return buf
+        if size >= PREFILL_FROM:
+            pre = self._prefill
+            if pre is None:
+                pre = self._prefill = _Prefill(min(PREFILL_AHEAD, self.max_bytes // 4))
+            buf = pre.take(size)
+            if buf is not None:
+                self.prefilled += 1
+                return buf
+        # exact size: the LogCache may keep the frame (it holds the payload view), and
+        # headroom would be memory it does not account for
+        return _alloc_frame(size)
+
+    def recycle(self, box: list[Any]) -> None:
+        """An evicted LogCache payload (``[payload]``, whose list is the only reference to it):
+        a view into a produce frame goes back to the pool
+        once nothing else holds the frame (readers still holding this view or a slice of it
+        keep the frame: the resize probe in ``give`` sees their views)."""
+        payload = box.pop()   # the caller keeps no reference
+        if type(payload) is not memoryview:
+            return
+        frame = payload.obj
+        del payload           # not released: a reader may hold this very view
+        # refcount 2 (this name + the call's argument): nobody else has the frame
+        if type(frame) is bytearray and sys.getrefcount(frame) == 2:
+            self.give(frame)
+
+    def give(self, buf: bytearray) -> None:
+        """Keep ``buf`` for reuse if it is unshared and the pool has room."""
+        n = len(buf)
+        if not n or n > FRAME_POOL_MAX_FRAME or self.bytes + n > self.max_bytes:
+            return
+        try:  # a resize fails with BufferError while any view of the buffer exists
+            last = buf.pop()
+            buf.append(last)
+        except BufferError:
+            return
+        self._free.append(buf)
+        self.bytes += n
+
+    def close(self) -> None:
+        """Stop the prefill thread and drop what it holds."""
+        if self._prefill is not None:
+            self._prefill.stop()
+            self._prefill = None
+
+
+class _Prefill:
+    """Frames of the current size class, faulted in by a thread before the loop needs them.
+
+    The loop takes one (``take``) whenever the pool had nothing to recycle and wakes the
+    thread, which refills up to ``ahead`` bytes and sleeps: once the LogCache is full the pool
+    serves every frame and the thread stays asleep."""
+
+    def __init__(self, ahead: int) -> None:
+        self.ahead = max(ahead, 0)
+        self._lock = threading.Lock()
+        self._ready: collections.deque[bytearray] = collections.deque()
+        self._ready_bytes = 0
+        self._cls = 0
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._ok = _madvise is not None and self.ahead > 0
+
+    def take(self, size: int) -> bytearray | None:
+        """A faulted-in frame of ``size`` bytes, or None (none ready yet)."""
+        if not self._ok:
+            return None
+        cls = size_class(size)
+        buf = None
+        with self._lock:
+            if cls != self._cls:            # another size: what is ready no longer fits
+                self._ready.clear()
+                self._ready_bytes = 0
+                self._cls = cls
+            elif self._ready:
+                buf = self._ready.popleft()
+                self._ready_bytes -= len(buf)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="s3kafka-frames",
+                                            daemon=True)
+            self._thread.start()
+        self._wake.set()
+        if buf is not None and len(buf) > size:
+            del buf[size:]                  # within its allocation: no realloc, no copy
+        return buf
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        with self._lock:
+            self._ready.clear()
+            self._ready_bytes = 0
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.wait()
+            self._wake.clear()
+            while not self._stopped:
+                with self._lock:
+                    cls = self._cls
+                    if self._ready_bytes + cls > self.ahead:
+                        break
+                buf = _alloc_frame(cls)
+                if not populate(buf):
+                    log.info("frame prefill off: madvise(MADV_POPULATE_WRITE) not available")
+                    self._ok = False
+                    return
+                with self._lock:
+                    if cls == self._cls and not self._stopped:
+                        self._ready.append(buf)
+                        self._ready_bytes += cls
