@@ -29,9 +29,9 @@ from .crash import crash_point
 from .episodes import Episode
 from .metastore import (MetaStore, NewObject, ObjectRange, StreamFenced, StreamMeta,
                         open_metastore)
-from .loop_slices import encode_object_in_slices
+from .loop_slices import encode_object_in_slices, encode_object_into
 from .metrics import MeasuredStore, StorageStats
-from .objects.format import Record, object_size
+from .objects.format import NOGIL_COPY_FROM, Record, object_size
 from .objects.store import ObjectStore, open_object_store
 from .reader import ObjectReader
 from .thread_priority import background_executor, in_io_class
@@ -910,8 +910,15 @@ class Engine(StreamStore):
                 # one encode buffer reused across uploads (taken while in use: a drain may
                 # upload beside the loop): fresh memory faults a page per 4 KiB
                 into = self._take_encode_buffer(object_size(recs, c.object_block_bytes))
-                data, _index, ranges = await encode_object_in_slices(
-                    recs, c.object_block_bytes, into=into)
+                if sum(len(r.payload) for r in recs) >= NOGIL_COPY_FROM * len(recs):
+                    # large records: the copies run with the GIL released, so the IO thread
+                    # encodes without holding the loop (loop_slices.py: small records' Python
+                    # work per record would hold it)
+                    data, _index, ranges = await self.io(encode_object_into, recs,
+                                                         c.object_block_bytes, into)
+                else:
+                    data, _index, ranges = await encode_object_in_slices(
+                        recs, c.object_block_bytes, into=into)
                 await self.io(self.store.put, key, data)
                 size = len(data)
                 data = None

@@ -19,6 +19,7 @@ raises CorruptObjectError, which the engine reports as a storage error for that 
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import struct
 import time
@@ -39,6 +40,9 @@ assert BLOCK_HEADER.size == 14 and RECORD_HEADER.size == 33
 assert INDEX_ENTRY.size == 36 and FOOTER.size == 48
 
 DEFAULT_BLOCK_SIZE = 512 << 10
+# payloads from this size on are copied with the GIL released (an encode on a worker thread
+# then holds the interpreter lock only for its per-record bookkeeping)
+NOGIL_COPY_FROM = 64 << 10
 MMAP_FROM = 1 << 20                 # encoded objects from this size live in an anonymous mmap
 Buffer = Union[bytearray, mmap.mmap]
 
@@ -138,7 +142,8 @@ class ObjectEncoder:
         RECORD_HEADER.pack_into(out, at, RECORD_MAGIC, r.stream_id, 0, r.base_offset,
                                 r.count - 1, n)
         at += RECORD_HEADER.size
-        out[at:at + n] = r.payload
+        if n < NOGIL_COPY_FROM or not _copy_nogil(out, at, r.payload, n):
+            out[at:at + n] = r.payload
         self._at = at + n
         self._block_records += 1
         runs = self._runs
@@ -188,6 +193,19 @@ class ObjectEncoder:
         FOOTER.pack_into(out, end, index_pos, len(index_bytes), crc32c.crc32c(index_bytes),
                          bytes(24), FOOTER_MAGIC)
         return out, self.index, list(self._ranges.values())
+
+
+def _copy_nogil(out: Buffer | memoryview, at: int, payload: bytes | memoryview, n: int) -> bool:
+    """Copy ``payload`` to ``out[at:at + n]`` with the interpreter lock released (ctypes'
+    memmove), so an encode on a worker thread does not hold the event loop for its copies;
+    False when a buffer cannot be exported this way (read-only: the caller slices instead)."""
+    try:
+        src = (ctypes.c_char * n).from_buffer(payload)
+        dst = (ctypes.c_char * n).from_buffer(out, at)
+    except (TypeError, ValueError):
+        return False
+    ctypes.memmove(dst, src, n)
+    return True
 
 
 def _zeroed_buffer(size: int) -> Buffer:

@@ -54,3 +54,56 @@ async def test_sliced_encode_does_not_yield_within_a_slice() -> None:
     short."""
     during, _ = await _turns_during(encode_object_in_slices(_records(20), 4096, slice_s=10.0))
     assert during == 0
+
+
+def test_thread_encode_of_large_records_releases_the_gil_and_matches_encode_object() -> None:
+    """Objects of large records are encoded on a worker thread (encode_object_into): their
+    payload copies run with the GIL released (with a 1 s switch interval another thread runs
+    Python during the copies only if they release it), and views of writable frames and
+    read-only bytes alike give the bytes of encode_object."""
+    import mmap
+    import sys
+    import threading
+    import time
+
+    from storage.loop_slices import encode_object_into
+    from storage.objects.format import NOGIL_COPY_FROM, _copy_nogil
+
+    n = NOGIL_COPY_FROM * 8
+    frames = [bytearray(bytes([i]) * (n + 100)) for i in range(24)]
+    recs = [Record(1 + i // 12, 7 * (i % 12), 7,
+                   memoryview(f)[50:50 + n] if i % 3 else bytes(f[50:50 + n]))
+            for i, f in enumerate(frames)]
+    want = encode_object([Record(r.stream_id, r.base_offset, r.count, bytes(r.payload))
+                          for r in recs], 1 << 20)
+    into = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE)
+    got = encode_object_into(recs, 1 << 20, into)
+    assert bytes(got[0]) == bytes(want[0])
+    assert got[1] == want[1] and [vars(r) for r in got[2]] == [vars(r) for r in want[2]]
+    assert not _copy_nogil(into, 0, bytes(n), n)       # read-only: the caller slices
+
+    src = bytearray(8 << 20)
+    ticks = 0
+    stop = False
+
+    def count() -> None:
+        nonlocal ticks
+        while not stop:
+            ticks += 1
+
+    old = sys.getswitchinterval()
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        time.sleep(0.01)
+        sys.setswitchinterval(1.0)
+        time.sleep(0.01)
+        before = ticks
+        # one copy (each costs a switch interval to get the GIL back from the counter)
+        assert _copy_nogil(into, 0, memoryview(src), len(src))
+        during = ticks - before
+    finally:
+        sys.setswitchinterval(old)
+        stop = True
+        t.join()
+    assert during > 0
