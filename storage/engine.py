@@ -16,6 +16,7 @@ import concurrent.futures
 import functools
 import logging
 import mmap
+import operator
 import os
 import struct
 import time
@@ -29,9 +30,10 @@ from .crash import crash_point
 from .episodes import Episode
 from .metastore import (MetaStore, NewObject, ObjectRange, StreamFenced, StreamMeta,
                         open_metastore)
-from .loop_slices import encode_object_in_slices, encode_object_into
+from .loop_slices import (CHECK_EVERY, SLICE_S, encode_object_in_slices, encode_object_into,
+                          object_size_in_slices)
 from .metrics import MeasuredStore, StorageStats
-from .objects.format import NOGIL_COPY_FROM, Record, object_size
+from .objects.format import NOGIL_COPY_FROM
 from .objects.store import ObjectStore, open_object_store
 from .reader import ObjectReader
 from .thread_priority import background_executor, in_io_class
@@ -39,6 +41,11 @@ from .stream import (Batch, OffsetOutOfRange, RetriableStorageError, StorageErro
                      StreamStore)
 
 log = logging.getLogger(__name__)
+_WAL_OFFSET = operator.attrgetter("wal_offset")
+_STREAM_ID = operator.attrgetter("stream_id")
+_SIZE = operator.attrgetter("size")
+# cache entries an upload takes per loop step (~0.1 us each)
+TAKE_SLICE = 4096
 
 WAL_RECORD = struct.Struct(">qqi")          # stream id, base offset, count; then the payload
 WAL_RECORD_HEADER = 24                      # the WAL's own per-record header (offset arithmetic)
@@ -385,6 +392,7 @@ class Engine(StreamStore):
         # uploads in flight (first WAL offset of their entries) and dropped entries of
         # foreign streams (stream -> (first WAL offset, end offset)) hold the trim point
         self._inflight: dict[int, int] = {}
+        self._take_key = 0                 # keys of uploads whose take is under way
         self._held: dict[int, tuple[int, int]] = {}
         # the cluster's lease gate (broker/cluster/room.py sets it): while it answers False
         # this node uploads, commits and trims nothing (a lapsed lease: maybe fenced already)
@@ -776,13 +784,18 @@ class Engine(StreamStore):
                        or self._cache_pressure())
                 if not due:
                     break
-                entries = self.cache.take_pending(c.upload_max_bytes)
+                self._uploading = True      # a drain waits for this upload from its take on
+                try:
+                    entries, key_ = await self._take_for_upload(c.upload_max_bytes)
+                except BaseException:
+                    self._uploading = False
+                    raise
                 if not entries:
+                    self._uploading = False
                     await asyncio.sleep(0.001)      # head not durable yet
                     continue
-                self._uploading = True
                 try:
-                    await self._upload(entries)
+                    await self._upload(entries, key_=key_)
                     backoff = 0.1
                     self.store_failing.clear()
                 except asyncio.CancelledError:
@@ -834,13 +847,48 @@ class Engine(StreamStore):
         return mmap.mmap(-1, min(ENCODE_BUFFER_MAX, 1 << (size - 1).bit_length()),
                          flags=mmap.MAP_PRIVATE)
 
+    async def _take_for_upload(self, max_bytes: int) -> tuple[list[CacheEntry], int]:
+        """``cache.take_pending(max_bytes)`` in chunks of TAKE_SLICE entries with a yield in
+        between (an upload of small produce requests takes tens of thousands: one step was a
+        5-8 ms event-loop stall), and the key its ``_upload`` runs under. The WAL trim point
+        is held at the first pending entry (pending is in WAL order) from before the first
+        chunk, so a drain's trim beside it (a partition move) never passes what this upload
+        took."""
+        cache = self.cache
+        if not cache.pending:
+            return [], 0
+        self._take_key += 1
+        key_ = -self._take_key             # never an id() (the keys _upload makes itself)
+        self._inflight[key_] = cache.pending[0].wal_offset
+        out: list[CacheEntry] = []
+        taken = 0
+        try:
+            while True:
+                chunk = cache.take_pending(max_bytes - taken, TAKE_SLICE, at_least_one=not out)
+                out.extend(chunk)
+                taken += sum(map(_SIZE, chunk))
+                if len(chunk) < TAKE_SLICE or not cache.pending:
+                    break
+                await asyncio.sleep(0)
+        except BaseException:
+            cache.return_pending(out)
+            self._inflight.pop(key_, None)
+            raise
+        if not out:
+            self._inflight.pop(key_, None)
+        return out, key_
+
     async def _upload(self, entries: list[CacheEntry],
-                      before_commit: Callable[[], Any] | None = None) -> None:
+                      before_commit: Callable[[], Any] | None = None,
+                      key_: int | None = None) -> None:
         """Write entries as objects, commit them, trim the WAL, release the cache
-        (``before_commit``: awaited after the objects are written, before their commit)."""
-        key_ = id(entries)
-        self._inflight[key_] = min(e.wal_offset for e in entries) if entries else 1 << 62
-        sids = {e.stream_id for e in entries}
+        (``before_commit``: awaited after the objects are written, before their commit;
+        ``key_``: the in-flight mark _take_for_upload already holds for them)."""
+        if key_ is None:
+            key_ = id(entries)
+            # C-level pass: an upload holds tens of thousands of entries
+            self._inflight[key_] = min(map(_WAL_OFFSET, entries)) if entries else 1 << 62
+        sids = set(map(_STREAM_ID, entries))
         self._inflight_streams.update(sids)
         try:
             await self._upload_entries(entries, key_, before_commit)
@@ -879,38 +927,58 @@ class Engine(StreamStore):
     async def _upload_entries(self, entries: list[CacheEntry], key_: int,
                               before_commit: Callable[[], Any] | None = None) -> None:
         c = self.config
-        by_stream: dict[int, list[CacheEntry]] = {}
+        # one pass over the entries (tens of thousands for small produce requests), in
+        # slices on the loop (storage/loop_slices.py): unsliced it was a ~50 ms stall
+        # the entries themselves are the records to encode (stream_id, base_offset, count,
+        # payload, end_offset): no Record built and freed per entry
+        by_stream: dict[int, list[Any]] = {}
+        sizes: dict[int, int] = {}
         foreign: set[int] = set()
-        for e in entries:
-            s = self.streams.get(e.stream_id)
-            if e.stream_id in self._foreign:
-                foreign.add(e.stream_id)     # never committable: skipped, dropped below
+        streams, not_ours = self.streams, self._foreign
+        clock = time.perf_counter
+        until = clock() + SLICE_S
+        for i, e in enumerate(entries):
+            sid = e.stream_id
+            if sid in not_ours:
+                foreign.add(sid)             # never committable: skipped, dropped below
                 continue
+            s = streams.get(sid)
             if s is None or s.deleted or e.next_offset <= s.committed:
                 continue
-            by_stream.setdefault(e.stream_id, []).append(e)
-        groups: list[tuple[str, list[Record]]] = []
-        sso: list[Record] = []
+            recs = by_stream.get(sid)
+            if recs is None:
+                recs = by_stream[sid] = []
+                sizes[sid] = 0
+            recs.append(e)
+            sizes[sid] += len(e.payload)
+            if not i % CHECK_EVERY and clock() >= until:
+                await asyncio.sleep(0)
+                until = clock() + SLICE_S
+        groups: list[tuple[str, list[Any], int]] = []     # (kind, records, payload bytes)
+        sso: list[Any] = []
+        sso_bytes = 0
         for sid in sorted(by_stream):
-            es = by_stream[sid]
-            recs = [Record(sid, e.base_offset, e.count, e.payload) for e in es]
-            if sum(len(e.payload) for e in es) >= c.stream_object_threshold_bytes:
-                groups.append(("so", recs))
+            recs = by_stream[sid]
+            if sizes[sid] >= c.stream_object_threshold_bytes:
+                groups.append(("so", recs, sizes[sid]))
             else:
                 sso.extend(recs)
+                sso_bytes += sizes[sid]
+        by_stream.clear()
         if sso:
-            groups.append(("sso", sso))
+            groups.append(("sso", sso, sso_bytes))
         new: list[tuple[NewObject, str, str]] = []
         prepared: list[tuple[int, str]] = []
         unknown = False          # a commit whose outcome could not be read back
         try:
-            for kind, recs in groups:
+            for kind, recs, payload in groups:
                 oid, key = await self.io(self.meta.prepare_object, kind, c.node_id)
                 prepared.append((oid, key))
                 # one encode buffer reused across uploads (taken while in use: a drain may
                 # upload beside the loop): fresh memory faults a page per 4 KiB
-                into = self._take_encode_buffer(object_size(recs, c.object_block_bytes))
-                if sum(len(r.payload) for r in recs) >= NOGIL_COPY_FROM * len(recs):
+                size = await object_size_in_slices(recs, c.object_block_bytes)
+                into = self._take_encode_buffer(size)
+                if payload >= NOGIL_COPY_FROM * len(recs):
                     # large records: the copies run with the GIL released, so the IO thread
                     # encodes without holding the loop (loop_slices.py: small records' Python
                     # work per record would hold it)
@@ -918,7 +986,7 @@ class Engine(StreamStore):
                                                          c.object_block_bytes, into)
                 else:
                     data, _index, ranges = await encode_object_in_slices(
-                        recs, c.object_block_bytes, into=into)
+                        recs, c.object_block_bytes, into=into, size=size)
                 await self.io(self.store.put, key, data)
                 size = len(data)
                 data = None

@@ -10,25 +10,83 @@ requests wait at most about one slice; the CPU spent is the same. Objects of lar
 (at least NOGIL_COPY_FROM bytes each on average) are the exception: their copies and CRCs
 release the GIL, so they are encoded on an IO thread at once (``encode_object_into``), which
 takes that copy off the loop.
+
+The same holds for the upload's other passes over its entries (grouping them into records
+per stream, sizing the object): with small produce requests a 64 MiB upload is ~45,000
+entries, and one unsliced pass over them was a 50 ms event-loop stall (a burst of slow
+acknowledgements at every upload, the latency benchmark's spikes; bench/HISTORY.md,
+session 14).
 """
 from __future__ import annotations
 
 import asyncio
 import time
 
-from .objects.format import (DEFAULT_BLOCK_SIZE, Buffer, IndexEntry, ObjectEncoder, Record,
+from typing import Any, Callable, Iterable
+
+from .objects.format import (BLOCK_HEADER, DEFAULT_BLOCK_SIZE, FOOTER, INDEX_ENTRY,
+                             RECORD_HEADER, Buffer, IndexEntry, ObjectEncoder, Record,
                              StreamRange)
 
 SLICE_S = 0.0005
+# items handled between two clock reads in the sliced passes (each item costs ~1 us)
+CHECK_EVERY = 256
+
+
+async def for_each_in_slices(items: Iterable[Any], fn: Callable[[Any], Any],
+                             slice_s: float = SLICE_S) -> None:
+    """``fn(item)`` for every item, on the running loop, yielding to other callbacks every
+    ``slice_s``: a pass over tens of thousands of items without one long stall."""
+    clock = time.perf_counter
+    until = clock() + slice_s
+    n = 0
+    for item in items:
+        fn(item)
+        n += 1
+        if n >= CHECK_EVERY:
+            n = 0
+            if clock() >= until:
+                await asyncio.sleep(0)
+                until = clock() + slice_s
+
+
+async def object_size_in_slices(records: list[Record], block_size: int,
+                                slice_s: float = SLICE_S) -> int:
+    """format.object_size() on the running loop, in slices (the same block-closing rule:
+    tests/storage/test_loop_slices.py compares them)."""
+    rec_hdr, blk_hdr = RECORD_HEADER.size, BLOCK_HEADER.size
+    clock = time.perf_counter
+    until = clock() + slice_s
+    total = entries = 0
+    block = -1                          # bytes in the open block; -1: none open
+    last_stream = None
+    for i, r in enumerate(records):
+        if block < 0:
+            block = 0
+            last_stream = None
+        block += rec_hdr + len(r.payload)
+        if r.stream_id != last_stream:
+            entries += 1                # a new run, so a new index entry
+            last_stream = r.stream_id
+        if block >= block_size:
+            total += blk_hdr + block
+            block = -1
+        if not i % CHECK_EVERY and clock() >= until:
+            await asyncio.sleep(0)
+            until = clock() + slice_s
+    if block >= 0:
+        total += blk_hdr + block
+    return total + entries * INDEX_ENTRY.size + FOOTER.size
 
 
 async def encode_object_in_slices(records: list[Record], block_size: int = DEFAULT_BLOCK_SIZE,
-                                  slice_s: float = SLICE_S, into: Buffer | None = None
+                                  slice_s: float = SLICE_S, into: Buffer | None = None,
+                                  size: int | None = None
                                   ) -> tuple[Buffer | memoryview, list[IndexEntry],
                                              list[StreamRange]]:
     """encode_object() on the running loop, yielding to other callbacks every ``slice_s``
-    (``into``: a reusable buffer, see ObjectEncoder)."""
-    enc = ObjectEncoder(records, block_size, into)
+    (``into``: a reusable buffer, ``size``: the object's size if known, see ObjectEncoder)."""
+    enc = ObjectEncoder(records, block_size, into, size)
     while not enc.encode(until=time.perf_counter() + slice_s):
         await asyncio.sleep(0)
     return enc.finish()

@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
+import operator
 from collections import deque
 from typing import Any, Callable
 
 from ..stream import Batch
+
+
+_DURABLE = operator.attrgetter("durable")
+_SIZE = operator.attrgetter("size")
+_TAKE_CHUNK = 4096
 
 
 class CacheEntry:
@@ -37,6 +44,12 @@ class CacheEntry:
 
     @property
     def next_offset(self) -> int:
+        return self.base_offset + self.count
+
+    @property
+    def end_offset(self) -> int:
+        """As ``objects.format.Record.end_offset``: the uploader encodes entries as records
+        directly (no Record per entry: tens of thousands per upload of small requests)."""
         return self.base_offset + self.count
 
 
@@ -110,18 +123,38 @@ class LogCache:
         self.pending_bytes += entry.size
         self.used += entry.size
 
-    def take_pending(self, max_bytes: int) -> list[CacheEntry]:
-        """A durable prefix of pending entries (at least one if any), removed from pending."""
+    def take_pending(self, max_bytes: int, max_entries: int | None = None,
+                     at_least_one: bool = True) -> list[CacheEntry]:
+        """A durable prefix of pending entries (at least one if any, unless ``at_least_one``
+        is False; at most ``max_entries``), removed from pending.
+
+        Runs on the event loop in one step, over up to tens of thousands of entries (a 64 MiB
+        upload of small produce requests): the entries are scanned in chunks by C-level
+        passes (map, accumulate, bisect), not one Python iteration each (which took 17 ms
+        for 46,000 entries, an event-loop stall at every upload)."""
+        pending = self.pending
         out: list[CacheEntry] = []
         size = 0
-        while self.pending and self.pending[0].durable:
-            e = self.pending[0]
-            if out and size + e.size > max_bytes:
+        it = iter(pending) if max_entries is None else \
+            itertools.islice(pending, max(0, max_entries))
+        while True:
+            chunk = list(itertools.islice(it, _TAKE_CHUNK))
+            if not chunk:
                 break
-            self.pending.popleft()
-            self.pending_bytes -= e.size
-            out.append(e)
-            size += e.size
+            flags = list(map(_DURABLE, chunk))
+            cut = flags.index(False) if False in flags else len(chunk)
+            cum = list(itertools.accumulate(map(_SIZE, itertools.islice(chunk, cut)),
+                                            initial=size))
+            k = bisect.bisect_right(cum, max_bytes, lo=1) - 1   # entries within max_bytes
+            if not out and not k and cut and at_least_one:
+                k = 1                                          # at least one
+            out.extend(itertools.islice(chunk, k))
+            size = cum[k]
+            if k < len(chunk):
+                break
+        if out:
+            self.pending = deque(itertools.islice(pending, len(out), None))
+            self.pending_bytes -= size
         return out
 
     def take_pending_stream(self, stream_id: int, max_bytes: int) -> list[CacheEntry]:

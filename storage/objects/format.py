@@ -95,12 +95,16 @@ class ObjectEncoder:
     GIL for the whole object."""
 
     def __init__(self, records: list[Record], block_size: int = DEFAULT_BLOCK_SIZE,
-                 into: Buffer | None = None) -> None:
+                 into: Buffer | None = None, size: int | None = None) -> None:
         """``into``: a buffer to encode into (its first bytes become the object, returned as a
         memoryview of them) instead of a fresh one: the engine reuses one across uploads, as
-        fresh memory costs a page fault per 4 KiB (~0.5 ms per MiB on this VM)."""
+        fresh memory costs a page fault per 4 KiB (~0.5 ms per MiB on this VM). ``size``:
+        ``object_size(records, block_size)`` when the caller computed it already (the engine
+        does, in slices on the loop: a pass over tens of thousands of records). Records may
+        be any objects with Record's fields (the engine passes its cache entries)."""
         self.block_size = block_size
-        size = object_size(records, block_size)
+        if size is None:
+            size = object_size(records, block_size)
         if into is not None and len(into) >= size:
             self.out: Buffer | memoryview = memoryview(into)[:size]
         else:

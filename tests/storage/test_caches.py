@@ -70,6 +70,44 @@ def test_log_cache_evicts_only_committed() -> None:
     assert lc.read(1, 19, 10, 19, True) == []       # beyond the confirmed limit
 
 
+def test_log_cache_takes_a_durable_prefix_in_chunks() -> None:
+    """take_pending (C-level passes over chunks of entries, see its docstring) takes what the
+    one-entry-at-a-time rule takes: the durable prefix within max bytes (at least one entry
+    unless at_least_one is False), at most max_entries, leaving the rest in WAL order."""
+    import random
+    from collections import deque
+
+    def reference(pending: deque, max_bytes: int, max_entries: int | None,
+                  at_least_one: bool) -> list:
+        out, size = [], 0
+        while pending and pending[0].durable and (max_entries is None
+                                                  or len(out) < max_entries):
+            e = pending[0]
+            if (out or not at_least_one) and size + e.size > max_bytes:
+                break
+            out.append(pending.popleft())
+            size += e.size
+        return out
+
+    rnd = random.Random(7)
+    for _ in range(400):
+        n = rnd.choice([0, 1, 3, 4095, 4096, 4097, 9000])
+        durable = rnd.choice([n, rnd.randint(0, n)])
+        entries = [CacheEntry(1, i, 1, b"x" * rnd.randint(0, 300), i, i + 1,
+                              durable=i < durable) for i in range(n)]
+        max_bytes = rnd.choice([0, 100, 5000, 200_000, 1 << 30])
+        max_entries = rnd.choice([None, 0, 1, 4096, 5000])
+        at_least_one = rnd.random() < 0.5
+        lc = LogCache(1 << 30)
+        for e in entries:
+            lc.add(e)
+        want_left = deque(entries)
+        want = reference(want_left, max_bytes, max_entries, at_least_one)
+        assert lc.take_pending(max_bytes, max_entries, at_least_one) == want
+        assert list(lc.pending) == list(want_left)
+        assert lc.pending_bytes == sum(e.size for e in want_left)
+
+
 async def test_sequential_reader_prefetches_the_next_window_in_the_background() -> None:
     """A reader halfway through its readahead gets the next window fetched while it reads
     (it then mostly hits); a prefetch that fails leaves nothing behind: the reader fetches

@@ -616,3 +616,32 @@ async def test_no_upload_commit_or_trim_while_the_lease_is_lapsed(tmp_path) -> N
     finally:
         lease["valid"] = True
         await eng.close()
+
+
+async def test_an_upload_taking_its_entries_in_slices_holds_the_wal_trim_point(
+        tmp_path, monkeypatch) -> None:
+    """The uploader takes its entries a chunk at a time with loop turns in between (tens of
+    thousands of small entries were one event-loop stall): from before the first chunk its
+    in-flight mark holds the WAL trim point at the first pending entry, so a drain's trim
+    meanwhile (a partition move) never passes entries already taken; all durable entries are
+    taken in WAL order."""
+    import storage.engine as engine_mod
+    monkeypatch.setattr(engine_mod, "TAKE_SLICE", 2)
+    eng = open_engine(small_config(tmp_path, upload_threshold_bytes=1 << 30,
+                                   upload_interval_s=3600))
+    await eng.start()
+    try:
+        s = await eng.create_stream()
+        await fill(s, 9)
+        first = eng.cache.pending[0].wal_offset
+        take = asyncio.ensure_future(eng._take_for_upload(1 << 30))
+        await asyncio.sleep(0)                 # the first chunk is taken, the take yields
+        assert not take.done() and len(eng.cache.pending) == 7
+        assert await eng._trim_point([], -12345) <= first
+        entries, key = await take
+        assert [e.base_offset for e in entries] == list(range(0, 45, 5))
+        assert eng._inflight[key] <= first and not eng.cache.pending
+        eng.cache.return_pending(entries)
+        eng._inflight.pop(key)
+    finally:
+        await eng.close()
