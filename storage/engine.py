@@ -44,8 +44,9 @@ log = logging.getLogger(__name__)
 _WAL_OFFSET = operator.attrgetter("wal_offset")
 _STREAM_ID = operator.attrgetter("stream_id")
 _SIZE = operator.attrgetter("size")
-# cache entries an upload takes per loop step (~0.1 us each)
+# cache entries an upload takes per loop step (~0.3 us each), and evicts (~1 us each)
 TAKE_SLICE = 4096
+EVICT_SLICE = 512
 
 WAL_RECORD = struct.Struct(">qqi")          # stream id, base offset, count; then the payload
 WAL_RECORD_HEADER = 24                      # the WAL's own per-record header (offset arithmetic)
@@ -1047,8 +1048,7 @@ class Engine(StreamStore):
                 self._held[sid] = (min(w0, min(e.wal_offset for e in dropped)),
                                    max(end, max(e.next_offset for e in dropped)))
             self.cache.drop_stream(sid)
-        # the records' payload views would pin the produce frames that mark_committed's
-        # evictions hand back for reuse
+        # drop the lists of entries encoded (nothing here may outlive the evictions below)
         groups.clear()
         sso.clear()
         recs = []
@@ -1060,8 +1060,11 @@ class Engine(StreamStore):
                 s = self.streams.get(r.stream_id)
                 if s is not None:
                     s.committed = max(s.committed, r.end_offset)
-                self.cache.mark_committed(r.stream_id, r.end_offset)
+                self.cache.mark_committed(r.stream_id, r.end_offset, evict=False)
         self.reader.add(added)
+        # evicted in slices: a full cache of small requests frees ~70,000 entries here
+        while self.cache.evict_some(EVICT_SLICE):
+            await asyncio.sleep(0)
         trim_to = await self._trim_point(entries, key_)
         # a lease lapsed meanwhile: committed, but the WAL stays as it is (a later upload
         # trims; a taker skips what is committed)

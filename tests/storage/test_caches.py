@@ -70,6 +70,26 @@ def test_log_cache_evicts_only_committed() -> None:
     assert lc.read(1, 19, 10, 19, True) == []       # beyond the confirmed limit
 
 
+def test_log_cache_evicts_in_slices_after_a_commit() -> None:
+    """The engine marks an upload committed without evicting, then evicts a slice of entries
+    per loop turn (evict_some): at most that many each time, down to 90 % of the capacity,
+    committed entries only."""
+    lc = LogCache(10_000)
+    for i in range(30):          # the bound is the caller's (has_room): 13,920 bytes here
+        lc.add(CacheEntry(1, i, 1, b"x" * 400, i * 500, i * 500 + 500, durable=True))
+    lc.take_pending(1 << 30)
+    lc.mark_committed(1, 25, evict=False)
+    assert lc.first_offset(1) == 0 and lc.used > lc.capacity * 0.9
+    used = lc.used
+    steps = 0
+    while lc.evict_some(2):
+        steps += 1
+        assert used - lc.used <= 2 * 464
+        used = lc.used
+    assert lc.used <= lc.capacity * 0.9 and steps >= 2
+    assert lc.first_offset(1) <= 25                 # uncommitted entries stay
+
+
 def test_log_cache_takes_a_durable_prefix_in_chunks() -> None:
     """take_pending (C-level passes over chunks of entries, see its docstring) takes what the
     one-entry-at-a-time rule takes: the durable prefix within max bytes (at least one entry
