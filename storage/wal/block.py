@@ -12,13 +12,14 @@ Buffer = mmap.mmap | memoryview          # a mapping of its own, or a slice of a
 class Block:
     """Records packed back to back in an aligned buffer; `start` is the logical offset."""
 
-    __slots__ = ("start", "scan_from", "buf", "used", "streams", "done", "sealed")
+    __slots__ = ("start", "scan_from", "buf", "used", "records", "streams", "done", "sealed")
 
     def __init__(self, start: int, scan_from: int, buf: Buffer) -> None:
         self.start = start
         self.scan_from = scan_from      # end of the previous block: recovery's hole starts here
         self.buf = buf
         self.used = 0
+        self.records = 0                # records packed (the loop driver's yield rule)
         self.streams: set[int] = set()
         self.done = False
         self.sealed = False

@@ -25,8 +25,10 @@ from .aio import AioContext, TimerFD, yield_cpu
 from .config import IO_RETRIES, IO_RETRY_DELAY_S
 from .format import align_up
 
-# writes at least this large yield the CPU after their submit (see LoopDriver._submit)
+# writes at least this large, of records this large on average, yield the CPU after their
+# submit (see LoopDriver._submit)
 YIELD_FROM_BYTES = 256 << 10
+YIELD_FROM_RECORD_BYTES = 64 << 10
 
 if TYPE_CHECKING:
     from .block import Block
@@ -148,7 +150,11 @@ class LoopDriver:
         # after large writes: with other runnable work on the CPU each yield hands it the CPU
         # and a small acks=all request waits a scheduler slice (100 B at 1000 msgs/s under
         # load, p50 76-237 ms with a yield per write against 30-33 ms without, session 11).
-        if size >= YIELD_FROM_BYTES:
+        # Nor after a large write of small records: that is a backlog of small requests
+        # (the loop fell behind, e.g. the 100 B latency benchmark after a stall), and handing
+        # the CPU to the producer then makes the loop later still (session 14).
+        if size >= YIELD_FROM_BYTES and \
+                size >= YIELD_FROM_RECORD_BYTES * sum(b.records for b in group):
             yield_cpu()
 
     def on_completion(self) -> None:

@@ -433,6 +433,7 @@ class DeltaWAL:
         else:
             buf[at + RECORD_HEADER_SIZE:at + size] = body
         blk.used = used = at + size
+        blk.records += 1
         blk.streams.add(stream_id)
         self._inflight += size
         self._end = end

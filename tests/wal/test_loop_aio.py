@@ -210,6 +210,12 @@ async def test_a_large_submit_gives_the_cpu_to_kernel_work_before_the_loop_goes_
         await w.append_loop(body(1, 100 + i, 100), stream_id=1).future
     assert [what for what, _ in log].count("submit") >= 20
     assert ("yield", 0) not in log
+    log.clear()
+    # a backlog of small records (the loop fell behind): large writes, no yields either
+    rs = [w.append_loop(body(1, 200 + i, 1000), stream_id=1) for i in range(3000)]
+    await asyncio.gather(*[r.future for r in rs])
+    assert max(n for what, n in log if what == "submit") >= loop_driver.YIELD_FROM_BYTES
+    assert ("yield", 0) not in log
 
 
 async def test_durable_writes_are_acknowledged_when_starting_the_next_fails(make_wal):
