@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 _WAL_OFFSET = operator.attrgetter("wal_offset")
 _STREAM_ID = operator.attrgetter("stream_id")
 _SIZE = operator.attrgetter("size")
+# a background upload of small records pauses this long after each 0.5 ms encode slice (see
+# _upload_pause): at most about a quarter of the loop while hot requests run (session 14)
+UPLOAD_PAUSE_S = 0.001
 # cache entries an upload takes per loop step (~0.3 us each), and evicts (~1 us each)
 TAKE_SLICE = 4096
 EVICT_SLICE = 512
@@ -732,6 +735,17 @@ class Engine(StreamStore):
                 self._cache_pressure():
             self._upload_wakeup.set()
 
+    def _upload_pause(self) -> float:
+        """Seconds a background upload's encode waits after each slice: none while anything
+        waits for the upload (a forced upload: WAL or cache full, shutdown; a backlog of two
+        upload thresholds; cache pressure; a quarter of the WAL used), else UPLOAD_PAUSE_S."""
+        c = self.config
+        if (self._force_upload or self.cache.pending_bytes >= 2 * c.upload_threshold_bytes
+                or self._cache_pressure()
+                or self._wal_head - self._wal_trimmed > c.wal_capacity // 4):
+            return 0.0
+        return UPLOAD_PAUSE_S
+
     def _cache_pressure(self) -> bool:
         """Half the LogCache holds unuploaded data: upload before appends hit back-pressure.
         (Counting evictable, already uploaded entries would keep a warm cache - which stays
@@ -796,7 +810,7 @@ class Engine(StreamStore):
                     await asyncio.sleep(0.001)      # head not durable yet
                     continue
                 try:
-                    await self._upload(entries, key_=key_)
+                    await self._upload(entries, key_=key_, background=True)
                     backoff = 0.1
                     self.store_failing.clear()
                 except asyncio.CancelledError:
@@ -881,10 +895,11 @@ class Engine(StreamStore):
 
     async def _upload(self, entries: list[CacheEntry],
                       before_commit: Callable[[], Any] | None = None,
-                      key_: int | None = None) -> None:
+                      key_: int | None = None, background: bool = False) -> None:
         """Write entries as objects, commit them, trim the WAL, release the cache
         (``before_commit``: awaited after the objects are written, before their commit;
-        ``key_``: the in-flight mark _take_for_upload already holds for them)."""
+        ``key_``: the in-flight mark _take_for_upload already holds for them;
+        ``background``: the upload loop's, paced while nothing waits for it)."""
         if key_ is None:
             key_ = id(entries)
             # C-level pass: an upload holds tens of thousands of entries
@@ -892,7 +907,7 @@ class Engine(StreamStore):
         sids = set(map(_STREAM_ID, entries))
         self._inflight_streams.update(sids)
         try:
-            await self._upload_entries(entries, key_, before_commit)
+            await self._upload_entries(entries, key_, before_commit, background)
         finally:
             self._inflight.pop(key_, None)
             self._inflight_streams.subtract(sids)
@@ -926,7 +941,8 @@ class Engine(StreamStore):
                                "is renewed")
 
     async def _upload_entries(self, entries: list[CacheEntry], key_: int,
-                              before_commit: Callable[[], Any] | None = None) -> None:
+                              before_commit: Callable[[], Any] | None = None,
+                              background: bool = False) -> None:
         c = self.config
         # one pass over the entries (tens of thousands for small produce requests), in
         # slices on the loop (storage/loop_slices.py): unsliced it was a ~50 ms stall
@@ -986,8 +1002,12 @@ class Engine(StreamStore):
                     data, _index, ranges = await self.io(encode_object_into, recs,
                                                          c.object_block_bytes, into)
                 else:
+                    # small records (per-record Python work on the loop): while nothing waits
+                    # for this upload, a pause after each slice keeps its share of the loop
+                    # to about a quarter, so hot requests are not starved meanwhile
                     data, _index, ranges = await encode_object_in_slices(
-                        recs, c.object_block_bytes, into=into, size=size)
+                        recs, c.object_block_bytes, into=into, size=size,
+                        pause=self._upload_pause if background else None)
                 await self.io(self.store.put, key, data)
                 size = len(data)
                 data = None

@@ -81,14 +81,17 @@ async def object_size_in_slices(records: list[Record], block_size: int,
 
 async def encode_object_in_slices(records: list[Record], block_size: int = DEFAULT_BLOCK_SIZE,
                                   slice_s: float = SLICE_S, into: Buffer | None = None,
-                                  size: int | None = None
+                                  size: int | None = None,
+                                  pause: Callable[[], float] | None = None
                                   ) -> tuple[Buffer | memoryview, list[IndexEntry],
                                              list[StreamRange]]:
     """encode_object() on the running loop, yielding to other callbacks every ``slice_s``
-    (``into``: a reusable buffer, ``size``: the object's size if known, see ObjectEncoder)."""
+    (``into``: a reusable buffer, ``size``: the object's size if known, see ObjectEncoder;
+    ``pause()``: seconds to wait after each slice, asked each time: a background upload
+    leaves the loop to hot requests most of the time)."""
     enc = ObjectEncoder(records, block_size, into, size)
     while not enc.encode(until=time.perf_counter() + slice_s):
-        await asyncio.sleep(0)
+        await asyncio.sleep(pause() if pause is not None else 0)
     return enc.finish()
 
 

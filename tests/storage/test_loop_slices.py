@@ -134,3 +134,18 @@ async def test_cache_entries_encode_like_records() -> None:
     want, want_index, _ = encode_object(recs, 4096)
     assert bytes(data) == bytes(want)
     assert index == want_index
+
+
+async def test_sliced_encode_waits_what_pause_asks_after_each_slice() -> None:
+    """A background upload paces its encode: ``pause()`` is asked after every slice and
+    waited (the engine answers 0 once anything waits for the upload)."""
+    asked: list[float] = []
+
+    def pause() -> float:
+        asked.append(0.002)
+        return 0.002
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    data, _, _ = await encode_object_in_slices(_records(20), 4096, slice_s=0.0, pause=pause)
+    assert len(asked) >= 19 and loop.time() - t0 >= 19 * 0.002
+    assert bytes(data) == bytes(encode_object(_records(20), 4096)[0])
