@@ -445,6 +445,8 @@ class Engine(StreamStore):
         inner = await self.io(open_object_store, c.object_store)
         if hasattr(inner, "direct_writes"):
             inner.direct_writes = c.object_direct_writes
+        if hasattr(inner, "gentle"):       # small device reads while producers append
+            inner.gentle = self.cold_pacer.hot_active
         if hasattr(inner, "buffers"):       # read buffers kept for reuse: half the BlockCache
             inner.buffers.max_bytes = min(inner.buffers.max_bytes, c.block_cache_bytes // 2)
         self.store = MeasuredStore(inner, self.stats)

@@ -14,7 +14,7 @@ import mmap
 import os
 import threading
 import uuid
-from typing import Iterator
+from typing import Callable, Iterator
 from urllib.parse import urlsplit
 
 from .buffers import PAGE, BufferPool
@@ -89,6 +89,10 @@ FILE_WRITE_CHUNK = 1 << 20
 FILE_READ_CHUNK = 1 << 20
 # most bytes of neighbouring blocks get_ranges reads at once, into one pool buffer
 FILE_READ_SPAN = 4 << 20
+# ... asked for this much per system call, one call at a time across the cold-read threads,
+# while hot traffic runs (FileObjectStore.gentle): a WAL write then queues behind at most one
+# such piece on a shared disk instead of two 4 MiB reads (see FileObjectStore._read_block)
+HOT_READ_PIECE = 256 << 10
 
 
 def _read_range(fd: int, start: int, n: int) -> bytes | memoryview:
@@ -117,6 +121,10 @@ class FileObjectStore(ObjectStore):
         self.direct_writes = direct_writes
         # block buffers of get_ranges: reused once the BlockCache dropped them (buffers.py)
         self.buffers = BufferPool()
+        # set by the engine: True while producers append (cold reads must then stay small
+        # on the device, see _read_block)
+        self.gentle: Callable[[], bool] | None = None
+        self._device = threading.Lock()
         os.makedirs(self.root, exist_ok=True)
 
     def _path(self, key: str) -> str:
@@ -243,10 +251,23 @@ class FileObjectStore(ObjectStore):
         buf = self.buffers.take(a1 - a0)
         mv = memoryview(buf)
         got = 0
+        # While producers append, a span is read HOT_READ_PIECE at a time and one piece at a
+        # time across the cold threads (the lock): an O_DIRECT read goes to the device, where
+        # the WAL's dsync writes (same disk with file://) queue behind whatever is in flight.
+        # Two 4 MiB reads in flight (prefetch pieces on both cold threads) put milliseconds in
+        # front of a WAL write several times a second: the catch-up bench's produce p99 rose
+        # ~2x (bench/HISTORY.md, session 14). Session 5's design (one 1 MiB piece at a time)
+        # had been lost when reads became one O_DIRECT read per span (session 12).
+        gentle = self.gentle is not None and self.gentle()
+        piece = HOT_READ_PIECE if gentle else a1 - a0
         try:
             while got < a1 - a0:
                 try:
-                    r = os.preadv(fd, [mv[got:a1 - a0]], a0 + got)
+                    if gentle:
+                        with self._device:
+                            r = os.preadv(fd, [mv[got:min(a1 - a0, got + piece)]], a0 + got)
+                    else:
+                        r = os.preadv(fd, [mv[got:a1 - a0]], a0 + got)
                 except OSError as e:
                     if e.errno != errno.EINVAL or not _O_DIRECT:
                         raise
