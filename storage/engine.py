@@ -53,6 +53,14 @@ EVICT_SLICE = 512
 
 WAL_RECORD = struct.Struct(">qqi")          # stream id, base offset, count; then the payload
 WAL_RECORD_HEADER = 24                      # the WAL's own per-record header (offset arithmetic)
+# An upload round's records go to objects of at most about OBJECT_SPLIT_BYTES of payload:
+# each fits a reused 32 MiB encode buffer, PUTS_IN_FLIGHT of them are written at once while
+# the next is encoded. One put writes 1 MiB at a time and waits for each (so a WAL write
+# queues behind at most that much per put): ~550 MB/s on this VM's disk alone, which capped
+# every producer once the LogCache was full (bench/HISTORY.md, session 14).
+OBJECT_SPLIT_BYTES = 28 << 20
+PUTS_IN_FLIGHT = 2
+ENCODE_BUFFERS = PUTS_IN_FLIGHT + 1         # kept: those being written, the next encoded
 ENCODE_BUFFER_MAX = 128 << 20              # largest object encode buffer kept for reuse
 CATCHUP_GAIN = 1.5                          # a paced catch-up reader gets >= this x the append rate
 
@@ -129,6 +137,26 @@ class EngineConfig:
         c.object_store = c.object_store or "file://" + os.path.join(d, "objects")
         c.metadata_url = c.metadata_url or "sqlite:///" + os.path.join(d, "meta.db")
         return c
+
+
+def _split_records(recs: list[Any], limit: int | None = None) -> list[tuple[list[Any], int]]:
+    """``recs`` (sorted by stream and offset) cut into consecutive runs of at most ``limit``
+    (OBJECT_SPLIT_BYTES) payload bytes (a larger record alone), with their payload bytes:
+    each run is one object."""
+    limit = limit or OBJECT_SPLIT_BYTES
+    parts: list[tuple[list[Any], int]] = []
+    cur: list[Any] = []
+    size = 0
+    for r in recs:
+        n = len(r.payload)
+        if cur and size + n > limit:
+            parts.append((cur, size))
+            cur, size = [], 0
+        cur.append(r)
+        size += n
+    if cur:
+        parts.append((cur, size))
+    return parts
 
 
 def open_engine(config: EngineConfig) -> "Engine":
@@ -411,7 +439,7 @@ class Engine(StreamStore):
         self.backpressure = Episode(log, "producers_backpressured")
         self.store_failing = Episode(log, "object_store_failing", quiet_s=float("inf"))
         c = self.config
-        self._encode_buf: Any = None        # reused object encode buffer (see _upload)
+        self._encode_bufs: list[Any] = []   # reused object encode buffers (see _upload)
         self.cold_pacer = ColdReadPacer(c.cold_read_bytes_per_s, c.cold_read_min_bytes_per_s,
                                         c.cold_read_lag_target_ms / 1000,
                                         hot_tolerance=c.cold_read_hot_tolerance)
@@ -852,17 +880,40 @@ class Engine(StreamStore):
         return to
 
     def _take_encode_buffer(self, size: int) -> Any:
-        """The reusable encode buffer if ``size`` fits (taken: a drain may upload beside the
-        upload loop), a larger one (rounded up to a power of two, so growing objects do not
-        allocate every time), or None above ENCODE_BUFFER_MAX (the encoder allocates)."""
-        buf, self._encode_buf = self._encode_buf, None
-        if buf is not None and len(buf) >= size:
-            return buf
+        """A reusable encode buffer that ``size`` fits (taken: the next object is encoded
+        while the previous ones are written, and a drain may upload beside the upload loop), a
+        new one (rounded up to a power of two, so growing objects do not allocate every
+        time), or None above ENCODE_BUFFER_MAX (the encoder allocates)."""
+        bufs = self._encode_bufs
+        for i, buf in enumerate(bufs):
+            if len(buf) >= size:
+                return bufs.pop(i)
         if size > ENCODE_BUFFER_MAX:
-            self._encode_buf = buf
             return None
         return mmap.mmap(-1, min(ENCODE_BUFFER_MAX, 1 << (size - 1).bit_length()),
                          flags=mmap.MAP_PRIVATE)
+
+    def _give_encode_buffer(self, buf: Any) -> None:
+        """Keep ``buf`` for the next object; at most ENCODE_BUFFERS, the largest ones."""
+        if buf is None:
+            return
+        bufs = self._encode_bufs
+        bufs.append(buf)
+        if len(bufs) > ENCODE_BUFFERS:
+            bufs.sort(key=len, reverse=True)
+            del bufs[ENCODE_BUFFERS:]
+
+    async def _put_object(self, key: str, data: Any, into: Any, kind: str) -> None:
+        """Write one encoded object, then hand its encode buffer back."""
+        try:
+            await self.io(self.store.put, key, data)
+            self.stats.objects_written[kind] += 1
+            self.stats.uploaded_bytes += len(data)
+        finally:
+            if isinstance(data, memoryview):
+                data.release()
+            data = None
+            self._give_encode_buffer(into)
 
     async def _take_for_upload(self, max_bytes: int) -> tuple[list[CacheEntry], int]:
         """``cache.take_pending(max_bytes)`` in chunks of TAKE_SLICE entries with a yield in
@@ -979,22 +1030,24 @@ class Engine(StreamStore):
         for sid in sorted(by_stream):
             recs = by_stream[sid]
             if sizes[sid] >= c.stream_object_threshold_bytes:
-                groups.append(("so", recs, sizes[sid]))
+                groups.extend(("so", part, n) for part, n in _split_records(recs))
             else:
                 sso.extend(recs)
                 sso_bytes += sizes[sid]
         by_stream.clear()
         if sso:
-            groups.append(("sso", sso, sso_bytes))
+            groups.extend(("sso", part, n) for part, n in _split_records(sso))
         new: list[tuple[NewObject, str, str]] = []
         prepared: list[tuple[int, str]] = []
         unknown = False          # a commit whose outcome could not be read back
+        writing: list[asyncio.Future] = []        # puts in flight, oldest first
         try:
             for kind, recs, payload in groups:
                 oid, key = await self.io(self.meta.prepare_object, kind, c.node_id)
                 prepared.append((oid, key))
-                # one encode buffer reused across uploads (taken while in use: a drain may
-                # upload beside the loop): fresh memory faults a page per 4 KiB
+                # encode buffers reused across uploads (taken while in use: the previous
+                # objects are written meanwhile, a drain may upload beside the loop): fresh
+                # memory faults a page per 4 KiB
                 size = await object_size_in_slices(recs, c.object_block_bytes)
                 into = self._take_encode_buffer(size)
                 if payload >= NOGIL_COPY_FROM * len(recs):
@@ -1010,15 +1063,15 @@ class Engine(StreamStore):
                     data, _index, ranges = await encode_object_in_slices(
                         recs, c.object_block_bytes, into=into, size=size,
                         pause=self._upload_pause if background else None)
-                await self.io(self.store.put, key, data)
                 size = len(data)
-                data = None
-                if into is not None and (self._encode_buf is None
-                                         or len(into) > len(self._encode_buf)):
-                    self._encode_buf = into
                 new.append((NewObject(oid, size, ranges), key, kind))
-                self.stats.objects_written[kind] += 1
-                self.stats.uploaded_bytes += size
+                # written while the next ones are encoded, PUTS_IN_FLIGHT at a time
+                if len(writing) >= PUTS_IN_FLIGHT:
+                    await writing.pop(0)
+                writing.append(asyncio.ensure_future(self._put_object(key, data, into, kind)))
+                data = None
+            while writing:
+                await writing.pop(0)
             if before_commit is not None:
                 await before_commit()
             crash_point("before_commit")
@@ -1035,6 +1088,11 @@ class Engine(StreamStore):
                         unknown = outcome == "unknown"
                         raise
         except Exception as exc:
+            if writing:                      # never forget an object still being written
+                await asyncio.wait(writing)
+                for w in writing:
+                    if not w.cancelled():
+                        w.exception()        # retrieved: this upload fails with ``exc``
             if unknown:
                 # the commit may have landed and could not be read back: never delete what
                 # the store's metadata may point to (still prepared ones are removed at the
