@@ -26,11 +26,8 @@ log = logging.getLogger(__name__)
 
 # young-generation threshold: a request allocates a few dozen containers, and Python's default
 # (700) ran a collection every few requests; a young collection scans at most about this many
-# objects. The count is of tracked objects still alive since the last collection, so a
-# collection's pause grows with it while the total work per request does not: 5,000 (session
-# 14; 20,000 before) keeps each pause near 0.1 ms instead of ~0.5-3 ms, a stall that hit
-# every request in flight at 10,000 small requests/s, every ~70 ms
-GEN0_THRESHOLD = 5_000
+# objects (a few milliseconds)
+GEN0_THRESHOLD = 20_000
 # everything frozen since is scanned again (and its dead cycles freed) this often
 FULL_PASS_S = 600.0
 
