@@ -51,7 +51,10 @@ WRITE_HIGH_WATER = 8 << 20
 # responses are handed to the transport at most this many bytes per loop turn: the transport's
 # first write copies into the socket with the GIL held and the loop busy (measured on loopback:
 # 256 KiB 0.03-0.2 ms, 4 MiB 0.5-2.3 ms), so one catch-up consumer's multi-MiB Fetch answer
-# would hold every hot request and every WAL completion for milliseconds
+# would hold every hot request and every WAL completion for milliseconds. Only while producers
+# append (Broker.hot_traffic): with nothing to protect, an answer goes to the transport whole -
+# 8 MiB hot Fetch answers in 256 KiB slices cost 0.38-0.42 ms of broker CPU per MiB, whole
+# 0.24-0.25 (one writev, libuv writes the rest as the socket drains; bench/HISTORY.md session 14)
 WRITE_SLICE = 256 << 10
 INITIAL_BUFFER = 64 << 10
 # a drained read buffer up to this size is kept: 1 MiB produce requests would otherwise regrow
@@ -439,7 +442,8 @@ class Connection(asyncio.BufferedProtocol):
     def _write(self, out: list[Any]) -> None:
         """Hand responses to the transport in order: at once when small, else WRITE_SLICE
         bytes per loop turn (hot requests and WAL completions run in between)."""
-        if not self._unsent and sum(len(b) for b in out) <= WRITE_SLICE:
+        if not self._unsent and (sum(len(b) for b in out) <= WRITE_SLICE
+                                 or not self.broker.hot_traffic()):
             self.transport.writelines(out)  # type: ignore[union-attr]
             return
         for b in out:
@@ -640,6 +644,14 @@ class Broker:
             max_metadata_bytes=cfg.offset_metadata_max_bytes)
         await groups.start()
         return groups
+
+    def hot_traffic(self) -> bool:
+        """Producers appended within the last second (the engine's cold-read pacer tracks it):
+        large answers are then written in WRITE_SLICE pieces so appends and their WAL
+        completions do not wait behind a multi-MiB socket copy. Stores without the signal
+        (memory) always count as hot."""
+        pacer = getattr(self.store, "cold_pacer", None)
+        return pacer is None or pacer.hot_active()
 
     def _connection_idle(self) -> None:
         if all(c.idle for c in self.connections):

@@ -1,4 +1,5 @@
-"""Large responses go to the transport in WRITE_SLICE pieces, one per loop turn, in order.
+"""Large responses go to the transport in WRITE_SLICE pieces, one per loop turn, in order,
+while producers append (Broker.hot_traffic); with nothing hot, whole.
 
 A transport's first write copies into the socket with the GIL held: a multi-MiB Fetch answer
 written at once would hold every other request and the WAL's completions for milliseconds.
@@ -40,8 +41,8 @@ class RecordingTransport:
         return b"".join(self.calls)
 
 
-def _connection() -> tuple[Connection, RecordingTransport]:
-    broker = SimpleNamespace(_connection_idle=lambda: None,
+def _connection(hot: bool = True) -> tuple[Connection, RecordingTransport]:
+    broker = SimpleNamespace(_connection_idle=lambda: None, hot_traffic=lambda: hot,
                              config=SimpleNamespace(max_inflight_requests=100))
     conn = Connection(broker)  # type: ignore[arg-type]
     t = RecordingTransport()
@@ -76,6 +77,17 @@ async def test_large_answer_goes_out_one_slice_per_loop_turn_and_in_order() -> N
     assert t.data == b"head" + big + b"next answer"
     assert all(len(d) <= WRITE_SLICE for d in t.calls)
     assert len(t.calls) == 4
+    assert conn.idle
+
+
+async def test_with_nothing_hot_a_large_answer_is_written_whole() -> None:
+    """No producer appended lately: slicing would protect nothing and cost a loop turn and a
+    socket write per 256 KiB (hot Fetch CPU per MiB 0.38-0.42 ms sliced, 0.24-0.25 whole)."""
+    conn, t = _connection(hot=False)
+    big = bytes(range(256)) * (3 * WRITE_SLICE // 256 + 17)
+    conn._write([b"head", memoryview(big)])
+    conn._write([b"next answer"])
+    assert t.calls == [b"head" + big, b"next answer"]
     assert conn.idle
 
 
