@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import faulthandler
 import logging
 import signal
 import struct
@@ -770,6 +771,9 @@ def run(config: BrokerConfig, startup: Any = None) -> int:
     from storage.objects.store import ObjectStoreError  # noqa: PLC0415
     from storage.wal.errors import WALError  # noqa: PLC0415
 
+    # `kill -USR2 <pid>` writes every thread's stack to stderr: the evidence when a broker
+    # hangs (a test's SIGTERM that does not end it sends this before SIGKILL)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     try:
         import uvloop  # noqa: PLC0415
 

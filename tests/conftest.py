@@ -189,6 +189,8 @@ class BrokerProcess:
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR2)    # every thread's stack into the log
+            time.sleep(1.0)
             self.kill()
             raise AssertionError(f"broker did not exit {timeout}s after SIGTERM\n{self.log_tail()}")
         _LIVE.discard(self)

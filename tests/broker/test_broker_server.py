@@ -118,6 +118,28 @@ def test_sigterm_releases_a_parked_fetch_and_answers_it(broker_factory):
         w.close()
 
 
+def test_sigusr2_dumps_every_thread_and_the_broker_keeps_serving(broker_factory):
+    """A hung broker's evidence: SIGUSR2 writes every thread's stack to its log (the tests'
+    SIGTERM that does not end a broker sends it before SIGKILL); nothing else changes."""
+    import signal
+    import time
+    b = broker_factory()
+    b.proc.send_signal(signal.SIGUSR2)
+    deadline = time.monotonic() + 10
+    while "most recent call first" not in b.log_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    text = b.log_text()
+    assert "Current thread" in text or "Thread 0x" in text, text[-2000:]
+    w = Wire(b.host, b.port, timeout=30)
+    try:
+        resp = w.call(METADATA, 12, correlation_id=1, topics=None,
+                      allow_auto_topic_creation=False, include_topic_authorized_operations=False)
+        assert resp.brokers, resp
+    finally:
+        w.close()
+    b.stop()
+
+
 def test_frames_split_across_writes_byte_by_byte(wire):
     frame = _metadata_frame(42, None)
     for b in frame:
