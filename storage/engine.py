@@ -11,9 +11,11 @@ WAL (dropping what is already committed), upload it, trim.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import concurrent.futures
 import functools
+import itertools
 import logging
 import mmap
 import operator
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 _WAL_OFFSET = operator.attrgetter("wal_offset")
 _STREAM_ID = operator.attrgetter("stream_id")
 _SIZE = operator.attrgetter("size")
+_PAYLOAD = operator.attrgetter("payload")
 # a background upload of small records pauses this long after each 0.5 ms encode slice (see
 # _upload_pause): at most about a quarter of the loop while hot requests run (session 14)
 UPLOAD_PAUSE_S = 0.001
@@ -142,20 +145,17 @@ class EngineConfig:
 def _split_records(recs: list[Any], limit: int | None = None) -> list[tuple[list[Any], int]]:
     """``recs`` (sorted by stream and offset) cut into consecutive runs of at most ``limit``
     (OBJECT_SPLIT_BYTES) payload bytes (a larger record alone), with their payload bytes:
-    each run is one object."""
+    each run is one object. C-level passes (accumulate, bisect) over the payload lengths: an
+    upload of small requests holds ~46,000 records, and a Python loop over them was a 10 ms
+    event-loop stall."""
     limit = limit or OBJECT_SPLIT_BYTES
+    cum = list(itertools.accumulate(map(len, map(_PAYLOAD, recs))))
     parts: list[tuple[list[Any], int]] = []
-    cur: list[Any] = []
-    size = 0
-    for r in recs:
-        n = len(r.payload)
-        if cur and size + n > limit:
-            parts.append((cur, size))
-            cur, size = [], 0
-        cur.append(r)
-        size += n
-    if cur:
-        parts.append((cur, size))
+    start, base, n = 0, 0, len(recs)
+    while start < n:
+        end = max(bisect.bisect_right(cum, base + limit, lo=start), start + 1)
+        parts.append((recs[start:end], cum[end - 1] - base))
+        base, start = cum[end - 1], end
     return parts
 
 

@@ -702,3 +702,31 @@ async def test_large_upload_rounds_are_split_into_objects_written_one_behind_the
         assert len(await read_all(s)) == 80
     finally:
         await eng.close()
+
+
+def test_split_records_cuts_like_the_one_record_at_a_time_rule() -> None:
+    """An upload's records are cut into objects of at most ``limit`` payload bytes (a larger
+    record alone), by C-level passes: the same parts as adding one record at a time."""
+    import random
+
+    from storage.engine import _split_records
+    from storage.objects.format import Record
+
+    def reference(recs, limit):
+        parts, cur, size = [], [], 0
+        for r in recs:
+            if cur and size + len(r.payload) > limit:
+                parts.append((cur, size))
+                cur, size = [], 0
+            cur.append(r)
+            size += len(r.payload)
+        if cur:
+            parts.append((cur, size))
+        return parts
+
+    rnd = random.Random(3)
+    for _ in range(300):
+        recs = [Record(1, i, 1, b"x" * rnd.choice([0, 1, 50, 1000, 5000]))
+                for i in range(rnd.choice([0, 1, 2, 10, 400]))]
+        limit = rnd.choice([1, 100, 1000, 5000, 1 << 20])
+        assert _split_records(recs, limit) == reference(recs, limit)
