@@ -24,9 +24,8 @@ import time
 
 from typing import Any, Callable, Iterable
 
-from .objects.format import (BLOCK_HEADER, DEFAULT_BLOCK_SIZE, FOOTER, INDEX_ENTRY,
-                             RECORD_HEADER, Buffer, IndexEntry, ObjectEncoder, Record,
-                             StreamRange)
+from .objects.format import (DEFAULT_BLOCK_SIZE, Buffer, IndexEntry, ObjectEncoder, Record,
+                             StreamRange, object_size_steps)
 
 SLICE_S = 0.0005
 # items handled between two clock reads in the sliced passes (each item costs ~1 us)
@@ -52,31 +51,18 @@ async def for_each_in_slices(items: Iterable[Any], fn: Callable[[Any], Any],
 
 async def object_size_in_slices(records: list[Record], block_size: int,
                                 slice_s: float = SLICE_S) -> int:
-    """format.object_size() on the running loop, in slices (the same block-closing rule:
-    tests/storage/test_loop_slices.py compares them)."""
-    rec_hdr, blk_hdr = RECORD_HEADER.size, BLOCK_HEADER.size
+    """format.object_size() on the running loop, in slices (format.object_size_steps)."""
     clock = time.perf_counter
     until = clock() + slice_s
-    total = entries = 0
-    block = -1                          # bytes in the open block; -1: none open
-    last_stream = None
-    for i, r in enumerate(records):
-        if block < 0:
-            block = 0
-            last_stream = None
-        block += rec_hdr + len(r.payload)
-        if r.stream_id != last_stream:
-            entries += 1                # a new run, so a new index entry
-            last_stream = r.stream_id
-        if block >= block_size:
-            total += blk_hdr + block
-            block = -1
-        if not i % CHECK_EVERY and clock() >= until:
+    steps = object_size_steps(records, block_size, CHECK_EVERY)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        if clock() >= until:
             await asyncio.sleep(0)
             until = clock() + slice_s
-    if block >= 0:
-        total += blk_hdr + block
-    return total + entries * INDEX_ENTRY.size + FOOTER.size
 
 
 async def encode_object_in_slices(records: list[Record], block_size: int = DEFAULT_BLOCK_SIZE,

@@ -24,7 +24,7 @@ import mmap
 import struct
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, NamedTuple, Union
+from typing import Callable, Generator, Iterable, Iterator, NamedTuple, Union
 
 import crc32c
 
@@ -221,15 +221,17 @@ def _zeroed_buffer(size: int) -> Buffer:
     return bytearray(size)
 
 
-def object_size(records: list[Record], block_size: int) -> int:
-    """Bytes encode_object will produce for ``records``: the same block-closing rule, lengths
-    only (one cheap pass, no copies)."""
+def object_size_steps(records: list[Record], block_size: int,
+                      every: int = 0) -> Generator[None, None, int]:
+    """object_size() as a generator that yields after every ``every`` records (0: never) and
+    returns the size: the event loop's sliced sizing (loop_slices.object_size_in_slices)
+    runs the same block-closing rule as encode_object."""
     rec_hdr, blk_hdr = RECORD_HEADER.size, BLOCK_HEADER.size
     total = 0
     entries = 0
     block = -1                          # bytes in the open block; -1: none open
     last_stream = None
-    for r in records:
+    for i, r in enumerate(records):
         if block < 0:
             block = 0
             last_stream = None
@@ -240,9 +242,22 @@ def object_size(records: list[Record], block_size: int) -> int:
         if block >= block_size:
             total += blk_hdr + block
             block = -1
+        if every and not i % every:
+            yield
     if block >= 0:
         total += blk_hdr + block
     return total + entries * INDEX_ENTRY.size + FOOTER.size
+
+
+def object_size(records: list[Record], block_size: int) -> int:
+    """Bytes encode_object will produce for ``records``: the same block-closing rule, lengths
+    only (one cheap pass, no copies)."""
+    steps = object_size_steps(records, block_size)
+    try:
+        next(steps)
+    except StopIteration as done:
+        return done.value
+    raise AssertionError("object_size_steps yielded without ``every``")
 
 
 def encode_object(records: Iterable[Record], block_size: int = DEFAULT_BLOCK_SIZE
