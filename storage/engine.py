@@ -124,7 +124,12 @@ class EngineConfig:
                                              # ago than this, while producers append, are paced
                                              # like cold reads (at least 1.5x the append rate);
                                              # 0 = never
-    cold_read_threads: int = 2               # threads for object reads of the cold path
+    cold_read_threads: int = 16              # threads for object reads of the cold path: a
+                                             # cold pass waited on the device with 2 reads in
+                                             # flight (2 -> 16: cold raw Fetch 282-742 -> 821-
+                                             # 1022 MB/s, bench/HISTORY.md session 14); while
+                                             # producers append the file store reads one small
+                                             # piece at a time whatever the count
     cold_read_nice: int = 0                  # their nice value (and SCHED_BATCH: a large read
                                              # never preempts the event loop); 19 starved them
                                              # and, holding the GIL, the loop (thread_priority)
