@@ -185,3 +185,32 @@ def test_append_rate_and_hot_activity_set_a_floor_for_catch_up() -> None:
     off = ColdReadPacer(0, 0, clock=clock)          # pacing off: never "active"
     off.note_hot(0.001, 1000)
     assert not off.hot_active()
+
+
+async def test_probe_samples_fast_only_while_paced_cold_reads_run() -> None:
+    """The lag probe wakes every probe_interval_s only while paced cold reads run (within the
+    last second); otherwise every IDLE_PROBE_S (an idle broker's loop woke 200 times a second
+    for nothing)."""
+    p = ColdReadPacer(64 * MiB, 16 * MiB, lag_target_s=0.001, probe_interval_s=0.005)
+    samples = [0]
+    real = p.note_lag
+
+    def count(lag: float) -> None:
+        samples[0] += 1
+        real(lag)
+    p.note_lag = count  # type: ignore[method-assign]
+    p.start()
+    try:
+        await asyncio.sleep(0.06)                   # the first (fast) sleep is over
+        samples[0] = 0
+        await asyncio.sleep(0.5)
+        idle = samples[0]
+        p.delay_for(256 << 10)                      # a paced cold read
+        await asyncio.sleep(0.06)
+        samples[0] = 0
+        await asyncio.sleep(0.5)
+        busy = samples[0]
+    finally:
+        await p.stop()
+    assert idle <= 0.5 / p.IDLE_PROBE_S + 2
+    assert busy >= 20 and busy > 2 * idle
