@@ -57,6 +57,7 @@ class Activity:
     before: Samples
     outage: Samples
     reads: Samples          # after both groups read everything
+    pre_reads: Samples      # after the first group, before the second
     after: Samples
     after_text: str
     topic: str
@@ -152,6 +153,7 @@ def activity(module_broker_factory) -> Activity:
           "a group member")
     c.close()
     # a second group reads it again: block cache hits
+    _, pre_reads = scrape(mport)
     c2 = _consume(bs, topic, group + "-2", produced)
     _, reads = scrape(mport)        # before compaction can replace the objects just read
     c2.close()
@@ -164,7 +166,8 @@ def activity(module_broker_factory) -> Activity:
                   and total(s, "s3kafka_objects_deleted_total") > 0
                   and total(s, "s3kafka_upload_backlog_bytes") == 0, "compaction and cleanup")
     text, after = scrape(mport)
-    return Activity(before, outage, reads, after, text, topic, group, produced + 50)
+    return Activity(before, outage, reads, pre_reads, after, text, topic, group,
+                    produced + 50)
 
 
 def test_metrics_present_and_moving(activity: Activity) -> None:
@@ -213,7 +216,10 @@ def test_metrics_present_and_moving(activity: Activity) -> None:
     assert total(f, "s3kafka_log_cache_capacity_bytes") == 1 << 20
     assert grew("s3kafka_log_cache_hits_total") and grew("s3kafka_log_cache_misses_total")
     # (compaction later replaces the objects and drops their blocks)
-    assert total(a.reads, "s3kafka_block_cache_bytes") > 0
+    # (on a loaded machine a compaction may land between the second group's read and the
+    # scrape: then its blocks are gone, and the compaction count says so)
+    assert total(a.reads, "s3kafka_block_cache_bytes") > 0 or \
+        total(a.reads, "s3kafka_compactions_total") > total(a.pre_reads, "s3kafka_compactions_total")
     assert grew("s3kafka_block_cache_hits_total") and grew("s3kafka_block_cache_misses_total")
     assert grew("s3kafka_block_cache_fetched_bytes_total")
     # uploads and the object store
