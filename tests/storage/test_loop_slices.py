@@ -100,9 +100,12 @@ def test_thread_encode_of_large_records_releases_the_gil_and_matches_encode_obje
         sys.setswitchinterval(0.2)
         time.sleep(0.01)
         during = 0
-        # a few single copies (each costs up to a switch interval to get the GIL back from
-        # the counter; on a loaded machine the counter may get no CPU during one copy)
-        for _ in range(10):
+        # single copies until one lets the counter run, for up to 5 s (each costs up to a
+        # switch interval to get the GIL back from the counter; on a loaded machine - 4 test
+        # workers on 2 cores - the counter may get no CPU during many copies). A copy that
+        # holds the GIL never lets it run: it takes far less than the 0.2 s interval
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
             before = ticks
             assert _copy_nogil(into, 0, memoryview(src), len(src))
             during = ticks - before
