@@ -32,6 +32,7 @@ from protocol import (MalformedRequestError, UnknownApiError, UnsupportedVersion
                       api_name, parse_request)
 
 from storage import sqldb
+from storage.waits import wait_event
 
 from .config import BrokerConfig
 from .failures import failure_answer
@@ -736,10 +737,7 @@ class Broker:
                 log.warning("shutdown: requests still in flight; closing their connections")
                 return
             self._idle.clear()
-            try:
-                await asyncio.wait_for(self._idle.wait(), min(left, 0.1))
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._idle, min(left, 0.1))
 
 
 async def serve(config: BrokerConfig, startup: Any = None) -> None:

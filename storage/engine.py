@@ -30,6 +30,7 @@ from .cold_reads import ColdReadPacer
 from . import sqldb
 from .crash import crash_point
 from .episodes import Episode
+from .waits import end_tasks, wait_event
 from .metastore import (MetaStore, NewObject, ObjectRange, StreamFenced, StreamMeta,
                         open_metastore)
 from .loop_slices import (CHECK_EVERY, SLICE_S, encode_object_in_slices, encode_object_into,
@@ -50,6 +51,7 @@ _PAYLOAD = operator.attrgetter("payload")
 # a background upload of small records pauses this long after each 0.5 ms encode slice (see
 # _upload_pause): at most about a quarter of the loop while hot requests run (session 14)
 UPLOAD_PAUSE_S = 0.001
+STOP_WAIT_S = 10.0          # close() waits this long for its cancelled tasks (waits.py)
 # cache entries an upload takes per loop step (~0.3 us each), and evicts (~1 us each)
 TAKE_SLICE = 4096
 EVICT_SLICE = 512
@@ -615,11 +617,7 @@ class Engine(StreamStore):
         await self.cold_pacer.stop()
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        await end_tasks(self._tasks, STOP_WAIT_S, log, "storage close")
         for closer in (getattr(self.wal, "close", None), getattr(getattr(self, "meta", None), "close", None),
                        getattr(getattr(self, "store", None), "close", None)):
             if closer is not None:
@@ -794,10 +792,7 @@ class Engine(StreamStore):
 
     async def wait_for_room(self, timeout: float) -> None:
         self._room.clear()
-        try:
-            await asyncio.wait_for(self._room.wait(), max(timeout, 0.001))
-        except asyncio.TimeoutError:
-            pass
+        await wait_event(self._room, max(timeout, 0.001))
 
     async def flush(self) -> None:
         """Upload everything appended so far and trim the WAL (tests, shutdown)."""
@@ -812,11 +807,7 @@ class Engine(StreamStore):
         backoff = 0.1
         c = self.config
         while True:
-            try:
-                await asyncio.wait_for(self._upload_wakeup.wait(),
-                                       timeout=min(c.upload_interval_s, 1.0))
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._upload_wakeup, min(c.upload_interval_s, 1.0))
             self._upload_wakeup.clear()
             await self._check_fenced()
             self.wal_full.expire()

@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
+from storage.waits import wait_event
+
 log = logging.getLogger("broker.cluster")
 
 
@@ -87,10 +89,7 @@ class OwnLease:
                 return False
             if self._renewal is None:
                 self._renewal = asyncio.Event()
-            try:
-                await asyncio.wait_for(self._renewal.wait(), left)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._renewal, left)
         return True
 
     def withhold(self, n: int = 1) -> None:

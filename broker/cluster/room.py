@@ -27,6 +27,7 @@ import uuid
 from typing import Any
 
 from storage.wal.errors import WALLockedError
+from storage.waits import end_tasks, wait_event
 
 from ..failures import log_failure, note as note_failure
 from ..listeners import decode as decode_listeners, encode as encode_listeners
@@ -42,6 +43,7 @@ HEARTBEAT_S = 1.0
 LEASE_MS = 6000
 TAKEOVER_MARGIN_MS = 1000
 POLL_S = 0.2
+STOP_WAIT_S = 10.0        # a stop waits this long for its cancelled tasks (storage/waits.py)
 CATCH_UP_GAP_S = 0.05     # catch_up() rounds (a full re-read) at most this often
 MAX_MOVES_PER_ROUND = 16
 OP_STUCK_S = 15.0        # a partition operation running longer is logged (once per op)
@@ -182,12 +184,8 @@ class ClusterRoom:
         electing = [self._electing] if self._electing is not None else []
         for t in list(self._tasks) + list(self._takeovers.values()) + electing:
             t.cancel()
-        for t in list(self._tasks) + list(self._ops) + list(self._takeovers.values()) \
-                + electing:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+        await end_tasks(list(self._tasks) + list(self._ops) + list(self._takeovers.values())
+                        + electing, STOP_WAIT_S, log, "cluster stop")
         if self.store is not None:
             try:
                 if self.controller_id == self.node_id:
@@ -438,11 +436,8 @@ class ClusterRoom:
             await moved(self.is_coordinator)
 
     async def _watch_loop(self) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), POLL_S)
-            except asyncio.TimeoutError:
-                pass
+        while not self._stopping:
+            await wait_event(self._wake, POLL_S)
             self._wake.clear()
             self._report_stuck()
             try:

@@ -16,6 +16,7 @@ from collections import deque
 from typing import Any, Callable
 
 from ..stream import Batch
+from ..waits import wait_event
 
 
 _DURABLE = operator.attrgetter("durable")
@@ -264,10 +265,7 @@ class LogCache:
     async def wait_for_space(self, timeout: float) -> None:
         """Wait until some entries were committed (or the timeout passes)."""
         self._space.clear()
-        try:
-            await asyncio.wait_for(self._space.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
+        await wait_event(self._space, timeout)
 
     def first_offset(self, stream_id: int) -> int | None:
         """Base offset of the oldest cached entry of a stream, None if nothing is cached."""

@@ -83,3 +83,20 @@ async def test_a_release_whose_snapshot_hangs_gives_up_and_says_so(tmp_path, mon
         assert row.leader == 0 and row.state == MOVING      # not handed over: retried later
     finally:
         r.store.close()
+
+
+async def test_the_watch_loop_ends_when_cancelled_as_it_is_woken(tmp_path) -> None:
+    """The final CI run of session 14: a PostgreSQL broker SIGTERMed during moves logged its
+    controlled shutdown and never exited. ClusterRoom.stop cancels the watch loop while
+    ChangeWatch's thread may just have set its wake event; Python 3.11's ``wait_for``
+    swallowed such a cancel and the loop ran on, so the stop awaited it for ever."""
+    r = _room(f"sqlite:///{tmp_path}/meta.db")
+    try:
+        t = asyncio.create_task(r._watch_loop())
+        await asyncio.sleep(0.3)               # a round or two, then waiting again
+        r._wake.set()
+        t.cancel()
+        done, _ = await asyncio.wait({t}, timeout=2)
+        assert done and t.cancelled(), "the watch loop survived its cancel"
+    finally:
+        r.store.close()
