@@ -23,7 +23,7 @@ from cluster.kit import leaders, wait_leaders, wait_live
 from .cluster_faults import FAULTS, ChaosCluster
 from .groups import CommitMonitor, ConsumeLog, GroupReport, check_groups, start_members
 from .java_writer import java_classpath, start_java_writers
-from .workload import Ledger, Report, check, rdkafka_debug_to, read_all, start_writers
+from .workload import Ledger, Report, check, RdkafkaDebugLog, read_all, start_writers
 
 TOPIC = "queue"
 PARTITIONS = 6
@@ -111,8 +111,7 @@ def run_cluster_chaos(broker_factory: Any, s3_endpoint: Any, schedule: list[tupl
     if handler:
         handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(name)s %(message)s"))
         client_log.addHandler(handler)
-    rd_log = rdkafka_debug_to(details.with_name("rdkafka.log") if details else None)
-    rd_log.__enter__()
+    rd_log = RdkafkaDebugLog(details.with_name("rdkafka.log") if details else None)
     cl = ChaosCluster(broker_factory, s3_endpoint, log=log)
     cl.topic = TOPIC
     stop_w, stop_r = threading.Event(), threading.Event()
@@ -121,6 +120,7 @@ def run_cluster_chaos(broker_factory: Any, s3_endpoint: Any, schedule: list[tupl
     monitor = None
     t_start = time.monotonic()
     try:
+        rd_log.start()
         admin = KafkaAdminClient(bootstrap_servers=cl.bootstrap)
         wait_live(admin, 3)
         admin.create_topics([NewTopic(TOPIC, PARTITIONS, 1)])
@@ -197,7 +197,7 @@ def run_cluster_chaos(broker_factory: Any, s3_endpoint: Any, schedule: list[tupl
         if handler:
             client_log.removeHandler(handler)
             handler.close()
-        rd_log.__exit__(None, None, None)
+        rd_log.stop()
 
 
 def _collect(out: ClusterOutcome, cl: ChaosCluster, t_start: float) -> None:

@@ -18,7 +18,7 @@ from datapath.batches import make_batch
 from datapath.wire import WireClient
 
 from .faults import broker_args, proxy_for, s3_bucket_url
-from .workload import Ledger, Report, check, rdkafka_debug_to, read_all, start_writers
+from .workload import Ledger, Report, check, RdkafkaDebugLog, read_all, start_writers
 
 PROBE_TIMEOUT_S = 20.0        # plain produce after a restart
 IDEMPOTENT_PROBE_S = 10.0     # idempotent produce: refused (retriably) while the producer
@@ -118,14 +118,14 @@ def run_schedule(broker_factory: Any, s3_endpoint: Any, steps: list[Any], *,
     ledger = Ledger()
     stop = threading.Event()
     out_log = bp.log_path.with_name("rdkafka.log")
-    rd_log = rdkafka_debug_to(out_log)
-    rd_log.__enter__()
-    writers = start_writers(bp.bootstrap, topic, partitions, ledger, stop,
-                            confluent=confluent, kafka_python=kafka_python, rate=rate)
+    rd_log = RdkafkaDebugLog(out_log)
     out = Outcome(report=None, rdkafka_log=str(out_log))  # type: ignore[arg-type]
-    t_start = time.monotonic()
     killed_at = 0.0
     try:
+        rd_log.start()
+        writers = start_writers(bp.bootstrap, topic, partitions, ledger, stop,
+                                confluent=confluent, kafka_python=kafka_python, rate=rate)
+        t_start = time.monotonic()
         for step in steps:
             name = step[0] if isinstance(step, tuple) else step
             if name == "run":
@@ -167,4 +167,4 @@ def run_schedule(broker_factory: Any, s3_endpoint: Any, steps: list[Any], *,
     finally:
         stop.set()
         proxy.close()
-        rd_log.__exit__(None, None, None)
+        rd_log.stop()

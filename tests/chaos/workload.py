@@ -16,14 +16,13 @@ Everything is bounded: writers stop on an event or a count, reads on a deadline.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from .errors import Errors, code_retriable
 
@@ -33,25 +32,34 @@ PAD = b"." * 500
 RDKAFKA_LOG = logging.getLogger("chaos.rdkafka")
 
 
-@contextlib.contextmanager
-def rdkafka_debug_to(path: "os.PathLike[str] | str | None") -> Iterator[None]:
-    """While inside, the confluent-kafka writers log librdkafka's idempotence and message
-    debug lines (``RDKAFKA_LOG``) to ``path``: the client's side of an anomaly."""
-    if path is None:
-        yield
-        return
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(message)s"))
-    saved = RDKAFKA_LOG.propagate, RDKAFKA_LOG.level
-    RDKAFKA_LOG.propagate = False
-    RDKAFKA_LOG.setLevel(logging.DEBUG)
-    RDKAFKA_LOG.addHandler(handler)
-    try:
-        yield
-    finally:
+class RdkafkaDebugLog:
+    """Between ``start()`` and ``stop()`` the confluent-kafka writers log librdkafka's
+    idempotence and message debug lines (``RDKAFKA_LOG``) to ``path`` (None: nowhere): the
+    client's side of an anomaly. ``stop()`` is safe when ``start()`` never ran, so a
+    harness calls it in the ``finally`` of the ``try`` that starts it."""
+
+    def __init__(self, path: "os.PathLike[str] | str | None") -> None:
+        self.path = path
+        self._handler: logging.Handler | None = None
+        self._saved = RDKAFKA_LOG.propagate, RDKAFKA_LOG.level
+
+    def start(self) -> None:
+        if self.path is None or self._handler is not None:
+            return
+        self._handler = logging.FileHandler(self.path)
+        self._handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(message)s"))
+        self._saved = RDKAFKA_LOG.propagate, RDKAFKA_LOG.level
+        RDKAFKA_LOG.propagate = False
+        RDKAFKA_LOG.setLevel(logging.DEBUG)
+        RDKAFKA_LOG.addHandler(self._handler)
+
+    def stop(self) -> None:
+        handler, self._handler = self._handler, None
+        if handler is None:
+            return
         RDKAFKA_LOG.removeHandler(handler)
-        RDKAFKA_LOG.propagate, _ = saved
-        RDKAFKA_LOG.setLevel(saved[1])
+        RDKAFKA_LOG.propagate, level = self._saved
+        RDKAFKA_LOG.setLevel(level)
         handler.close()
 
 
