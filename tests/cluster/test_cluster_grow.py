@@ -27,10 +27,10 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 
 import protocol
-from clients.e2e_helpers import CLIENT_BROKER_ARGS, JavaCli, compile_java
+from clients.e2e_helpers import JavaCli, compile_java
 from datapath.wire import WireClient
 
-from .kit import leaders, read_all, wait_for
+from .kit import KAFKA_PYTHON_GROUP_FLAGS, leaders, read_all, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +38,9 @@ PARTITIONS = 6
 JAVA_COUNT = 6000          # paced 10 records / 40 ms: at least 24 s, past the reassignment
 PY_COUNT = 3000            # each Python producer, 100 records/s: at least 30 s
 PER_S = 100
+# quick session timeouts (as the client tests), and Kafka's first-join delay for the
+# kafka-python member (kit.py) instead of their 0
+BROKER_ARGS = ("--group-min-session-timeout-ms", "1000", *KAFKA_PYTHON_GROUP_FLAGS)
 
 
 @pytest.fixture
@@ -189,7 +192,7 @@ def read_in_order(seen: list[tuple[int, int, bytes]], log: list[tuple[int, int, 
 def test_cluster_grows_moves_and_restarts_under_three_clients(cluster_factory, java_classpath):
     version = sorted(java_classpath)[-1]
     cli = JavaCli(version, compile_java(version, java_classpath[version]))
-    brokers = cluster_factory(2, extra=tuple(CLIENT_BROKER_ARGS))
+    brokers = cluster_factory(2, extra=BROKER_ARGS)
     boot = ",".join(b.bootstrap for b in brokers)
     admin = KafkaAdminClient(bootstrap_servers=boot)
     wait_for(lambda: len(admin.describe_cluster()["brokers"]) == 2, what="2 live brokers")
@@ -233,7 +236,7 @@ def test_cluster_grows_moves_and_restarts_under_three_clients(cluster_factory, j
         progress("first acks")
 
         # 1. the third broker joins: the controller moves partitions to it until balanced
-        (third,) = cluster_factory(1, first_id=2, extra=tuple(CLIENT_BROKER_ARGS))
+        (third,) = cluster_factory(1, first_id=2, extra=BROKER_ARGS)
         boot3 = boot + "," + third.bootstrap
 
         # (the admin client may ask any broker; each follows the database within a poll)

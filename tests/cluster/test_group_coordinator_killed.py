@@ -19,7 +19,7 @@ from kafka.admin import KafkaAdminClient, NewTopic
 
 from broker.cluster.coordinators import coordinator_for
 
-from .kit import FAILOVER_FLAGS, ask, wait_for, wait_leaders, wait_live
+from .kit import FAILOVER_FLAGS, KAFKA_PYTHON_GROUP_FLAGS, ask, wait_for, wait_leaders, wait_live
 from .test_group_coordinators import PARTITIONS, find, group_on, produce
 
 pytestmark = pytest.mark.slow
@@ -84,8 +84,7 @@ class KpMember(threading.Thread):
 def test_groups_carry_on_after_their_coordinator_is_killed(cluster_factory, metadata_url):
     if not metadata_url.startswith("sqlite"):
         pytest.skip("the same paths on PostgreSQL; SQLite keeps this lean")
-    brokers = cluster_factory(3, extra=(*FAILOVER_FLAGS,
-                                        "--group-initial-rebalance-delay-ms", "3000"))
+    brokers = cluster_factory(3, extra=(*FAILOVER_FLAGS, *KAFKA_PYTHON_GROUP_FLAGS))
     boot = ",".join(b.bootstrap for b in brokers)
     admin = KafkaAdminClient(bootstrap_servers=boot)
     wait_live(admin, 3)

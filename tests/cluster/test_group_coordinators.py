@@ -23,7 +23,7 @@ from broker.cluster.coordinators import coordinator_for
 from clients.e2e_helpers import JavaCli, compile_java
 from datapath.wire import WireClient
 
-from .kit import wait_for
+from .kit import KAFKA_PYTHON_GROUP_FLAGS, wait_for
 
 pytestmark = pytest.mark.slow
 PARTITIONS = 4
@@ -105,7 +105,7 @@ def kp_consume(bootstrap: list[str], topic: str, group: str, want: int) -> list[
 
 @pytest.mark.parametrize("metadata_url", ["sqlite"], indirect=True)
 def test_groups_spread_and_survive_their_coordinator(cluster_factory, java_classpath):
-    brokers = cluster_factory(3)
+    brokers = cluster_factory(3, extra=KAFKA_PYTHON_GROUP_FLAGS)
     boot = ",".join(b.bootstrap for b in brokers)
     admin = KafkaAdminClient(bootstrap_servers=brokers[0].bootstrap)
     keys = [f"grp-{i}" for i in range(30)]
