@@ -609,6 +609,9 @@ class Broker:
                  self.cluster_id, cfg.data_path, cfg.storage, ec.wal_path if ec else "-",
                  ec.wal_capacity if ec else "-",
                  redact_url(cfg.object_store_url) if engine else "-", cfg.metadata_url)
+        if engine:   # one line when payload copies run without storage._copycrc
+            from storage.copycrc import warn_if_missing  # noqa: PLC0415
+            warn_if_missing()
         if self.startup is not None:
             self.startup.started = True
         if engine and self.startup is not None and self.startup.store_error:

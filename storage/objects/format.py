@@ -28,6 +28,8 @@ from typing import Callable, Generator, Iterable, Iterator, NamedTuple, Union
 
 import crc32c
 
+from ..copycrc import NATIVE as COPY_CRC_NATIVE, copy_crc
+
 BLOCK_MAGIC = 0x5A
 RECORD_MAGIC = 0x22
 FOOTER_MAGIC = 0x88E241B785F4CFF7
@@ -43,6 +45,9 @@ DEFAULT_BLOCK_SIZE = 512 << 10
 # payloads from this size on are copied with the GIL released (an encode on a worker thread
 # then holds the interpreter lock only for its per-record bookkeeping)
 NOGIL_COPY_FROM = 64 << 10
+# payloads from this size are copied and checksummed in one pass (storage._copycrc) while they
+# are added; smaller ones are copied by slice and the block's CRC covers them when it closes
+FUSED_COPY_FROM = 4096 if COPY_CRC_NATIVE else 1 << 62
 MMAP_FROM = 1 << 20                 # encoded objects from this size live in an anonymous mmap
 Buffer = Union[bytearray, mmap.mmap]
 
@@ -116,6 +121,8 @@ class ObjectEncoder:
         self._at = 0                        # write cursor in ``out``
         self._block_pos = -1                # where the open block's header sits
         self._block_records = 0
+        self._crc = 0                       # CRC-32C of the open block's body up to _crc_at
+        self._crc_at = 0
         self._runs: list[list[int]] = []    # [stream, start, end, count] within the open block
         self._last: tuple[int, int] | None = None
 
@@ -141,12 +148,18 @@ class ObjectEncoder:
         if self._block_pos < 0:
             self._block_pos = self._at
             self._at += BLOCK_HEADER.size     # filled in by _close_block
+            self._crc, self._crc_at = 0, self._at
         n = len(r.payload)
         at = self._at
         RECORD_HEADER.pack_into(out, at, RECORD_MAGIC, r.stream_id, 0, r.base_offset,
                                 r.count - 1, n)
         at += RECORD_HEADER.size
-        if n < NOGIL_COPY_FROM or not _copy_nogil(out, at, r.payload, n):
+        if n >= FUSED_COPY_FROM:    # the CRC so far (this record's header included), then
+            with memoryview(out) as mv, mv[self._crc_at:at] as before:     # copy + CRC
+                crc = crc32c.crc32c(before, self._crc)
+            self._crc = copy_crc(out, at, r.payload, crc)
+            self._crc_at = at + n
+        elif n < NOGIL_COPY_FROM or not _copy_nogil(out, at, r.payload, n):
             out[at:at + n] = r.payload
         self._at = at + n
         self._block_records += 1
@@ -170,8 +183,8 @@ class ObjectEncoder:
         pos = self._block_pos
         hdr = BLOCK_HEADER.size
         length = self._at - pos - hdr
-        with memoryview(self.out) as mv, mv[pos + hdr:self._at] as body:
-            crc = crc32c.crc32c(body)
+        with memoryview(self.out) as mv, mv[self._crc_at:self._at] as rest:
+            crc = crc32c.crc32c(rest, self._crc)
         BLOCK_HEADER.pack_into(self.out, pos, BLOCK_MAGIC, 0, self._block_records, length, crc)
         size = self._at - pos
         for sid, start, end, cnt in self._runs:

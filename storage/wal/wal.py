@@ -22,6 +22,7 @@ from typing import Any, Iterator, Union
 
 import crc32c
 
+from ..copycrc import NATIVE as COPY_CRC_NATIVE, copy_crc
 from .block import Block, BufferPool
 from .config import IO_RETRIES, IO_RETRY_DELAY_S, WALConfig
 from .device import BLANK_PROBE_BYTES, Device, aligned_buffer, classify
@@ -381,7 +382,7 @@ class DeltaWAL:
         adds latency and memory (and fresh buffers cost page faults)."""
         return self._inflight == 0 or self._inflight + size <= self._buffer_limit
 
-    def _reserve(self, body, n: int, stream_id: int, waiter, crc: int) -> int:
+    def _reserve(self, body, n: int, stream_id: int, waiter, crc: int | None) -> int:
         """Place the record in the current block; caller holds the lock. The hot path of every
         append: attribute lookups and calls are kept to a minimum (CPython cost is per record)."""
         if self._failed is not None:
@@ -423,15 +424,26 @@ class DeltaWAL:
                 f"WAL ring full: {end - self._trim} bytes untrimmed > {ring}; "
                 "upload and trim first")
         buf = blk.buf
-        pack_record_header(buf, at, n, pos, crc)
-        if type(body) is tuple:
-            o = at + RECORD_HEADER_SIZE
-            for part in body:
-                k = len(part)
-                buf[o:o + k] = part
-                o += k
+        if crc is None:       # storage._copycrc: copy and checksum the body in one pass
+            if type(body) is tuple:
+                o = at + RECORD_HEADER_SIZE
+                crc = 0
+                for part in body:
+                    crc = copy_crc(buf, o, part, crc)
+                    o += len(part)
+            else:
+                crc = copy_crc(buf, at + RECORD_HEADER_SIZE, body)
+            pack_record_header(buf, at, n, pos, crc)
         else:
-            buf[at + RECORD_HEADER_SIZE:at + size] = body
+            pack_record_header(buf, at, n, pos, crc)
+            if type(body) is tuple:
+                o = at + RECORD_HEADER_SIZE
+                for part in body:
+                    k = len(part)
+                    buf[o:o + k] = part
+                    o += k
+            else:
+                buf[at + RECORD_HEADER_SIZE:at + size] = body
         blk.used = used = at + size
         blk.records += 1
         blk.streams.add(stream_id)
@@ -832,7 +844,17 @@ class DeltaWAL:
 
 def _prepare(body) -> tuple:
     """(body, length, crc): flat byte views, parts kept as a tuple, CRC-32C computed here, on
-    the appender's thread outside the WAL lock (crc32c drops the GIL for bytes)."""
+    the appender's thread outside the WAL lock (crc32c drops the GIL for bytes). With the
+    compiled storage._copycrc the CRC is None: _reserve computes it while it copies the body
+    into the block (one pass over the bytes instead of two)."""
+    if COPY_CRC_NATIVE:
+        if type(body) is bytes:
+            return body, len(body), None
+        if isinstance(body, (tuple, list)):
+            parts = tuple(p if type(p) is bytes else _as_bytes_view(p) for p in body)
+            return parts, sum(len(p) for p in parts), None
+        body = _as_bytes_view(body)
+        return body, len(body), None
     if type(body) is bytes:
         return body, len(body), body_crc(body)
     if isinstance(body, (tuple, list)):

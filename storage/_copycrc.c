@@ -1,0 +1,288 @@
+/* storage._copycrc: copy a buffer into another and compute its CRC-32C in one pass.
+
+   The produce path copies every payload into an aligned WAL block and later into an object
+   buffer, and checksums it both times (the WAL record CRC, the object block CRC). Done apart
+   (memmove, then the crc32c package) each byte is read twice; here each piece of up to 24 KiB
+   is copied and then checksummed while it is still in the L1 cache, with the interpreter lock
+   released for large copies. CRC-32C (Castagnoli) with the SSE4.2 crc32 instruction, three
+   independent lanes combined with precomputed "shift by n zero bytes" tables (the usual way to
+   hide the instruction's latency). Same value and chaining as crc32c.crc32c(data, value).
+
+   Without SSE4.2 (or off x86-64) HARDWARE is False and storage/copycrc.py uses memmove + the
+   crc32c package instead. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define POLY 0x82f63b78u          /* CRC-32C, reflected */
+#define LONG_LANE 4096            /* bytes per lane in a long step (3 lanes: 12 KiB) */
+#define SHORT_LANE 256            /* bytes per lane in a short step (3 lanes: 768 B) */
+#define NOGIL_FROM (64 * 1024)    /* release the interpreter lock from this many bytes */
+
+static uint32_t long_shift[4][256];
+static uint32_t short_shift[4][256];
+static uint32_t byte_table[256];
+static int have_hw = 0;
+
+/* multiply the 32x32 GF(2) matrix `mat` by `vec` */
+static uint32_t gf2_times(const uint32_t *mat, uint32_t vec) {
+    uint32_t sum = 0;
+    while (vec) {
+        if (vec & 1) sum ^= *mat;
+        vec >>= 1;
+        mat++;
+    }
+    return sum;
+}
+
+static void gf2_square(uint32_t *square, const uint32_t *mat) {
+    for (int n = 0; n < 32; n++) square[n] = gf2_times(mat, mat[n]);
+}
+
+/* the operator that appends `len` zero bytes to a raw (not inverted) CRC register */
+static void zeros_op(uint32_t *even, size_t len) {
+    uint32_t odd[32];
+    uint32_t row = 1;
+    odd[0] = POLY;                 /* one zero bit */
+    for (int n = 1; n < 32; n++) { odd[n] = row; row <<= 1; }
+    gf2_square(even, odd);         /* two zero bits */
+    gf2_square(odd, even);         /* four zero bits */
+    /* first square gives one zero byte; each further square doubles it */
+    do {
+        gf2_square(even, odd);
+        len >>= 1;
+        if (len == 0) return;
+        gf2_square(odd, even);
+        len >>= 1;
+    } while (len);
+    memcpy(even, odd, sizeof(odd));
+}
+
+static void zeros_tables(uint32_t table[4][256], size_t len) {
+    uint32_t op[32];
+    zeros_op(op, len);
+    for (uint32_t n = 0; n < 256; n++) {
+        table[0][n] = gf2_times(op, n);
+        table[1][n] = gf2_times(op, n << 8);
+        table[2][n] = gf2_times(op, n << 16);
+        table[3][n] = gf2_times(op, n << 24);
+    }
+}
+
+static inline uint32_t shift(uint32_t table[4][256], uint32_t crc) {
+    return table[0][crc & 0xff] ^ table[1][(crc >> 8) & 0xff] ^
+           table[2][(crc >> 16) & 0xff] ^ table[3][crc >> 24];
+}
+
+/* bitwise-table CRC: the reference the self-test compares against */
+static uint32_t crc_sw(uint32_t crc, const unsigned char *p, size_t n) {
+    crc = ~crc;
+    while (n--) crc = byte_table[(crc ^ *p++) & 0xff] ^ (crc >> 8);
+    return ~crc;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <nmmintrin.h>
+#define HW_TARGET __attribute__((target("sse4.2")))
+
+/* CRC of the n bytes at p (raw register in, raw register out) */
+HW_TARGET static uint32_t crc_hw(uint32_t crc, const unsigned char *p, size_t n) {
+    uint64_t c0 = crc;
+    while (n && ((uintptr_t)p & 7)) { c0 = _mm_crc32_u8((uint32_t)c0, *p++); n--; }
+    while (n >= 3 * LONG_LANE) {
+        uint64_t c1 = 0, c2 = 0;
+        const unsigned char *end = p + LONG_LANE;
+        do {
+            uint64_t a, b, c;
+            memcpy(&a, p, 8); memcpy(&b, p + LONG_LANE, 8); memcpy(&c, p + 2 * LONG_LANE, 8);
+            c0 = _mm_crc32_u64(c0, a);
+            c1 = _mm_crc32_u64(c1, b);
+            c2 = _mm_crc32_u64(c2, c);
+            p += 8;
+        } while (p < end);
+        c0 = shift(long_shift, (uint32_t)c0) ^ (uint32_t)c1;
+        c0 = shift(long_shift, (uint32_t)c0) ^ (uint32_t)c2;
+        p += 2 * LONG_LANE;
+        n -= 3 * LONG_LANE;
+    }
+    while (n >= 3 * SHORT_LANE) {
+        uint64_t c1 = 0, c2 = 0;
+        const unsigned char *end = p + SHORT_LANE;
+        do {
+            uint64_t a, b, c;
+            memcpy(&a, p, 8); memcpy(&b, p + SHORT_LANE, 8); memcpy(&c, p + 2 * SHORT_LANE, 8);
+            c0 = _mm_crc32_u64(c0, a);
+            c1 = _mm_crc32_u64(c1, b);
+            c2 = _mm_crc32_u64(c2, c);
+            p += 8;
+        } while (p < end);
+        c0 = shift(short_shift, (uint32_t)c0) ^ (uint32_t)c1;
+        c0 = shift(short_shift, (uint32_t)c0) ^ (uint32_t)c2;
+        p += 2 * SHORT_LANE;
+        n -= 3 * SHORT_LANE;
+    }
+    while (n >= 8) {
+        uint64_t a;
+        memcpy(&a, p, 8);
+        c0 = _mm_crc32_u64(c0, a);
+        p += 8;
+        n -= 8;
+    }
+    while (n--) c0 = _mm_crc32_u8((uint32_t)c0, *p++);
+    return (uint32_t)c0;
+}
+
+static int cpu_has_sse42(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("sse4.2");
+}
+#else
+static uint32_t crc_hw(uint32_t crc, const unsigned char *p, size_t n) {
+    return ~crc_sw(~crc, p, n);
+}
+static int cpu_has_sse42(void) { return 0; }
+#endif
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/* copy n bytes from p to dst and return their CRC (raw register in and out): each 8-byte word
+   is loaded once, stored and fed to the CRC of its lane (three lanes of LONG_LANE bytes per
+   step); the tail (< 12 KiB) is copied and then checksummed from dst, still in L1. Measured
+   against memmove + crc32c on 1 MiB buffers: 20-25 % less CPU, cold or cached (HISTORY.md). */
+HW_TARGET static uint32_t copy_crc_raw(unsigned char *dst, const unsigned char *p, size_t n,
+                                       uint32_t crc) {
+    uint64_t c0 = crc;
+    while (n >= 3 * LONG_LANE) {
+        uint64_t c1 = 0, c2 = 0;
+        const unsigned char *end = p + LONG_LANE;
+        do {
+            uint64_t a, b, c;
+            memcpy(&a, p, 8); memcpy(&b, p + LONG_LANE, 8); memcpy(&c, p + 2 * LONG_LANE, 8);
+            memcpy(dst, &a, 8); memcpy(dst + LONG_LANE, &b, 8); memcpy(dst + 2 * LONG_LANE, &c, 8);
+            c0 = _mm_crc32_u64(c0, a);
+            c1 = _mm_crc32_u64(c1, b);
+            c2 = _mm_crc32_u64(c2, c);
+            p += 8;
+            dst += 8;
+        } while (p < end);
+        c0 = shift(long_shift, (uint32_t)c0) ^ (uint32_t)c1;
+        c0 = shift(long_shift, (uint32_t)c0) ^ (uint32_t)c2;
+        p += 2 * LONG_LANE;
+        dst += 2 * LONG_LANE;
+        n -= 3 * LONG_LANE;
+    }
+    memcpy(dst, p, n);
+    return crc_hw((uint32_t)c0, dst, n);
+}
+#else
+static uint32_t copy_crc_raw(unsigned char *dst, const unsigned char *p, size_t n,
+                             uint32_t crc) {
+    memcpy(dst, p, n);
+    return crc_hw(crc, dst, n);
+}
+#endif
+
+PyDoc_STRVAR(copy_crc_doc,
+"copy_crc(dst, offset, src, value=0) -> int\n\n"
+"Copy the bytes of `src` into the writable buffer `dst` at `offset` and return their\n"
+"CRC-32C continued from `value` (crc32c.crc32c(src, value)), reading `src` once.");
+
+static PyObject *copy_crc(PyObject *self, PyObject *args) {
+    PyObject *dst_obj, *src_obj;
+    Py_ssize_t offset;
+    unsigned long value = 0;
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "OnO|k:copy_crc", &dst_obj, &offset, &src_obj, &value))
+        return NULL;
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    if (offset < 0 || offset > dst.len || src.len > dst.len - offset) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&dst);
+        PyErr_SetString(PyExc_ValueError, "copy_crc: source does not fit at that offset");
+        return NULL;
+    }
+    uint32_t crc = ~(uint32_t)value;
+    unsigned char *d = (unsigned char *)dst.buf + offset;
+    const unsigned char *s = (const unsigned char *)src.buf;
+    size_t n = (size_t)src.len;
+    if (n >= NOGIL_FROM) {
+        Py_BEGIN_ALLOW_THREADS
+        crc = copy_crc_raw(d, s, n, crc);
+        Py_END_ALLOW_THREADS
+    } else {
+        crc = copy_crc_raw(d, s, n, crc);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return PyLong_FromUnsignedLong(~crc);
+}
+
+PyDoc_STRVAR(crc_doc,
+"crc(data, value=0) -> int\n\nCRC-32C of `data` continued from `value` (for tests).");
+
+static PyObject *crc(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    unsigned long value = 0;
+    if (!PyArg_ParseTuple(args, "y*|k:crc", &buf, &value))
+        return NULL;
+    uint32_t c;
+    Py_BEGIN_ALLOW_THREADS
+    c = ~crc_hw(~(uint32_t)value, (const unsigned char *)buf.buf, (size_t)buf.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    return PyLong_FromUnsignedLong(c);
+}
+
+static PyMethodDef methods[] = {
+    {"copy_crc", copy_crc, METH_VARARGS, copy_crc_doc},
+    {"crc", crc, METH_VARARGS, crc_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_copycrc",
+    "Fused copy + CRC-32C for the produce path (see storage/copycrc.py).", -1, methods,
+};
+
+/* the hardware path must agree with the bitwise reference, across every step size */
+static int self_test(void) {
+    unsigned char buf[3 * LONG_LANE * 2 + 777];
+    unsigned char out[sizeof(buf)];
+    uint32_t x = 12345;
+    for (size_t i = 0; i < sizeof(buf); i++) {
+        x = x * 1103515245u + 12345u;
+        buf[i] = (unsigned char)(x >> 16);
+    }
+    static const size_t lens[] = {0, 1, 7, 8, 9, 767, 768, 769, 3 * LONG_LANE - 1,
+                                  3 * LONG_LANE, 3 * LONG_LANE + 5, sizeof(buf) - 3};
+    for (size_t i = 0; i < sizeof(lens) / sizeof(lens[0]); i++) {
+        const unsigned char *p = buf + (i & 3);
+        uint32_t want = crc_sw(0x1234u, p, lens[i]);
+        uint32_t got = ~copy_crc_raw(out, p, lens[i], ~0x1234u);
+        if (want != got || memcmp(out, p, lens[i]) != 0) return 0;
+    }
+    return 1;
+}
+
+PyMODINIT_FUNC PyInit__copycrc(void) {
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ POLY : c >> 1;
+        byte_table[n] = c;
+    }
+    zeros_tables(long_shift, LONG_LANE);
+    zeros_tables(short_shift, SHORT_LANE);
+    have_hw = cpu_has_sse42() && self_test();
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddIntConstant(m, "HARDWARE", have_hw) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

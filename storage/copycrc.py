@@ -1,0 +1,50 @@
+"""Copy a payload into a buffer and return its CRC-32C, reading it once.
+
+The produce path copies each payload into an aligned WAL block and later into an object
+buffer, checksumming it both times. ``copy_crc`` does the copy and the checksum in one pass in
+C (storage/_copycrc.c, built by ``pip install -e .`` through setup.py; 20-25 % less CPU than
+memmove + crc32c on 1 MiB, the interpreter lock released from 64 KiB). Without the compiled
+extension (no compiler at install time, a worktree not built in place, no SSE4.2) the same
+function runs as a slice copy + the crc32c package, and one warning line says so."""
+from __future__ import annotations
+
+import logging
+
+import crc32c
+
+log = logging.getLogger(__name__)
+
+try:
+    from . import _copycrc
+except ImportError as _e:   # not built: the pure-Python path
+    _copycrc = None
+    _why = f"not built ({_e})"
+else:
+    _why = "" if _copycrc.HARDWARE else "no SSE4.2 CRC-32C instruction on this CPU"
+    if not _copycrc.HARDWARE:
+        _copycrc = None
+
+NATIVE = _copycrc is not None
+_warned = False
+
+
+def warn_if_missing() -> None:
+    """One warning line (once per process) when copies fall back to the pure-Python path; the
+    broker calls it at start-up so the slower path is visible in its log."""
+    global _warned
+    if not NATIVE and not _warned:
+        _warned = True
+        log.warning("storage._copycrc %s: payloads are copied and checksummed in two passes "
+                    "(build it with `pip install -e .` or `python setup.py build_ext --inplace`)",
+                    _why)
+
+
+def _copy_crc_py(dst, offset: int, src, value: int = 0) -> int:
+    """dst[offset:offset + len(src)] = src; return crc32c(src, value)."""
+    n = len(src)
+    crc = crc32c.crc32c(src, value)
+    dst[offset:offset + n] = src
+    return crc
+
+
+copy_crc = _copycrc.copy_crc if NATIVE else _copy_crc_py

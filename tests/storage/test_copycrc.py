@@ -1,0 +1,139 @@
+"""storage.copycrc: the fused copy + CRC-32C (C extension) equals memmove + crc32c, in the WAL
+and in objects; without the extension the broker's storage still works (pure-Python path)."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import crc32c
+import pytest
+
+from storage import copycrc
+from storage.objects.format import Record, decode_object, encode_object
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SIZES = [0, 1, 7, 8, 9, 255, 768, 769, 4095, 4096, 12287, 12288, 12289, 65535, 65536,
+         100_003, (1 << 20) + 13]
+
+
+def test_the_extension_is_built():
+    """`pip install -e .` (or build_ext --inplace) builds it on this machine: without it the
+    produce path silently reads every payload twice more."""
+    assert copycrc.NATIVE, "storage._copycrc is not built: run `python setup.py build_ext --inplace`"
+
+
+@pytest.mark.parametrize("impl", ["native", "python"])
+def test_copy_crc_equals_copy_then_crc32c(impl):
+    fn = copycrc.copy_crc if impl == "native" else copycrc._copy_crc_py
+    if impl == "native" and not copycrc.NATIVE:
+        pytest.skip("extension not built")
+    rnd = random.Random(7)
+    for n in SIZES:
+        src = rnd.randbytes(n)
+        for off in (0, 3, 4096):
+            value = rnd.getrandbits(32)
+            dst = bytearray(b"\xaa" * (n + off + 5))
+            assert fn(dst, off, src, value) == crc32c.crc32c(src, value), (n, off)
+            assert dst[off:off + n] == src
+            assert dst[:off] == b"\xaa" * off and dst[off + n:] == b"\xaa" * 5   # nothing else
+    # chaining over parts equals one CRC of the whole, from memoryviews and bytearrays too
+    a, b = bytearray(rnd.randbytes(70_001)), memoryview(rnd.randbytes(30_000))
+    dst = bytearray(100_001)
+    crc = fn(dst, 0, a)
+    assert fn(dst, len(a), b, crc) == crc32c.crc32c(bytes(a) + bytes(b))
+
+
+def test_copy_crc_refuses_what_does_not_fit():
+    if not copycrc.NATIVE:
+        pytest.skip("extension not built")
+    with pytest.raises(ValueError):
+        copycrc.copy_crc(bytearray(10), 5, b"123456")
+    with pytest.raises(BufferError):
+        copycrc.copy_crc(b"read-only", 0, b"x")
+
+
+def test_a_large_copy_lets_other_threads_run():
+    """The interpreter lock is released during large copies (the loop's WAL copy, an IO
+    thread's object encode): a counting thread advances while copies run."""
+    if not copycrc.NATIVE:
+        pytest.skip("extension not built")
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)     # the lock would only be handed over by a release
+    stop = threading.Event()
+    count = [0]
+
+    def counter():
+        while not stop.is_set():
+            count[0] += 1
+
+    src, dst = os.urandom(8 << 20), bytearray(8 << 20)
+    t = threading.Thread(target=counter, daemon=True)
+    try:
+        t.start()
+        time.sleep(0.01)
+        start = count[0]
+        deadline = time.monotonic() + 5
+        while count[0] == start and time.monotonic() < deadline:
+            copycrc.copy_crc(dst, 0, src)
+        assert count[0] > start
+    finally:
+        stop.set()
+        sys.setswitchinterval(old)
+        t.join()
+
+
+def test_objects_are_the_same_bytes_with_and_without_the_fused_copy(monkeypatch):
+    """Block CRCs accumulated while large records are added equal one CRC per closed block."""
+    from storage.objects import format as fmt
+    rnd = random.Random(3)
+    records, off = [], 0
+    for n in [100, 5000, 70_000, 3, 1 << 20, 4096, 200, 300_000, 10]:
+        records.append(Record(1 + (off > 200_000), off, 2, rnd.randbytes(n)))
+        off += 2
+    records.sort(key=lambda r: (r.stream_id, r.base_offset))
+    fused, _, _ = encode_object(records, block_size=64 << 10)
+    monkeypatch.setattr(fmt, "FUSED_COPY_FROM", 1 << 62)
+    plain, _, _ = encode_object(records, block_size=64 << 10)
+    assert bytes(fused) == bytes(plain)
+    got = list(decode_object(fused))
+    assert [bytes(r.payload) for r in got] == [bytes(r.payload) for r in records]
+
+
+def test_without_the_extension_the_wal_and_objects_still_work(tmp_path):
+    """The pure-Python path (the extension not built): one warning line, then WAL records and
+    objects written and read back as with it."""
+    code = r"""
+import logging, sys
+sys.modules["storage._copycrc"] = None          # as if the build had failed
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+from storage import copycrc
+assert not copycrc.NATIVE
+copycrc.warn_if_missing(); copycrc.warn_if_missing()
+from storage.wal.wal import DeltaWAL
+from storage.wal.config import WALConfig
+from storage.objects.format import Record, decode_object, encode_object
+path = sys.argv[1]
+payloads = [bytes([i]) * (i * 50_000 + 7) for i in range(1, 5)]
+wal = DeltaWAL(WALConfig(path=path, capacity=8 << 20))
+assert list(wal.open()) == []
+for p in payloads:
+    wal.append((b"hdr", p)).future.result(30)
+wal.close()
+wal = DeltaWAL(WALConfig(path=path, capacity=8 << 20))
+got = [bytes(body) for _off, body in wal.open()]
+wal.close()
+assert got == [b"hdr" + p for p in payloads], [len(g) for g in got]
+obj, _, _ = encode_object([Record(1, i, 1, p) for i, p in enumerate(payloads)])
+assert [bytes(r.payload) for r in decode_object(obj)] == payloads
+print("OK")
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "wal")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "OK"
+    warnings = [ln for ln in out.stderr.splitlines() if ln.startswith("WARNING")]
+    assert len(warnings) == 1 and "storage._copycrc not built" in warnings[0], out.stderr
