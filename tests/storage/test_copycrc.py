@@ -2,6 +2,7 @@
 and in objects; without the extension the broker's storage still works (pure-Python path)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import subprocess
@@ -20,17 +21,28 @@ SIZES = [0, 1, 7, 8, 9, 255, 768, 769, 4095, 4096, 12287, 12288, 12289, 65535, 6
          100_003, (1 << 20) + 13]
 
 
-def test_the_extension_is_built():
-    """`pip install -e .` (or build_ext --inplace) builds it on this machine: without it the
-    produce path silently reads every payload twice more."""
-    assert copycrc.NATIVE, "storage._copycrc is not built: run `python setup.py build_ext --inplace`"
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    """The compiled module: built by setup.py into a temporary directory with this machine's
+    compiler (what `pip install -e .` does in a fresh clone), whether or not this checkout
+    was built in place."""
+    out = tmp_path_factory.mktemp("build")
+    res = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib",
+                          str(out / "lib"), "--build-temp", str(out / "tmp")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    built = list((out / "lib" / "storage").glob("_copycrc*.so"))
+    assert built, f"storage._copycrc was not built: {res.stderr}"
+    spec = importlib.util.spec_from_file_location("storage._copycrc", built[0])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.HARDWARE, "no SSE4.2 here? the broker would run the pure-Python path"
+    return mod
 
 
 @pytest.mark.parametrize("impl", ["native", "python"])
-def test_copy_crc_equals_copy_then_crc32c(impl):
-    fn = copycrc.copy_crc if impl == "native" else copycrc._copy_crc_py
-    if impl == "native" and not copycrc.NATIVE:
-        pytest.skip("extension not built")
+def test_copy_crc_equals_copy_then_crc32c(impl, native):
+    fn = native.copy_crc if impl == "native" else copycrc._copy_crc_py
     rnd = random.Random(7)
     for n in SIZES:
         src = rnd.randbytes(n)
@@ -47,20 +59,16 @@ def test_copy_crc_equals_copy_then_crc32c(impl):
     assert fn(dst, len(a), b, crc) == crc32c.crc32c(bytes(a) + bytes(b))
 
 
-def test_copy_crc_refuses_what_does_not_fit():
-    if not copycrc.NATIVE:
-        pytest.skip("extension not built")
+def test_copy_crc_refuses_what_does_not_fit(native):
     with pytest.raises(ValueError):
-        copycrc.copy_crc(bytearray(10), 5, b"123456")
+        native.copy_crc(bytearray(10), 5, b"123456")
     with pytest.raises(BufferError):
-        copycrc.copy_crc(b"read-only", 0, b"x")
+        native.copy_crc(b"read-only", 0, b"x")
 
 
-def test_a_large_copy_lets_other_threads_run():
+def test_a_large_copy_lets_other_threads_run(native):
     """The interpreter lock is released during large copies (the loop's WAL copy, an IO
     thread's object encode): a counting thread advances while copies run."""
-    if not copycrc.NATIVE:
-        pytest.skip("extension not built")
     old = sys.getswitchinterval()
     sys.setswitchinterval(1.0)     # the lock would only be handed over by a release
     stop = threading.Event()
@@ -78,7 +86,7 @@ def test_a_large_copy_lets_other_threads_run():
         start = count[0]
         deadline = time.monotonic() + 5
         while count[0] == start and time.monotonic() < deadline:
-            copycrc.copy_crc(dst, 0, src)
+            native.copy_crc(dst, 0, src)
         assert count[0] > start
     finally:
         stop.set()
@@ -86,9 +94,11 @@ def test_a_large_copy_lets_other_threads_run():
         t.join()
 
 
-def test_objects_are_the_same_bytes_with_and_without_the_fused_copy(monkeypatch):
+def test_objects_are_the_same_bytes_with_and_without_the_fused_copy(monkeypatch, native):
     """Block CRCs accumulated while large records are added equal one CRC per closed block."""
     from storage.objects import format as fmt
+    monkeypatch.setattr(fmt, "copy_crc", native.copy_crc)
+    monkeypatch.setattr(fmt, "FUSED_COPY_FROM", 4096)
     rnd = random.Random(3)
     records, off = [], 0
     for n in [100, 5000, 70_000, 3, 1 << 20, 4096, 200, 300_000, 10]:
