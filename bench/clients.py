@@ -143,7 +143,7 @@ def produce_latency(bootstrap: str, topic: str, size: int, rate: float, seconds:
     lat = [b - a for a, b in acks]
     sent_at = [a - t0 for a, _ in acks]
     ms = [x * 1000 for x in lat[len(lat) // 10:]]  # skip warm-up
-    return {"rate": rate, "p50": pct(ms, 0.5), "p99": pct(ms, 0.99), "p999": pct(ms, 0.999),
+    return {"rate": rate, "t0": t0, "p50": pct(ms, 0.5), "p99": pct(ms, 0.99), "p999": pct(ms, 0.999),
             "n": len(ms), "trace": latency_trace(sent_at, lat)}
 
 
@@ -266,6 +266,34 @@ def run(seconds: float = 8, sizes: list[int] | None = None, mock: bool = True,
     return [prod, cons, lat]
 
 
+class UploadPoller:
+    """Polls the broker's uploaded object bytes every 0.25 s on a thread (latency ``--trace``:
+    which latency windows an upload overlapped)."""
+
+    def __init__(self, broker: Any, step: float = 0.25) -> None:
+        import threading
+        self.broker, self.step = broker, step
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter(),
+                                 self.broker.metric("s3kafka_uploaded_bytes_total")))
+            self._stop.wait(self.step)
+
+    def stop(self, t0: float) -> list[tuple[float, float]]:
+        """(send-time s, MB uploaded since the previous sample) per sample."""
+        self._stop.set()
+        self._thread.join()
+        out = []
+        for (_, a), (t, b) in zip(self.samples, self.samples[1:]):
+            out.append((t - t0, (b - a) / 1e6))
+        return out
+
+
 def latency_only(rates: list[float], size: int, seconds: float,
                  broker_args: list[str] | None = None, trace: bool = False) -> Result:
     """Produce latency at fixed rates against a fresh broker (quick before/after checks);
@@ -281,7 +309,10 @@ def latency_only(rates: list[float], size: int, seconds: float,
             before = [broker.metric(n) for n in ("s3kafka_requests_total",
                                                  "s3kafka_request_run_members_total")]
             cpu0 = process_cpu_s(broker.pid)
+            poller = UploadPoller(broker) if trace else None
             a = produce_latency(broker.bootstrap, topic, size, rate, seconds)
+            if poller is not None:
+                a["uploads"] = poller.stop(a.get("t0", 0.0))
             cpu = process_cpu_s(broker.pid) - cpu0
             after = [broker.metric(n) for n in ("s3kafka_requests_total",
                                                 "s3kafka_request_run_members_total")]
@@ -301,6 +332,10 @@ def latency_only(rates: list[float], size: int, seconds: float,
                              "max ms): " + "; ".join(f"{t:.2f}: {n}, {p50:.1f} / {p99:.1f} / "
                                                      f"{mx:.1f}" for t, n, p50, p99, mx
                                                      in a["trace"]))
+            if a.get("uploads"):
+                lat.notes.append(f"{a['rate']:.0f} msgs/s: object bytes uploaded (MB) per 0.25 s "
+                                 "of the same clock: " + ", ".join(
+                                     f"{t:.2f}: {mb:.1f}" for t, mb in a["uploads"] if mb))
     lat.notes.append("requests: all requests the broker answered meanwhile (Produce and the "
                      "producer's Metadata); in runs: Produce requests appended together with "
                      "others read at the same time")
@@ -317,11 +352,14 @@ def main() -> None:
     ap.add_argument("--rates", default="1000,30000")
     ap.add_argument("--trace", action="store_true",
                     help="latency-only: also latency over time and broker requests per rate")
+    ap.add_argument("--broker-arg", action="append", default=[],
+                    help="latency-only: an extra `broker serve` argument (repeatable), e.g. "
+                    "--broker-arg=--upload-interval-s=7")
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
     if a.latency_only:
         latency_only([float(r) for r in a.rates.split(",")], sizes[0], a.seconds,
-                     trace=a.trace).print()
+                     broker_args=a.broker_arg or None, trace=a.trace).print()
         return
     for r in run(a.seconds, sizes, not a.skip_mock):
         r.print()

@@ -421,6 +421,7 @@ class Engine(StreamStore):
         self._wal_trimmed = 0
         self._tasks: list[asyncio.Task] = []
         self._uploading = False
+        self._gentle_puts = 0       # puts in flight of background uploads of small records
         self.wal_fenced = False              # another node took this WAL over (_check_fenced)
         self._fence_checked = 0.0
         self._release_lock = asyncio.Lock()
@@ -482,6 +483,8 @@ class Engine(StreamStore):
             inner.direct_writes = c.object_direct_writes
         if hasattr(inner, "gentle"):       # small device reads while producers append
             inner.gentle = self.cold_pacer.hot_active
+        if hasattr(inner, "gentle_writes"):  # small device writes beside small appends
+            inner.gentle_writes = self._gentle_writes
         if hasattr(inner, "buffers"):       # read buffers kept for reuse: half the BlockCache
             inner.buffers.max_bytes = min(inner.buffers.max_bytes, c.block_cache_bytes // 2)
         self.store = MeasuredStore(inner, self.stats)
@@ -899,13 +902,24 @@ class Engine(StreamStore):
             bufs.sort(key=len, reverse=True)
             del bufs[ENCODE_BUFFERS:]
 
-    async def _put_object(self, key: str, data: Any, into: Any, kind: str) -> None:
-        """Write one encoded object, then hand its encode buffer back."""
+    def _gentle_writes(self) -> bool:
+        """The store's ``gentle_writes`` (any thread): a background upload of small records
+        is being written and nothing waits for it (``_upload_pause``): its device writes go
+        in small pieces, so the WAL writes of the small appends beside it (acks=all latency)
+        queue behind less object data."""
+        return self._gentle_puts > 0 and self._upload_pause() > 0
+
+    async def _put_object(self, key: str, data: Any, into: Any, kind: str,
+                          gentle: bool = False) -> None:
+        """Write one encoded object, then hand its encode buffer back (``gentle``: an object
+        of small records of a background upload, see _gentle_writes)."""
+        self._gentle_puts += gentle
         try:
             await self.io(self.store.put, key, data)
             self.stats.objects_written[kind] += 1
             self.stats.uploaded_bytes += len(data)
         finally:
+            self._gentle_puts -= gentle
             if isinstance(data, memoryview):
                 data.release()
             data = None
@@ -1046,7 +1060,8 @@ class Engine(StreamStore):
                 # memory faults a page per 4 KiB
                 size = await object_size_in_slices(recs, c.object_block_bytes)
                 into = self._take_encode_buffer(size)
-                if payload >= NOGIL_COPY_FROM * len(recs):
+                small = payload < NOGIL_COPY_FROM * len(recs)
+                if not small:
                     # large records: the copies run with the GIL released, so the IO thread
                     # encodes without holding the loop (loop_slices.py: small records' Python
                     # work per record would hold it)
@@ -1061,10 +1076,14 @@ class Engine(StreamStore):
                         pause=self._upload_pause if background else None)
                 size = len(data)
                 new.append((NewObject(oid, size, ranges), key, kind))
-                # written while the next ones are encoded, PUTS_IN_FLIGHT at a time
-                if len(writing) >= PUTS_IN_FLIGHT:
+                # written while the next ones are encoded, PUTS_IN_FLIGHT at a time (one
+                # at a time for a background upload of small records: the WAL writes of the
+                # small appends beside it queue behind one put's piece, not two)
+                gentle = background and small and self._upload_pause() > 0
+                while len(writing) >= (1 if gentle else PUTS_IN_FLIGHT):
                     await writing.pop(0)
-                writing.append(asyncio.ensure_future(self._put_object(key, data, into, kind)))
+                writing.append(asyncio.ensure_future(
+                    self._put_object(key, data, into, kind, gentle)))
                 data = None
             while writing:
                 await writing.pop(0)
