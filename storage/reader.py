@@ -131,8 +131,6 @@ class ObjectReader:
         async def run() -> None:
             try:
                 index = await self._load_index(nxt)
-                if ra.prefetching and ra.pending is not None:
-                    await asyncio.shield(ra.pending)     # this object's own prefetch first
                 entries = [e for e in index if e.stream_id == stream_id]
                 blocks = sorted({(e.position, e.size) for e in entries})
                 first = next((e for e in entries if e.end_offset > nxt.start_offset), None)

@@ -16,7 +16,7 @@ import asyncio
 import bisect
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from ..objects.format import CorruptObjectError, Record, decode_block
@@ -26,6 +26,7 @@ READAHEAD_INITIAL = 512 << 10
 READAHEAD_STEP = 512 << 10
 READAHEAD_MAX = 32 << 20
 PREFETCH_PIECE = 4 << 20        # a prefetch reads its window in pieces of at most this much
+PREFETCH_BATCHES = 2            # prefetches one reader may have running in one object
 
 BlockKey = tuple[str, int]                      # (object key, block position)
 # (key, [(position, size), ...]) -> one buffer per block (ObjectStore.get_ranges)
@@ -34,15 +35,35 @@ Fetch = Callable[[str, list[tuple[int, int]]], Awaitable[list]]
 
 @dataclass
 class Readahead:
-    """A reader's readahead state: where the last fetch ended and how big the next may be."""
+    """A reader's readahead state: the object it reads, how far each object it reads or is
+    about to read was fetched or claimed, and how big the next window may be."""
 
-    key: str = ""
-    next_position: int = -1
+    key: str = ""                       # the object this reader reads now
     size: int = READAHEAD_INITIAL
-    prefetching: bool = False
     current: BlockKey | None = None     # the block this reader read last
     ahead: str = ""                     # the next object whose first window was prefetched
-    pending: asyncio.Future | None = None   # the running prefetch's claim
+    pending: asyncio.Future | None = None   # the latest prefetch's claim
+    # object key -> end of what was fetched or claimed for this reader (its object and the
+    # next one: a prefetch of the next object no longer moves the reader's own front)
+    fronts: dict[str, int] = field(default_factory=dict)
+    running: dict[str, int] = field(default_factory=dict)   # object key -> prefetches running
+
+    @property
+    def next_position(self) -> int:
+        """Where what was fetched or claimed of the reader's object ends (-1: nothing)."""
+        return self.fronts.get(self.key, -1)
+
+    @property
+    def prefetching(self) -> bool:
+        return bool(self.running)
+
+    def advance(self, key: str, end: int) -> None:
+        """What was fetched or claimed of object ``key`` now reaches ``end``."""
+        if end > self.fronts.get(key, -1):
+            self.fronts[key] = end
+            if len(self.fronts) > 3:
+                old = next(k for k in self.fronts if k != self.key and k != key)
+                del self.fronts[old]
 
 
 class BlockCache:
@@ -165,6 +186,7 @@ class BlockCache:
                 await asyncio.shield(fut)
                 hit = self._lru.get(bkey)
         if hit is not None:
+            ra.key = key
             self._lru.move_to_end(bkey)
             self._unpass(bkey)
             self._passed_by(ra, bkey)
@@ -172,13 +194,18 @@ class BlockCache:
             self._maybe_prefetch(key, blocks, i, ra)
             return self._decoded(bkey, hit)
         self.misses += 1
-        # grow the readahead on sequential misses, reset it on a jump
+        # grow the readahead on sequential misses (doubling: a cold pass reached 32 MiB
+        # windows only after 63 misses at +512 KiB, each a wait on the store), reset it on a jump
         pos0 = blocks[i][0]
-        if (ra.key == key and ra.next_position == pos0) or (ra.key and ra.key != key and pos0 == 0):
-            ra.size = min(ra.size + READAHEAD_STEP, self.readahead_max)
+        if ra.fronts.get(key) == pos0 or (ra.key and ra.key != key and pos0 == 0):
+            ra.size = min(max(ra.size * 2, ra.size + READAHEAD_STEP), self.readahead_max)
         else:
             ra.size = READAHEAD_INITIAL
-        parts = await self._load(key, self._window(key, blocks, i, ra.size), ra, quiet=False)
+        ra.key = key
+        # the reader waits for one piece at most; the rest of its window is prefetched
+        # (a 32 MiB window read as one job kept it waiting for all of it)
+        parts = await self._load(key, self._window(key, blocks, i, min(ra.size, PREFETCH_PIECE)),
+                                 ra, quiet=False)
         self._passed_by(ra, bkey)
         self._maybe_prefetch(key, blocks, i, ra)
         return self._decoded(bkey, parts[0])
@@ -221,9 +248,8 @@ class BlockCache:
                         raise CorruptObjectError(f"object {key} is shorter than its index says")
                 self.bytes_fetched += size
                 self._put((key, pos), part, size)
-            if not quiet or ra.key != key or end > ra.next_position:
-                # a prefetch's pieces may finish out of order: the window's end only grows
-                ra.key, ra.next_position = key, end
+            # a prefetch's pieces may finish out of order: the front only grows
+            ra.advance(key, end)
             fut.set_result(None)
             return parts
         except BaseException as e:
@@ -240,30 +266,38 @@ class BlockCache:
 
     def _maybe_prefetch(self, key: str, blocks: list[tuple[int, int]], i: int,
                         ra: Readahead) -> None:
-        """Start fetching the reader's next window when it got into the second half of the
-        current one (sequential readers only; one prefetch per reader at a time)."""
-        if ra.prefetching or ra.key != key or ra.next_position < 0:
+        """Keep a sequential reader's readahead (``ra.size``) fetched or on its way ahead of
+        it: once less than three quarters of it (at least half) is ahead, the next quarter
+        (at least PREFETCH_PIECE, at most the readahead) is fetched in the background, with
+        at most PREFETCH_BATCHES such prefetches running per object. (One
+        whole window at a time, started once the reader was in its second half, left the
+        store idle for this reader between windows: a cold pass waited on reads half its
+        time with ~5 reads in flight out of 16 threads, bench/HISTORY.md session 15.)"""
+        if ra.key != key or ra.running.get(key, 0) >= PREFETCH_BATCHES:
             return
-        nxt = ra.next_position
-        if nxt - blocks[i][0] > max(ra.size // 2, blocks[i][1]):   # not yet in its last half (or block)
+        nxt = ra.fronts.get(key, -1)
+        batch = min(ra.size, max(ra.size // 4, PREFETCH_PIECE))
+        if nxt < 0 or nxt - blocks[i][0] > max(ra.size - batch, ra.size // 2, blocks[i][1]):
             return
         j = bisect.bisect_left(blocks, (nxt, 0))
         if j >= len(blocks) or blocks[j][0] != nxt:
             return
         if (key, nxt) in self._lru or (key, nxt) in self._inflight:
             return
+        self._start_prefetch(key, self._window(key, blocks, j, batch), ra)
         ra.size = min(max(ra.size * 2, ra.size + READAHEAD_STEP), self.readahead_max)
-        self._start_prefetch(key, self._window(key, blocks, j, ra.size), ra)
 
     def prefetch(self, key: str, blocks: list[tuple[int, int]], i: int, ra: Readahead) -> bool:
-        """Fetch reader ``ra``'s first window of another object (from ``blocks[i]``) in the
+        """Fetch reader ``ra``'s first window of another object (from ``blocks[i]``, half the
+        readahead: the reader still has up to a readahead of its own object ahead) in the
         background: a sequential reader near the end of one object gets the next one's first
-        blocks before it asks (else every object starts with a wait). False when the reader
-        has a prefetch running (try again later) or the block is cached or on its way."""
-        if ra.prefetching:
+        blocks before it asks (else every object starts with a wait). False when that object
+        has a prefetch of this reader running (try again later); nothing is fetched when the
+        block is cached or on its way."""
+        if ra.running.get(key):
             return False
         if (key, blocks[i][0]) not in self._lru and (key, blocks[i][0]) not in self._inflight:
-            self._start_prefetch(key, self._window(key, blocks, i, ra.size), ra)
+            self._start_prefetch(key, self._window(key, blocks, i, max(ra.size // 2, 1)), ra)
         return True
 
     def _start_prefetch(self, key: str, wanted: list[tuple[int, int]], ra: Readahead) -> None:
@@ -271,7 +305,8 @@ class BlockCache:
         its own read on the cold threads: a reader waits only for the piece holding its next
         block (one 32 MiB window read as one job kept it waiting for the whole window), and
         the pieces are read side by side on the cold threads."""
-        ra.prefetching = True
+        ra.running[key] = ra.running.get(key, 0) + 1
+        ra.advance(key, wanted[-1][0] + wanted[-1][1])
         self.prefetches += 1
         loop = asyncio.get_running_loop()
         pieces = _pieces(wanted, PREFETCH_PIECE)
@@ -296,7 +331,11 @@ class BlockCache:
                             del self._inflight[(key, pos)]
                 left[0] -= 1
                 if not left[0]:
-                    ra.prefetching = False
+                    n = ra.running.get(key, 0) - 1
+                    if n > 0:
+                        ra.running[key] = n
+                    else:
+                        ra.running.pop(key, None)
                     if not whole.done():
                         whole.set_result(None)
             task.add_done_callback(done)
@@ -307,6 +346,8 @@ class BlockCache:
             await self._load(key, wanted, ra, quiet=True, fut=fut)
         except Exception as e:  # noqa: BLE001 - the reader will fetch (and report) itself
             log.debug("prefetch of %s failed: %r", key, e)
+            if ra.fronts.get(key, -1) > wanted[0][0]:
+                ra.fronts[key] = wanted[0][0]       # from here on, fetched by the reader
 
 
 def _pieces(wanted: list[tuple[int, int]], most: int) -> list[list[tuple[int, int]]]:

@@ -269,3 +269,43 @@ async def test_a_large_prefetch_is_read_in_pieces_the_reader_can_use_early() -> 
     assert bc.bytes_fetched == sum(n for _, n in blocks)   # nothing read twice
     assert max(calls) <= PREFETCH_PIECE
     assert bc.prefetches < len(calls)                       # windows were cut into pieces
+
+
+async def test_a_reader_keeps_its_readahead_across_objects_while_prefetches_run(tmp_path) -> None:
+    """A sequential reader whose readahead is about an object's size (a cold pass: 32 MiB
+    windows, ~28 MiB objects) on a slow store: the next object's first window is fetched
+    while the current object's prefetches still run, and neither moves the reader's own
+    front, so only the very first block is a miss. Before, the next object's prefetch took
+    over the reader's state, and the rest of its own object, or the next one, was fetched
+    on demand with the readahead reset to 512 KiB (5-13 misses here)."""
+    from storage.engine import open_engine
+    from storage_helpers import fill, payload, small_config
+    eng = open_engine(small_config(tmp_path, block_cache_bytes=16 << 20, log_cache_bytes=16 << 20,
+                                   wal_capacity=32 << 20, upload_threshold_bytes=4 << 20,
+                                   readahead_max_bytes=1 << 20))
+    await eng.start()
+    try:
+        s = await eng.create_stream()
+        for _ in range(8):
+            await fill(s, 256, size=4000)            # ~1 MiB (64 blocks) per object
+            await eng.flush()
+        assert len(eng.reader.stream_ranges(s.stream_id)) >= 8
+        eng.drop_caches()
+        io = eng.reader._io
+
+        async def slow_io(fn, *args):                # a store that answers after 10 ms
+            await asyncio.sleep(0.01)
+            return await io(fn, *args)
+        eng.reader._io = slow_io
+        bc = eng.reader.block_cache
+        off, got = 0, []
+        while off < s.confirmed_offset:
+            batches = await s.read(off, 16 << 10)
+            got += batches
+            off = batches[-1].next_offset
+        assert [b.base_offset for b in got] == list(range(0, 8 * 256 * 5, 5))
+        assert all(bytes(b.payload) == payload(s.stream_id, b.base_offset, 4000) for b in got)
+        assert bc.misses <= 2, (bc.misses, bc.hits)
+        assert bc.bytes_fetched <= sum(r.size for r in eng.reader.stream_ranges(s.stream_id))
+    finally:
+        await eng.close()
