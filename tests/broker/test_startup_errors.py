@@ -152,8 +152,11 @@ def test_wal_on_missing_device_creates_nothing_under_dev(tmp_path):
 
 
 def test_no_space_for_the_wal(tmp_path):
+    # more than the whole filesystem, not just its free space: free space measured here can
+    # grow before the broker checks (another process deleting files), and a request that then
+    # fits is preallocated - a WAL of tens of GB that filled the disk of a shared machine
     vfs = os.statvfs(tmp_path)
-    too_big = (vfs.f_bavail * vfs.f_frsize + (1 << 30)) // 4096 * 4096
+    too_big = (vfs.f_blocks * vfs.f_frsize + (1 << 30)) // 4096 * 4096
     refused_unchanged(tmp_path, ["--data-dir", "d", "--wal-capacity", str(too_big)], 1,
                       "no space for the WAL", "--wal-capacity")
 
