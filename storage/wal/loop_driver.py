@@ -26,9 +26,11 @@ from .config import IO_RETRIES, IO_RETRY_DELAY_S
 from .format import align_up
 
 # writes at least this large, of records this large on average, yield the CPU after their
-# submit (see LoopDriver._submit)
+# submit (see LoopDriver._submit). The record size is above the largest record a produce run
+# makes (broker/server.py RUN_MAX_REQUESTS x produce.RUN_MAX_RECORDS_BYTES = 512 KiB: small
+# linger-0 requests merged after the loop fell behind), so only large requests yield
 YIELD_FROM_BYTES = 256 << 10
-YIELD_FROM_RECORD_BYTES = 64 << 10
+YIELD_FROM_RECORD_BYTES = 768 << 10
 
 if TYPE_CHECKING:
     from .block import Block
@@ -152,7 +154,8 @@ class LoopDriver:
         # load, p50 76-237 ms with a yield per write against 30-33 ms without, session 11).
         # Nor after a large write of small records: that is a backlog of small requests
         # (the loop fell behind, e.g. the 100 B latency benchmark after a stall), and handing
-        # the CPU to the producer then makes the loop later still (session 14).
+        # the CPU to the producer then makes the loop later still (session 14); nor of the
+        # records of produce runs (up to 512 KiB: the same backlog, merged; session 15).
         if size >= YIELD_FROM_BYTES and \
                 size >= YIELD_FROM_RECORD_BYTES * sum(b.records for b in group):
             yield_cpu()

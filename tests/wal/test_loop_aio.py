@@ -200,11 +200,17 @@ async def test_a_large_submit_gives_the_cpu_to_kernel_work_before_the_loop_goes_
 
     driver.aio.submit_write = submit
     monkeypatch.setattr(loop_driver, "yield_cpu", yield_cpu)
-    rs = [w.append_loop(body(1, i, 512 << 10), stream_id=1) for i in range(16)]
+    rs = [w.append_loop(body(1, i, 1 << 20), stream_id=1) for i in range(16)]
     await asyncio.gather(*[r.future for r in rs])
     large = [k for k, (what, n) in enumerate(log) if what == "submit"]
     assert len(large) >= 4
     assert all(log[k + 1][0] == "yield" for k in large if log[k][1] >= loop_driver.YIELD_FROM_BYTES)
+    log.clear()
+    # records of produce runs (small requests merged, up to 512 KiB): no yields
+    rs = [w.append_loop(body(1, 20 + i, 512 << 10), stream_id=1) for i in range(8)]
+    await asyncio.gather(*[r.future for r in rs])
+    assert max(n for what, n in log if what == "submit") >= loop_driver.YIELD_FROM_BYTES
+    assert ("yield", 0) not in log
     log.clear()
     for i in range(20):                         # one small record at a time: no yields
         await w.append_loop(body(1, 100 + i, 100), stream_id=1).future
