@@ -7,7 +7,7 @@ before (bench/HISTORY.md, session 12). So block buffers come from this pool and 
 when the BlockCache drops the block and nothing else still sees it.
 
 A buffer is an anonymous mmap (page aligned, as O_DIRECT wants; no zero-fill with the GIL
-held: the kernel fills pages inside the read call). Views of it (a block's records, a Fetch
+held: the kernel fills pages inside the read call), of huge pages from 2 MiB (see HUGE). Views of it (a block's records, a Fetch
 answer being written) keep a reference to the mmap through their managed buffer, so a buffer
 whose reference count is back to the pool's own is seen by no one and may be written again.
 """
@@ -20,6 +20,14 @@ import threading
 PAGE = 4096
 # sizes are rounded up to this, so buffers of neighbouring block sizes are interchangeable
 GRANULE = 64 << 10
+# buffers this large ask for transparent huge pages (madvise; the kernel default here): an
+# O_DIRECT read is one device request per physically contiguous run of the buffer, at most
+# max_segments (254 on the test VM's virtio disk) runs per request, so a 4 MiB read into
+# 4 KiB pages went to the device as 5 requests of <= 1016 KiB, into 2 MiB pages as one.
+# Cold raw Fetch pass 598-680 -> 884-973 MB/s alternating on the shared VM (bench/HISTORY.md,
+# session 15); pinning the pages for the read also costs a third of the CPU.
+HUGE = 2 << 20
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 class BufferPool:
@@ -51,7 +59,13 @@ class BufferPool:
                     self.reused += 1
                     return buf
         self.fresh += 1
-        return mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE)
+        buf = mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE)
+        if cap >= HUGE and _MADV_HUGEPAGE is not None:
+            try:
+                buf.madvise(_MADV_HUGEPAGE)
+            except OSError:
+                pass                      # no transparent huge pages here: 4 KiB pages
+        return buf
 
     def _collect(self) -> None:
         """Move returned buffers nobody sees any more to the free list (lock held)."""
