@@ -1,0 +1,91 @@
+"""Cold raw Fetch passes over the same data, alternating between code trees and broker flags.
+
+    python -m bench.coldpass --variant old=/path/to/old/checkout --variant new=.
+                             [--variant name=TREE:--flag,value,...] [--rounds 3]
+                             [--seconds 4] [--fetch-seconds 5] [--data-dir DIR]
+
+Produces once (raw 1 MiB batches, 4 partitions, as bench.rawload), waits for the uploads, then
+per round and variant restarts the broker from that variant's tree (PYTHONPATH and working
+directory) with its extra flags and reads everything once from the log start through the object
+store (bench.rawload's cold pass: one connection per partition, 8 MiB Fetch answers). Every pass
+reads the same objects, so variants differ only in code and flags; alternating them spreads the
+other processes' load over all (the shared development VM: single passes moved 2x). Printed per
+pass: MB/s, MiB read, the broker's CPU per MiB (all threads) and the bench process's own (the
+client). ``--data-dir`` keeps the data for another run (the topic is reused when it exists).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from . import common, rawload
+from .common import BrokerProc, create_topic
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", action="append", required=True,
+                    help="name=TREE[:--flag,value,...] (TREE: a checkout of this repository)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=4.0, help="produce time")
+    ap.add_argument("--fetch-seconds", type=float, default=5.0, help="most time per pass")
+    ap.add_argument("--data-dir", default=None)
+    a = ap.parse_args()
+    variants = []
+    for v in a.variant:
+        name, _, rest = v.partition("=")
+        tree, _, flags = rest.partition(":")
+        variants.append((name, os.path.abspath(tree), [x for x in flags.split(",") if x]))
+    if a.data_dir:
+        os.makedirs(a.data_dir, exist_ok=True)
+    broker = BrokerProc(["--wal-capacity", str(1 << 30)], data_dir=a.data_dir)
+    base = list(broker.args)
+
+    def start(tree: str, flags: list[str]) -> None:
+        common.REPO = tree                   # BrokerProc.start's working directory
+        broker.env["PYTHONPATH"] = tree
+        broker.args = base + flags
+        broker.start()
+
+    topic, conns = "coldpass", 4
+    results: dict[str, list[float]] = {}
+    try:
+        start(*variants[0][1:])
+        host, port = broker.bootstrap.rsplit(":", 1)
+        marks = None
+        try:
+            create_topic(broker.bootstrap, topic, conns)
+        except Exception:  # noqa: BLE001 - the topic of an earlier run (--data-dir)
+            marks = rawload.watermarks(broker.bootstrap, topic, conns)
+        if marks is None:
+            st = rawload._run(rawload._produce, host, int(port), topic, conns, 8, a.seconds,
+                              rawload.make_batch(1 << 20))
+            print(f"produced {st['bytes'] / 1e6:.0f} MB", flush=True)
+            broker.wait_uploaded()
+            marks = rawload.watermarks(broker.bootstrap, topic, conns)
+        for r in range(a.rounds):
+            for name, tree, flags in variants:
+                broker.stop()
+                start(tree, flags)
+                time.sleep(0.5)
+                host, port = broker.bootstrap.rsplit(":", 1)
+                cpu0, cl0 = rawload.process_cpu_s(broker.pid), time.process_time()
+                ft = rawload._run(rawload._fetch, host, int(port), topic, conns, a.fetch_seconds,
+                                  [lo for lo, _ in marks], 8 << 20, False)
+                cpu, cl = rawload.process_cpu_s(broker.pid) - cpu0, time.process_time() - cl0
+                mib = ft["bytes"] / (1 << 20)
+                mb_s = ft["bytes"] / ft["elapsed"] / 1e6
+                results.setdefault(name, []).append(mb_s)
+                print(f"round {r} {name:10s} {mb_s:7.0f} MB/s {mib:6.0f} MiB in {ft['elapsed']:.2f} s"
+                      f"  broker {cpu * 1e3 / mib:.3f} ms/MiB  client {cl * 1e3 / mib:.3f} ms/MiB"
+                      f"  load {os.getloadavg()[0]:.1f}", flush=True)
+    finally:
+        broker.close()
+    for name, v in results.items():
+        print(f"{name}: {' '.join(f'{x:.0f}' for x in v)} MB/s")
+
+
+if __name__ == "__main__":
+    main()
