@@ -260,6 +260,39 @@ def test_frame_pool_takes_back_only_unshared_frames():
     assert id(again) == ident and len(again) == 199_000
 
 
+def test_frame_prefill_of_varying_request_sizes_faults_in_about_what_is_taken(monkeypatch):
+    """Requests of varying sizes (a linger-5 client: each one another size class) are served
+    from frames of recent classes; the thread faults in about what is taken. It used to empty
+    its whole ready queue (up to 32 MiB) at each class change and fault it in again."""
+    import random
+    import time
+
+    from broker import frames as frames_mod
+    from broker.frames import FramePool
+
+    populated: list[int] = []
+    real = frames_mod.populate
+
+    def populate(buf):
+        populated.append(len(buf))
+        return real(buf)
+    monkeypatch.setattr(frames_mod, "populate", populate)
+    pool = FramePool(max_bytes=64 << 20)
+    rnd = random.Random(5)
+    taken = 0
+    try:
+        for _ in range(300):
+            size = rnd.randrange(300 << 10, 1 << 20)
+            frame = pool.take(size)
+            assert len(frame) == size
+            taken += size
+            time.sleep(0.002)                 # the thread refills meanwhile
+        assert pool.prefilled >= 15           # served from the thread, at least in part
+        assert sum(populated) <= 2 * taken + (16 << 20), (sum(populated) >> 20, taken >> 20)
+    finally:
+        pool.close()
+
+
 def test_frame_pool_prefills_large_frames_off_the_loop():
     """While nothing is recycled (the LogCache filling), frames of PREFILL_FROM bytes and more
     come from the prefill thread, already faulted in: writing one takes no page faults."""
