@@ -361,6 +361,7 @@ class TopicManager:
         """Open every stored topic's partitions this broker leads (at start-up)."""
         records = await asyncio.to_thread(self.meta.load_topics)
         c = self._cluster
+        elsewhere = getattr(self.broker.store, "written_elsewhere", None)
         for rec in records:
             topic = Topic(rec.name, rec.topic_id, configs=self.effective(rec.configs),
                           overrides=dict(rec.configs), stream_ids=list(rec.stream_ids),
@@ -369,7 +370,11 @@ class TopicManager:
                 if c is not None:
                     await c.claim_unassigned(rec.topic_id, len(rec.stream_ids))
                 for i, sid in enumerate(rec.stream_ids):
-                    if c is not None and not c.should_open(rec.topic_id, i):
+                    if c is not None and (not c.should_open(rec.topic_id, i) or (
+                            elsewhere is not None and await elsewhere(sid))):
+                        # led elsewhere; or handed here while this broker started (its view
+                        # of the stream predates the hand-over): the cluster room's first
+                        # round opens it as a move does (acquired at the assignment's epoch)
                         topic.partitions.append(None)
                         self._disown(sid)
                         continue

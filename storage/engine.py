@@ -752,6 +752,22 @@ class Engine(StreamStore):
         self.reader.replace_stream(stream_id, ranges)
         return s
 
+    async def written_elsewhere(self, stream_id: int) -> bool:
+        """Whether another node wrote the stream after this node loaded its view of it (at
+        engine start): a partition handed to a broker while it starts. Its committed end in
+        the database is then past this node's view (or another node claimed it last), and
+        opening the stale view would append over records another node acknowledged; such a
+        stream is opened with ``acquire_stream`` at the assignment's epoch instead. A stream
+        this node wrote last keeps its view: its WAL may hold a tail not uploaded yet."""
+        m = await self.io(self.meta.stream, stream_id)
+        if m is None or m.deleted:
+            return False
+        s = self.streams.get(stream_id)
+        if s is None or m.end_offset > s.end_offset:
+            return True
+        owner = await self.io(self.meta.stream_owner, stream_id)
+        return owner is not None and owner[0] != self.config.node_id
+
     def disown_stream(self, stream_id: int) -> None:
         """A stream this node knows but another node writes (cluster start-up)."""
         s = self.streams.get(stream_id)

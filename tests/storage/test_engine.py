@@ -730,3 +730,39 @@ def test_split_records_cuts_like_the_one_record_at_a_time_rule() -> None:
                 for i in range(rnd.choice([0, 1, 2, 10, 400]))]
         limit = rnd.choice([1, 100, 1000, 5000, 1 << 20])
         assert _split_records(recs, limit) == reference(recs, limit)
+
+
+async def test_a_stream_written_elsewhere_after_start_is_known_stale(tmp_path) -> None:
+    """A partition handed to a broker while it starts: the broker's engine loaded the stream
+    before the other node's last commits, so its view ends early. Opening that view appended
+    over offsets the other node had acknowledged (test_cluster.py, 1 run in ~100: a fatal
+    OUT_OF_ORDER_SEQUENCE, the producer state replayed 0..990 of a log ending at 2501).
+    ``written_elsewhere`` says so, and ``acquire_stream`` gives the true end."""
+    shared = dict(object_store=f"file://{tmp_path}/objects",
+                  metadata_url=f"sqlite:///{tmp_path}/meta.db", upload_interval_s=3600)
+    a = open_engine(small_config(tmp_path / "a", node_id=0, **shared))
+    await a.start()
+    b = None
+    try:
+        s = await a.acquire_stream((await a.create_stream()).stream_id, 0)
+        await fill(s, 10)
+        await a.release_stream(s.stream_id)            # everything committed: end 50
+        b = open_engine(small_config(tmp_path / "b", node_id=1, **shared))
+        await b.start()                                # b's view of the stream: end 50
+        assert (await b.open_stream(s.stream_id)).end_offset == 50
+        assert await b.written_elsewhere(s.stream_id)  # node 0 claimed it last
+        s = await a.acquire_stream(s.stream_id, 1)      # node 0 writes on (epoch 1)
+        await fill(s, 10)
+        assert await a.release_stream(s.stream_id) == 100
+        assert (await b.open_stream(s.stream_id)).end_offset == 50      # stale
+        assert await b.written_elsewhere(s.stream_id)
+        mine = await b.acquire_stream(s.stream_id, 2)  # handed to node 1 at epoch 2
+        assert mine.end_offset == 100
+        assert not await b.written_elsewhere(s.stream_id)   # node 1 wrote (claimed) last
+        await fill(mine, 2)
+        assert not await b.written_elsewhere(s.stream_id)   # its own tail, not uploaded yet
+        assert len(await read_all(mine)) == 22
+    finally:
+        await a.close()
+        if b is not None:
+            await b.close()
