@@ -92,7 +92,7 @@ GENTLE_WRITE_CHUNK = 256 << 10
 # ... and read in pieces of this size (see FileObjectStore.get).
 FILE_READ_CHUNK = 1 << 20
 # most bytes of neighbouring blocks get_ranges reads at once, into one pool buffer
-FILE_READ_SPAN = 4 << 20
+FILE_READ_SPAN = 8 << 20       # = the BlockCache's PREFETCH_PIECE
 # ... asked for this much per system call, one call at a time across the cold-read threads,
 # while hot traffic runs (FileObjectStore.gentle): a WAL write then queues behind at most one
 # such piece on a shared disk instead of two 4 MiB reads (see FileObjectStore._read_block)
