@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 
 import pytest
@@ -664,10 +665,11 @@ async def test_large_upload_rounds_are_split_into_objects_written_one_behind_the
     await eng.start()
     real_put = eng.store.put
     puts: list[tuple[str, float, float]] = []
+    calls = itertools.count()       # numbered on entry: two puts run at once (threads)
 
     def put(key, data):
         t0 = time.monotonic()
-        if fail_at is not None and len(puts) == fail_at:
+        if next(calls) == fail_at:
             puts.append((key, t0, t0))
             raise OSError("store down")
         time.sleep(0.02)
