@@ -27,6 +27,7 @@ import uuid
 from typing import Any
 
 from storage.wal.errors import WALLockedError
+from storage.crash import crash_point
 from storage.waits import end_tasks, wait_event
 
 from ..failures import log_failure, note as note_failure
@@ -118,6 +119,9 @@ class ClusterRoom:
             raise ClusterError(str(e)) from None
         self.own_lease.renewed(sent)
         self._renewed_at = sent
+        # tests: hold a starting broker here, live but not yet reading the cluster, while the
+        # controller hands it partitions (test_start_handover.py)
+        crash_point("cluster_registered")
         engine = getattr(self.broker, "store", None)
         if hasattr(engine, "writes_allowed"):
             # a lapsed lease stops uploads, commits and WAL trims too, not only produce
