@@ -262,6 +262,18 @@ public final class KafkaCli {
                     while (!stop[me].get()) {
                         for (ConsumerRecord<String, String> r : c.poll(Duration.ofMillis(100))) seen.add(r.value());
                     }
+                    // read the assigned partitions to their ends before the one commit: a member
+                    // stopped right after an eager rebalance has its positions back at the
+                    // committed offsets (none yet: the log start) and committed those
+                    long until = System.currentTimeMillis() + 15000;
+                    while (System.currentTimeMillis() < until) {
+                        Set<TopicPartition> owned = c.assignment();
+                        Map<TopicPartition, Long> ends = c.endOffsets(owned);
+                        boolean caughtUp = true;
+                        for (TopicPartition tp : owned) caughtUp &= c.position(tp) >= ends.get(tp);
+                        if (caughtUp) break;
+                        for (ConsumerRecord<String, String> r : c.poll(Duration.ofMillis(100))) seen.add(r.value());
+                    }
                     c.commitSync();
                 }
                 return null;
