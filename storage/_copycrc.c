@@ -89,42 +89,39 @@ static uint32_t crc_sw(uint32_t crc, const unsigned char *p, size_t n) {
 #include <immintrin.h>
 #define HW_TARGET __attribute__((target("sse4.2")))
 
+/* whole steps of three `lane`-byte lanes checksummed side by side, then combined (`table`
+   appends `lane` zero bytes to a register); moves *pp and *np past them */
+HW_TARGET static inline uint64_t crc_lanes(uint64_t c0, const unsigned char **pp, size_t *np,
+                                           size_t lane, uint32_t table[4][256]) {
+    const unsigned char *p = *pp;
+    size_t n = *np;
+    while (n >= 3 * lane) {
+        uint64_t c1 = 0, c2 = 0;
+        const unsigned char *end = p + lane;
+        do {
+            uint64_t a, b, c;
+            memcpy(&a, p, 8); memcpy(&b, p + lane, 8); memcpy(&c, p + 2 * lane, 8);
+            c0 = _mm_crc32_u64(c0, a);
+            c1 = _mm_crc32_u64(c1, b);
+            c2 = _mm_crc32_u64(c2, c);
+            p += 8;
+        } while (p < end);
+        c0 = shift(table, (uint32_t)c0) ^ (uint32_t)c1;
+        c0 = shift(table, (uint32_t)c0) ^ (uint32_t)c2;
+        p += 2 * lane;
+        n -= 3 * lane;
+    }
+    *pp = p;
+    *np = n;
+    return c0;
+}
+
 /* CRC of the n bytes at p (raw register in, raw register out) */
 HW_TARGET static uint32_t crc_hw(uint32_t crc, const unsigned char *p, size_t n) {
     uint64_t c0 = crc;
     while (n && ((uintptr_t)p & 7)) { c0 = _mm_crc32_u8((uint32_t)c0, *p++); n--; }
-    while (n >= 3 * LONG_LANE) {
-        uint64_t c1 = 0, c2 = 0;
-        const unsigned char *end = p + LONG_LANE;
-        do {
-            uint64_t a, b, c;
-            memcpy(&a, p, 8); memcpy(&b, p + LONG_LANE, 8); memcpy(&c, p + 2 * LONG_LANE, 8);
-            c0 = _mm_crc32_u64(c0, a);
-            c1 = _mm_crc32_u64(c1, b);
-            c2 = _mm_crc32_u64(c2, c);
-            p += 8;
-        } while (p < end);
-        c0 = shift(long_shift, (uint32_t)c0) ^ (uint32_t)c1;
-        c0 = shift(long_shift, (uint32_t)c0) ^ (uint32_t)c2;
-        p += 2 * LONG_LANE;
-        n -= 3 * LONG_LANE;
-    }
-    while (n >= 3 * SHORT_LANE) {
-        uint64_t c1 = 0, c2 = 0;
-        const unsigned char *end = p + SHORT_LANE;
-        do {
-            uint64_t a, b, c;
-            memcpy(&a, p, 8); memcpy(&b, p + SHORT_LANE, 8); memcpy(&c, p + 2 * SHORT_LANE, 8);
-            c0 = _mm_crc32_u64(c0, a);
-            c1 = _mm_crc32_u64(c1, b);
-            c2 = _mm_crc32_u64(c2, c);
-            p += 8;
-        } while (p < end);
-        c0 = shift(short_shift, (uint32_t)c0) ^ (uint32_t)c1;
-        c0 = shift(short_shift, (uint32_t)c0) ^ (uint32_t)c2;
-        p += 2 * SHORT_LANE;
-        n -= 3 * SHORT_LANE;
-    }
+    c0 = crc_lanes(c0, &p, &n, LONG_LANE, long_shift);
+    c0 = crc_lanes(c0, &p, &n, SHORT_LANE, short_shift);
     while (n >= 8) {
         uint64_t a;
         memcpy(&a, p, 8);
