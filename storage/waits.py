@@ -34,6 +34,7 @@ async def end_tasks(tasks: Iterable[asyncio.Future], timeout_s: float, log: logg
     """Await ``tasks`` (already cancelled, or finishing on their own) for at most
     ``timeout_s``: a stop is bounded even if one of them swallows its cancel. A task left
     behind is logged with its stack, so the next such bug names itself."""
+    tasks = list(tasks)         # walked twice below
     pending = {t for t in tasks if not t.done()}
     t0 = time.monotonic()
     if pending:
