@@ -120,12 +120,26 @@ class TransactionCoordinator:
                             (getattr(cluster, "live", {}) or {}).items()))  # type: ignore[misc]
 
     async def _load(self) -> None:
-        """(Re)read the state of every id this broker coordinates from the metadata store."""
+        """(Re)read the state of every id this broker coordinates from the metadata store.
+
+        An id held already keeps its object unless the store has a newer row (another broker
+        wrote it meanwhile). A request may be changing that object right now, with its save
+        queued behind this read (an AddPartitionsToTxn, an EndTxn writing markers): replacing
+        it with the row as read would answer the next produce and EndTxn from the old state
+        (INVALID_TXN_STATE), and complete an ended transaction a second time. (An id created
+        here after the read is added when its insert returns, after this, since the store's
+        calls run in order on one thread.)"""
         self._members = self._membership()
         metas = await self._run(self.store.load_all)
-        mine = [m for m in metas if self.owns(m.transactional_id)]
-        self.txns = {m.transactional_id: m for m in mine}
-        self.by_pid = {m.producer_id: m for m in mine}
+        txns: dict[str, TxnMeta] = {}
+        for m in metas:
+            tid = m.transactional_id
+            if not self.owns(tid):
+                continue
+            held = self.txns.get(tid)
+            txns[tid] = held if held is not None and held.row_version >= m.row_version else m
+        self.txns = txns
+        self.by_pid = {m.producer_id: m for m in txns.values()}
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)

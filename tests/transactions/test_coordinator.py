@@ -153,3 +153,49 @@ async def test_lso_waits_for_the_log_tail_replay(setup) -> None:
     finally:
         stream.read = real_read
         await again.close()
+
+
+async def test_a_reload_keeps_the_state_a_request_is_changing(setup) -> None:
+    """The coordinator rereads its ids when the cluster's membership changes. A read that
+    crosses an AddPartitionsToTxn (its save queued behind the read) must not replace the
+    transaction the request is changing with the row as it was: the next transaction's
+    produce would be refused (INVALID_TXN_STATE), its EndTxn too."""
+    broker, p = setup
+    pid, epoch = await begin(broker, p, "reread")
+    coord = coordinator_for(broker)
+    assert await coord.end_txn("reread", pid, epoch, False) == 0
+    # the reread starts first, then the next transaction adds the partition
+    reload = asyncio.ensure_future(coord._load())
+    await asyncio.sleep(0)
+    added = await coord.add_partitions("reread", pid, epoch, [("t", 0)], lambda t, i: True)
+    await reload
+    assert added == {("t", 0): 0}
+    assert coord.verify(pid, epoch, "t", 0) == 0
+    batch = build_batch([Record(0, 1, b"k", b"v2")], producer_id=pid, producer_epoch=epoch,
+                        base_sequence=1, transactional=True)
+    assert (await p.append(batch)).error == 0
+    assert await coord.end_txn("reread", pid, epoch, True) == 0
+    assert coord.txns["reread"].state == COMPLETE_COMMIT
+
+
+async def test_a_reload_takes_a_row_another_broker_wrote(setup) -> None:
+    """A row written by another broker meanwhile (a newer row version) replaces what this one
+    held: the store is the authority between coordinators."""
+    broker, p = setup
+    pid, epoch = await begin(broker, p, "moved")
+    coord = coordinator_for(broker)
+    store = TxnStore(_meta_db_url(broker))
+    try:
+        other = store.load_one("moved")
+        other.epoch += 1
+        other.state = COMPLETE_ABORT
+        other.partitions = set()
+        store.save(other.to_row(), other.row_version)
+    finally:
+        store.close()
+    await coord._load()
+    meta = coord.txns["moved"]
+    assert (meta.state, meta.epoch) == (COMPLETE_ABORT, epoch + 1)
+    assert coord.by_pid[pid] is meta
+    assert coord.verify(pid, epoch, "t", 0) != 0
+
