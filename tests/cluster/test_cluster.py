@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException
 from kafka import TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.protocol.consumer import OffsetForLeaderEpochRequest, OffsetForLeaderEpochResponse
@@ -21,45 +21,9 @@ from kafka.protocol.consumer import OffsetForLeaderEpochRequest, OffsetForLeader
 from datapath.wire import WireClient
 
 from .kit import leaders, read_all, wait_for, wait_live
+from .timed_load import PARTITIONS, TimedLoad
 
 pytestmark = pytest.mark.slow
-
-PARTITIONS = 6
-
-
-class Load:
-    """A confluent-kafka idempotent producer sending keyed records until stopped."""
-
-    def __init__(self, bootstrap: str, topic: str) -> None:
-        self.acked: list[tuple[int, int, bytes]] = []
-        self.errors: list[str] = []
-        self.sent = 0
-        self._stop = threading.Event()
-        self._p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
-                            "acks": "all", "linger.ms": 5, "message.timeout.ms": 60000,
-                            "topic.metadata.refresh.interval.ms": 1000})
-        self._topic = topic
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _cb(self, err, msg) -> None:
-        if err is not None:
-            self.errors.append(str(err))
-        else:
-            self.acked.append((msg.partition(), msg.offset(), msg.value()))
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for _ in range(20):
-                self._p.produce(self._topic, key=str(self.sent % 97).encode(),
-                                value=f"v{self.sent}".encode(), on_delivery=self._cb)
-                self.sent += 1
-            self._p.poll(0.05)
-        self._p.flush(60)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._t.join(90)
 
 
 class GroupReader:
@@ -117,7 +81,7 @@ def test_three_brokers_move_partitions_under_load(cluster_factory):
     assert all(len(p["replica_nodes"]) == 3 and p["replica_nodes"][0] == p["leader_id"]
                and p["isr_nodes"] == p["replica_nodes"] for p in parts)
 
-    load = Load(boot, "orders")
+    load = TimedLoad(boot, "orders", keyed=True)
     reader = GroupReader(boot, "orders", "g1")
     wait_for(lambda: len(load.acked) > 300, what="first acknowledged records")
 
@@ -128,7 +92,7 @@ def test_three_brokers_move_partitions_under_load(cluster_factory):
     admin.alter_partition_reassignments({TopicPartition("orders", 0): [target]})
     wait_for(lambda: leaders(admin, "orders")[0] == (target, epoch + 1), what="move of p0")
     n = len(load.acked)
-    wait_for(lambda: any(p == 0 for p, _, _ in load.acked[n:]), what="acks on the new leader")
+    wait_for(lambda: any(p == 0 for p, *_ in load.acked[n:]), what="acks on the new leader")
 
     # 2. SIGTERM a broker (not the controller): its partitions move before it exits
     victim = brokers[1]
@@ -149,7 +113,7 @@ def test_three_brokers_move_partitions_under_load(cluster_factory):
 
     load.stop()
     assert not load.errors, load.errors[:5]
-    acked = sorted(load.acked)
+    acked = sorted((p, off, v) for p, off, v, _ in load.acked)
     ends = {p: 0 for p in range(PARTITIONS)}
     for p, off, _ in acked:
         ends[p] = max(ends[p], off + 1)

@@ -1,5 +1,5 @@
 """A topic under a steady idempotent load, for the failover and fencing tests
-(test_failover, test_fencing, test_zombie, test_metadata_locks): create it, keep writing
+(test_cluster, test_failover, test_fencing, test_zombie, test_metadata_locks): create it, keep writing
 unique values to it with their acknowledgement times, and check afterwards that every
 acknowledged value is read back once at its acknowledged offset."""
 from __future__ import annotations
@@ -19,7 +19,8 @@ PARTITIONS = 6
 class TimedLoad:
     """An idempotent acks=all producer of unique values; every ack with its arrival time."""
 
-    def __init__(self, bootstrap: str, topic: str) -> None:
+    def __init__(self, bootstrap: str, topic: str, keyed: bool = False) -> None:
+        self.keyed = keyed     # keyed records, partitioned by the client (97 keys)
         self.acked: list[tuple[int, int, bytes, float]] = []
         self.errors: list[str] = []
         self.sent = 0
@@ -43,8 +44,12 @@ class TimedLoad:
         while not self._stop.is_set():
             for _ in range(20):
                 self.sent_at.append(time.monotonic())
-                self._p.produce(self._topic, value=f"v{self.sent}".encode(),
-                                partition=self.sent % PARTITIONS, on_delivery=self._cb)
+                if self.keyed:
+                    self._p.produce(self._topic, key=str(self.sent % 97).encode(),
+                                    value=f"v{self.sent}".encode(), on_delivery=self._cb)
+                else:
+                    self._p.produce(self._topic, value=f"v{self.sent}".encode(),
+                                    partition=self.sent % PARTITIONS, on_delivery=self._cb)
                 self.sent += 1
             self._p.poll(0.05)
         self._p.flush(60)
