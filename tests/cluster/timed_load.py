@@ -1,7 +1,7 @@
-"""A topic under a steady idempotent load, for the failover and fencing tests
-(test_cluster, test_failover, test_fencing, test_zombie, test_metadata_locks): create it, keep writing
-unique values to it with their acknowledgement times, and check afterwards that every
-acknowledged value is read back once at its acknowledged offset."""
+"""A topic under a steady idempotent load, for the cluster, failover and fencing tests
+(test_cluster, test_failover, test_fencing, test_zombie, test_metadata_locks): create it,
+keep writing unique values to it with their acknowledgement times, and check afterwards that
+every acknowledged value is read back once at its acknowledged offset."""
 from __future__ import annotations
 
 import collections
