@@ -113,17 +113,19 @@ def compute_crc(buf: Buffer, pos: int, length: int) -> int:
     return crc32c.crc32c(mv)
 
 
-def validate_batch(view: BatchView, strict: bool = True) -> None:
+def validate_batch(view: BatchView, strict: bool = True, crc: bool = True) -> None:
     """Size, magic and CRC-32C checks of one batch, without decoding its records.
 
     ``strict`` (produce path) also requires a non-empty batch whose record count matches
-    its last offset delta, since offsets are assigned from that delta.
+    its last offset delta, since offsets are assigned from that delta. ``crc=False``: the
+    caller checks the CRC-32C of bytes [CRC_START:] against ``view.crc`` itself (the broker
+    has the storage engine do it while copying a large batch into the WAL).
     """
     if view.magic != 2:
         raise CorruptRecordError(f"unsupported batch magic {view.magic}")
     if view.length < MIN_BATCH_LENGTH or view.pos + view.size > len(view.buf):
         raise CorruptRecordError(f"record batch length {view.length} is invalid")
-    if compute_crc(view.buf, view.pos, view.length) != view.crc:
+    if crc and compute_crc(view.buf, view.pos, view.length) != view.crc:
         raise CorruptRecordError("record batch CRC-32C mismatch")
     if strict:
         if view.record_count <= 0:

@@ -47,4 +47,13 @@ def _copy_crc_py(dst, offset: int, src, value: int = 0) -> int:
     return crc
 
 
+def _copy_crc_split_py(dst, offset: int, src, value: int, split: int) -> tuple[int, int]:
+    """copy_crc(dst, offset, src, value) plus crc32c(src[split:]): (crc, tail crc)."""
+    mv = memoryview(src).cast("B")
+    head = _copy_crc_py(dst, offset, mv[:split], value)
+    tail = _copy_crc_py(dst, offset + split, mv[split:])
+    return crc32c.crc32c(mv[split:], head), tail
+
+
 copy_crc = _copycrc.copy_crc if NATIVE else _copy_crc_py
+copy_crc_split = _copycrc.copy_crc_split if NATIVE else _copy_crc_split_py

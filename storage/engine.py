@@ -40,8 +40,8 @@ from .objects.format import NOGIL_COPY_FROM
 from .objects.store import ObjectStore, open_object_store
 from .reader import ObjectReader
 from .thread_priority import background_executor, in_io_class
-from .stream import (Batch, OffsetOutOfRange, RetriableStorageError, StorageError, Stream,
-                     StreamStore)
+from .stream import (Batch, OffsetOutOfRange, PayloadChecksumError, RetriableStorageError,
+                     StorageError, Stream, StreamStore)
 
 log = logging.getLogger(__name__)
 _WAL_OFFSET = operator.attrgetter("wal_offset")
@@ -208,7 +208,10 @@ class EngineStream(Stream):
             self._confirmed = entry.next_offset
         self._engine._maybe_upload()
 
-    async def append(self, payload: bytes | memoryview, base_offset: int, count: int) -> None:
+    checks_payloads = True
+
+    async def append(self, payload: bytes | memoryview, base_offset: int, count: int,
+                     check: tuple[int, int] | None = None) -> None:
         eng = self._engine
         if self.deleted:
             raise StorageError(f"stream {self.stream_id} is deleted")
@@ -224,6 +227,8 @@ class EngineStream(Stream):
         payload = payload if type(payload) is bytes else memoryview(payload).cast("B")
         header = WAL_RECORD.pack(self.stream_id, base_offset, count)
         size = WAL_RECORD.size + len(payload)
+        if check is not None:      # checked while the WAL copies the record: no pass of its own
+            check = (WAL_RECORD.size + check[0], check[1])
         deadline = None
         while True:
             room = eng.cache.has_room(size + 64)
@@ -232,8 +237,10 @@ class EngineStream(Stream):
                     # an asyncio future completed in batches by the WAL: no cross-thread
                     # wake-up per record (append() would cost one self-pipe write each)
                     t0 = time.perf_counter()
-                    res = eng.wal.append_loop((header, payload), self.stream_id)
+                    res = eng.wal.append_loop((header, payload), self.stream_id, check)
                     break
+                except eng.checksum_error as e:
+                    raise PayloadChecksumError(str(e)) from None
                 except eng.fenced_error as e:   # another node took this WAL over
                     raise StorageError(str(e)) from None
                 except eng.over_capacity_error:
@@ -401,6 +408,7 @@ class Engine(StreamStore):
         self.wal: Any = None
         self.over_capacity_error: type[BaseException] = Exception
         self.fenced_error: type[BaseException] = _NotFenced     # storage.wal's, from start()
+        self.checksum_error: type[BaseException] = _NotFenced
         self.meta: MetaStore
         self.store: ObjectStore
         self.reader: ObjectReader
@@ -470,13 +478,14 @@ class Engine(StreamStore):
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
-        from .wal import DeltaWAL, FencedError, OverCapacityError, WALConfig
+        from .wal import ChecksumMismatchError, DeltaWAL, FencedError, OverCapacityError, WALConfig
         from .maintenance import Maintenance
         c = self.config
         self._loop = asyncio.get_running_loop()
         os.makedirs(c.data_dir, exist_ok=True)
         self.over_capacity_error = OverCapacityError
         self.fenced_error = FencedError
+        self.checksum_error = ChecksumMismatchError
         self.meta = await self.io(open_metastore, c.metadata_url)
         inner = await self.io(open_object_store, c.object_store)
         if hasattr(inner, "direct_writes"):

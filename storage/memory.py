@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import bisect
 
-from .stream import Batch, OffsetOutOfRange, Stream, StreamStore
+import crc32c
+
+from .stream import Batch, OffsetOutOfRange, PayloadChecksumError, Stream, StreamStore
 
 
 class MemoryStream(Stream):
@@ -28,9 +30,14 @@ class MemoryStream(Stream):
     def confirmed_offset(self) -> int:
         return self._end
 
-    async def append(self, payload: bytes | memoryview, base_offset: int, count: int) -> None:
+    checks_payloads = True
+
+    async def append(self, payload: bytes | memoryview, base_offset: int, count: int,
+                     check: tuple[int, int] | None = None) -> None:
         if base_offset != self._end:
             raise ValueError(f"append at {base_offset}, expected {self._end}")
+        if check is not None and crc32c.crc32c(memoryview(payload)[check[0]:]) != check[1]:
+            raise PayloadChecksumError("payload CRC-32C mismatch")
         self._batches.append(Batch(base_offset, count, bytes(payload)))
         self._bases.append(base_offset)
         self._end = base_offset + count

@@ -17,6 +17,11 @@ class RetriableStorageError(StorageError):
     """Temporary back-pressure (cache full of unuploaded data, WAL over capacity, store down)."""
 
 
+class PayloadChecksumError(StorageError):
+    """append(check=...): the payload's checked range did not have the caller's CRC-32C;
+    nothing was appended (the broker answers CORRUPT_MESSAGE)."""
+
+
 class OffsetOutOfRange(StorageError):
     """The requested offset lies below start_offset or above end_offset."""
 
@@ -37,6 +42,8 @@ class Stream(abc.ABC):
     """One partition's log. All methods are called from the event loop thread."""
 
     stream_id: int
+    # append() takes ``check``: streams without it are handed payloads already checked
+    checks_payloads = False
 
     @property
     @abc.abstractmethod
@@ -54,13 +61,16 @@ class Stream(abc.ABC):
         """Every offset below this is durable (the high watermark)."""
 
     @abc.abstractmethod
-    async def append(self, payload: bytes | memoryview, base_offset: int, count: int) -> None:
+    async def append(self, payload: bytes | memoryview, base_offset: int, count: int,
+                     check: tuple[int, int] | None = None) -> None:
         """Append a payload; ``base_offset`` must equal ``end_offset`` at call time.
 
         ``end_offset`` advances synchronously (before the first await) so that callers can
         assign offsets to concurrent appends; the coroutine completes once the payload and every
         earlier payload of this stream are durable. Raises RetriableStorageError under
-        back-pressure (nothing is appended in that case)."""
+        back-pressure (nothing is appended in that case). ``check`` = (start, crc), only where
+        ``checks_payloads``: payload[start:] must have that CRC-32C, else PayloadChecksumError
+        before anything is appended (the engine computes it while copying into the WAL)."""
 
     @abc.abstractmethod
     async def read(self, start_offset: int, max_bytes: int) -> list[Batch]:

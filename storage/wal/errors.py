@@ -25,6 +25,11 @@ class RecordTooLargeError(WALError, ValueError):
     """A record body exceeds max_record_size or cannot fit in the ring at all."""
 
 
+class ChecksumMismatchError(WALError):
+    """append_loop(check=...): the record's checked range did not have the CRC-32C the caller
+    gave. Raised before the record is part of a block: nothing was appended."""
+
+
 class WALLockedError(WALError):
     """Another process holds the WAL's exclusive lock (a second broker on the same WAL)."""
 

@@ -22,11 +22,11 @@ from typing import Any, Iterator, Union
 
 import crc32c
 
-from ..copycrc import NATIVE as COPY_CRC_NATIVE, copy_crc
+from ..copycrc import NATIVE as COPY_CRC_NATIVE, copy_crc, copy_crc_split
 from .block import Block, BufferPool
 from .config import IO_RETRIES, IO_RETRY_DELAY_S, WALConfig
 from .device import BLANK_PROBE_BYTES, Device, aligned_buffer, classify
-from .errors import (CapacityMismatchError, FencedError, OverCapacityError,
+from .errors import (CapacityMismatchError, ChecksumMismatchError, FencedError, OverCapacityError,
                      RecordTooLargeError, WALClosedError, WALError, WALPathError)
 from .loop_driver import LoopDriver
 from .format import (ALIGN, HEADER_AREA, HEADER_SLOT_SIZE, RECORD_HEADER_SIZE,
@@ -335,20 +335,29 @@ class DeltaWAL:
             self._driver.kick_soon()
         return AppendResult(offset, offset + size, fut)
 
-    def append_loop(self, body: Body, stream_id: int = 0) -> AppendResult:
+    def append_loop(self, body: Body, stream_id: int = 0,
+                    check: tuple[int, int] | None = None) -> AppendResult:
         """append() for code on a running event loop: the result's future is an asyncio.Future
         of that loop, completed in batches (one cross-thread wake-up per drained batch rather than
         one per record, and no concurrent.futures.Future to build). Never blocks; the caller
-        bounds what it buffers (the ring capacity still bounds everything)."""
+        bounds what it buffers (the ring capacity still bounds everything).
+
+        ``check`` = (start, crc): the body's bytes from ``start`` to its end must have that
+        CRC-32C, or ChecksumMismatchError is raised and nothing is appended. It is computed in
+        the same pass that copies the body into its block (a produce batch's own CRC, which
+        the broker would otherwise compute in a pass of its own)."""
         driver = self._driver
         # on the driver's thread its loop is the running one; get_running_loop() costs a
         # getpid() syscall per call
         loop = driver.loop if driver is not None and driver.on_loop() else \
             asyncio.get_running_loop()
         body, n, crc = _prepare(body)
+        if check is not None and crc is not None:     # no fused copy: a pass of its own
+            _verify(body, check)
+            check = None
         fut = loop.create_future()
         with self._lock:
-            offset = self._reserve(body, n, stream_id, (loop, fut), crc)
+            offset = self._reserve(body, n, stream_id, (loop, fut), crc, check)
         if driver is not None:
             if self._pending and driver.on_loop():
                 driver.kick()                     # a block sealed by size: write it now
@@ -382,7 +391,8 @@ class DeltaWAL:
         adds latency and memory (and fresh buffers cost page faults)."""
         return self._inflight == 0 or self._inflight + size <= self._buffer_limit
 
-    def _reserve(self, body, n: int, stream_id: int, waiter, crc: int | None) -> int:
+    def _reserve(self, body, n: int, stream_id: int, waiter, crc: int | None,
+                 check: tuple[int, int] | None = None) -> int:
         """Place the record in the current block; caller holds the lock. The hot path of every
         append: attribute lookups and calls are kept to a minimum (CPython cost is per record)."""
         if self._failed is not None:
@@ -424,7 +434,10 @@ class DeltaWAL:
                 f"WAL ring full: {end - self._trim} bytes untrimmed > {ring}; "
                 "upload and trim first")
         buf = blk.buf
-        if crc is None:       # storage._copycrc: copy and checksum the body in one pass
+        if check is not None:   # copy, checksum and check in one pass; nothing taken yet
+            crc = _copy_checked(buf, at + RECORD_HEADER_SIZE, body, check)
+            pack_record_header(buf, at, n, pos, crc)
+        elif crc is None:       # storage._copycrc: copy and checksum the body in one pass
             if type(body) is tuple:
                 o = at + RECORD_HEADER_SIZE
                 crc = 0
@@ -865,6 +878,47 @@ def _prepare(body) -> tuple:
         return parts, sum(len(p) for p in parts), crc
     body = _as_bytes_view(body)
     return body, len(body), body_crc(body)
+
+
+def _copy_checked(buf, o: int, body, check: tuple[int, int]) -> int:
+    """Copy the body's parts into ``buf`` at ``o``; its CRC-32C. Raises ChecksumMismatchError
+    when the bytes from ``check[0]`` to the end do not have the CRC ``check[1]``: the caller
+    (_reserve) has then modified nothing but bytes past the block's used end."""
+    start, want = check
+    parts = body if type(body) is tuple else (body,)
+    crc = 0
+    seen = 0           # body bytes before this part
+    tail = 0           # CRC of the checked range so far
+    for part in parts:
+        k = len(part)
+        if seen + k <= start:
+            crc = copy_crc(buf, o, part, crc)
+        elif seen >= start:
+            tail = crc32c.crc32c(part, tail)   # only in bodies checked across several parts
+            crc = copy_crc(buf, o, part, crc)
+        else:
+            crc, tail = copy_crc_split(buf, o, part, crc, start - seen)
+        o += k
+        seen += k
+    if tail != want or start > seen:
+        raise ChecksumMismatchError(
+            f"CRC-32C of the record's bytes from {start} is {tail:#010x}, expected {want:#010x}")
+    return crc
+
+
+def _verify(body, check: tuple[int, int]) -> None:
+    """The check of _copy_checked as a pass of its own (the copy computes no CRC)."""
+    start, want = check
+    parts = body if type(body) is tuple else (body,)
+    tail, seen = 0, 0
+    for part in parts:
+        k = len(part)
+        if seen + k > start:
+            tail = crc32c.crc32c(memoryview(part)[max(start - seen, 0):], tail)
+        seen += k
+    if tail != want or start > seen:
+        raise ChecksumMismatchError(
+            f"CRC-32C of the record's bytes from {start} is {tail:#010x}, expected {want:#010x}")
 
 
 def _length(body) -> int:

@@ -81,6 +81,29 @@ async def test_corrupt_batch_rejected(tmp_path):
     assert p.high_watermark == 0
 
 
+async def test_large_corrupt_batch_checked_by_the_stream_is_rejected(tmp_path):
+    """A lone large batch without a producer id has its CRC checked by the stream while it is
+    copied (Stream.append check=): still CORRUPT_MESSAGE with nothing stored, also when a
+    header field would have refused it anyway, and an intact batch then takes offset 0."""
+    configs: dict[str, str] = {}
+    p, *_ = await open_partition(tmp_path, configs=configs)
+    assert p.stream.checks_payloads
+    raw = bytearray(make_batch([b"q" * 200_000]))
+    raw[-3] ^= 0x10
+    r = await p.append(memoryview(raw), owned=True)
+    assert (r.error, p.high_watermark) == (ErrorCode.CORRUPT_MESSAGE, 0)
+    configs["max.message.bytes"] = "1000"
+    raw = bytearray(make_batch([b"q" * 200_000]))
+    raw[-3] ^= 0x10
+    assert (await p.append(bytes(raw))).error == ErrorCode.CORRUPT_MESSAGE
+    assert (await p.append(make_batch([b"q" * 200_000]))).error == \
+        ErrorCode.MESSAGE_SIZE_TOO_LARGE
+    del configs["max.message.bytes"]
+    r = await p.append(make_batch([b"g" * 200_000]))
+    assert (r.error, r.base_offset, p.high_watermark) == (0, 0, 1)
+    assert [v for _, _, v in await read_all(p)] == [b"g" * 200_000]
+
+
 async def test_max_message_bytes(tmp_path):
     configs = {"max.message.bytes": "200"}
     p, *_ = await open_partition(tmp_path, configs=configs)

@@ -59,6 +59,26 @@ def test_copy_crc_equals_copy_then_crc32c(impl, native):
     assert fn(dst, len(a), b, crc) == crc32c.crc32c(bytes(a) + bytes(b))
 
 
+@pytest.mark.parametrize("impl", ["native", "python"])
+def test_copy_crc_split_also_gives_the_crc_of_the_tail(impl, native):
+    """copy_crc_split: the copy and the CRC of copy_crc, plus the CRC of src[split:] alone (a
+    produce batch's own CRC covers it from byte 21), combined from one pass."""
+    fn = native.copy_crc_split if impl == "native" else copycrc._copy_crc_split_py
+    rnd = random.Random(11)
+    for n in SIZES:
+        src = rnd.randbytes(n)
+        for split in sorted({0, min(21, n), n // 3, n}):
+            value = rnd.getrandbits(32)
+            dst = bytearray(b"\xaa" * (n + 9))
+            crc, tail = fn(dst, 4, memoryview(src), value, split)
+            assert (crc, tail) == (crc32c.crc32c(src, value), crc32c.crc32c(src[split:])), \
+                (n, split)
+            assert dst[4:4 + n] == src and dst[:4] == b"\xaa" * 4 and dst[4 + n:] == b"\xaa" * 5
+    if impl == "native":
+        with pytest.raises(ValueError):
+            fn(bytearray(100), 0, b"abc", 0, 4)
+
+
 def test_copy_crc_refuses_what_does_not_fit(native):
     with pytest.raises(ValueError):
         native.copy_crc(bytearray(10), 5, b"123456")

@@ -7,8 +7,11 @@ import os
 
 import pytest
 
-from storage.wal import (RECORD_HEADER_SIZE, CapacityMismatchError, DeltaWAL, OverCapacityError,
-                         RecordTooLargeError, WALClosedError, WALConfig)
+import crc32c
+
+from storage.wal import (RECORD_HEADER_SIZE, CapacityMismatchError, ChecksumMismatchError,
+                         DeltaWAL, OverCapacityError, RecordTooLargeError, WALClosedError,
+                         WALConfig)
 
 
 def body(stream: int, seq: int, size: int = 100) -> bytes:
@@ -366,3 +369,29 @@ async def test_body_given_as_parts_is_stored_as_their_concatenation(make_wal):
     _, recs = make_wal(capacity=16 << 20)
     assert [b for _, b in recs] == expect
     assert [o for o, _ in recs] == offs
+
+
+@pytest.mark.parametrize("native", [True, False])
+async def test_append_loop_check_appends_nothing_on_a_crc_mismatch(make_wal, monkeypatch, native):
+    """append_loop(check=(start, crc)): the CRC of the body from `start` is computed while the
+    body is copied into its block (or in a pass of its own without the extension); a mismatch
+    raises before the record is part of a block, so the next record takes its place and
+    recovery finds only the good ones."""
+    from storage.wal import wal as walmod
+    if not native:
+        monkeypatch.setattr(walmod, "COPY_CRC_NATIVE", False)
+    w, _ = make_wal(capacity=16 << 20)
+    head, big = b"h" * 20, os.urandom(300_000)
+    good = w.append_loop((head, big), stream_id=1, check=(41, crc32c.crc32c(big[21:])))
+    for start in (41, 5, 20, 300_019):               # in the second part, the first, at the edge
+        whole = head + big
+        with pytest.raises(ChecksumMismatchError):
+            w.append_loop((head, big), stream_id=1,
+                          check=(start, crc32c.crc32c(whole[start:]) ^ 1))
+    ok2 = w.append_loop((head, big), stream_id=1, check=(5, crc32c.crc32c((head + big)[5:])))
+    # the refused records took no room (the first block may have been sealed: next page)
+    assert ok2.offset <= (good.next_offset + 4095) // 4096 * 4096
+    assert await asyncio.gather(good.future, ok2.future) == [good.offset, ok2.offset]
+    w.close()
+    _, recs = make_wal(capacity=16 << 20)
+    assert [(o, bytes(b)) for o, b in recs] == [(good.offset, head + big), (ok2.offset, head + big)]
