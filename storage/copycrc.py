@@ -50,10 +50,12 @@ def _copy_crc_py(dst, offset: int, src, value: int = 0) -> int:
 def _copy_crc_split_py(dst, offset: int, src, value: int, split: int) -> tuple[int, int]:
     """copy_crc(dst, offset, src, value) plus crc32c(src[split:]): (crc, tail crc)."""
     mv = memoryview(src).cast("B")
-    head = _copy_crc_py(dst, offset, mv[:split], value)
-    tail = _copy_crc_py(dst, offset + split, mv[split:])
+    head = copy_crc(dst, offset, mv[:split], value)
+    tail = copy_crc(dst, offset + split, mv[split:])
     return crc32c.crc32c(mv[split:], head), tail
 
 
 copy_crc = _copycrc.copy_crc if NATIVE else _copy_crc_py
-copy_crc_split = _copycrc.copy_crc_split if NATIVE else _copy_crc_split_py
+# an extension built in place before copy_crc_split existed (a worktree's stale build) lacks
+# it: the split copy then runs as two copy_crc calls and a pass over the tail
+copy_crc_split = getattr(_copycrc, "copy_crc_split", None) or _copy_crc_split_py
