@@ -28,7 +28,7 @@ from .eager import Drive
 from .producer_state import (NO_PRODUCER_ID, BatchMeta, PartitionProducers, ProducerError,
                              ProducerStore, producer_store_for)
 from .transactions import PartitionTxns, coordinator_for, ensure_transactions
-from .transactions.markers import build_marker, marker_is_commit
+from .transactions.markers import build_marker, marker_fields
 
 log = logging.getLogger(__name__)
 
@@ -762,14 +762,21 @@ class Partition:
         return ErrorCode.NONE
 
     async def write_marker(self, producer_id: int, epoch: int, commit: bool,
-                           coordinator_epoch: int) -> int:
+                           coordinator_epoch: int, from_coordinator: bool = False) -> int:
         """Append a COMMIT/ABORT marker durably and end the producer's transaction here
-        (the LSO moves past it, an abort enters the aborted index); an error code."""
+        (the LSO moves past it, an abort enters the aborted index); an error code. A
+        coordinator's marker already written here (``PartitionTxns.marked``) is answered
+        without writing it again: a late copy must not end the next transaction."""
+        if from_coordinator and self.txns.marked_already(producer_id, coordinator_epoch):
+            log.info("marker written already topic=%s partition=%d producer_id=%d epoch=%d "
+                     "coordinator_epoch=%d", self.topic, self.index, producer_id, epoch,
+                     coordinator_epoch)
+            return ErrorCode.NONE
         res = await self.append(build_marker(producer_id, epoch, commit, coordinator_epoch,
                                              _now_ms()), owned=True, control=True)
         if res.error:
             return int(res.error)
-        self.txns.end(producer_id, epoch, commit, res.base_offset)
+        self.txns.end(producer_id, epoch, commit, res.base_offset, coordinator_epoch)
         self._dirty = True
         self._wake()  # read_committed fetches wait for the LSO
         return ErrorCode.NONE
@@ -777,9 +784,10 @@ class Partition:
     def _replay_txn(self, view: Any) -> None:
         """Rebuild transaction state from a replayed transactional batch or marker."""
         if view.is_control:
-            kind = marker_is_commit(view)
-            if kind is not None:
-                self.txns.end(view.producer_id, view.producer_epoch, kind, view.base_offset)
+            fields = marker_fields(view)
+            if fields is not None:
+                self.txns.end(view.producer_id, view.producer_epoch, fields[0], view.base_offset,
+                              fields[1])
         else:
             self.txns.begin(view.producer_id, view.base_offset)
 
@@ -970,13 +978,13 @@ class Partition:
             self.txns.trim_below(self.log_start_offset)
         return self.log_start_offset
 
-    def producer_rows(self) -> list[tuple[int, int, int, int, int]]:
+    def producer_rows(self) -> list[tuple[int, int, int, int, int, int]]:
         """(producer id, epoch, last sequence, last timestamp, first offset of its ongoing
-        transaction or -1) for DescribeProducers."""
+        transaction or -1, coordinator epoch of its last marker or -1) for DescribeProducers."""
         rows = []
         for pid, e in self.producers.entries.items():
             rows.append((pid, e.epoch, e.last_seq, e.last_timestamp,
-                         self.txns.ongoing.get(pid, -1)))
+                         self.txns.ongoing.get(pid, -1), self.txns.marked.get(pid, -1)))
         return rows
 
 

@@ -70,9 +70,9 @@ async def handle_describe_producers(ctx: RequestContext, req: Any) -> Any:
             return PartResp(partition_index=index, error_code=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
                             error_message=None, active_producers=[])
         active = [State(producer_id=pid, producer_epoch=epoch, last_sequence=seq,
-                        last_timestamp=ts, coordinator_epoch=0 if first >= 0 else -1,
+                        last_timestamp=ts, coordinator_epoch=marked,
                         current_txn_start_offset=first)
-                  for pid, epoch, seq, ts, first in partition.producer_rows()]
+                  for pid, epoch, seq, ts, first, marked in partition.producer_rows()]
         return PartResp(partition_index=index, error_code=0, error_message=None,
                         active_producers=active)
 

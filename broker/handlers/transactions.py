@@ -197,6 +197,9 @@ async def write_txn_markers(ctx: RequestContext, req: Any) -> Any:
     TR = R.WritableTxnMarkerTopicResult
     PR = TR.WritableTxnMarkerPartitionResult
     coord = await ensure_transactions(ctx.broker)
+    # a transaction coordinator of this cluster (not Admin's abortTransaction): its markers
+    # carry a per-transaction number, so a late copy is recognised (Partition.write_marker)
+    from_coordinator = ctx.header.client_id == PEER_CLIENT_ID
     out = []
     for m in req.markers or []:
         commit = bool(m.transaction_result)
@@ -217,8 +220,9 @@ async def write_txn_markers(ctx: RequestContext, req: Any) -> Any:
                         err = E.NOT_LEADER_OR_FOLLOWER if _exists(ctx)(t.name, index) \
                             else E.UNKNOWN_TOPIC_OR_PARTITION
                     else:
-                        err = await partition.write_marker(m.producer_id, m.producer_epoch,
-                                                           commit, m.coordinator_epoch)
+                        err = await partition.write_marker(
+                            m.producer_id, m.producer_epoch, commit, m.coordinator_epoch,
+                            from_coordinator=from_coordinator)
                 results.append(PR(partition_index=index, error_code=int(err)))
             topics.append(TR(name=t.name, partitions=results))
         out.append(R(producer_id=m.producer_id, topics=topics))

@@ -48,7 +48,7 @@ from .store import (COMPLETE_ABORT, COMPLETE_COMMIT, EMPTY, ONGOING, PREPARE_ABO
 
 log = logging.getLogger(__name__)
 
-COORDINATOR_EPOCH = 0  # the row's compare-and-set fences old coordinators, not this number
+INT32_MAX = 2**31 - 1
 EXPIRATION_MS = 604_800_000  # Kafka's transactional.id.expiration.ms (7 days)
 CHECK_INTERVAL_S = 1.0  # Kafka's transaction.abort.timed.out.transaction.cleanup.interval.ms is 10 s
 MARKER_ATTEMPTS = 8
@@ -543,7 +543,7 @@ class TransactionCoordinator:
                 if partition is None:
                     return   # moving here or away: retried
                 err = await partition.write_marker(meta.producer_id, meta.epoch, commit,
-                                                   COORDINATOR_EPOCH)
+                                                   marker_epoch(meta), from_coordinator=True)
                 if err == E.NONE:
                     todo.discard((topic, index))
 
@@ -573,7 +573,7 @@ class TransactionCoordinator:
         for t, i in tps:
             by_topic.setdefault(t, []).append(i)
         req = Req(markers=[M(producer_id=meta.producer_id, producer_epoch=meta.epoch,
-                             transaction_result=commit, coordinator_epoch=COORDINATOR_EPOCH,
+                             transaction_result=commit, coordinator_epoch=marker_epoch(meta),
                              topics=[M.WritableTxnMarkerTopic(name=t, partition_indexes=ps)
                                      for t, ps in by_topic.items()])])
         try:
@@ -644,6 +644,14 @@ class TransactionCoordinator:
                 continue
             out.append(meta)
         return out
+
+
+def marker_epoch(meta: TxnMeta) -> int:
+    """The coordinator epoch a transaction's markers carry: its state's row version since it
+    was prepared, which grows with every transaction of the producer (the row's compare-and-set
+    fences old coordinators), so a leader can refuse a late copy of an earlier transaction's
+    marker (``PartitionTxns.marked``)."""
+    return min(meta.row_version, INT32_MAX)
 
 
 def coordinator_for(broker: Any) -> TransactionCoordinator | None:

@@ -8,6 +8,10 @@
   fetched range; clients drop those producers' batches in it.
 - ``fence``: producer id -> epoch of its last marker; a transactional batch with an older epoch
   arrives after its transaction was ended (a zombie) and is refused.
+- ``marked``: producer id -> the largest coordinator epoch of its markers here. A marker sent
+  by a transaction coordinator that is not above it is a late copy of one already written (a
+  call that timed out at the coordinator and was retried, then reached the leader after the
+  next transaction began): written, it would end that next transaction here.
 - ``verified``: producer id -> epoch a transaction coordinator on another broker confirmed
   (this partition is in its ongoing transaction); ``guards``: the check in flight per producer.
   A marker clears both, so an answer that crosses a marker is not taken (Kafka's
@@ -26,13 +30,15 @@ from typing import Any
 class PartitionTxns:
     """Transactions of one partition (see the module docstring)."""
 
-    __slots__ = ("ongoing", "aborted", "_aborted_last", "fence", "verified", "guards", "gate")
+    __slots__ = ("ongoing", "aborted", "_aborted_last", "fence", "marked", "verified", "guards",
+                 "gate")
 
     def __init__(self) -> None:
         self.ongoing: dict[int, int] = {}
         self.aborted: list[tuple[int, int, int]] = []
         self._aborted_last: list[int] = []
         self.fence: dict[int, int] = {}
+        self.marked: dict[int, int] = {}
         self.verified: dict[int, int] = {}
         self.guards: dict[int, object] = {}
         self.gate: Any = None   # asyncio.Lock of the appends waiting for a coordinator
@@ -49,8 +55,11 @@ class PartitionTxns:
         self.ongoing[producer_id] = offset
         return True
 
-    def end(self, producer_id: int, epoch: int, commit: bool, marker_offset: int) -> None:
+    def end(self, producer_id: int, epoch: int, commit: bool, marker_offset: int,
+            coordinator_epoch: int = -1) -> None:
         """A durable marker at ``marker_offset`` ends the producer's transaction here."""
+        if coordinator_epoch > self.marked.get(producer_id, -1):
+            self.marked[producer_id] = coordinator_epoch
         first = self.ongoing.pop(producer_id, None)
         self.verified.pop(producer_id, None)
         self.guards.pop(producer_id, None)
@@ -59,6 +68,10 @@ class PartitionTxns:
         if not commit and first is not None:
             self.aborted.append((producer_id, first, marker_offset))
             self._aborted_last.append(marker_offset)
+
+    def marked_already(self, producer_id: int, coordinator_epoch: int) -> bool:
+        """A coordinator's marker that is a copy of one written here already (see ``marked``)."""
+        return coordinator_epoch <= self.marked.get(producer_id, -1)
 
     def fenced(self, producer_id: int, epoch: int) -> bool:
         return epoch < self.fence.get(producer_id, -1)
@@ -89,7 +102,8 @@ class PartitionTxns:
         """What the snapshot covering offsets below ``covered`` holds (the rest is replayed)."""
         return {"ongoing": {str(p): o for p, o in self.ongoing.items() if o < covered},
                 "aborted": [list(a) for a in self.aborted if a[2] < covered],
-                "fence": {str(p): e for p, e in self.fence.items()}}
+                "fence": {str(p): e for p, e in self.fence.items()},
+                "marked": {str(p): e for p, e in self.marked.items()}}
 
     @classmethod
     def from_state(cls, state: dict[str, Any] | None) -> "PartitionTxns":
@@ -101,4 +115,5 @@ class PartitionTxns:
                            key=lambda a: a[2])  # type: ignore[misc]
         t._aborted_last = [a[2] for a in t.aborted]
         t.fence = {int(p): int(e) for p, e in state.get("fence", {}).items()}
+        t.marked = {int(p): int(e) for p, e in state.get("marked", {}).items()}
         return t

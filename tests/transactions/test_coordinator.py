@@ -199,3 +199,40 @@ async def test_a_reload_takes_a_row_another_broker_wrote(setup) -> None:
     assert coord.by_pid[pid] is meta
     assert coord.verify(pid, epoch, "t", 0) != 0
 
+
+
+async def test_a_late_copy_of_a_marker_does_not_end_the_next_transaction(setup) -> None:
+    """A marker call that timed out at the coordinator, was retried, and reached the leader
+    only after the next transaction began: written, it would end (abort) that transaction
+    here. Markers carry a number that grows per transaction; the leader answers a copy of one
+    it holds already without writing it, also after a restart (rebuilt from the log)."""
+    broker, p = setup
+    pid, epoch = await begin(broker, p, "late")           # data at offset 0
+    coord = coordinator_for(broker)
+    assert await coord.end_txn("late", pid, epoch, False) == 0   # ABORT marker at 1
+    first = p.txns.marked[pid]
+    assert first > 0
+    assert await coord.add_partitions("late", pid, epoch, [("t", 0)], lambda t, i: True) \
+        == {("t", 0): 0}
+    batch = build_batch([Record(0, 1, b"k", b"kept")], producer_id=pid, producer_epoch=epoch,
+                        base_sequence=1, transactional=True)
+    assert (await p.append(batch)).base_offset == 2
+    assert await p.write_marker(pid, epoch, False, first, from_coordinator=True) == 0
+    assert (p.high_watermark, p.last_stable_offset) == (3, 2)   # nothing written, still open
+    assert await coord.end_txn("late", pid, epoch, True) == 0    # COMMIT marker at 3
+    assert (p.high_watermark, p.last_stable_offset) == (4, 4)
+    assert p.aborted_between(0, 4) == [(pid, 0)]                 # the commit is not hidden
+    second = p.txns.marked[pid]
+    assert second > first
+    # rebuilt from the log after a restart (no snapshot): the copy is still recognised
+    again = Partition(broker, "t", p.topic_id, 0, p.stream, {}, None)
+    try:
+        await again._restore()
+        assert again.txns.marked[pid] == second
+        assert again.txns.marked_already(pid, first)
+        assert not again.txns.marked_already(pid, second + 1)
+    finally:
+        await again.close()
+    # a marker from elsewhere (Admin's abortTransaction) is written as before
+    assert await p.write_marker(pid, epoch, False, 0) == 0
+    assert p.high_watermark == 5

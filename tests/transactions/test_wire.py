@@ -175,3 +175,39 @@ def test_txn_offsets_visible_only_on_commit(tbroker):
         assert fetch_offset(True) == (-1, 0)
         commit_in_txn(9, commit=True)
         assert fetch_offset(True) == (9, 0)
+
+
+def test_a_late_copy_of_a_coordinators_marker_is_not_written(tbroker):
+    """A transaction coordinator's marker that reaches the leader again after the next
+    transaction began (a timed-out call, retried) is answered without being written: it would
+    end that transaction. DescribeProducers reports the number the last marker carried."""
+    topic, tid = unique("wlate"), unique("wlatetid")
+    with WireClient(tbroker.host, tbroker.port, timeout=30) as c, \
+            WireClient(tbroker.host, tbroker.port, timeout=30, client_id="s3kafka-broker") as peer:
+        c.create_topic(topic, 1)
+        pid, epoch = init(c, tid)
+        assert add_partitions(c, tid, pid, epoch, topic, [0]) == {0: 0}
+        assert produce(c, topic, txn_batch(pid, epoch, 0, [b"gone"]), tid).error_code == 0
+        assert call(c, 26, 3, transactional_id=tid, producer_id=pid, producer_epoch=epoch,
+                    committed=False).error_code == 0                  # ABORT marker at 1
+        TR = protocol.request_class(61).TopicRequest
+        dp = call(c, 61, 0, topics=[TR(name=topic, partition_indexes=[0])])
+        [state] = dp.topics[0].partitions[0].active_producers
+        number = state.coordinator_epoch
+        assert number > 0
+        assert add_partitions(c, tid, pid, epoch, topic, [0]) == {0: 0}
+        r = produce(c, topic, txn_batch(pid, epoch, 1, [b"kept"]), tid)
+        assert (r.error_code, r.base_offset) == (0, 2)
+        M = protocol.request_class(27).WritableTxnMarker
+        late = call(peer, 27, 1, markers=[M(producer_id=pid, producer_epoch=epoch,
+                                             transaction_result=False, coordinator_epoch=number,
+                                             topics=[M.WritableTxnMarkerTopic(
+                                                 name=topic, partition_indexes=[0])])])
+        assert late.markers[0].topics[0].partitions[0].error_code == 0
+        f = c.fetch(topic, 0, isolation_level=1)
+        assert (f.high_watermark, f.last_stable_offset) == (3, 2)   # not written, still open
+        assert call(c, 26, 3, transactional_id=tid, producer_id=pid, producer_epoch=epoch,
+                    committed=True).error_code == 0                   # COMMIT marker at 3
+        f = c.fetch(topic, 0, isolation_level=1)
+        assert (f.high_watermark, f.last_stable_offset) == (4, 4)
+        assert [(a.producer_id, a.first_offset) for a in f.aborted_transactions] == [(pid, 0)]
