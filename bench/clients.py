@@ -309,7 +309,8 @@ def latency_only(rates: list[float], size: int, seconds: float,
         create_topic(broker.bootstrap, topic)
         for rate in rates:
             before = [broker.metric(n) for n in ("s3kafka_requests_total",
-                                                 "s3kafka_request_run_members_total")]
+                                                 "s3kafka_request_run_members_total",
+                                                 "s3kafka_request_direct_total")]
             cpu0 = process_cpu_s(broker.pid)
             poller = UploadPoller(broker) if trace else None
             a = produce_latency(broker.bootstrap, topic, size, rate, seconds)
@@ -317,18 +318,19 @@ def latency_only(rates: list[float], size: int, seconds: float,
                 a["uploads"] = poller.stop(a.get("t0", 0.0))
             cpu = process_cpu_s(broker.pid) - cpu0
             after = [broker.metric(n) for n in ("s3kafka_requests_total",
-                                                "s3kafka_request_run_members_total")]
-            a["requests"], a["in_runs"] = (y - x for x, y in zip(before, after))
+                                                "s3kafka_request_run_members_total",
+                                                "s3kafka_request_direct_total")]
+            a["requests"], a["in_runs"], a["direct"] = (y - x for x, y in zip(before, after))
             a["cpu_us_req"] = cpu / max(a["requests"], 1) * 1e6
             rows.append(a)
     finally:
         broker.close()
     lat = Result(f"Produce latency, confluent-kafka, {size} B, acks=all, linger 0 (ms)",
                  ["rate msgs/s", "p50", "p99", "p999", "acked", "requests", "in runs",
-                  "broker CPU us/request"])
+                  "direct", "broker CPU us/request"])
     for a in rows:
         lat.rows.append([a["rate"], a["p50"], a["p99"], a["p999"], a["n"], a["requests"],
-                         a["in_runs"], a["cpu_us_req"]])
+                         a["in_runs"], a["direct"], a["cpu_us_req"]])
         if trace:
             lat.notes.append(f"{a['rate']:.0f} msgs/s over time (send time s: acks, p50 / p99 / "
                              "max ms): " + "; ".join(f"{t:.2f}: {n}, {p50:.1f} / {p99:.1f} / "
@@ -340,7 +342,8 @@ def latency_only(rates: list[float], size: int, seconds: float,
                                      f"{t:.2f}: {mb:.1f}" for t, mb in a["uploads"] if mb))
     lat.notes.append("requests: all requests the broker answered meanwhile (Produce and the "
                      "producer's Metadata); in runs: Produce requests appended together with "
-                     "others read at the same time")
+                     "others read at the same time; direct: Produce requests handled without a "
+                     "task (appended in the read's loop step)")
     return lat
 
 

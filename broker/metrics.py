@@ -68,6 +68,7 @@ class RequestStats:
         self.connections_opened = 0
         self.run_requests = 0          # requests answered together with others (run handlers)
         self.runs = 0                  # run handler calls
+        self.direct_requests = 0       # requests answered without a task (NOW_HANDLERS)
 
     def api(self, api_key: int) -> ApiStats:
         a = self.apis.get(api_key)
@@ -180,6 +181,10 @@ class BrokerCollector(Collector):
                                   "partition)", value=st.runs)
         yield CounterMetricFamily(_P + "request_run_members", "Requests answered as part of a "
                                   "run", value=st.run_requests)
+        yield CounterMetricFamily(_P + "request_direct", "Requests handled without a task "
+                                  "of their own (small plain Produce requests: appended in "
+                                  "the read's loop step, answered from the WAL completion)",
+                                  value=st.direct_requests)
         # -- topics and partitions
         bin_ = CounterMetricFamily(_P + "topic_bytes_in", "Produced record-batch bytes "
                                    "appended, per topic", labels=["topic"])

@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import protocol
 from protocol import ErrorCode
@@ -480,56 +480,10 @@ class Partition:
                               views: list[tuple[int, Any]], check: tuple[int, int] | None,
                               api_version: int, control: bool) -> AppendResult:
         """append() of validated batches (``check``: the one batch's CRC, left to the stream)."""
-        max_bytes = _config_int(self.configs, "max.message.bytes", DEFAULT_MAX_MESSAGE_BYTES)
-        log_append = self.configs.get("message.timestamp.type", "CreateTime") == "LogAppendTime"
-        count = 0
-        max_ts_of: list[int] = []
-        transactional = False
-        now = _now_ms()
-        if not log_append:
-            # KIP-937 bounds on CreateTime, checked on the batch header (first timestamp and
-            # max timestamp) so records stay undecoded
-            earliest = now - _config_int(self.configs, "message.timestamp.before.max.ms", LONG_MAX)
-            latest = now + _config_int(self.configs, "message.timestamp.after.max.ms", LONG_MAX)
-        for pos, view in views:
-            if view.size > max_bytes:
-                res.error = ErrorCode.MESSAGE_SIZE_TOO_LARGE
-                res.message = f"batch of {view.size} bytes > max.message.bytes {max_bytes}"
-                return res
-            if view.compression == COMPRESSION_ZSTD and api_version < 7:
-                res.error = ErrorCode.UNSUPPORTED_COMPRESSION_TYPE
-                return res
-            if view.attributes & TXN_ATTRS:
-                if view.is_control and not control:
-                    res.error = ErrorCode.INVALID_RECORD
-                    res.message = "clients may not write control batches"
-                    return res
-                if view.producer_id == NO_PRODUCER_ID:
-                    res.error = ErrorCode.INVALID_RECORD
-                    res.message = "a transactional batch needs a producer id"
-                    return res
-                transactional = True
-            if view.compression > COMPRESSION_ZSTD:
-                res.error, res.message = ErrorCode.CORRUPT_MESSAGE, "unknown compression codec"
-                return res
-            max_ts = view.max_timestamp
-            if max_ts < 0 and not log_append:
-                # rare producers leave it unset; timestamp lookups need it (decodes records)
-                try:
-                    max_ts = protocol.fill_max_timestamp(buf, pos)
-                except protocol.CorruptRecordError as e:
-                    res.error = getattr(e, "code", None) or ErrorCode.CORRUPT_MESSAGE
-                    res.message = str(e)
-                    return res
-                except Exception as e:  # noqa: BLE001 - undecodable records are bad input
-                    res.error, res.message = ErrorCode.CORRUPT_MESSAGE, f"bad records: {e!r}"
-                    return res
-            if not log_append and (max_ts > latest or 0 <= view.base_timestamp < earliest):
-                res.error = ErrorCode.INVALID_TIMESTAMP
-                res.message = "timestamp outside message.timestamp.before/after.max.ms"
-                return res
-            max_ts_of.append(max_ts)
-            count += view.last_offset_delta + 1
+        checked = self._header_checks(buf, views, api_version, control, res)
+        if checked is None:
+            return res
+        count, max_ts_of, log_append, now, transactional = checked
 
         # one append at a time goes from here to the stream taking its offsets: a batch that
         # waits for room holds the ones behind it, so each is checked against the true outcome
@@ -597,16 +551,7 @@ class Partition:
                 # offsets and timestamps, in place
                 base = self.stream.end_offset
                 end = base + count
-                next_offset = base
-                epoch_stamp = self.leader_epoch
-                payload_max_ts = -1
-                for (pos, view), max_ts in zip(views, max_ts_of):
-                    protocol.set_base_offset(buf, pos, next_offset)
-                    protocol.set_partition_leader_epoch(buf, pos, epoch_stamp)
-                    if log_append:
-                        protocol.set_log_append_time(buf, pos, now)
-                    payload_max_ts = max(payload_max_ts, now if log_append else max_ts)
-                    next_offset += view.last_offset_delta + 1
+                payload_max_ts = self._stamp(buf, views, base, max_ts_of, log_append, now)
 
                 def take() -> None:
                     """The stream took the offsets: the windows remember the batches
@@ -685,22 +630,172 @@ class Partition:
                     raise
             ok, why = prev.result(), "an earlier append of this partition failed"
         self._settle(outcome, ok, why)
+        return self._finished(res, ok, base, end, len(buf), len(views), payload_max_ts,
+                              now if log_append else -1)
+
+    def _stamp(self, buf: Any, views: list[tuple[int, Any]], base: int, max_ts_of: list[int],
+               log_append: bool, now: int) -> int:
+        """Offsets, leader epoch (and LogAppendTime) written into the batch headers in place;
+        the payload's max timestamp."""
+        next_offset = base
+        epoch_stamp = self.leader_epoch
+        payload_max_ts = -1
+        for (pos, view), max_ts in zip(views, max_ts_of):
+            protocol.set_base_offset(buf, pos, next_offset)
+            protocol.set_partition_leader_epoch(buf, pos, epoch_stamp)
+            if log_append:
+                protocol.set_log_append_time(buf, pos, now)
+            payload_max_ts = max(payload_max_ts, now if log_append else max_ts)
+            next_offset += view.last_offset_delta + 1
+        return payload_max_ts
+
+    def _finished(self, res: AppendResult, ok: bool, base: int, end: int, size: int,
+                  batches: int, payload_max_ts: int, append_time: int) -> AppendResult:
+        """Bookkeeping of a taken append whose outcome is settled (durable with every
+        earlier one, or failed): log index, counters, waiters, snapshots; the answer."""
         if not ok:
             self._indexed(base, 0, -1, end)  # offsets consumed: keep the chain
             res.error, res.message = ErrorCode.KAFKA_STORAGE_ERROR, self._offline
             return res
-        self._indexed(base, len(buf), payload_max_ts, end)
-        self.bytes_in += len(buf)
-        self.records_in += count
+        self._indexed(base, size, payload_max_ts, end)
+        self.bytes_in += size
+        self.records_in += end - base
         self._wake()
-        self._batches_since_snapshot += len(views)
+        self._batches_since_snapshot += batches
         self._dirty = True
         if self._batches_since_snapshot >= SNAPSHOT_EVERY_BATCHES:
             self.snapshot()
         res.base_offset = base
-        res.log_append_time = now if log_append else -1
+        res.log_append_time = append_time
         res.log_start_offset = self.log_start_offset
         return res
+
+    def append_now(self, records: Any, api_version: int,
+                   done: Callable[[AppendResult], None]) -> bool:
+        """``append`` for a payload of plain batches (no producer id, not transactional) in
+        a writable buffer the caller hands over (``owned``), without a coroutine: everything
+        up to the stream taking the offsets runs in this call, the rest in the WAL's
+        completion callback, which calls ``done(result)`` once the append and every earlier
+        one of the partition are durable (or failed). A refused payload (corrupt, too large,
+        timestamps) calls ``done`` before returning. False, with nothing changed, when the
+        payload needs ``append``: idempotent or transactional batches, earlier appends still
+        waiting for room, a stream without ``append_now`` or without room (back-pressure),
+        the partition closed, offline or its producer state being rebuilt. Small produce
+        requests are cheaper this way (no task, no Drive, no shield futures)."""
+        append_now = getattr(self.stream, "append_now", None)
+        if append_now is None or self._closed or self._offline is not None \
+                or self._admission.held or not records:
+            return False
+        res = AppendResult(log_start_offset=self.log_start_offset)
+        try:
+            buf, views, check = self._prepare(records, True)
+        except protocol.CorruptRecordError as e:
+            res.error, res.message = ErrorCode.CORRUPT_MESSAGE, str(e)
+            done(res)
+            return True
+        if check is not None or not views:
+            return False          # a large batch whose CRC the stream checks: append()
+        for _pos, view in views:
+            if view.producer_id != NO_PRODUCER_ID or view.attributes & TXN_ATTRS:
+                return False
+        checked = self._header_checks(buf, views, api_version, False, res)
+        if checked is None:
+            done(res)
+            return True
+        count, max_ts_of, log_append, now, _txn = checked
+        stream = self.stream
+        base = stream.end_offset
+        end = base + count
+        payload_max_ts = self._stamp(buf, views, base, max_ts_of, log_append, now)
+        loop = self._loop
+        if loop is None:    # looked up once: each lookup is a getpid() syscall
+            loop = self._loop = asyncio.get_running_loop()
+        outcome = loop.create_future()
+        prev = self._tail
+        append_time = now if log_append else -1
+        size, batches = len(buf), len(views)
+
+        def finish(ok: bool, why: str) -> None:
+            if ok and prev is not None:
+                ok, why = prev.result(), "an earlier append of this partition failed"
+            self._settle(outcome, ok, why)
+            done(self._finished(res, ok, base, end, size, batches, payload_max_ts,
+                                append_time))
+
+        def durable(fut: asyncio.Future) -> None:
+            ok = not fut.cancelled() and fut.exception() is None
+            why = "append cancelled" if fut.cancelled() else \
+                f"WAL write failed: {fut.exception()!r}" if not ok else ""
+            if ok and prev is not None and not prev.done():
+                prev.add_done_callback(lambda _f: finish(True, ""))
+            else:
+                finish(ok, why)
+
+        try:
+            if not append_now(buf, base, count, durable):
+                return False                  # no room: append() waits for it
+        except StorageError:
+            return False                      # deleted, released, fenced: append() answers
+        self._tail = outcome
+        return True
+
+    def _header_checks(self, buf: bytearray | memoryview, views: list[tuple[int, Any]],
+                       api_version: int, control: bool, res: AppendResult) -> tuple | None:
+        """The checks of validated batches that need no state of the partition's log:
+        max.message.bytes, compression, control and transactional flags, the CreateTime
+        bounds. None with ``res.error`` set when refused, else (record count, max timestamp
+        per batch, LogAppendTime, now ms, transactional)."""
+        max_bytes = _config_int(self.configs, "max.message.bytes", DEFAULT_MAX_MESSAGE_BYTES)
+        log_append = self.configs.get("message.timestamp.type", "CreateTime") == "LogAppendTime"
+        count = 0
+        max_ts_of: list[int] = []
+        transactional = False
+        now = _now_ms()
+        if not log_append:
+            # KIP-937 bounds on CreateTime, checked on the batch header (first timestamp and
+            # max timestamp) so records stay undecoded
+            earliest = now - _config_int(self.configs, "message.timestamp.before.max.ms", LONG_MAX)
+            latest = now + _config_int(self.configs, "message.timestamp.after.max.ms", LONG_MAX)
+        for pos, view in views:
+            if view.size > max_bytes:
+                res.error = ErrorCode.MESSAGE_SIZE_TOO_LARGE
+                res.message = f"batch of {view.size} bytes > max.message.bytes {max_bytes}"
+                return None
+            if view.compression == COMPRESSION_ZSTD and api_version < 7:
+                res.error = ErrorCode.UNSUPPORTED_COMPRESSION_TYPE
+                return None
+            if view.attributes & TXN_ATTRS:
+                if view.is_control and not control:
+                    res.error = ErrorCode.INVALID_RECORD
+                    res.message = "clients may not write control batches"
+                    return None
+                if view.producer_id == NO_PRODUCER_ID:
+                    res.error = ErrorCode.INVALID_RECORD
+                    res.message = "a transactional batch needs a producer id"
+                    return None
+                transactional = True
+            if view.compression > COMPRESSION_ZSTD:
+                res.error, res.message = ErrorCode.CORRUPT_MESSAGE, "unknown compression codec"
+                return None
+            max_ts = view.max_timestamp
+            if max_ts < 0 and not log_append:
+                # rare producers leave it unset; timestamp lookups need it (decodes records)
+                try:
+                    max_ts = protocol.fill_max_timestamp(buf, pos)
+                except protocol.CorruptRecordError as e:
+                    res.error = getattr(e, "code", None) or ErrorCode.CORRUPT_MESSAGE
+                    res.message = str(e)
+                    return None
+                except Exception as e:  # noqa: BLE001 - undecodable records are bad input
+                    res.error, res.message = ErrorCode.CORRUPT_MESSAGE, f"bad records: {e!r}"
+                    return None
+            if not log_append and (max_ts > latest or 0 <= view.base_timestamp < earliest):
+                res.error = ErrorCode.INVALID_TIMESTAMP
+                res.message = "timestamp outside message.timestamp.before/after.max.ms"
+                return None
+            max_ts_of.append(max_ts)
+            count += view.last_offset_delta + 1
+        return count, max_ts_of, log_append, now, transactional
 
     def refused(self, records: Any) -> None:
         """A produce refused before any append (this broker's lease lapsed): like an append

@@ -39,7 +39,7 @@ from .failures import failure_answer
 from .frames import FramePool
 from .gc_tuning import FULL_PASS_S, SurvivorFreezer
 from .handlers import HANDLERS
-from .handlers.registry import RUN_HANDLERS, RequestContext
+from .handlers.registry import NOW_HANDLERS, RUN_HANDLERS, RequestContext
 from .metrics import RequestStats, start_metrics, timed
 from .metastore import MetadataStore, open_metadata_store
 from .cluster import ClusterError, ClusterRoom
@@ -123,6 +123,10 @@ class Connection(asyncio.BufferedProtocol):
         # run key and (context, request, time received), not queued yet
         self._run_key: Any = None
         self._run: list[tuple[RequestContext, Any, float]] = []
+        # handler tasks of api keys that also have a task-less path (NOW_HANDLERS) whose
+        # first step has not run yet: meanwhile later requests take the task path too, so
+        # first steps (where a Produce takes its offsets) keep request order
+        self._slow = 0
 
     # ---- asyncio callbacks -------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -306,6 +310,8 @@ class Connection(asyncio.BufferedProtocol):
             timed(fn, RequestContext(self.broker, header, self), request, stats, received))
         self._queue.append((task, header, frame if pooled else None))
         task.add_done_callback(self._handler_done)
+        if header.api_key in NOW_HANDLERS:
+            self.track_slow(task)
 
     def _start_run(self) -> None:
         """Start the requests collected for a run (before anything after them is queued):
@@ -316,20 +322,51 @@ class Connection(asyncio.BufferedProtocol):
             return
         self._run = []
         self._run_key = None
+        api_key = items[0][0].header.api_key
+        now = NOW_HANDLERS.get(api_key)
+        if now is not None and not self._slow:
+            futs = [self._loop.create_future() for _ in items]
+            try:
+                taken = now(items, futs, self)
+            except Exception:  # noqa: BLE001 - the task path answers them instead
+                log.exception("task-less handler failed api=%s peer=%s", api_name(api_key),
+                              self.peer)
+                taken = False
+            if taken:
+                for (ctx, _request, _received), fut in zip(items, futs):
+                    self._queue.append((fut, ctx.header, None))
+                return
         if len(items) == 1:
             ctx, request, received = items[0]
-            task = self._loop.create_task(timed(HANDLERS[ctx.header.api_key], ctx, request,
+            task = self._loop.create_task(timed(HANDLERS[api_key], ctx, request,
                                                 self.broker.request_stats, received))
             self._queue.append((task, ctx.header, None))
             task.add_done_callback(self._handler_done)
-            return
-        futs = []
-        for ctx, _request, _received in items:
-            fut = self._loop.create_future()
-            futs.append(fut)
-            self._queue.append((fut, ctx.header, None))
-        task = self._loop.create_task(self._run_task(items, futs))
-        task.add_done_callback(self._handler_done)
+        else:
+            futs = []
+            for ctx, _request, _received in items:
+                fut = self._loop.create_future()
+                futs.append(fut)
+                self._queue.append((fut, ctx.header, None))
+            task = self._loop.create_task(self._run_task(items, futs))
+            task.add_done_callback(self._handler_done)
+        if now is not None:
+            self.track_slow(task)
+
+    def track_slow(self, task: asyncio.Future) -> None:
+        """A handler task of an api key with a task-less path, just created: until its first
+        step ran, requests of that key take the task path (see ``_slow``). A new task's first
+        step is the next entry of the loop's ready queue: this callback runs right after."""
+        self._slow += 1
+        self._loop.call_soon(self._slow_started)
+
+    def _slow_started(self) -> None:
+        self._slow -= 1
+
+    def answered(self) -> None:
+        """A task-less handler answered requests of the queue: write them out."""
+        if not self._closing:
+            self._schedule_flush()
 
     async def _run_task(self, items: list[tuple[RequestContext, Any, float]],
                         futs: list[asyncio.Future]) -> None:

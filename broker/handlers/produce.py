@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+import time
+from typing import Any, Callable
 
 import protocol
 from protocol import ErrorCode, response_class
@@ -34,7 +35,7 @@ from ..listeners import of_connection
 from ..metrics import stats_of
 from ..topics import INTERNAL_TOPICS, keyless_record_error
 from ..transactions.verify import append_transactional
-from .registry import RequestContext, handler, run_handler
+from .registry import RequestContext, handler, now_handler, run_handler
 
 log = logging.getLogger(__name__)
 
@@ -330,10 +331,17 @@ async def handle_produce_run(ctxs: list[RequestContext], reqs: list[Any]) -> lis
         r = LEASE_LAPSED               # as handle_produce: acknowledge nothing
         for _ in reqs:
             lease.withhold()
+    return _run_answers(broker, ctxs, counts, td, index, r)
+
+
+def _run_answers(broker: Any, ctxs: list[RequestContext], counts: list[int], td: Any,
+                 index: int, r: AppendResult) -> list[Any]:
+    """The answer of each request of a run appended as one payload (``r``): its own base
+    offset (the run's, plus the records of the requests before it), or the run's error."""
     stats = stats_of(broker)
     out = []
     base = r.base_offset
-    for ctx, req, n in zip(ctxs, reqs, counts):
+    for ctx, n in zip(ctxs, counts):
         key = td.name if td.topic_id is None else td.topic_id
         if r.error:
             stats.error(PRODUCE, ctx.version, int(r.error))
@@ -355,3 +363,124 @@ async def _one_by_one(ctxs: list[RequestContext], reqs: list[Any]) -> list[Any]:
     offsets) runs in request order, then all are awaited."""
     futs = [start_now(handle_produce(ctx, req)) for ctx, req in zip(ctxs, reqs)]
     return [await f for f in futs]
+
+
+@now_handler(PRODUCE)
+def produce_now(items: list[tuple[RequestContext, Any, float]], futs: list[asyncio.Future],
+                conn: Any) -> bool:
+    """Requests of ``run_key`` (one alone, or a run read together) appended without a task:
+    ``Partition.append_now`` takes the payload in this call and its completion callback
+    answers each request (``futs``, in order; then ``conn.answered()``). A lone small linger-0
+    request otherwise cost a task, the timing wrapper, four coroutines, the Drive wrapper and
+    two shield futures. False, with nothing done, for anything ``append_now`` leaves to the
+    usual path (the run handler, or ``handle_produce`` for one request)."""
+    ctx0, req0, _received = items[0]
+    broker = ctx0.broker
+    cluster = getattr(broker, "cluster", None)
+    lease = cluster.own_lease if cluster is not None else None
+    if lease is not None and not lease.valid():
+        return False
+    td = req0.topic_data[0]
+    index = td.partition_data[0].index
+    topic = find_topic_by_id(broker, td.topic_id) if td.topic_id is not None \
+        else find_topic(broker, td.name)
+    partition = get_partition(topic, index)
+    if partition is None or getattr(topic, "is_internal", False) or td.name in INTERNAL_TOPICS \
+            or "compact" in (getattr(topic, "configs", None) or {}).get("cleanup.policy", ""):
+        return False
+    ctxs = [it[0] for it in items]
+    if len(items) == 1:
+        records = td.partition_data[0].records
+        if not isinstance(records, memoryview) or records.readonly:
+            return False
+        counts = [0]                    # the run's answer needs no per-request count
+        version = ctx0.version
+    else:
+        counts = []
+        total = 0
+        try:
+            for _ctx, req, _r in items:
+                records = req.topic_data[0].partition_data[0].records
+                n = 0
+                for view in protocol.iter_batches(records):
+                    n += view.last_offset_delta + 1
+                counts.append(n)
+                total += len(records)
+        except protocol.CorruptRecordError:
+            return False
+        merged = bytearray(total)
+        pos = 0
+        for _ctx, req, _r in items:
+            records = req.topic_data[0].partition_data[0].records
+            merged[pos:pos + len(records)] = records
+            pos += len(records)
+        records = memoryview(merged)
+        version = min(ctx.version for ctx in ctxs)
+    start = time.perf_counter()
+
+    def answer(r: AppendResult) -> None:
+        try:
+            bodies = _run_answers(broker, ctxs, counts, td, index, r)
+        except Exception as exc:  # noqa: BLE001 - each request still gets its answer
+            bodies = [exc] * len(futs)
+        end = time.perf_counter()
+        stats = broker.request_stats
+        stats.direct_requests += len(items)
+        if len(items) > 1:
+            stats.runs += 1
+            stats.run_requests += len(items)
+        for (ctx, _req, received), fut, body in zip(items, futs, bodies):
+            h = ctx.header
+            stats.observe(h.api_key, h.api_version, start - received, end - start)
+            if fut.done():
+                continue
+            if isinstance(body, Exception):
+                fut.set_exception(body)
+            else:
+                fut.set_result(body)
+        conn.answered()
+
+    def done(r: AppendResult) -> None:
+        if r.error in _OWN_FAULTS and len(items) > 1:
+            # nothing appended: find the request at fault, one at a time (later requests of
+            # the connection wait for this task: conn.track_slow)
+            _settle_later(_one_by_one(ctxs, [it[1] for it in items]), futs, conn)
+            return
+        if not r.error and lease is not None and not lease.valid():
+            _settle_later(_after_renewal(broker, ctxs, counts, td, index, r, req0, lease),
+                          futs, conn)
+            return
+        answer(r)
+
+    return partition.append_now(records, version, done)
+
+
+async def _after_renewal(broker: Any, ctxs: list[RequestContext], counts: list[int], td: Any,
+                         index: int, r: AppendResult, req: Any, lease: Any) -> list[Any]:
+    """As handle_produce: appended while the lease lapsed, acknowledged only if renewed."""
+    if not await lease.wait_valid(_renewal_wait_s(req, lease)):
+        r = LEASE_LAPSED
+        for _ in ctxs:
+            lease.withhold()
+    return _run_answers(broker, ctxs, counts, td, index, r)
+
+
+def _settle_later(coro: Any, futs: list[asyncio.Future], conn: Any) -> None:
+    """Run ``coro`` (a list of answers) as a task and resolve ``futs`` with its answers."""
+    task = asyncio.ensure_future(coro)
+    conn.track_slow(task)
+
+    def settle(t: asyncio.Task) -> None:
+        exc = None if t.cancelled() else t.exception()
+        for i, fut in enumerate(futs):
+            if fut.done():
+                continue
+            if t.cancelled():
+                fut.cancel()
+            elif exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(t.result()[i])
+        conn.answered()
+
+    task.add_done_callback(settle)

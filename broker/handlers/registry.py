@@ -25,6 +25,24 @@ def handler(api_key: int) -> Callable[[Handler], Handler]:
     return register
 
 
+# api key -> handler of requests of one run key (one request alone, or a run) without a task:
+# ``fn(items, futs, conn)`` takes them all - each future gets its answer later, then
+# ``conn.answered()`` - or returns False having done nothing (the usual path handles them).
+# Tasks it starts for some of them go to ``conn.track_slow(task)``.
+NowHandler = Callable[[list[tuple["RequestContext", Any, float]], list[Any], Any], bool]
+NOW_HANDLERS: dict[int, NowHandler] = {}
+
+
+def now_handler(api_key: int) -> Callable[[NowHandler], NowHandler]:
+    """Register ``fn`` as the task-less handler of ``api_key``'s run-keyed requests."""
+
+    def register(fn: NowHandler) -> NowHandler:
+        NOW_HANDLERS[api_key] = fn
+        return fn
+
+    return register
+
+
 def run_handler(api_key: int, key: Callable[[Any], Any]) -> Callable[[RunHandler], RunHandler]:
     """Register ``fn`` as the run handler of ``api_key``, ``key`` as its run key."""
 

@@ -145,3 +145,42 @@ def test_a_run_broken_by_another_request_keeps_the_order(client):
             offsets.append(r.base_offset)
     assert offsets == list(range(6))
     assert _values(client, t, 6) == [f"a{i}".encode() for i in range(6)]
+
+
+def test_lone_small_requests_are_appended_without_a_task(broker, client):
+    """A small plain request that arrives alone goes the task-less path (Partition.append_now:
+    offsets taken in the read's loop step, answered from the WAL completion) with the same
+    answers and log as the task path."""
+    t = _topic()
+    client.create_topic(t)
+    direct = _metric(broker, "s3kafka_request_direct_total")
+    offsets = [client.produce(t, make_batch([f"d{i}".encode(), b"x"])).base_offset
+               for i in range(5)]
+    assert offsets == [0, 2, 4, 6, 8]
+    assert _metric(broker, "s3kafka_request_direct_total") >= direct + 5
+    assert _values(client, t, 10) == [v for i in range(5) for v in (f"d{i}".encode(), b"x")]
+    bad = bytearray(make_batch([b"bad"]))
+    bad[-2] ^= 0x55
+    r = client.produce(t, bytes(bad))
+    assert r.error_code == E_CORRUPT
+    assert client.produce(t, make_batch([b"after"])).base_offset == 10
+
+
+def test_a_request_behind_a_task_path_produce_keeps_the_order(client):
+    """A Produce that needs a task (two partitions) and a small one for the same partition
+    read together: the small one must not take its offsets before the task's first step."""
+    t = _topic()
+    client.create_topic(t, partitions=2)
+    frames, corrs = b"", []
+    for records in ({0: make_batch([b"a"])}, {0: make_batch([b"b"]), 1: make_batch([b"z"])},
+                    {0: make_batch([b"c"])}, {0: make_batch([b"d"])}):
+        c, f = client.frame(client.produce_request(t, records), 9)
+        frames += f
+        corrs.append(c)
+    client.sock.sendall(frames)
+    resps = [client.recv(ProduceResponse, 9, c).responses[0].partition_responses
+             for c in corrs]
+    by_req = [{p.index: (p.error_code, p.base_offset) for p in parts} for parts in resps]
+    assert by_req == [{0: (E_NONE, 0)}, {0: (E_NONE, 1), 1: (E_NONE, 0)}, {0: (E_NONE, 2)},
+                      {0: (E_NONE, 3)}]
+    assert _values(client, t, 4) == [b"a", b"b", b"c", b"d"]
