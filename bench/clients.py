@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from array import array
 from typing import Any
 
 from .common import BrokerProc, MockCluster, Result, create_topic, pct
@@ -120,13 +121,31 @@ def raw_fetch(bootstrap: str, topic: str, seconds: float) -> dict[str, float]:
 def produce_latency(bootstrap: str, topic: str, size: int, rate: float, seconds: float
                     ) -> dict[str, Any]:
     """Produce at a fixed rate (linger 0) and record send -> ack latency of every message (ms)."""
+    import gc
+
     from confluent_kafka import Producer
     p = Producer({**PRODUCER_CONF, "linger.ms": 0, "bootstrap.servers": bootstrap})
     p.list_topics(topic, timeout=10)
     now = time.perf_counter
+    gc_pauses: list[tuple[float, int, float]] = []   # this client's own collections
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = now()
+        else:
+            gc_pauses.append((gc_start[0], info["generation"], now() - gc_start[0]))
+    gc.callbacks.append(on_gc)
     value = b"y" * size
     interval = 1.0 / rate
-    acks: list[tuple[float, float]] = []      # (sent, acknowledged) of each message
+    # send and acknowledgement times of each message, in arrays of floats: a list of
+    # (sent, acked) tuples holds ~600,000 objects the collector tracks by the end of a
+    # 126,000 msgs/s run, and its full collections paused this process for tens of ms - the
+    # acknowledgements of every message in flight then waited too, and counted as broker
+    # latency (more of them in flight, the more a broker slower than the mock paid for it)
+    sent_ts, acked_ts = array("d"), array("d")
+    add_sent, add_acked = sent_ts.append, acked_ts.append
+    gc.freeze()                 # nor rescan the process's start-up objects during the run
     t0 = now()
     sent = 0
     while True:
@@ -137,16 +156,20 @@ def produce_latency(bootstrap: str, topic: str, size: int, rate: float, seconds:
         while sent < due:
             ts = now()
             p.produce(topic, value, partition=0,
-                      on_delivery=lambda err, msg, ts=ts: err is None and acks.append((ts, now())))
+                      on_delivery=lambda err, msg, ts=ts: err is None
+                      and (add_sent(ts), add_acked(now())))
             sent += 1
         p.poll(0)
         time.sleep(min(interval, 0.0005))
     p.flush(60)
-    lat = [b - a for a, b in acks]
-    sent_at = [a - t0 for a, _ in acks]
+    gc.callbacks.remove(on_gc)
+    gc.unfreeze()
+    lat = [b - a for a, b in zip(sent_ts, acked_ts)]
+    sent_at = [a - t0 for a in sent_ts]
     ms = [x * 1000 for x in lat[len(lat) // 10:]]  # skip warm-up
     return {"rate": rate, "t0": t0, "p50": pct(ms, 0.5), "p99": pct(ms, 0.99), "p999": pct(ms, 0.999),
-            "n": len(ms), "trace": latency_trace(sent_at, lat)}
+            "n": len(ms), "trace": latency_trace(sent_at, lat),
+            "client_gc": [(t - t0, g, d * 1000) for t, g, d in gc_pauses if g > 0 or d > 0.002]}
 
 
 def latency_trace(sent_at: list[float], lat: list[float], step: float = 0.25
@@ -268,31 +291,38 @@ def run(seconds: float = 8, sizes: list[int] | None = None, mock: bool = True,
     return [prod, cons, lat]
 
 
-class UploadPoller:
-    """Polls the broker's uploaded object bytes every 0.25 s on a thread (latency ``--trace``:
-    which latency windows an upload overlapped)."""
+class WindowPoller:
+    """Scrapes the broker's /metrics every 0.25 s on a thread (latency ``--trace``): per
+    window the object bytes uploaded, the event loop's worst lateness (broker/loop_watch.py),
+    the longest collector pause and the longest WAL append - which of them a high latency
+    window lines up with. (The maxima reset at each scrape.)"""
+
+    NAMES = ("s3kafka_uploaded_bytes_total", "s3kafka_loop_lag_max_seconds",
+             "s3kafka_gc_pause_max_seconds", "s3kafka_wal_append_max_seconds")
 
     def __init__(self, broker: Any, step: float = 0.25) -> None:
         import threading
         self.broker, self.step = broker, step
-        self.samples: list[tuple[float, float]] = []
+        self.samples: list[tuple[float, dict[str, float]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.perf_counter(),
-                                 self.broker.metric("s3kafka_uploaded_bytes_total")))
+            self.samples.append((time.perf_counter(), self.broker.metrics(list(self.NAMES))))
             self._stop.wait(self.step)
 
-    def stop(self, t0: float) -> list[tuple[float, float]]:
-        """(send-time s, MB uploaded since the previous sample) per sample."""
+    def stop(self, t0: float) -> list[tuple[float, float, float, float, float]]:
+        """(send-time s, MB uploaded, loop lag max ms, gc pause max ms, WAL append max ms)
+        per window ending at that time."""
         self._stop.set()
         self._thread.join()
         out = []
+        up, lag, gcp, wal = self.NAMES
         for (_, a), (t, b) in zip(self.samples, self.samples[1:]):
-            out.append((t - t0, (b - a) / 1e6))
+            out.append((t - t0, (b[up] - a[up]) / 1e6, b[lag] * 1e3, b[gcp] * 1e3,
+                        b[wal] * 1e3))
         return out
 
 
@@ -312,10 +342,10 @@ def latency_only(rates: list[float], size: int, seconds: float,
                                                  "s3kafka_request_run_members_total",
                                                  "s3kafka_request_direct_total")]
             cpu0 = process_cpu_s(broker.pid)
-            poller = UploadPoller(broker) if trace else None
+            poller = WindowPoller(broker) if trace else None
             a = produce_latency(broker.bootstrap, topic, size, rate, seconds)
             if poller is not None:
-                a["uploads"] = poller.stop(a.get("t0", 0.0))
+                a["windows"] = poller.stop(a.get("t0", 0.0))
             cpu = process_cpu_s(broker.pid) - cpu0
             after = [broker.metric(n) for n in ("s3kafka_requests_total",
                                                 "s3kafka_request_run_members_total",
@@ -336,10 +366,19 @@ def latency_only(rates: list[float], size: int, seconds: float,
                              "max ms): " + "; ".join(f"{t:.2f}: {n}, {p50:.1f} / {p99:.1f} / "
                                                      f"{mx:.1f}" for t, n, p50, p99, mx
                                                      in a["trace"]))
-            if a.get("uploads"):
-                lat.notes.append(f"{a['rate']:.0f} msgs/s: object bytes uploaded (MB) per 0.25 s "
-                                 "of the same clock: " + ", ".join(
-                                     f"{t:.2f}: {mb:.1f}" for t, mb in a["uploads"] if mb))
+            if a.get("client_gc"):
+                lat.notes.append(f"{a['rate']:.0f} msgs/s, the client's own collections of "
+                                 "generation 1-2 or over 2 ms (send time s: generation, ms): "
+                                 + ", ".join(f"{t:.2f}: {g}, {d:.1f}"
+                                             for t, g, d in a["client_gc"]))
+            if a.get("windows"):
+                lat.notes.append(
+                    f"{a['rate']:.0f} msgs/s, broker side per 0.25 s of the same clock (window "
+                    "end s: event loop lag max / GC pause max / WAL append max ms, MB "
+                    "uploaded): " + "; ".join(
+                        f"{t:.2f}: {lag:.1f} / {gcp:.1f} / {wal:.1f}" + (f", {mb:.1f} MB"
+                                                                          if mb else "")
+                        for t, mb, lag, gcp, wal in a["windows"]))
     lat.notes.append("requests: all requests the broker answered meanwhile (Produce and the "
                      "producer's Metadata); in runs: Produce requests appended together with "
                      "others read at the same time; direct: Produce requests handled without a "

@@ -73,19 +73,23 @@ class BrokerProc:
 
     def metric(self, name: str) -> float:
         """Sum of a Prometheus metric's samples on the broker's /metrics (NaN if unreadable)."""
+        return self.metrics([name])[name]
+
+    def metrics(self, names: list[str]) -> dict[str, float]:
+        """``metric`` of several names from one scrape (some gauges reset on each scrape)."""
         import urllib.request
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
                                         timeout=5) as r:
                 text = r.read().decode()
         except OSError:
-            return float("nan")
-        total, seen = 0.0, False
+            return {name: float("nan") for name in names}
+        totals: dict[str, float] = {}
         for line in text.splitlines():
-            if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
-                total += float(line.rsplit(" ", 1)[1])
-                seen = True
-        return total if seen else float("nan")
+            for name in names:
+                if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
+                    totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return {name: totals.get(name, float("nan")) for name in names}
 
     def wait_uploaded(self, timeout: float = 60.0) -> float:
         """Wait until the uploads of what was appended are done; returns the wait. Done: the

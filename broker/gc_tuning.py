@@ -40,6 +40,12 @@ class SurvivorFreezer:
         self._in_full = False
         self.full_passes = 0
         self.last_full_s = 0.0
+        # collector pauses (every collection, the full pass included): count, total seconds,
+        # longest since the last take_max (a /metrics scrape; bench.clients --trace)
+        self.collections = 0
+        self.pause_total = 0.0
+        self.pause_max = 0.0
+        self._started = 0.0
 
     def install(self) -> None:
         """Collect and freeze the start-up heap, then freeze survivors from now on."""
@@ -59,9 +65,22 @@ class SurvivorFreezer:
             gc.unfreeze()
 
     def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
         # survivors of this collection are live now: never scan them again
-        if phase == "stop" and not self._in_full:
+        if not self._in_full:
             gc.freeze()
+        took = time.perf_counter() - self._started
+        self.collections += 1
+        self.pause_total += took
+        if took > self.pause_max:
+            self.pause_max = took
+
+    def take_max(self) -> float:
+        """The longest collection since the previous call (seconds), and start again."""
+        m, self.pause_max = self.pause_max, 0.0
+        return m
 
     def full_pass(self) -> float:
         """Scan everything once, freeing cycles that died after being frozen; seconds taken

@@ -173,6 +173,24 @@ class BrokerCollector(Collector):
                                (([api_name(k)], a.handling) for k, a in apis))
         yield GaugeMetricFamily(_P + "active_connections", "Open client connections",
                                 value=len(b.connections))
+        # -- event loop stalls and collector pauses (maxima since the previous scrape)
+        watch = getattr(b, "loop_watch", None)
+        if watch is not None:
+            yield GaugeMetricFamily(_P + "loop_lag_max_seconds", "Longest a 5 ms timer of the "
+                                    "event loop fired late since the previous scrape (a "
+                                    "request waited that long behind other loop work)",
+                                    value=watch.take_max())
+            yield CounterMetricFamily(_P + "loop_stalls", "Times that timer fired 5 ms or "
+                                      "more late", value=watch.stalls)
+            yield CounterMetricFamily(_P + "loop_lag_seconds", "Total lateness of that timer",
+                                      value=watch.lag_total)
+        freezer = getattr(b, "_gc", None)
+        if freezer is not None and hasattr(freezer, "take_max"):
+            yield GaugeMetricFamily(_P + "gc_pause_max_seconds", "Longest cyclic garbage "
+                                    "collection since the previous scrape",
+                                    value=freezer.take_max())
+            yield CounterMetricFamily(_P + "gc_pause_seconds", "Time spent in cyclic garbage "
+                                      "collections", value=freezer.pause_total)
         yield CounterMetricFamily(_P + "connections_opened", "Client connections accepted",
                                   value=st.connections_opened)
         yield CounterMetricFamily(_P + "request_runs", "Runs of pipelined requests of one "

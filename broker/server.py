@@ -38,6 +38,7 @@ from .config import BrokerConfig
 from .failures import failure_answer
 from .frames import FramePool
 from .gc_tuning import FULL_PASS_S, SurvivorFreezer
+from .loop_watch import LoopWatch
 from .handlers import HANDLERS
 from .handlers.registry import NOW_HANDLERS, RUN_HANDLERS, RequestContext
 from .metrics import RequestStats, start_metrics, timed
@@ -558,6 +559,7 @@ class Broker:
         self.startup = startup            # startup_checks.Startup: locks held, store state
         self._store_watch: asyncio.Task | None = None
         self._gc: SurvivorFreezer | None = None
+        self.loop_watch: LoopWatch | None = None
         self._gc_pass: asyncio.TimerHandle | None = None
         self.meta: MetadataStore | None = None
         self.store: Any = None
@@ -634,6 +636,8 @@ class Broker:
         self._server = self._servers[0]
         self._gc = SurvivorFreezer()
         self._gc.install()
+        self.loop_watch = LoopWatch(loop)
+        self.loop_watch.start()
         self._gc_pass = loop.call_later(FULL_PASS_S, self._gc_full_pass)
         sock = self._server.sockets[0].getsockname()
         from .startup_checks import redact_url, watch_degraded_store  # noqa: PLC0415
@@ -708,6 +712,8 @@ class Broker:
             self._gc_pass.cancel()
         if self._gc is not None:
             self._gc.uninstall()
+        if self.loop_watch is not None:
+            self.loop_watch.stop()
             self._gc = None
         if self.cluster is not None:
             try:

@@ -203,7 +203,10 @@ class EngineStream(Stream):
         # the hot path's latency as the loop sees it: what cold reads must not stretch
         took = time.perf_counter() - t0
         self._engine.cold_pacer.note_hot(took, len(entry.payload))
-        self._engine.stats.wal_append.observe(took)
+        stats = self._engine.stats
+        stats.wal_append.observe(took)
+        if took > stats.wal_append_max:
+            stats.wal_append_max = took
         if not fut.cancelled() and fut.exception() is None and entry.next_offset > self._confirmed:
             self._confirmed = entry.next_offset
         self._engine._maybe_upload()

@@ -66,6 +66,7 @@ class StorageStats:
 
     def __init__(self) -> None:
         self.wal_append = Histogram(WAL_BUCKETS)   # append call -> durable
+        self.wal_append_max = 0.0                  # its maximum since the last scrape
         self.wal_appended_bytes = 0                # record bytes handed to the WAL
         self.backpressure_seconds = {"wal_full": 0.0, "cache_full": 0.0}
         self.backpressure_waits = {"wal_full": 0, "cache_full": 0}
@@ -162,6 +163,10 @@ class StorageCollector(Collector):
                                "until the record is durable", [], iter([([], st.wal_append)]))
         yield _c(p + "wal_appended_bytes", "Record bytes (header and payload) appended to the "
                  "WAL", st.wal_appended_bytes)
+        worst, st.wal_append_max = st.wal_append_max, 0.0
+        yield GaugeMetricFamily(p + "wal_append_max_seconds", "Longest WAL append (call until "
+                                "durable, as the event loop saw it) since the previous scrape",
+                                value=worst)
         wal = eng.wal
         if wal is not None and isinstance(getattr(wal, "stats", None), dict):
             yield _c(p + "wal_device_written_bytes", "Bytes written to the WAL device (aligned "
