@@ -20,7 +20,7 @@ PRODUCERS, TXNS, PER_TXN, PARTS = 3, 12, 6, 3
 
 
 def run_producer(bootstrap: str, topic: str, tid: str, i: int, outcome: dict[str, str],
-                 stop: threading.Event) -> None:
+                 stop: threading.Event, killed: threading.Event) -> None:
     def make() -> Producer:
         p = Producer({"bootstrap.servers": bootstrap, "transactional.id": tid, "log_level": 0,
                       "transaction.timeout.ms": 10000, "linger.ms": 2})
@@ -31,6 +31,10 @@ def run_producer(bootstrap: str, topic: str, tid: str, i: int, outcome: dict[str
     for j in range(TXNS):
         if stop.is_set():
             return
+        if j == TXNS * 2 // 3:
+            # a third is left for after the kill even when the test's thread is starved (at
+            # load it once saw all 36 transactions end before its poll)
+            killed.wait(120)
         name = f"p{i}-t{j}"
         commit = j % 3 != 2
         try:
@@ -72,9 +76,10 @@ def test_transactional_queue_check_under_kill_9(broker_factory):
     topic = unique("txq")
     create_topic(broker.bootstrap, topic, PARTS)
     outcome: dict[str, str] = {}
-    stop = threading.Event()
+    stop, killed = threading.Event(), threading.Event()
     threads = [threading.Thread(target=run_producer, daemon=True,
-                                args=(broker.bootstrap, topic, unique(f"txq{i}"), i, outcome, stop))
+                                args=(broker.bootstrap, topic, unique(f"txq{i}"), i, outcome, stop,
+                                      killed))
                for i in range(PRODUCERS)]
     for t in threads:
         t.start()
@@ -83,6 +88,7 @@ def test_transactional_queue_check_under_kill_9(broker_factory):
         time.sleep(0.1)
     at_kill = len(outcome)
     broker.restart(hard=True)  # kill -9 in the middle of transactions
+    killed.set()
     assert at_kill < PRODUCERS * TXNS  # the producers were still running
     for t in threads:
         t.join(150)
