@@ -42,7 +42,8 @@ class Stream(abc.ABC):
     """One partition's log. All methods are called from the event loop thread."""
 
     stream_id: int
-    # append() takes ``check``: streams without it are handed payloads already checked
+    # append() takes ``check``: streams without it are handed payloads already checked (a
+    # subclass of a stream that has it must keep the parameter when it overrides append)
     checks_payloads = False
 
     @property

@@ -33,7 +33,7 @@ class GatedStream(MemoryStream):
         self.durable: list[asyncio.Future[None]] = []
         self.read_error: Exception | None = None
 
-    async def append(self, payload, base_offset, count):
+    async def append(self, payload, base_offset, count, check=None):
         if self.error is not None:
             raise self.error
         if not self.room.is_set():
@@ -45,7 +45,7 @@ class GatedStream(MemoryStream):
                 raise self.error
             if base_offset != self._end:
                 raise RetriableStorageError("stream moved on while waiting for room; retry")
-        await super().append(payload, base_offset, count)
+        await super().append(payload, base_offset, count, check)
         if self.hold_durability:
             fut = asyncio.get_running_loop().create_future()
             self.durable.append(fut)

@@ -216,11 +216,11 @@ async def test_retriable_storage_error_rolls_back_sequence(tmp_path):
     class FlakyStream(type(await MemoryStreamStore().create_stream())):
         fail = True
 
-        async def append(self, payload, base_offset, count):
+        async def append(self, payload, base_offset, count, check=None):
             if self.fail:
                 self.fail = False
                 raise RetriableStorageError("full")
-            await super().append(payload, base_offset, count)
+            await super().append(payload, base_offset, count, check)
 
     stream = FlakyStream(1)
     p, *_ = await open_partition(tmp_path, stream=stream)
