@@ -68,6 +68,40 @@ def machine_busy_seconds() -> float:
     return (sum(v[:8]) - v[3] - v[4]) / TICKS          # all but idle and iowait
 
 
+def device_of(path: str) -> str | None:
+    """Name of the block device (as /proc/diskstats names it) holding ``path``; None when it
+    is not a plain disk (tmpfs, overlay without a device of its own)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+    try:
+        with open("/proc/diskstats") as f:
+            for line in f:
+                v = line.split()
+                if int(v[0]) == major and int(v[1]) == minor:
+                    return v[2]
+    except OSError:
+        pass
+    return None
+
+
+def disk_counters(dev: str | None) -> dict[str, float]:
+    """Cumulative /proc/diskstats counters of ``dev``: reads, read sectors, read ms, writes,
+    write ms, busy ms (the device had requests in flight); empty when unknown."""
+    if dev is None:
+        return {}
+    with open("/proc/diskstats") as f:
+        for line in f:
+            v = line.split()
+            if v[2] == dev:
+                return {"disk reads": float(v[3]), "disk read sectors": float(v[5]),
+                        "disk read ms": float(v[6]), "disk writes": float(v[7]),
+                        "disk write ms": float(v[10]), "disk busy ms": float(v[12])}
+    return {}
+
+
 def cpu_share(t0: float) -> float:
     """% of one core this process used since ``t0`` (all its threads, librdkafka's too)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -294,8 +328,9 @@ def run_phase(b: Broker, args, with_catchup: bool, profile: str | None = None) -
     spy = None
     if profile:
         spy = subprocess.Popen([os.path.join(os.path.dirname(PY), "py-spy"), "record",
-                                "--nonblocking", "--pid", str(b.proc.pid), "-r", "200",
-                                "-d", str(int(args.seconds)), "-f", "raw", "-o", profile],
+                                "--nonblocking", "--threads", "--idle", "--pid",
+                                str(b.proc.pid), "-r", "200", "-d", str(int(args.seconds)),
+                                "-f", "raw", "-o", profile],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     main0, all0 = cpu_seconds(b.proc.pid)
     t0 = time.monotonic()
@@ -347,14 +382,16 @@ def run_interleaved(b: Broker, args) -> dict:
     spy = None
     if args.profile:
         spy = subprocess.Popen([os.path.join(os.path.dirname(PY), "py-spy"), "record",
-                                "--nonblocking", "--pid", str(b.proc.pid), "-r", "200",
-                                "-d", str(int(total)), "-f", "raw", "-o",
+                                "--nonblocking", "--threads", "--idle", "--pid",
+                                str(b.proc.pid), "-r", "200", "-d", str(int(total)), "-f",
+                                "raw", "-o",
                                 os.path.join(args.profile, "interleaved.txt")],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     pids = {"broker loop": b.proc.pid, "producer": procs[1].pid, "tail": procs[0].pid,
             "catch-up": procs[2].pid}
     snaps: list[dict[str, float]] = []
+    dev = device_of(b.objects_dir)
 
     def snap() -> dict[str, float]:
         out = {}
@@ -367,6 +404,7 @@ def run_interleaved(b: Broker, args) -> dict:
                 out[k] = all_s
         out["whole machine"] = machine_busy_seconds()
         out["uploads"] = float(count_objects(b.objects_dir))
+        out.update(disk_counters(dev))
         return out
 
     def toggle() -> None:
@@ -405,6 +443,10 @@ def run_interleaved(b: Broker, args) -> dict:
             st[name] = st.get(name, 0.0) + v - snaps[k][name]
     on_time = args.window * (args.windows // 2)
     out["uploads"] = {st: int(d.pop("uploads", 0)) for st, d in per_state.items()}
+    out["disk"] = {st: {k: d.pop(k) for k in list(d) if k.startswith("disk ")}
+                   for st, d in per_state.items()}
+    out["disk_name"] = dev
+    out["t0"] = t0
     out["cpu_windows"] = {st: {n: 100 * v / on_time for n, v in d.items()}
                           for st, d in per_state.items()}
     classes: dict[tuple[str, int], dict[str, list[float]]] = {}
@@ -464,6 +506,17 @@ def report_interleaved(res: dict, args) -> None:
     if up:
         print(f"objects written (uploads) during alone windows: {up['off']}, with catch-up: "
               f"{up['on']}")
+    disk = res.get("disk", {})
+    if disk.get("off") and disk.get("on"):
+        secs = args.window * (args.windows // 2)
+        for st, label in (("off", "reader paused"), ("on", "with catch-up")):
+            d = disk[st]
+            w, r = d["disk writes"], d["disk reads"]
+            print(f"device {res['disk_name']}, {label:<13}: {w / secs:6.0f} writes/s at "
+                  f"{d['disk write ms'] / max(w, 1):.3f} ms mean, {r / secs:5.0f} reads/s "
+                  f"({d['disk read sectors'] * 512 / secs / 1e6:6.1f} MB/s) at "
+                  f"{d['disk read ms'] / max(r, 1):.3f} ms mean, busy "
+                  f"{100 * d['disk busy ms'] / 1000 / secs:3.0f} % (whole device, all processes)")
     n, mbps = res["catchup"]
     print(f"catch-up reader while on: {mbps:.1f} MB/s ({n} records)")
     cw = res.get("cpu_windows", {})
@@ -524,6 +577,9 @@ def main() -> None:
                          "catch-up reader) at this nice value, so the broker has its two cores "
                          "first, as on its own host; the catch-up client's CPU then no longer "
                          "counts against the broker")
+    ap.add_argument("--dump", metavar="FILE",
+                    help="interleaved: write the window schedule and every latency sample "
+                         "(send time, latency) as JSON, to class broker-side traces alike")
     ap.add_argument("--profile", metavar="DIR",
                     help="py-spy (raw collapsed stacks) of the broker during each phase")
     ap.add_argument("--engine-arg", action="append", default=[],
@@ -593,17 +649,21 @@ def main() -> None:
              if args.clients_nice else ""))
     if args.mode == "interleaved":
         report_interleaved(inter, args)
+        if args.dump:
+            import json
+            with open(args.dump, "w") as f:
+                json.dump({"t0": inter["t0"], "window": args.window, "windows": args.windows,
+                           "settle": args.settle, "producer": inter["producer"][1],
+                           "tail": inter["tail"][1]}, f)
         phases = []
     else:
         report_phases(phases, args)
     if args.profile:
-        from bench.profile import top
+        from bench.profile import analyse
         for f in sorted(os.listdir(args.profile)):
             with open(os.path.join(args.profile, f)) as fh:
-                own, total = top(fh.read(), 12)
-            print(f"--- py-spy {f}: own time / total time, % of samples")
-            for (fo, po), (ft, pt) in zip(own, total):
-                print(f"{po:5.1f} {fo[:70]:<70} | {pt:5.1f} {ft[:70]}")
+                print(f"--- py-spy {f} (every thread, idle too; non-blocking samples)")
+                print(analyse(fh.read(), n=12))
     engine += ["--cold-read-bytes-per-s", "0"]       # raw catch-up speed, no throttle
     engine += [a for e in args.engine_arg for a in e.split("=", 1)
                if not e.startswith("--cold-read-bytes-per-s")]

@@ -43,6 +43,15 @@ def catchup_ratios(text: str) -> tuple[float, float]:
     return (float(m.group(1)), float(m.group(2))) if m else (NAN, NAN)
 
 
+def catchup_info(text: str) -> tuple[float, float]:
+    """(catch-up reader MB/s while producers ran, produce noise floor) from bench.catchup's
+    output: a ratio bought by starving the reader is no isolation, and a floor far from 1.0
+    says how far the ratio can be trusted; NaN when absent."""
+    m = re.search(r"catch-up reader while on: ([\d.]+) MB/s", text)
+    f = re.search(r"noise floor, alone vs alone[^:]*: produce ([\d.]+)x", text)
+    return (float(m.group(1)) if m else NAN, float(f.group(1)) if f else NAN)
+
+
 def evaluate(by_name: dict[str, Result], device: dict[str, Any] | None,
              catchup_text: str | None, wal_sync_default: str) -> tuple[Result, list[str]]:
     """The Done-when table (figure, value, goal, met) and one verdict line per item."""
@@ -96,6 +105,9 @@ def evaluate(by_name: dict[str, Result], device: dict[str, Any] | None,
     cp, ct = catchup_ratios(catchup_text or "")
     add(5, "catch-up isolation, pooled p99 ratio, produce", cp, "<= 1.2")
     add(5, "catch-up isolation, pooled p99 ratio, tail end-to-end", ct, "<= 1.2")
+    cmb, floor = catchup_info(catchup_text or "")
+    add(5, "catch-up reader MB/s while producers run (info)", cmb, "")
+    add(5, "catch-up noise floor, alone vs alone p99 ratio (info)", floor, "")
     add(5, "WAL sync mode default is dsync (1 = yes)", 1.0 if wal_sync_default == "dsync" else 0.0,
         ">= 1")
 

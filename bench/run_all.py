@@ -127,9 +127,11 @@ def main(argv: list[str] | None = None) -> int:
                         + run_owner_bench("bench.wal", args, 120 if q else 300) + "\n```")
     catchup_text = None
     if "catchup" not in skip:
+        # 30 windows of 4 s (15 alternating pairs, ~52 s per class): with 10 windows the
+        # pooled ratio moved 1.23-1.34 between runs of one build (bench/HISTORY.md, session 16)
         args = ["--backlog-mb", "8", "--seconds", "2", "--skip-s3"] if q else \
-            ["--backlog-mb", "100", "--seconds", "10"]
-        catchup_text = run_owner_bench("bench.catchup", args, 120 if q else 300)
+            ["--backlog-mb", "100", "--seconds", "10", "--windows", "30"]
+        catchup_text = run_owner_bench("bench.catchup", args, 120 if q else 480)
         sections.append("## Catch-up reads (bench/catchup.py)\n```\n" + catchup_text + "\n```")
     from storage.engine import EngineConfig
     goal_table, verdicts = goals.evaluate(by_name, dev, catchup_text, EngineConfig().wal_sync_mode)

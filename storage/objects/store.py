@@ -95,8 +95,12 @@ FILE_READ_CHUNK = 1 << 20
 FILE_READ_SPAN = 8 << 20       # = the BlockCache's PREFETCH_PIECE
 # ... asked for this much per system call, one call at a time across the cold-read threads,
 # while hot traffic runs (FileObjectStore.gentle): a WAL write then queues behind at most one
-# such piece on a shared disk instead of two 4 MiB reads (see FileObjectStore._read_block)
-HOT_READ_PIECE = 256 << 10
+# such piece on a shared disk instead of two 4 MiB reads (see FileObjectStore._read_block).
+# The engine sets it from EngineConfig.cold_read_piece_bytes. On the test VM (virtio disk,
+# served one request at a time) a 4 KiB dsync write that found a read in flight took +0.35-0.45
+# ms with 256 KiB pieces, +0.08-0.13 ms with 64 KiB (`python -m bench.collide`); 64 KiB pieces
+# alone still read ~500-700 MB/s, ten times the paced catch-up rate (bench/HISTORY.md, session 16)
+HOT_READ_PIECE = 64 << 10
 
 
 def _read_range(fd: int, start: int, n: int) -> bytes | memoryview:
@@ -132,6 +136,8 @@ class FileObjectStore(ObjectStore):
         # (latency-sensitive appends beside them; see put)
         self.gentle_writes: Callable[[], bool] | None = None
         self._device = threading.Lock()
+        # bytes per device read while ``gentle()`` (see HOT_READ_PIECE)
+        self.hot_read_piece = HOT_READ_PIECE
         os.makedirs(self.root, exist_ok=True)
 
     def _path(self, key: str) -> str:
@@ -265,15 +271,17 @@ class FileObjectStore(ObjectStore):
         buf = self.buffers.take(a1 - a0)
         mv = memoryview(buf)
         got = 0
-        # While producers append, a span is read HOT_READ_PIECE at a time and one piece at a
+        # While producers append, a span is read hot_read_piece at a time and one piece at a
         # time across the cold threads (the lock): an O_DIRECT read goes to the device, where
         # the WAL's dsync writes (same disk with file://) queue behind whatever is in flight.
         # Two 4 MiB reads in flight (prefetch pieces on both cold threads) put milliseconds in
         # front of a WAL write several times a second: the catch-up bench's produce p99 rose
         # ~2x (bench/HISTORY.md, session 14). Session 5's design (one 1 MiB piece at a time)
-        # had been lost when reads became one O_DIRECT read per span (session 12).
+        # had been lost when reads became one O_DIRECT read per span (session 12). What a
+        # write waits for is the piece's own device time, so the piece is small (64 KiB).
         gentle = self.gentle is not None and self.gentle()
-        piece = HOT_READ_PIECE if gentle else a1 - a0
+        piece = max(PAGE, self.hot_read_piece - self.hot_read_piece % PAGE) if gentle \
+            else a1 - a0
         try:
             while got < a1 - a0:
                 try:

@@ -341,6 +341,18 @@ async def test_cold_reads_are_cut_to_short_slices_only_while_producers_append(tm
         await eng.close()
 
 
+async def test_cold_read_piece_bytes_reaches_the_file_store(tmp_path) -> None:
+    """cold_read_piece_bytes is what the file store reads per device read while producers
+    append (a WAL write on the same disk waits behind one such read)."""
+    eng = open_engine(small_config(tmp_path, cold_read_piece_bytes=32 << 10))
+    await eng.start()
+    try:
+        inner = eng.store.inner
+        assert inner.hot_read_piece == 32 << 10 and inner.gentle() is False
+    finally:
+        await eng.close()
+
+
 async def test_release_returns_while_other_streams_keep_appending(tmp_path) -> None:
     """A hand-over (cluster move) uploads until the released stream is committed, not until
     nothing is pending: under a steady load on other streams that never happens, and the move

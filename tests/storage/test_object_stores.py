@@ -307,6 +307,12 @@ def test_file_store_reads_small_pieces_one_at_a_time_while_hot(tmp_path, monkeyp
     assert results == [[data[p:p + n] for p, n in ranges]] * 2
     assert max(asked) <= piece and len(asked) >= 2 * len(ranges) * (512 << 10) // piece
     assert inflight[1] == 1, "two device reads were in flight at once while hot"
+    # the piece is the store's (the engine sets it from cold_read_piece_bytes)
+    assert s.hot_read_piece == piece
+    s.hot_read_piece = 4 * piece + 100              # rounded down to whole pages
+    asked.clear()
+    assert [bytes(g) for g in s.get_ranges("big", ranges)] == [data[p:p + n] for p, n in ranges]
+    assert max(asked) == 4 * piece and min(asked) > 0
 
 
 def _anon_huge_kib(buf) -> int:
