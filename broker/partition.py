@@ -201,6 +201,10 @@ class Partition:
         self._loop: asyncio.AbstractEventLoop | None = None   # the broker's, once an append ran
         self._admission = _Admission()       # held from offset assignment to the stream taking them
         self._tail: asyncio.Future[bool] | None = None  # outcome of the latest taken append
+        # outcome -> the settling step of the task-less append taken right after it, run by
+        # _settle in the same call (a future's callbacks would each wait a loop iteration: a
+        # chain of N pipelined appends was answered over N iterations)
+        self._then: dict[asyncio.Future[bool], Callable[[bool], tuple]] = {}
         self._offline: str | None = None     # why appends are refused until restart
         self._producers_ready = True         # False while the log tail is still being replayed
         self._replay_from = 0                # where that replay started (caps the LSO)
@@ -715,21 +719,23 @@ class Partition:
         append_time = now if log_append else -1
         size, batches = len(buf), len(views)
 
-        def finish(ok: bool, why: str) -> None:
-            if ok and prev is not None:
-                ok, why = prev.result(), "an earlier append of this partition failed"
-            self._settle(outcome, ok, why)
+        def answer(ok: bool) -> None:
             done(self._finished(res, ok, base, end, size, batches, payload_max_ts,
                                 append_time))
+
+        def after_prev(prev_ok: bool) -> tuple:
+            return outcome, prev_ok, "an earlier append of this partition failed", answer
 
         def durable(fut: asyncio.Future) -> None:
             ok = not fut.cancelled() and fut.exception() is None
             why = "append cancelled" if fut.cancelled() else \
                 f"WAL write failed: {fut.exception()!r}" if not ok else ""
-            if ok and prev is not None and not prev.done():
-                prev.add_done_callback(lambda _f: finish(True, ""))
-            else:
-                finish(ok, why)
+            if ok and prev is not None:
+                if not prev.done():
+                    self._then[prev] = after_prev     # settled right after prev, same call
+                    return
+                ok, why = prev.result(), "an earlier append of this partition failed"
+            self._settle(outcome, ok, why, answer)
 
         try:
             if not append_now(buf, base, count, durable):
@@ -820,12 +826,27 @@ class Partition:
         res.error, res.message = error, message
         return res
 
-    def _settle(self, outcome: "asyncio.Future[bool]", ok: bool, why: str) -> None:
-        """Resolve a taken append's outcome (duplicates and later appends wait on it)."""
-        if not ok:
-            self._go_offline(why)
-        if not outcome.done():
-            outcome.set_result(ok)
+    def _settle(self, outcome: "asyncio.Future[bool]", ok: bool, why: str,
+                after: Callable[[bool], None] | None = None) -> None:
+        """Resolve a taken append's outcome (duplicates and later appends wait on it), then
+        ``after(ok)``; then the same for the task-less appends waiting on it in a chain
+        (``_then``), in this call and in order (a loop, not recursion: a chain can be long)."""
+        while True:
+            if not ok:
+                self._go_offline(why)
+            if not outcome.done():
+                outcome.set_result(ok)
+            if after is not None:
+                try:
+                    after(ok)
+                except Exception:  # noqa: BLE001 - the appends chained behind still settle
+                    log.exception("answering an append failed topic=%s partition=%d",
+                                  self.topic, self.index)
+            step = self._then.pop(outcome, None) if self._then else None
+            if step is None:
+                return
+            outcome, prev_ok, why, after = step(ok)
+            ok = prev_ok
 
     def _go_offline(self, why: str) -> None:
         """An append the stream had taken failed: whether its bytes survive is unknown until

@@ -9,7 +9,7 @@ import asyncio
 from broker.partition import Partition
 from protocol import ErrorCode
 from storage.memory import MemoryStream, MemoryStreamStore
-from storage.stream import RetriableStorageError, StorageError
+from storage.stream import Batch, RetriableStorageError, StorageError
 
 from .batches import make_batch
 from .test_partition import TOPIC_ID, open_partition, read_all
@@ -305,3 +305,64 @@ async def test_replay_that_reads_nothing_retries_until_the_tail_is_read(tmp_path
     nxt = await q.append(idem(b"v3", 3))
     assert (nxt.error, nxt.base_offset) == (0, 3)
     assert await values(q) == [(0, b"v0"), (1, b"v1"), (2, b"v2"), (3, b"v3")]
+
+
+class DirectStream(GatedStream):
+    """GatedStream with the engine's task-less ``append_now``: the payload is taken at once
+    and ``then(future)`` runs when the test resolves that append's durability future."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.direct: list[asyncio.Future[None]] = []
+
+    def append_now(self, payload, base_offset, count, then) -> bool:
+        self._batches.append(Batch(base_offset, count, bytes(payload)))
+        self._bases.append(base_offset)
+        self._end = base_offset + count
+        fut = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(then)
+        self.direct.append(fut)
+        return True
+
+
+async def test_task_less_appends_behind_a_waiting_one_settle_with_it(tmp_path):
+    """Two pipelined task-less appends (Partition.append_now) durable before the task-path
+    append ahead of them: both are answered in the step that settles it, in order, not one
+    loop iteration per link of the chain; and a failure of the first fails them all."""
+    stream = DirectStream()
+    p, *_ = await open_partition(tmp_path, stream=stream)
+    stream.hold_durability = True
+    a = asyncio.ensure_future(p.append(make_batch([b"A"])))
+    await asyncio.sleep(0)
+    answered: list[tuple[str, int, int]] = []
+    for name in ("B", "C"):
+        assert p.append_now(bytearray(make_batch([name.encode()])), 9,
+                            lambda r, n=name: answered.append((n, r.error, r.base_offset)))
+    for fut in stream.direct:          # B and C durable first: they wait for A
+        fut.set_result(None)
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert answered == []
+    stream.durable[0].set_result(None)
+    ra = await a
+    assert (ra.error, ra.base_offset) == (0, 0)
+    assert answered == [("B", 0, 1), ("C", 0, 2)]
+    assert await values(p) == [(0, b"A"), (1, b"B"), (2, b"C")]
+
+    # the same chain behind an append whose WAL write fails: all three fail, none is answered
+    # with an offset, and the partition refuses appends until restart
+    d = asyncio.ensure_future(p.append(make_batch([b"D"])))
+    await asyncio.sleep(0)
+    answered.clear()
+    stream.direct.clear()
+    for name in ("E", "F"):
+        assert p.append_now(bytearray(make_batch([name.encode()])), 9,
+                            lambda r, n=name: answered.append((n, r.error, r.base_offset)))
+    for fut in stream.direct:
+        fut.set_result(None)
+    stream.durable[1].set_exception(OSError("disk gone"))
+    rd = await d
+    assert rd.error == ErrorCode.KAFKA_STORAGE_ERROR
+    assert [(n, e) for n, e, _ in answered] == [("E", ErrorCode.KAFKA_STORAGE_ERROR),
+                                               ("F", ErrorCode.KAFKA_STORAGE_ERROR)]
+    assert not p.append_now(bytearray(make_batch([b"G"])), 9, answered.append)
