@@ -256,6 +256,10 @@ _OWN_FAULTS = frozenset((ErrorCode.CORRUPT_MESSAGE, ErrorCode.MESSAGE_SIZE_TOO_L
 # only requests this small join a run (a copy into the run's buffer; large ones gain nothing;
 # with the server's RUN_MAX_REQUESTS a run's payload stays under 512 KiB)
 RUN_MAX_RECORDS_BYTES = 16 << 10
+# a larger request (up to the server's DIRECT_FRAME: smaller frames are copied out of the read
+# buffer, larger ones received into a pooled frame) is still appended without a task, alone
+# (a linger-0 client's request after a stall carries the backlog)
+LONE_MAX_RECORDS_BYTES = 64 << 10
 _PRODUCER_ID = 43          # offset of producerId in a v2 batch header
 _NO_PID = b"\xff" * 8
 
@@ -263,7 +267,9 @@ _NO_PID = b"\xff" * 8
 def run_key(req: Any) -> Any:
     """Which run a decoded Produce request may join (None: handled on its own): one topic,
     one partition, acks 1 or all, not transactional, a small v2 payload whose first batch has
-    no producer id. The run handler checks every batch again."""
+    no producer id. The run handler checks every batch again. A payload over
+    RUN_MAX_RECORDS_BYTES (up to LONE_MAX_RECORDS_BYTES) gets a key of its own: a run of one,
+    which only the task-less path (``produce_now``) takes."""
     if req.acks not in (-1, 1) or req.transactional_id is not None:
         return None
     tds = req.topic_data
@@ -272,10 +278,13 @@ def run_key(req: Any) -> Any:
     td = tds[0]
     pd = td.partition_data[0]
     records = pd.records
-    if records is None or not 61 <= len(records) <= RUN_MAX_RECORDS_BYTES \
+    if records is None or not 61 <= len(records) <= LONE_MAX_RECORDS_BYTES \
             or records[16] != 2 or records[_PRODUCER_ID:_PRODUCER_ID + 8] != _NO_PID:
         return None
-    return (td.name if td.topic_id is None else td.topic_id, pd.index, req.acks)
+    key = (td.name if td.topic_id is None else td.topic_id, pd.index, req.acks)
+    if len(records) > RUN_MAX_RECORDS_BYTES:
+        return (key, object())     # equal to no other key: a run of its own (no merge copy)
+    return key
 
 
 @run_handler(PRODUCE, run_key)

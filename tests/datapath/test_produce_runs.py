@@ -184,3 +184,21 @@ def test_a_request_behind_a_task_path_produce_keeps_the_order(client):
     assert by_req == [{0: (E_NONE, 0)}, {0: (E_NONE, 1), 1: (E_NONE, 0)}, {0: (E_NONE, 2)},
                       {0: (E_NONE, 3)}]
     assert _values(client, t, 4) == [b"a", b"b", b"c", b"d"]
+
+
+def test_a_lone_request_over_the_run_size_is_appended_without_a_task_and_never_merged(
+        broker, client):
+    """Requests of 16-64 KiB of batches (a linger-0 client's backlog after a stall) are not
+    merged into runs (the merge copies) but still take the task-less path, each alone."""
+    t = _topic()
+    client.create_topic(t)
+    direct = _metric(broker, "s3kafka_request_direct_total")
+    members = _metric(broker, "s3kafka_request_run_members_total")
+    big = [make_batch([f"{i}-{j}".encode() * 50 for j in range(200)]) for i in range(4)]
+    assert all(16 << 10 < len(b) < 60 << 10 for b in big)
+    resps = _pipeline(client, t, big)
+    assert [(r.error_code, r.base_offset) for r in resps] == [(E_NONE, 200 * i) for i in range(4)]
+    assert _metric(broker, "s3kafka_request_direct_total") >= direct + 4
+    assert _metric(broker, "s3kafka_request_run_members_total") == members
+    assert _values(client, t, 800) == [f"{i}-{j}".encode() * 50 for i in range(4)
+                                       for j in range(200)]
