@@ -218,6 +218,26 @@ class EngineStream(Stream):
 
     checks_payloads = True
 
+    def _check_writable(self) -> None:
+        """An append to a deleted stream, or one released to another node, is refused."""
+        if self.deleted:
+            raise StorageError(f"stream {self.stream_id} is deleted")
+        if not self.owned:
+            raise StorageError(f"stream {self.stream_id} is released to another node")
+
+    def _taken(self, payload: bytes | memoryview, base_offset: int, count: int, size: int,
+               res: Any, t0: float) -> CacheEntry:
+        """The bookkeeping of a record the WAL took (both append paths): its LogCache entry,
+        the stream's end and the engine's WAL position."""
+        eng = self._engine
+        entry = CacheEntry(self.stream_id, base_offset, count, payload, res.offset,
+                           res.next_offset, added=t0)
+        eng.cache.add(entry)
+        eng.stats.wal_appended_bytes += size
+        self._end = base_offset + count
+        eng.note_wal(res.next_offset)
+        return entry
+
     def append_now(self, payload: bytes | memoryview, base_offset: int, count: int,
                    then: Callable[[asyncio.Future], None]) -> bool:
         """``append`` without a coroutine, when there is room at once: the payload is in the
@@ -227,10 +247,7 @@ class EngineStream(Stream):
         done when the LogCache or the WAL has no room (``append`` waits for it). Raises
         StorageError like ``append`` (deleted, released, fenced). The small Produce path."""
         eng = self._engine
-        if self.deleted:
-            raise StorageError(f"stream {self.stream_id} is deleted")
-        if not self.owned:
-            raise StorageError(f"stream {self.stream_id} is released to another node")
+        self._check_writable()
         if base_offset != self._end or count <= 0:
             raise ValueError(f"append of {count} at {base_offset}, expected {self._end}")
         payload = payload if type(payload) is bytes else memoryview(payload).cast("B")
@@ -245,12 +262,7 @@ class EngineStream(Stream):
             raise StorageError(str(e)) from None
         except eng.over_capacity_error:
             return False
-        entry = CacheEntry(self.stream_id, base_offset, count, payload, res.offset,
-                           res.next_offset, added=t0)
-        eng.cache.add(entry)
-        eng.stats.wal_appended_bytes += size
-        self._end = base_offset + count
-        eng.note_wal(res.next_offset)
+        entry = self._taken(payload, base_offset, count, size, res, t0)
         res.future.add_done_callback(functools.partial(self._durable_then, entry, t0, then))
         return True
 
@@ -262,10 +274,7 @@ class EngineStream(Stream):
     async def append(self, payload: bytes | memoryview, base_offset: int, count: int,
                      check: tuple[int, int] | None = None) -> None:
         eng = self._engine
-        if self.deleted:
-            raise StorageError(f"stream {self.stream_id} is deleted")
-        if not self.owned:
-            raise StorageError(f"stream {self.stream_id} is released to another node")
+        self._check_writable()
         if base_offset != self._end:
             raise ValueError(f"append at {base_offset}, expected {self._end}")
         if count <= 0:
@@ -314,12 +323,7 @@ class EngineStream(Stream):
                 raise RetriableStorageError("stream moved on while waiting for room; retry")
             if not self.owned:   # released meanwhile: its end offset is already handed over
                 raise StorageError(f"stream {self.stream_id} is released to another node")
-        entry = CacheEntry(self.stream_id, base_offset, count, payload, res.offset,
-                           res.next_offset, added=t0)
-        eng.cache.add(entry)
-        eng.stats.wal_appended_bytes += size
-        self._end = base_offset + count
-        eng.note_wal(res.next_offset)
+        entry = self._taken(payload, base_offset, count, size, res, t0)
         afut = res.future
         afut.add_done_callback(functools.partial(self._durable, entry, t0))
         try:
