@@ -255,6 +255,28 @@ static int cpu_has_avx2(void) { return 0; }
 typedef uint32_t (*copy_fn)(unsigned char *, const unsigned char *, size_t, uint32_t);
 static copy_fn copy_crc_raw = copy_crc_scalar;
 
+/* The writable destination and the source of a copy, with the source fitting at `offset` and
+   `split` (copy_crc_split; 0 otherwise) inside the source; -1 with an exception set if not. */
+static int take_buffers(PyObject *dst_obj, Py_ssize_t offset, PyObject *src_obj,
+                        Py_buffer *dst, Py_buffer *src, Py_ssize_t split, const char *name) {
+    if (PyObject_GetBuffer(dst_obj, dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (PyObject_GetBuffer(src_obj, src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(dst);
+        return -1;
+    }
+    if (offset < 0 || offset > dst->len || src->len > dst->len - offset) {
+        PyErr_Format(PyExc_ValueError, "%s: source does not fit at that offset", name);
+    } else if (split < 0 || split > src->len) {
+        PyErr_Format(PyExc_ValueError, "%s: split outside the source", name);
+    } else {
+        return 0;
+    }
+    PyBuffer_Release(src);
+    PyBuffer_Release(dst);
+    return -1;
+}
+
 PyDoc_STRVAR(copy_crc_doc,
 "copy_crc(dst, offset, src, value=0) -> int\n\n"
 "Copy the bytes of `src` into the writable buffer `dst` at `offset` and return their\n"
@@ -267,18 +289,8 @@ static PyObject *copy_crc(PyObject *self, PyObject *args) {
     Py_buffer dst, src;
     if (!PyArg_ParseTuple(args, "OnO|k:copy_crc", &dst_obj, &offset, &src_obj, &value))
         return NULL;
-    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+    if (take_buffers(dst_obj, offset, src_obj, &dst, &src, 0, "copy_crc") < 0)
         return NULL;
-    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    if (offset < 0 || offset > dst.len || src.len > dst.len - offset) {
-        PyBuffer_Release(&src);
-        PyBuffer_Release(&dst);
-        PyErr_SetString(PyExc_ValueError, "copy_crc: source does not fit at that offset");
-        return NULL;
-    }
     uint32_t crc = ~(uint32_t)value;
     unsigned char *d = (unsigned char *)dst.buf + offset;
     const unsigned char *s = (const unsigned char *)src.buf;
@@ -341,20 +353,8 @@ static PyObject *copy_crc_split(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OnOkn:copy_crc_split", &dst_obj, &offset, &src_obj, &value,
                           &split))
         return NULL;
-    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+    if (take_buffers(dst_obj, offset, src_obj, &dst, &src, split, "copy_crc_split") < 0)
         return NULL;
-    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    if (offset < 0 || offset > dst.len || src.len > dst.len - offset || split < 0 ||
-            split > src.len) {
-        PyBuffer_Release(&src);
-        PyBuffer_Release(&dst);
-        PyErr_SetString(PyExc_ValueError,
-                        "copy_crc_split: source does not fit at that offset, or bad split");
-        return NULL;
-    }
     unsigned char *d = (unsigned char *)dst.buf + offset;
     const unsigned char *s = (const unsigned char *)src.buf;
     size_t n = (size_t)src.len, k = (size_t)split;
