@@ -14,8 +14,11 @@
    crc32c package instead. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #define POLY 0x82f63b78u          /* CRC-32C, reflected */
 #define LONG_LANE 4096            /* bytes per lane in a long step (3 lanes: 12 KiB) */
@@ -390,10 +393,67 @@ static PyObject *crc(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(c);
 }
 
+/* One device read at a time across the threads of the process (see read_pieces). */
+static pthread_mutex_t device_lock = PTHREAD_MUTEX_INITIALIZER;
+
+PyDoc_STRVAR(read_pieces_doc,
+"read_pieces(fd, buf, offset, piece) -> int\n\n"
+"Fill the writable buffer `buf` from file `fd` at `offset`, `piece` bytes per pread, each\n"
+"pread alone on the device among the callers of this function (one process-wide lock),\n"
+"with the interpreter lock released for the whole loop. Returns the bytes read: fewer than\n"
+"len(buf) only at the end of the file (a pread answering short). Raises OSError on an\n"
+"error (EINTR is retried).\n"
+"storage/objects/store.py reads cold spans so while producers append: a WAL write then\n"
+"waits behind one small piece, and the reading thread takes the interpreter lock once per\n"
+"span, not once per piece.");
+
+static PyObject *read_pieces(PyObject *self, PyObject *args) {
+    int fd;
+    PyObject *obj;
+    long long offset;
+    Py_ssize_t piece;
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "iOLn:read_pieces", &fd, &obj, &offset, &piece))
+        return NULL;
+    if (piece <= 0 || offset < 0) {
+        PyErr_SetString(PyExc_ValueError, "read_pieces: piece must be > 0 and offset >= 0");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    unsigned char *p = (unsigned char *)buf.buf;
+    size_t len = (size_t)buf.len, got = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (got < len) {
+        size_t n = len - got < (size_t)piece ? len - got : (size_t)piece;
+        pthread_mutex_lock(&device_lock);
+        ssize_t r = pread(fd, p + got, n, (off_t)(offset + (long long)got));
+        int e = errno;
+        pthread_mutex_unlock(&device_lock);
+        if (r < 0) {
+            if (e == EINTR) continue;
+            err = e;
+            break;
+        }
+        if (r == 0) break;
+        got += (size_t)r;
+        if ((size_t)r < n) break;         /* a regular file answers short only at its end */
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromSize_t(got);
+}
+
 static PyMethodDef methods[] = {
     {"copy_crc", copy_crc, METH_VARARGS, copy_crc_doc},
     {"copy_crc_split", copy_crc_split, METH_VARARGS, copy_crc_split_doc},
     {"crc", crc, METH_VARARGS, crc_doc},
+    {"read_pieces", read_pieces, METH_VARARGS, read_pieces_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -19,7 +19,8 @@ try:
 except ImportError as _e:   # not built: the pure-Python path
     _copycrc = None
     _why = f"not built ({_e})"
-else:
+_copycrc_module = _copycrc        # read_pieces needs no SSE4.2
+if _copycrc is not None:
     _why = "" if _copycrc.HARDWARE else "no SSE4.2 CRC-32C instruction on this CPU"
     if not _copycrc.HARDWARE:
         _copycrc = None
@@ -59,3 +60,8 @@ copy_crc = _copycrc.copy_crc if NATIVE else _copy_crc_py
 # an extension built in place before copy_crc_split existed (a worktree's stale build) lacks
 # it: the split copy then runs as two copy_crc calls and a pass over the tail
 copy_crc_split = getattr(_copycrc, "copy_crc_split", None) or _copy_crc_split_py
+
+# the cold path's paced span reads, one piece at a time on the device without taking the
+# interpreter lock per piece (storage/objects/store.py); None without the extension (or with
+# a stale build of it): the store then loops over the pieces in Python
+read_pieces = getattr(_copycrc_module, "read_pieces", None)

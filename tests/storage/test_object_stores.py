@@ -1,6 +1,7 @@
 """The three object stores behave the same: put, ranged get, list, delete, multipart."""
 from __future__ import annotations
 
+import errno
 import os
 import time
 
@@ -8,6 +9,7 @@ import boto3
 import pytest
 
 from storage.objects.s3 import MULTIPART_THRESHOLD
+from storage.copycrc import read_pieces
 from storage.objects.store import ObjectNotFound, open_object_store
 
 
@@ -288,6 +290,8 @@ def test_file_store_reads_small_pieces_one_at_a_time_while_hot(tmp_path, monkeyp
                 inflight[0] -= 1
 
     monkeypatch.setattr(store_mod.os, "preadv", preadv)
+    # the piece loop in Python (without the C extension): each piece seen here
+    monkeypatch.setattr(store_mod, "read_pieces", None)
     hot = [False]
     s.gentle = lambda: hot[0]
     got = s.get_ranges("big", ranges)
@@ -313,6 +317,62 @@ def test_file_store_reads_small_pieces_one_at_a_time_while_hot(tmp_path, monkeyp
     asked.clear()
     assert [bytes(g) for g in s.get_ranges("big", ranges)] == [data[p:p + n] for p, n in ranges]
     assert max(asked) == 4 * piece and min(asked) > 0
+
+
+@pytest.mark.skipif(read_pieces is None, reason="storage._copycrc not built")
+@pytest.mark.parametrize("tail", [0, 4321])
+def test_file_store_reads_pieces_in_c_while_hot(tmp_path, monkeypatch, tail) -> None:
+    """With the C extension the piece loop of a hot span read runs in C (the interpreter lock
+    released once per span): the same bytes as the Python loop, a short last read at the end
+    of the file, the piece size honoured down to one page."""
+    from storage.objects import store as store_mod
+    span = store_mod.FILE_READ_SPAN
+    s = open_object_store(f"file://{tmp_path}/o")
+    s.direct_writes = True
+    data = os.urandom(2 * span + tail)
+    s.put("big", data)
+    ranges = [(i * (512 << 10), 512 << 10) for i in range(len(data) // (512 << 10))]
+    ranges.append((len(data) - 100, 100))
+    want = [data[p:p + n] for p, n in ranges]
+    python_calls: list[int] = []
+    real_preadv = os.preadv
+
+    def preadv(fd, buffers, offset):
+        python_calls.append(offset)
+        return real_preadv(fd, buffers, offset)
+    monkeypatch.setattr(store_mod.os, "preadv", preadv)
+    s.gentle = lambda: True
+    for piece in (4096, 64 << 10, 3 * (64 << 10)):
+        s.hot_read_piece = piece
+        assert [bytes(g) for g in s.get_ranges("big", ranges)] == want
+    assert not python_calls, "the pieces were read by the Python loop"
+    # past the end: short, as without the extension
+    short = s.get_ranges("big", [(len(data) - 10, 20)])
+    assert bytes(short[0]) == data[-10:]
+
+
+@pytest.mark.skipif(read_pieces is None, reason="storage._copycrc not built")
+def test_read_pieces_reports_errors_and_the_end_of_the_file(tmp_path) -> None:
+    path = tmp_path / "f"
+    data = os.urandom(3 * 4096 + 10)
+    path.write_bytes(data)
+    buf = bytearray(5 * 4096)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert read_pieces(fd, buf, 0, 4096) == len(data)
+        assert bytes(buf[:len(data)]) == data
+        assert read_pieces(fd, memoryview(buf)[:4096], 4096, 1000) == 4096   # 5 preads
+        assert bytes(buf[:4096]) == data[4096:8192]
+        assert read_pieces(fd, buf, len(data) + 4096, 4096) == 0
+        with pytest.raises(ValueError):
+            read_pieces(fd, buf, 0, 0)
+        with pytest.raises(BufferError):
+            read_pieces(fd, b"read-only", 0, 4096)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as e:
+        read_pieces(fd, buf, 0, 4096)                  # closed
+    assert e.value.errno == errno.EBADF
 
 
 def _anon_huge_kib(buf) -> int:
