@@ -377,6 +377,285 @@ static PyObject *copy_crc_split(PyObject *self, PyObject *args) {
                          (unsigned long)tail);
 }
 
+/* ---- the object encoder's data blocks (storage/objects/format.py, ObjectEncoder) ----------
+   A block is a 14-byte header (magic 0x5A, flags 0, record count, body length, CRC-32C of the
+   body) and its records, each a 33-byte header (magic 0x22, stream id, epoch 0, base offset,
+   count - 1, payload length; big-endian) and the payload. A block closes once its body reaches
+   block_size. The Python encoder did this at ~2-4 us of interpreter work per record, on the
+   event loop (a 64 MiB upload of 1.4 KB produce requests is ~46,000 records); here a record
+   costs its four attribute reads, a buffer export and the copy. */
+
+#define BLOCK_HDR 14
+#define RECORD_HDR 33
+
+typedef struct {
+    int64_t sid, base, count;
+    Py_buffer buf;
+} rec_t;
+
+typedef struct {
+    int64_t sid, start, end, count;
+} run_t;
+
+static PyObject *s_stream_id, *s_base_offset, *s_count, *s_payload;
+
+static inline void put_be64(unsigned char *p, uint64_t v) {
+    for (int i = 7; i >= 0; i--) { p[i] = (unsigned char)v; v >>= 8; }
+}
+static inline void put_be32(unsigned char *p, uint32_t v) {
+    p[0] = (unsigned char)(v >> 24); p[1] = (unsigned char)(v >> 16);
+    p[2] = (unsigned char)(v >> 8); p[3] = (unsigned char)v;
+}
+
+static int get_i64(PyObject *obj, PyObject *name, int64_t *out) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    long long x = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    *out = (int64_t)x;
+    return 0;
+}
+
+/* stream id and base offset of records[i]: the sort check's key */
+static int record_key(PyObject *rec, int64_t *sid, int64_t *base) {
+    if (get_i64(rec, s_stream_id, sid) < 0) return -1;
+    return get_i64(rec, s_base_offset, base);
+}
+
+static void release_recs(rec_t *recs, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) PyBuffer_Release(&recs[i].buf);
+}
+
+/* write the gathered records of one block at out + pos (header first) and return the CRC of
+   the body; touches no Python object (runs with the GIL released when asked) */
+static uint32_t write_block(unsigned char *out, Py_ssize_t pos, rec_t *recs, Py_ssize_t n,
+                            Py_ssize_t body) {
+    unsigned char *p = out + pos + BLOCK_HDR;
+    uint32_t crc = ~0u;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        rec_t *r = &recs[i];
+        p[0] = 0x22;
+        put_be64(p + 1, (uint64_t)r->sid);
+        put_be64(p + 9, 0);
+        put_be64(p + 17, (uint64_t)r->base);
+        put_be32(p + 25, (uint32_t)(int32_t)(r->count - 1));
+        put_be32(p + 29, (uint32_t)r->buf.len);
+        crc = crc_hw(crc, p, RECORD_HDR);
+        p += RECORD_HDR;
+        crc = copy_crc_raw(p, (const unsigned char *)r->buf.buf, (size_t)r->buf.len, crc);
+        p += r->buf.len;
+    }
+    crc = ~crc;
+    unsigned char *h = out + pos;
+    h[0] = 0x5A;
+    h[1] = 0;
+    put_be32(h + 2, (uint32_t)n);
+    put_be32(h + 6, (uint32_t)body);
+    put_be32(h + 10, crc);
+    return crc;
+}
+
+PyDoc_STRVAR(encode_blocks_doc,
+"encode_blocks(out, at, records, start, block_size, min_records, nogil) -> (next, at, index)\n\n"
+"Encode records[start:] as whole data blocks into the writable buffer `out` from `at` on (the\n"
+"byte layout of storage.objects.format.ObjectEncoder: a block closes once its body reaches\n"
+"block_size, and after the last record), stopping after the block in which `min_records`\n"
+"records were reached (0: every record). Records are any objects with integer stream_id,\n"
+"base_offset, count and a bytes-like payload, sorted by (stream_id, base_offset) (ValueError\n"
+"if not). `nogil`: copy and checksum each block with the interpreter lock released (for a\n"
+"worker thread). Returns the next record's index, the next write position and the blocks'\n"
+"index entries as tuples (stream id, start, end, record count, block position, block size).");
+
+static PyObject *encode_blocks(PyObject *self, PyObject *args) {
+    PyObject *out_obj, *list;
+    Py_ssize_t at, start, block_size, min_records;
+    int nogil;
+    if (!PyArg_ParseTuple(args, "OnO!nnnp:encode_blocks", &out_obj, &at, &PyList_Type, &list,
+                          &start, &block_size, &min_records, &nogil))
+        return NULL;
+    if (start < 0 || start > PyList_GET_SIZE(list) || at < 0) {
+        PyErr_SetString(PyExc_ValueError, "encode_blocks: start or at out of range");
+        return NULL;
+    }
+    Py_buffer out;
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    PyObject *index = PyList_New(0);
+    Py_ssize_t cap = 64, nrec = 0, rcap = 8, nrun = 0;
+    rec_t *recs = PyMem_Malloc(cap * sizeof(rec_t));
+    run_t *runs = PyMem_Malloc(rcap * sizeof(run_t));
+    Py_ssize_t i = start, done = 0;
+    int64_t last_sid = 0, last_base = 0;
+    int have_last = 0;
+    if (index == NULL || recs == NULL || runs == NULL) {
+        if (index != NULL) PyErr_NoMemory();
+        goto fail;
+    }
+    if (start > 0) {
+        if (record_key(PyList_GET_ITEM(list, start - 1), &last_sid, &last_base) < 0) goto fail;
+        have_last = 1;
+    }
+    unsigned char *obuf = (unsigned char *)out.buf;
+    /* the list's size is read each time: an attribute read may run Python code */
+    while (i < PyList_GET_SIZE(list) && (min_records <= 0 || done < min_records)) {
+        Py_ssize_t pos = at, body = 0;
+        if (pos > out.len - BLOCK_HDR) goto too_small;
+        nrec = nrun = 0;
+        while (i < PyList_GET_SIZE(list) && (body < block_size || nrec == 0)) {
+            PyObject *item = PyList_GET_ITEM(list, i);
+            if (nrec == cap) {
+                rec_t *more = PyMem_Realloc(recs, 2 * cap * sizeof(rec_t));
+                if (more == NULL) { PyErr_NoMemory(); goto fail_block; }
+                recs = more;
+                cap *= 2;
+            }
+            rec_t *r = &recs[nrec];
+            Py_INCREF(item);
+            PyObject *payload = NULL;
+            if (record_key(item, &r->sid, &r->base) < 0 || get_i64(item, s_count, &r->count) < 0
+                    || (payload = PyObject_GetAttr(item, s_payload)) == NULL) {
+                Py_DECREF(item);
+                goto fail_block;
+            }
+            Py_DECREF(item);
+            if (have_last && (r->sid < last_sid || (r->sid == last_sid && r->base < last_base))) {
+                PyErr_SetString(PyExc_ValueError, "records must be sorted by stream and offset");
+                Py_DECREF(payload);
+                goto fail_block;
+            }
+            if (r->count - 1 < INT32_MIN || r->count - 1 > INT32_MAX) {
+                PyErr_SetString(PyExc_ValueError, "encode_blocks: record count out of range");
+                Py_DECREF(payload);
+                goto fail_block;
+            }
+            last_sid = r->sid;
+            last_base = r->base;
+            have_last = 1;
+            int got = PyObject_GetBuffer(payload, &r->buf, PyBUF_C_CONTIGUOUS);
+            Py_DECREF(payload);           /* the export keeps its memory alive */
+            if (got < 0) goto fail_block;
+            nrec++;
+            if ((uint64_t)r->buf.len > UINT32_MAX ||
+                    r->buf.len > out.len - pos - BLOCK_HDR - body - RECORD_HDR) {
+                if ((uint64_t)r->buf.len > UINT32_MAX) {
+                    PyErr_SetString(PyExc_ValueError, "encode_blocks: payload over 4 GiB");
+                    goto fail_block;
+                }
+                goto too_small_block;
+            }
+            body += RECORD_HDR + r->buf.len;
+            if (nrun && runs[nrun - 1].sid == r->sid) {
+                runs[nrun - 1].end = r->base + r->count;
+                runs[nrun - 1].count++;
+            } else {
+                if (nrun == rcap) {
+                    run_t *more = PyMem_Realloc(runs, 2 * rcap * sizeof(run_t));
+                    if (more == NULL) { PyErr_NoMemory(); goto fail_block; }
+                    runs = more;
+                    rcap *= 2;
+                }
+                runs[nrun++] = (run_t){r->sid, r->base, r->base + r->count, 1};
+            }
+            i++;
+            done++;
+        }
+        if (body > INT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "encode_blocks: block over 2 GiB");
+            goto fail_block;
+        }
+        if (nogil) {
+            Py_BEGIN_ALLOW_THREADS
+            write_block(obuf, pos, recs, nrec, body);
+            Py_END_ALLOW_THREADS
+        } else {
+            write_block(obuf, pos, recs, nrec, body);
+        }
+        release_recs(recs, nrec);
+        nrec = 0;
+        at = pos + BLOCK_HDR + body;
+        for (Py_ssize_t k = 0; k < nrun; k++) {
+            PyObject *e = Py_BuildValue("(LLLLnn)", (long long)runs[k].sid,
+                                        (long long)runs[k].start, (long long)runs[k].end,
+                                        (long long)runs[k].count, pos, BLOCK_HDR + body);
+            if (e == NULL || PyList_Append(index, e) < 0) {
+                Py_XDECREF(e);
+                goto fail;
+            }
+            Py_DECREF(e);
+        }
+    }
+    PyMem_Free(recs);
+    PyMem_Free(runs);
+    PyBuffer_Release(&out);
+    PyObject *res = Py_BuildValue("(nnN)", i, at, index);
+    return res;
+
+too_small_block:
+    PyErr_SetString(PyExc_ValueError, "encode_blocks: the output buffer is too small");
+fail_block:
+    release_recs(recs, nrec);
+    goto fail;
+too_small:
+    PyErr_SetString(PyExc_ValueError, "encode_blocks: the output buffer is too small");
+fail:
+    PyMem_Free(recs);
+    PyMem_Free(runs);
+    Py_XDECREF(index);
+    PyBuffer_Release(&out);
+    return NULL;
+}
+
+PyDoc_STRVAR(object_size_steps_doc,
+"object_size_steps(records, block_size, start, stop, state) -> state\n\n"
+"storage.objects.format.object_size_steps over records[start:stop], continuing from `state`\n"
+"= (total, index entries, bytes in the open block or -1, the open run's stream id or None);\n"
+"payload sizes are len(payload).");
+
+static PyObject *object_size_steps(PyObject *self, PyObject *args) {
+    PyObject *list, *last_obj;
+    Py_ssize_t block_size, start, stop;
+    long long total, entries, block;
+    if (!PyArg_ParseTuple(args, "O!nnn(LLLO):object_size_steps", &PyList_Type, &list,
+                          &block_size, &start, &stop, &total, &entries, &block, &last_obj))
+        return NULL;
+    int64_t last = 0;
+    int have_last = last_obj != Py_None;
+    if (have_last) {
+        last = PyLong_AsLongLong(last_obj);
+        if (last == -1 && PyErr_Occurred()) return NULL;
+    }
+    for (Py_ssize_t i = start < 0 ? 0 : start; i < stop && i < PyList_GET_SIZE(list); i++) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        int64_t sid;
+        Py_INCREF(item);
+        PyObject *payload = get_i64(item, s_stream_id, &sid) < 0 ? NULL :
+            PyObject_GetAttr(item, s_payload);
+        Py_DECREF(item);
+        if (payload == NULL) return NULL;
+        Py_ssize_t n = PyObject_Length(payload);
+        Py_DECREF(payload);
+        if (n < 0) return NULL;
+        if (block < 0) {
+            block = 0;
+            have_last = 0;
+        }
+        block += RECORD_HDR + n;
+        if (!have_last || sid != last) {
+            entries++;
+            last = sid;
+            have_last = 1;
+        }
+        if (block >= block_size) {
+            total += BLOCK_HDR + block;
+            block = -1;
+        }
+    }
+    if (have_last)
+        return Py_BuildValue("(LLLL)", total, entries, block, (long long)last);
+    return Py_BuildValue("(LLLO)", total, entries, block, Py_None);
+}
+
 PyDoc_STRVAR(crc_doc,
 "crc(data, value=0) -> int\n\nCRC-32C of `data` continued from `value` (for tests).");
 
@@ -454,6 +733,8 @@ static PyMethodDef methods[] = {
     {"copy_crc_split", copy_crc_split, METH_VARARGS, copy_crc_split_doc},
     {"crc", crc, METH_VARARGS, crc_doc},
     {"read_pieces", read_pieces, METH_VARARGS, read_pieces_doc},
+    {"encode_blocks", encode_blocks, METH_VARARGS, encode_blocks_doc},
+    {"object_size_steps", object_size_steps, METH_VARARGS, object_size_steps_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -495,6 +776,11 @@ PyMODINIT_FUNC PyInit__copycrc(void) {
     for (int k = 1; k < 32; k++) x2n_table[k] = x = multmodp(x, x);
     zeros_tables(long_shift, LONG_LANE);
     zeros_tables(short_shift, SHORT_LANE);
+    s_stream_id = PyUnicode_InternFromString("stream_id");
+    s_base_offset = PyUnicode_InternFromString("base_offset");
+    s_count = PyUnicode_InternFromString("count");
+    s_payload = PyUnicode_InternFromString("payload");
+    if (!s_stream_id || !s_base_offset || !s_count || !s_payload) return NULL;
     have_hw = cpu_has_sse42() && self_test(copy_crc_scalar);
     if (have_hw && cpu_has_avx2() && self_test(copy_crc_stream))
         copy_crc_raw = copy_crc_stream;

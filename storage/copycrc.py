@@ -57,6 +57,10 @@ def _copy_crc_split_py(dst, offset: int, src, value: int, split: int) -> tuple[i
 
 
 copy_crc = _copycrc.copy_crc if NATIVE else _copy_crc_py
+# the object encoder's per-record work in C (storage/objects/format.py uses them when present;
+# None without the extension or with a stale in-place build that predates them)
+encode_blocks = getattr(_copycrc, "encode_blocks", None)
+object_size_steps = getattr(_copycrc, "object_size_steps", None)
 # an extension built in place before copy_crc_split existed (a worktree's stale build) lacks
 # it: the split copy then runs as two copy_crc calls and a pass over the tail
 copy_crc_split = getattr(_copycrc, "copy_crc_split", None) or _copy_crc_split_py

@@ -87,6 +87,6 @@ def encode_object_into(records: list[Record], block_size: int = DEFAULT_BLOCK_SI
     """encode_object() at once, for a worker thread: only for large records, whose copies
     (ObjectEncoder, from NOGIL_COPY_FROM bytes) and block CRCs release the GIL, so the thread
     holds it for a few microseconds per record rather than for the whole object."""
-    enc = ObjectEncoder(records, block_size, into)
+    enc = ObjectEncoder(records, block_size, into, release_gil=True)
     enc.encode()
     return enc.finish()

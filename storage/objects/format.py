@@ -28,6 +28,7 @@ from typing import Callable, Generator, Iterable, Iterator, NamedTuple, Union
 
 import crc32c
 
+from .. import copycrc as _native
 from ..copycrc import NATIVE as COPY_CRC_NATIVE, copy_crc
 
 BLOCK_MAGIC = 0x5A
@@ -49,6 +50,9 @@ NOGIL_COPY_FROM = 64 << 10
 # are added; smaller ones are copied by slice and the block's CRC covers them when it closes
 FUSED_COPY_FROM = 4096 if COPY_CRC_NATIVE else 1 << 62
 MMAP_FROM = 1 << 20                 # encoded objects from this size live in an anonymous mmap
+# records the C encoder (storage._copycrc.encode_blocks) adds between two clock reads of a
+# sliced encode: it stops at the end of the block where this many were reached (~0.2 us each)
+NATIVE_CHECK_EVERY = 256
 Buffer = Union[bytearray, mmap.mmap]
 
 
@@ -100,13 +104,16 @@ class ObjectEncoder:
     GIL for the whole object."""
 
     def __init__(self, records: list[Record], block_size: int = DEFAULT_BLOCK_SIZE,
-                 into: Buffer | None = None, size: int | None = None) -> None:
+                 into: Buffer | None = None, size: int | None = None,
+                 release_gil: bool = False) -> None:
         """``into``: a buffer to encode into (its first bytes become the object, returned as a
         memoryview of them) instead of a fresh one: the engine reuses one across uploads, as
         fresh memory costs a page fault per 4 KiB (~0.5 ms per MiB on this VM). ``size``:
         ``object_size(records, block_size)`` when the caller computed it already (the engine
         does, in slices on the loop: a pass over tens of thousands of records). Records may
-        be any objects with Record's fields (the engine passes its cache entries)."""
+        be any objects with Record's fields (the engine passes its cache entries).
+        ``release_gil``: the C encoder copies each block with the interpreter lock released
+        (an encode on a worker thread; on the event loop that would only add hand-offs)."""
         self.block_size = block_size
         if size is None:
             size = object_size(records, block_size)
@@ -114,7 +121,13 @@ class ObjectEncoder:
             self.out: Buffer | memoryview = memoryview(into)[:size]
         else:
             self.out = _zeroed_buffer(size)
+        if not isinstance(records, list):
+            records = list(records)
         self._records = records
+        # the C encoder when built (whole blocks per call, no per-record Python); ``_add``
+        # below is the same layout in Python (the fallback, and the reference of the tests)
+        self._native = _native.encode_blocks
+        self._release_gil = release_gil
         self._next = 0                      # records[_next:] are still to be added
         self.index: list[IndexEntry] = []
         self._ranges: dict[int, StreamRange] = {}
@@ -131,6 +144,17 @@ class ObjectEncoder:
         """Add the remaining records, or (with ``until``) at least one and then stop once
         ``clock()`` reaches it; True when every record is in."""
         records, add = self._records, self._add
+        native = self._native
+        if native is not None:
+            while self._next < len(records):
+                self._next, self._at, entries = native(
+                    self.out, self._at, records, self._next, self.block_size,
+                    NATIVE_CHECK_EVERY if until is not None else 0, self._release_gil)
+                for entry in entries:
+                    self._index_entry(IndexEntry(*entry))
+                if until is not None and clock() >= until:
+                    break
+            return self._next >= len(records)
         while self._next < len(records):
             add(records[self._next])
             self._next += 1
@@ -176,6 +200,15 @@ class ObjectEncoder:
             rng.end_offset = r.end_offset
         if self._at - self._block_pos - BLOCK_HEADER.size >= self.block_size:
             self._close_block()
+
+    def _index_entry(self, e: IndexEntry) -> None:
+        """Note a closed block's run of one stream (the index and the object's ranges)."""
+        self.index.append(e)
+        rng = self._ranges.get(e.stream_id)
+        if rng is None:
+            self._ranges[e.stream_id] = StreamRange(e.stream_id, e.start_offset, e.end_offset)
+        else:
+            rng.end_offset = e.end_offset
 
     def _close_block(self) -> None:
         if not self._block_records:
@@ -240,6 +273,19 @@ def object_size_steps(records: list[Record], block_size: int,
     returns the size: the event loop's sliced sizing (loop_slices.object_size_in_slices)
     runs the same block-closing rule as encode_object."""
     rec_hdr, blk_hdr = RECORD_HEADER.size, BLOCK_HEADER.size
+    native = _native.object_size_steps
+    if native is not None and isinstance(records, list):
+        # the same pass in C (storage._copycrc), ``every`` records per call
+        state: tuple[int, int, int, int | None] = (0, 0, -1, None)
+        step = every or len(records)
+        for i in range(0, len(records), step or 1):
+            state = native(records, block_size, i, i + step, state)
+            if every:
+                yield
+        total, entries, block, _ = state
+        if block >= 0:
+            total += blk_hdr + block
+        return total + entries * INDEX_ENTRY.size + FOOTER.size
     total = 0
     entries = 0
     block = -1                          # bytes in the open block; -1: none open

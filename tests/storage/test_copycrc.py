@@ -12,6 +12,7 @@ import time
 
 import crc32c
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from storage import copycrc
 from storage.objects.format import Record, decode_object, encode_object
@@ -167,3 +168,85 @@ print("OK")
     assert out.stdout.strip() == "OK"
     warnings = [ln for ln in out.stderr.splitlines() if ln.startswith("WARNING")]
     assert len(warnings) == 1 and "storage._copycrc not built" in warnings[0], out.stderr
+
+
+def _encode(monkeypatch, native, records, block_size, c: bool, sliced: bool = False,
+            release_gil: bool = False):
+    """(bytes, index, ranges) of one object, by the C encoder (``c``) or the Python one."""
+    from storage.objects import format as fmt
+    monkeypatch.setattr(copycrc, "encode_blocks", native.encode_blocks if c else None)
+    monkeypatch.setattr(copycrc, "object_size_steps", native.object_size_steps if c else None)
+    enc = fmt.ObjectEncoder(records, block_size, release_gil=release_gil)
+    if sliced:       # a clock always past the deadline: one call (one block or more) per step
+        while not enc.encode(until=0.0, clock=lambda: 1.0):
+            pass
+    else:
+        enc.encode()
+    data, index, ranges = enc.finish()
+    return bytes(data), index, [(r.stream_id, r.start_offset, r.end_offset) for r in ranges]
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 5),
+                          st.sampled_from([0, 1, 7, 33, 100, 1400, 4097, 70_000])), max_size=60),
+       st.sampled_from([1, 64, 1024, 4096, 65536, 512 << 10]), st.booleans(), st.booleans(),
+       st.integers(0, 2 ** 32 - 1))
+def test_c_encoder_writes_the_python_encoders_bytes(monkeypatch_session, native, shape,
+                                                     block_size, sliced, release_gil, seed):
+    """The C encoder (storage._copycrc.encode_blocks, whole blocks per call) writes the same
+    object, index and ranges as the Python one for any mix of streams, counts, payload sizes
+    (bytes, and views into larger frames as the LogCache holds them) and block sizes, whole
+    or in slices, with the interpreter lock held or released; and the C size pass agrees."""
+    from storage.cache.log_cache import CacheEntry
+    from storage.objects import format as fmt
+    rnd = random.Random(seed)
+    recs, offs = [], {}
+    for i, (sid, count, n) in enumerate(sorted(shape, key=lambda t: t[0])):
+        off = offs.get(sid, 0) + rnd.randrange(3)          # gaps between records too
+        payload = rnd.randbytes(n)
+        if i % 3 == 1:
+            payload = memoryview(bytearray(b"x" * 5) + payload + b"y")[5:5 + n]
+        recs.append(CacheEntry(sid, off, count, payload) if i % 2 else
+                    Record(sid, off, count, payload))
+        offs[sid] = off + count
+    want = _encode(monkeypatch_session, native, recs, block_size, c=False)
+    got = _encode(monkeypatch_session, native, recs, block_size, c=True, sliced=sliced,
+                  release_gil=release_gil)
+    assert got[0] == want[0]
+    assert got[1] == want[1] and got[2] == want[2]
+    assert [tuple(r) for r in decode_object(got[0])] == \
+        [(r.stream_id, r.base_offset, r.count, r.payload) for r in recs]
+    monkeypatch_session.setattr(copycrc, "object_size_steps", native.object_size_steps)
+    assert fmt.object_size(recs, block_size) == len(want[0])
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_session():
+    """A monkeypatch that hypothesis' repeated examples may share (undone at module end)."""
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_c_encoder_refuses_bad_input_with_clear_errors(native):
+    """Unsorted records, a buffer too small, a payload that is no buffer, a count that does
+    not fit the header: a ValueError/TypeError, never a crash or a write past the buffer."""
+    recs = [Record(1, 10, 1, b"a" * 100), Record(1, 5, 1, b"b")]
+    with pytest.raises(ValueError, match="sorted"):
+        native.encode_blocks(bytearray(1000), 0, recs, 0, 1024, 0, False)
+    # the sort check also looks back at the record before ``start``
+    with pytest.raises(ValueError, match="sorted"):
+        native.encode_blocks(bytearray(1000), 0, recs, 1, 1024, 0, False)
+    guard = bytearray(b"\xee" * 200)
+    out = memoryview(guard)[:150]
+    with pytest.raises(ValueError, match="too small"):
+        native.encode_blocks(out, 0, [Record(1, 0, 1, b"z" * 120)], 0, 1024, 0, False)
+    out.release()
+    assert guard[150:] == b"\xee" * 50
+    with pytest.raises(TypeError):
+        native.encode_blocks(bytearray(1000), 0, [Record(1, 0, 1, "text")], 0, 1024, 0, False)
+    with pytest.raises(ValueError, match="count"):
+        native.encode_blocks(bytearray(1000), 0, [Record(1, 0, 1 << 40, b"x")], 0, 1024, 0,
+                             False)
+    with pytest.raises(BufferError):
+        native.encode_blocks(b"read-only" * 100, 0, [Record(1, 0, 1, b"x")], 0, 1024, 0, False)

@@ -4,9 +4,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable
 
+from storage import copycrc
 from storage.cache.log_cache import CacheEntry
 from storage.loop_slices import CHECK_EVERY, encode_object_in_slices, object_size_in_slices
-from storage.objects.format import Record, encode_object, object_size
+from storage.objects.format import NATIVE_CHECK_EVERY, Record, encode_object, object_size
 
 
 def _records(n: int) -> list[Record]:
@@ -35,13 +36,16 @@ async def _turns_during(work: Awaitable[Any]) -> tuple[int, Any]:
 
 
 async def test_sliced_encode_yields_to_the_loop_and_matches_encode_object() -> None:
-    """With a zero slice the encoder yields after every record: a task that counts loop turns
-    must get about one turn per record (without yields it would get none until the encode is
+    """With a zero slice the encoder yields after every step - a record in Python, the
+    block in which NATIVE_CHECK_EVERY records were reached in C: a task that counts loop turns
+    must get about one turn per step (without yields it would get none until the encode is
     over), and the bytes are those of encode_object."""
-    recs = _records(200)
+    recs = _records(2000)
     during, (data, index, ranges) = await _turns_during(
         encode_object_in_slices(recs, 4096, slice_s=0.0))
-    assert during >= len(recs) - 1
+    # 6 records of 700 B fill a 4 KiB block
+    step = NATIVE_CHECK_EVERY + 6 if copycrc.encode_blocks is not None else 1
+    assert during >= len(recs) // step - 1
     want, want_index, want_ranges = encode_object(recs, 4096)
     assert bytes(data) == bytes(want)
     assert index == want_index
@@ -154,6 +158,8 @@ async def test_sliced_encode_waits_what_pause_asks_after_each_slice() -> None:
         return 0.002
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    data, _, _ = await encode_object_in_slices(_records(20), 4096, slice_s=0.0, pause=pause)
+    # C: a step ends at the block where NATIVE_CHECK_EVERY records were reached
+    n = 20 * (NATIVE_CHECK_EVERY + 6) if copycrc.encode_blocks is not None else 20
+    data, _, _ = await encode_object_in_slices(_records(n), 4096, slice_s=0.0, pause=pause)
     assert len(asked) >= 19 and loop.time() - t0 >= 19 * 0.002
-    assert bytes(data) == bytes(encode_object(_records(20), 4096)[0])
+    assert bytes(data) == bytes(encode_object(_records(n), 4096)[0])
