@@ -746,6 +746,23 @@ def test_split_records_cuts_like_the_one_record_at_a_time_rule() -> None:
         assert _split_records(recs, limit) == reference(recs, limit)
 
 
+async def test_payload_sums_in_slices_cut_like_the_one_pass() -> None:
+    """The upload sums payload sizes chunk by chunk with yields in between (one pass over an
+    upload's ~46,000 entries was a 3-5 ms loop stall): the same running sums, the same parts."""
+    import itertools
+    import random
+
+    from storage import engine as E
+    from storage.objects.format import Record
+
+    rnd = random.Random(5)
+    for n in (0, 1, E.GROUP_CHUNK - 1, E.GROUP_CHUNK, 3 * E.GROUP_CHUNK + 7):
+        recs = [Record(1, i, 1, b"x" * rnd.choice([0, 3, 1400, 9000])) for i in range(n)]
+        cum = await E._payload_cumsum(recs)
+        assert cum == list(itertools.accumulate(len(r.payload) for r in recs))
+        assert E._split_records(recs, 20_000, cum=cum) == E._split_records(recs, 20_000)
+
+
 async def test_a_stream_written_elsewhere_after_start_is_known_stale(tmp_path) -> None:
     """A partition handed to a broker while it starts: the broker's engine loaded the stream
     before the other node's last commits, so its view ends early. Opening that view appended
