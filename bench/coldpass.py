@@ -10,8 +10,10 @@ directory) with its extra flags and reads everything once from the log start thr
 store (bench.rawload's cold pass: one connection per partition, 8 MiB Fetch answers). Every pass
 reads the same objects, so variants differ only in code and flags; alternating them spreads the
 other processes' load over all (the shared development VM: single passes moved 2x). Printed per
-pass: MB/s, MiB read, the broker's CPU per MiB (all threads; of it the event loop's thread) and
-the bench process's own (the client). ``--data-dir`` keeps the data for another run (the topic is reused when it exists).
+pass: MB/s, MiB read, the broker's CPU per MiB (all threads; of it the event loop's thread), the
+bench process's own (the client), and the data disk's busy share and read MB/s over the pass
+(/proc/diskstats, every process: on a quiet machine a busy share near 100 % says the pass is
+bound by the device, not by CPU). ``--data-dir`` keeps the data for another run (the topic is reused when it exists).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import argparse
 import os
 import time
 
-from . import common, profile, rawload
+from . import catchup, common, profile, rawload
 from .common import BrokerProc, create_topic
 
 
@@ -47,6 +49,8 @@ def main() -> None:
         os.makedirs(a.data_dir, exist_ok=True)
     broker = BrokerProc(["--wal-capacity", str(1 << 30)], data_dir=a.data_dir)
     base = list(broker.args)
+    dev = catchup.device_of(broker.data_dir)
+    nan = float("nan")
 
     def start(tree: str, flags: list[str]) -> None:
         common.REPO = tree                   # BrokerProc.start's working directory
@@ -78,16 +82,21 @@ def main() -> None:
                 host, port = broker.bootstrap.rsplit(":", 1)
                 cpu0, cl0 = rawload.process_cpu_s(broker.pid), time.process_time()
                 loop0 = _loop_cpu_s(broker.pid)
+                disk0, t0 = catchup.disk_counters(dev), time.monotonic()
                 ft = rawload._run(rawload._fetch, host, int(port), topic, conns, a.fetch_seconds,
                                   [lo for lo, _ in marks], 8 << 20, False)
                 cpu, cl = rawload.process_cpu_s(broker.pid) - cpu0, time.process_time() - cl0
                 loop = _loop_cpu_s(broker.pid) - loop0
+                disk1, wall = catchup.disk_counters(dev), time.monotonic() - t0
+                busy = (disk1.get("disk busy ms", nan) - disk0.get("disk busy ms", nan)) / wall / 10
+                rd = (disk1.get("disk read sectors", nan)
+                      - disk0.get("disk read sectors", nan)) * 512 / wall / 1e6
                 mib = ft["bytes"] / (1 << 20)
                 mb_s = ft["bytes"] / ft["elapsed"] / 1e6
                 results.setdefault(name, []).append(mb_s)
                 print(f"round {r} {name:10s} {mb_s:7.0f} MB/s {mib:6.0f} MiB in {ft['elapsed']:.2f} s"
                       f"  broker {cpu * 1e3 / mib:.3f} ms/MiB (loop {loop * 1e3 / mib:.3f})  client {cl * 1e3 / mib:.3f} ms/MiB"
-                      f"  load {os.getloadavg()[0]:.1f}", flush=True)
+                      f"  disk busy {busy:.0f} % read {rd:.0f} MB/s  load {os.getloadavg()[0]:.1f}", flush=True)
     finally:
         broker.close()
     for name, v in results.items():
