@@ -88,8 +88,11 @@ class ObjectStore(abc.ABC):
 FILE_WRITE_CHUNK = 1 << 20
 # ... and of this size while the engine uploads small records in the background
 # (FileObjectStore.gentle_writes): a WAL write on the same disk then queues behind at most
-# 256 KiB of object data instead of 1 MiB per put in flight (bench/HISTORY.md, session 15)
-GENTLE_WRITE_CHUNK = 256 << 10
+# 64 KiB of object data instead of 1 MiB per put in flight (bench/HISTORY.md, sessions 15 and
+# 17: on this VM's one-request-at-a-time virtio disk a 4 KiB dsync write that met a 256 KiB
+# piece in flight took p50 0.24-1.1 ms, p90 1.7-27 ms; one that met a 64 KiB piece p50
+# 0.14-0.22, p90 0.5-2.5 ms, `python -m bench.collide --write`; a piece ~0.09 ms, ~700 MB/s)
+GENTLE_WRITE_CHUNK = 64 << 10
 # ... and read in pieces of this size (see FileObjectStore.get).
 FILE_READ_CHUNK = 1 << 20
 # most bytes of neighbouring blocks get_ranges reads at once, into one pool buffer
@@ -171,7 +174,8 @@ class FileObjectStore(ObjectStore):
         While ``gentle_writes()`` (the engine uploads small records in the background, nothing
         waits for the upload) the pieces are GENTLE_WRITE_CHUNK: with 1 MiB pieces a 4 KiB
         O_DSYNC write beside two puts waited p50 2.8-3.5 ms instead of 0.4 (256 KiB: 0.8-0.9
-        ms; put bandwidth ~25 % lower, far more than such an upload needs)."""
+        ms; put bandwidth ~25 % lower, far more than such an upload needs; 64 KiB since
+        session 17, see GENTLE_WRITE_CHUNK)."""
         chunk = GENTLE_WRITE_CHUNK if self.gentle_writes is not None and \
             self.gentle_writes() else FILE_WRITE_CHUNK
         path = self._path(key)
