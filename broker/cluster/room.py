@@ -160,7 +160,8 @@ class ClusterRoom:
         loop = asyncio.get_running_loop()
         # a change committed by any broker wakes the watch loop at once (changes.py)
         self._changes = ChangeWatch(str(self.broker.config.metadata_url),
-                                    lambda: loop.call_soon_threadsafe(self._wake.set)).start()
+                                    lambda: loop.call_soon_threadsafe(self._wake.set)
+                                    ).start(loop)
         self._tasks = [asyncio.create_task(self._heartbeat_loop(), name="cluster-heartbeat"),
                        asyncio.create_task(self._watch_loop(), name="cluster-watch")]
 
@@ -184,7 +185,10 @@ class ClusterRoom:
     async def stop(self) -> None:
         self._stopping = True
         if self._changes is not None:
-            await asyncio.to_thread(self._changes.stop)
+            if self._changes.on_loop:
+                self._changes.stop()          # polls on this loop: closes at once
+            else:
+                await asyncio.to_thread(self._changes.stop)
         electing = [self._electing] if self._electing is not None else []
         for t in list(self._tasks) + list(self._takeovers.values()) + electing:
             t.cancel()
