@@ -250,3 +250,45 @@ def test_c_encoder_refuses_bad_input_with_clear_errors(native):
                              False)
     with pytest.raises(BufferError):
         native.encode_blocks(b"read-only" * 100, 0, [Record(1, 0, 1, b"x")], 0, 1024, 0, False)
+
+
+def test_write_pieces_writes_in_pieces_and_stops_where_python_would(tmp_path) -> None:
+    """storage._copycrc.write_pieces (the O_DIRECT object writes, storage/objects/store.py):
+    every byte goes out in writes of at most ``chunk`` bytes, in order (a SEQPACKET socket
+    keeps each write apart); O_DIRECT refusing a misaligned buffer (EINVAL) returns what was
+    written so far (0) for the caller's page-cache fallback; other errors raise OSError."""
+    import errno
+    import mmap
+    import socket
+
+    native = pytest.importorskip("storage._copycrc")
+    if not hasattr(native, "write_pieces"):
+        pytest.skip("storage._copycrc built before write_pieces")
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        data = os.urandom(10_000)
+        assert native.write_pieces(a.fileno(), memoryview(data), 4096, 1) == len(data)
+        got = [b.recv(65536) for _ in range(3)]
+        assert [len(g) for g in got] == [4096, 4096, 1808]
+        assert b"".join(got) == data
+        assert native.write_pieces(a.fileno(), b"", 4096, 1) == 0
+    finally:
+        a.close()
+        b.close()
+    path = tmp_path / "direct"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+    except OSError:
+        pytest.skip("no O_DIRECT on this file system")
+    buf = mmap.mmap(-1, 3 << 20)
+    try:
+        assert native.write_pieces(fd, memoryview(buf)[1:(1 << 20) + 1], 1 << 20, 4096) == 0
+        assert native.write_pieces(fd, memoryview(buf)[:3 << 20], 1 << 20, 4096) == 3 << 20
+        assert os.fstat(fd).st_size == 3 << 20
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as e:
+        native.write_pieces(fd, b"x" * 10, 4, 1)          # closed: EBADF, not swallowed
+    assert e.value.errno == errno.EBADF
+    with pytest.raises(ValueError):
+        native.write_pieces(1, b"x", 0, 1)
