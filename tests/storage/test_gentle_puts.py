@@ -26,6 +26,14 @@ def _watch_puts(eng, monkeypatch):
         writes.append(n)
         return n
     monkeypatch.setattr(store_mod.os, "write", write)
+    real_pieces = store_mod._write_pieces
+    if real_pieces is not None:     # the native O_DIRECT writes: full pieces, then the rest
+
+        def pieces(fd, data, chunk, align):
+            n = real_pieces(fd, data, chunk, align)
+            writes.extend([chunk] * (n // chunk) + ([n % chunk] if n % chunk else []))
+            return n
+        monkeypatch.setattr(store_mod, "_write_pieces", pieces)
     lock = threading.Lock()
     state = {"now": 0, "most": 0}
     real_put = eng.store.put
