@@ -58,18 +58,29 @@ def produce(bootstrap: str, topic: str, values: list[bytes], partition: int = 0,
 
 
 def consume_all(bootstrap: str, topic: str, expect: int | None = None, partition: int = 0,
-                timeout: float = 60, start: int = 0) -> list[tuple[int, bytes]]:
+                timeout: float = 60, start: int = 0,
+                at_least: int = 0) -> list[tuple[int, bytes]]:
     """(offset, value) of every record from the start until ``expect`` were read (None: up
-    to the high watermark)."""
+    to the high watermark, once it shows at least ``at_least`` records).
+
+    ``at_least``: after a restart the read_committed high watermark (the LSO) stays at the
+    start of a producer-state replay that runs in the background, so a watermark read at once
+    can show fewer records than were acknowledged; waiting for ``len(acked)`` tells that
+    apart from lost records (the wait ends at the deadline and the check then fails)."""
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"g-{time.time_ns()}",
                   "enable.auto.commit": False, "auto.offset.reset": "earliest",
                   "fetch.max.bytes": 1 << 20})
+    deadline = time.monotonic() + timeout
     if expect is None:
-        low, high = c.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
-        expect = high - max(low, start)
+        tp = TopicPartition(topic, partition)
+        while True:
+            low, high = c.get_watermark_offsets(tp, timeout=10)
+            expect = high - max(low, start)
+            if expect >= at_least or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
     c.assign([TopicPartition(topic, partition, start)])
     out: list[tuple[int, bytes]] = []
-    deadline = time.monotonic() + timeout
     try:
         while len(out) < expect and time.monotonic() < deadline:
             m = c.poll(0.5)

@@ -72,7 +72,7 @@ def test_kill9_at_crash_points(point, broker_factory) -> None:
     b.start()
     assert not any((b.data_dir / "objects" / k).exists() for k in orphans), \
         "uncommitted objects are deleted at start"
-    recs = consume_all(b.bootstrap, "c", timeout=60)
+    recs = consume_all(b.bootstrap, "c", timeout=60, at_least=len(acked))
     check_log(recs, acked)
     # and the restarted broker keeps going
     more = produce(b.bootstrap, "c", _values(100, "after"))

@@ -69,7 +69,7 @@ def test_s3_outage_30s(broker_factory, s3_endpoint) -> None:
     b.stop()
     os.unlink(b.data_dir / "wal")          # everything must now be in the object store
     b.start()
-    recs = consume_all(b.bootstrap, "o", timeout=120)
+    recs = consume_all(b.bootstrap, "o", timeout=120, at_least=len(acked))
     check_log(recs, acked)
     log = b.log_text()
     assert "upload failed" in log
