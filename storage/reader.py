@@ -123,6 +123,12 @@ class ObjectReader:
             self._index.popitem(last=False)
         return idx
 
+    @property
+    def reads_ahead(self) -> int:
+        """Background reads not finished yet: next objects' index loads and the block
+        cache's prefetch pieces (a store slower than its reader has some)."""
+        return len(self._tasks) + self.block_cache.prefetches_running
+
     def _read_ahead(self, stream_id: int, nxt: ObjectRange, ra: Readahead) -> None:
         """Prefetch the first window of the stream's next object (its index first) while the
         reader finishes this one; errors are left to the reader's own read."""

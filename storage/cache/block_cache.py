@@ -97,6 +97,11 @@ class BlockCache:
         self.prefetches = 0
         self._tasks: set[asyncio.Task] = set()
 
+    @property
+    def prefetches_running(self) -> int:
+        """Background prefetch pieces not finished yet."""
+        return len(self._tasks)
+
     def _put(self, key: BlockKey, data: memoryview | list[Record], size: int) -> None:
         if key in self._lru:
             return
