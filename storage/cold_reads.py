@@ -210,6 +210,12 @@ class ColdReadPacer:
                 pass
             self._task = None
 
+    def probe_interval(self) -> float:
+        """The lag probe's next sleep: fast while paced cold reads ran within COLD_RECENT_S."""
+        if self._clock() - self._cold_at < self.COLD_RECENT_S:
+            return self.probe_interval_s
+        return max(self.probe_interval_s, self.IDLE_PROBE_S)
+
     async def _probe(self) -> None:
         """Lag samples every ``probe_interval_s`` while paced cold reads run (or ran within
         COLD_RECENT_S); every IDLE_PROBE_S otherwise, when they steer nothing: 200 wake-ups
@@ -219,9 +225,7 @@ class ColdReadPacer:
         report_at = time.monotonic() + 60
         cuts = 0
         while True:
-            interval = (self.probe_interval_s
-                        if self._clock() - self._cold_at < self.COLD_RECENT_S
-                        else max(self.probe_interval_s, self.IDLE_PROBE_S))
+            interval = self.probe_interval()
             t0 = time.perf_counter()          # loop.time() is whole milliseconds under uvloop
             await asyncio.sleep(interval)
             self.note_lag(max(0.0, time.perf_counter() - t0 - interval))
