@@ -517,6 +517,10 @@ class Engine(StreamStore):
         # foreign streams (stream -> (first WAL offset, end offset)) hold the trim point
         self._inflight: dict[int, int] = {}
         self._take_key = 0                 # keys of uploads whose take is under way
+        # entries an upload took from the cache's pending queue and has not committed yet
+        # (the backlog metric counts them: a retried upload in an outage holds them all)
+        self.uploading_bytes = 0
+        self._uploading_first: dict[int, CacheEntry] = {}
         self._held: dict[int, tuple[int, int]] = {}
         # the cluster's lease gate (broker/cluster/room.py sets it): while it answers False
         # this node uploads, commits and trims nothing (a lapsed lease: maybe fenced already)
@@ -1082,11 +1086,26 @@ class Engine(StreamStore):
             self._inflight[key_] = min(map(_WAL_OFFSET, entries)) if entries else 1 << 62
         sids = set(map(_STREAM_ID, entries))
         self._inflight_streams.update(sids)
+        size = sum(map(_SIZE, entries))
+        self.uploading_bytes += size
+        if entries:
+            self._uploading_first[key_] = entries[0]
         try:
             await self._upload_entries(entries, key_, before_commit, background)
         finally:
             self._inflight.pop(key_, None)
             self._inflight_streams.subtract(sids)
+            self.uploading_bytes -= size
+            self._uploading_first.pop(key_, None)
+
+    def upload_backlog(self) -> tuple[int, list[CacheEntry]]:
+        """Bytes appended and not uploaded yet: the cache's pending queue and what uploads in
+        flight took from it (during an object store outage the upload being retried holds
+        all of it, and pending alone read 0); and the oldest entry of each of those."""
+        firsts = list(self._uploading_first.values())
+        if self.cache.pending:
+            firsts.append(self.cache.pending[0])
+        return self.cache.pending_bytes + self.uploading_bytes, firsts
 
     async def _commit_outcome(self, exc: BaseException, object_ids: list[int]) -> str:
         """"committed", "failed" or "unknown" for a commit that raised. One whose COMMIT was

@@ -206,12 +206,14 @@ class StorageCollector(Collector):
             yield _c(p + "block_cache_fetched_bytes", "Bytes fetched from the object store "
                      "into the BlockCache", bc.bytes_fetched)
         # -- uploads
+        backlog, firsts = eng.upload_backlog()
         yield _g(p + "upload_backlog_bytes", "Appended bytes not yet uploaded to the object "
-                 "store", cache.pending_bytes)
+                 "store (pending and in uploads not committed yet)", backlog)
         age = 0.0
-        if cache.pending:
-            added = cache.pending[0].added
-            age = time.perf_counter() - added if added else time.monotonic() - eng.started_at
+        for e in firsts:
+            added = e.added
+            age = max(age, time.perf_counter() - added if added
+                      else time.monotonic() - eng.started_at)
         yield _g(p + "upload_oldest_age_seconds", "Age of the oldest record not yet uploaded "
                  "(0: nothing pending)", max(0.0, age))
         yield _c(p + "uploads", "Upload rounds committed", st.uploads)
