@@ -19,7 +19,7 @@ try:
 except ImportError as _e:   # not built: the pure-Python path
     _copycrc = None
     _why = f"not built ({_e})"
-_copycrc_module = _copycrc        # read_pieces needs no SSE4.2
+_copycrc_module = _copycrc        # read_pieces and write_pieces need no SSE4.2
 if _copycrc is not None:
     _why = "" if _copycrc.HARDWARE else "no SSE4.2 CRC-32C instruction on this CPU"
     if not _copycrc.HARDWARE:
@@ -69,3 +69,6 @@ copy_crc_split = getattr(_copycrc, "copy_crc_split", None) or _copy_crc_split_py
 # interpreter lock per piece (storage/objects/store.py); None without the extension (or with
 # a stale build of it): the store then loops over the pieces in Python
 read_pieces = getattr(_copycrc_module, "read_pieces", None)
+# the O_DIRECT object writes' pieces in one call that releases the interpreter lock once
+# (storage/objects/store.py); None likewise: the store then writes the pieces in Python
+write_pieces = getattr(_copycrc_module, "write_pieces", None)

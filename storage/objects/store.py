@@ -18,6 +18,13 @@ from typing import Callable, Iterator
 from urllib.parse import urlsplit
 
 from ..copycrc import read_pieces
+# storage/_copycrc.c's write_pieces: _write_direct's pieces in one call that releases the
+# interpreter lock once. In Python each piece re-took the lock when it returned: an upload
+# thread then waited up to a switch interval (5 ms) per 1 MiB piece behind a busy event loop,
+# and the loop paid a hand-off each time (224 MiB in 1 MiB pieces beside a Python loop on the
+# shared VM: 10.8-17.1 s and 0.38-0.94 s of writer CPU in Python, 2.2-3.1 s and 0.14-0.30 s in
+# C; bench/HISTORY.md, session 17). None when the extension is not built (or built before it).
+from ..copycrc import write_pieces as _write_pieces
 from .buffers import PAGE, BufferPool
 
 
@@ -429,16 +436,6 @@ def _write_direct(fd: int, view: memoryview, chunk: int = FILE_WRITE_CHUNK) -> i
 
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-# storage/_copycrc.c's write_pieces: the pieces above in one call that releases the interpreter
-# lock once. In Python each piece re-took the lock when it returned: an upload thread then
-# waited up to a switch interval (5 ms) per 1 MiB piece behind a busy event loop, and the loop
-# paid a hand-off each time (224 MiB in 1 MiB pieces beside a Python loop on the shared VM:
-# 10.8-17.1 s and 0.38-0.94 s of writer CPU in Python, 2.2-3.1 s and 0.14-0.30 s in C;
-# bench/HISTORY.md, session 17). None when the extension is not built (or built before it).
-try:
-    from .._copycrc import write_pieces as _write_pieces
-except ImportError:
-    _write_pieces = None
 
 
 def _write_all(fd: int, view: memoryview) -> None:
