@@ -517,10 +517,10 @@ class Engine(StreamStore):
         # foreign streams (stream -> (first WAL offset, end offset)) hold the trim point
         self._inflight: dict[int, int] = {}
         self._take_key = 0                 # keys of uploads whose take is under way
-        # entries an upload took from the cache's pending queue and has not committed yet
-        # (the backlog metric counts them: a retried upload in an outage holds them all)
-        self.uploading_bytes = 0
-        self._uploading_first: dict[int, CacheEntry] = {}
+        # per upload in flight (its _inflight key): the bytes of the entries it took from the
+        # cache's pending queue and has not committed yet, and the first of them (the backlog
+        # metric counts them: a retried upload in an outage holds them all)
+        self._upload_takes: dict[int, tuple[int, CacheEntry]] = {}
         self._held: dict[int, tuple[int, int]] = {}
         # the cluster's lease gate (broker/cluster/room.py sets it): while it answers False
         # this node uploads, commits and trims nothing (a lapsed lease: maybe fenced already)
@@ -1062,12 +1062,15 @@ class Engine(StreamStore):
                 chunk = cache.take_pending(max_bytes - taken, TAKE_SLICE, at_least_one=not out)
                 out.extend(chunk)
                 taken += sum(map(_SIZE, chunk))
+                if out:                      # counted in the backlog from its take on
+                    self._upload_takes[key_] = (taken, out[0])
                 if len(chunk) < TAKE_SLICE or not cache.pending:
                     break
                 await asyncio.sleep(0)
         except BaseException:
             cache.return_pending(out)
             self._inflight.pop(key_, None)
+            self._upload_takes.pop(key_, None)
             raise
         if not out:
             self._inflight.pop(key_, None)
@@ -1086,26 +1089,24 @@ class Engine(StreamStore):
             self._inflight[key_] = min(map(_WAL_OFFSET, entries)) if entries else 1 << 62
         sids = set(map(_STREAM_ID, entries))
         self._inflight_streams.update(sids)
-        size = sum(map(_SIZE, entries))
-        self.uploading_bytes += size
-        if entries:
-            self._uploading_first[key_] = entries[0]
+        if entries and key_ not in self._upload_takes:   # (_take_for_upload sized its take)
+            self._upload_takes[key_] = (sum(map(_SIZE, entries)), entries[0])
         try:
             await self._upload_entries(entries, key_, before_commit, background)
         finally:
             self._inflight.pop(key_, None)
             self._inflight_streams.subtract(sids)
-            self.uploading_bytes -= size
-            self._uploading_first.pop(key_, None)
+            self._upload_takes.pop(key_, None)
 
     def upload_backlog(self) -> tuple[int, list[CacheEntry]]:
         """Bytes appended and not uploaded yet: the cache's pending queue and what uploads in
         flight took from it (during an object store outage the upload being retried holds
         all of it, and pending alone read 0); and the oldest entry of each of those."""
-        firsts = list(self._uploading_first.values())
+        uploading = list(self._upload_takes.values())
+        firsts = [first for _, first in uploading]
         if self.cache.pending:
             firsts.append(self.cache.pending[0])
-        return self.cache.pending_bytes + self.uploading_bytes, firsts
+        return self.cache.pending_bytes + sum(n for n, _ in uploading), firsts
 
     async def _commit_outcome(self, exc: BaseException, object_ids: list[int]) -> str:
         """"committed", "failed" or "unknown" for a commit that raised. One whose COMMIT was
