@@ -672,6 +672,17 @@ static PyObject *crc(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(c);
 }
 
+/* The end of read_pieces and write_pieces: the buffer released, then OSError for `err` (an
+   errno) or the byte count. */
+static PyObject *io_result(Py_buffer *buf, int err, Py_ssize_t n) {
+    PyBuffer_Release(buf);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromSsize_t(n);
+}
+
 /* One device read at a time across the threads of the process (see read_pieces). */
 static pthread_mutex_t device_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -720,12 +731,7 @@ static PyObject *read_pieces(PyObject *self, PyObject *args) {
         if ((size_t)r < n) break;         /* a regular file answers short only at its end */
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&buf);
-    if (err) {
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    return PyLong_FromSize_t(got);
+    return io_result(&buf, err, (Py_ssize_t)got);
 }
 
 PyDoc_STRVAR(write_pieces_doc,
@@ -764,12 +770,7 @@ static PyObject *write_pieces(PyObject *self, PyObject *args) {
         if (w == 0 || w % align) break;
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&buf);
-    if (err) {
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    return PyLong_FromSsize_t(done);
+    return io_result(&buf, err, done);
 }
 
 static PyMethodDef methods[] = {
