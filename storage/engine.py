@@ -33,7 +33,7 @@ from .episodes import Episode
 from .waits import end_tasks, wait_event
 from .metastore import (MetaStore, NewObject, ObjectRange, StreamFenced, StreamMeta,
                         open_metastore)
-from .loop_slices import (SLICE_S, encode_object_in_slices, encode_object_into,
+from .loop_slices import (NATIVE_ENCODE, SLICE_S, encode_object_in_slices, encode_object_into,
                           object_size_in_slices)
 from .metrics import MeasuredStore, StorageStats
 from .objects.format import NOGIL_COPY_FROM
@@ -1205,12 +1205,13 @@ class Engine(StreamStore):
                 size = await object_size_in_slices(recs, c.object_block_bytes)
                 into = self._take_encode_buffer(size)
                 small = payload < NOGIL_COPY_FROM * len(recs)
-                if not small:
-                    # large records: the copies run with the GIL released, so the IO thread
-                    # encodes without holding the loop (loop_slices.py: small records' Python
-                    # work per record would hold it)
+                if not small or NATIVE_ENCODE:
+                    # large records, or any with the C encoder: the copies run with the GIL
+                    # released, so the IO thread encodes without holding the loop (the C
+                    # encoder holds it only to gather each block's records; loop_slices.py:
+                    # without it, small records' Python work per record would hold it)
                     data, _index, ranges = await self.io(encode_object_into, recs,
-                                                         c.object_block_bytes, into)
+                                                         c.object_block_bytes, into, size)
                 else:
                     # small records (per-record Python work on the loop): while nothing waits
                     # for this upload, a pause after each slice keeps its share of the loop

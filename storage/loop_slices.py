@@ -9,7 +9,12 @@ On the loop itself the same work runs in slices of SLICE_S with a yield in betwe
 requests wait at most about one slice; the CPU spent is the same. Objects of large records
 (at least NOGIL_COPY_FROM bytes each on average) are the exception: their copies and CRCs
 release the GIL, so they are encoded on an IO thread at once (``encode_object_into``), which
-takes that copy off the loop.
+takes that copy off the loop. With the C encoder built (storage._copycrc.encode_blocks) that
+holds for objects of small records too: the thread holds the GIL only to gather one block's
+records and releases it for the block's copy and CRC. The sliced encode on the loop is the
+fallback without the extension: measured in-process (bench/HISTORY.md, session 18), its slices
+of a 64 MiB upload of ~1.2 KB records took 150-250 ms of loop time in steps of up to 9 ms (one
+call encodes a whole 512 KiB block, and a fresh encode buffer's pages fault in on the loop).
 
 The same holds for the upload's other passes over its entries (grouping them into records
 per stream, sizing the object): with small produce requests a 64 MiB upload is ~45,000
@@ -24,8 +29,13 @@ import time
 
 from typing import Any, Callable, Iterable
 
+from .copycrc import encode_blocks as _native_encode_blocks
 from .objects.format import (DEFAULT_BLOCK_SIZE, Buffer, IndexEntry, ObjectEncoder, Record,
                              StreamRange, object_size_steps)
+
+# the C object encoder (storage._copycrc.encode_blocks) is built: objects of small records are
+# encoded on a worker thread too (encode_object_into), not in slices on the loop
+NATIVE_ENCODE = _native_encode_blocks is not None
 
 SLICE_S = 0.0005
 # items handled between two clock reads in the sliced passes (each item costs ~1 us)
@@ -82,11 +92,15 @@ async def encode_object_in_slices(records: list[Record], block_size: int = DEFAU
 
 
 def encode_object_into(records: list[Record], block_size: int = DEFAULT_BLOCK_SIZE,
-                       into: Buffer | None = None) -> tuple[Buffer | memoryview, list[IndexEntry],
-                                                            list[StreamRange]]:
-    """encode_object() at once, for a worker thread: only for large records, whose copies
+                       into: Buffer | None = None, size: int | None = None
+                       ) -> tuple[Buffer | memoryview, list[IndexEntry], list[StreamRange]]:
+    """encode_object() at once, for a worker thread: for large records, whose copies
     (ObjectEncoder, from NOGIL_COPY_FROM bytes) and block CRCs release the GIL, so the thread
-    holds it for a few microseconds per record rather than for the whole object."""
-    enc = ObjectEncoder(records, block_size, into, release_gil=True)
+    holds it for a few microseconds per record rather than for the whole object; and for
+    small records when the C encoder is built (``NATIVE_ENCODE``): it holds the GIL only
+    while it gathers one data block's records (~0.2 us each, ~0.1 ms per 512 KiB block of
+    ~1 KB records) and copies and checksums the block with it released. ``size``: the
+    object's size when the caller computed it (else a sizing pass here, GIL held)."""
+    enc = ObjectEncoder(records, block_size, into, size, release_gil=True)
     enc.encode()
     return enc.finish()
