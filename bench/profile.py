@@ -3,12 +3,14 @@ each one waits for the interpreter lock.
 
     python -m bench.profile [--load raw|raw-small|clients|latency|hotfetch|coldfetch|fetch]
                             [--seconds 10] [--rate 250] [--out bench/profiles] [--perf]
-                            [--batch-bytes N] [--msg-rate N] [--storage engine|memory]
+                            [--batch-bytes N] [--msg-rate N] [--msg-size N]
+                            [--storage engine|memory]
                             [--broker-arg=ARG ...]
 
 Workloads: ``raw`` 1 MiB acks=all Produce requests (bench.rawload, 4 connections x 8 in
 flight); ``raw-small`` the same with 1 KiB requests (per-request cost); ``clients`` one
-confluent-kafka producer of 100 B messages; ``latency`` the same at a fixed ``--msg-rate``
+confluent-kafka producer of ``--msg-size`` messages (100 B; bench.clients' throughput row:
+linger 5 ms, ~1 MiB requests); ``latency`` the same at a fixed ``--msg-rate``
 with linger 0 (bench.clients' latency run: many small Produce requests); ``hotfetch`` raw
 Fetch over the last 256 MiB written (LogCache), after the uploads settled; ``coldfetch`` raw Fetch from the log start
 after a restart (object store, BlockCache); ``fetch`` confluent-kafka consumers.
@@ -164,7 +166,7 @@ def analyse(collapsed: str, cpu: dict[int, float] | None = None, n: int = 15) ->
 
 
 def drive(load: str, broker: BrokerProc, seconds: float, ready: threading.Event,
-          batch_bytes: int = 1 << 20, msg_rate: float = 12_700) -> None:
+          batch_bytes: int = 1 << 20, msg_rate: float = 12_700, msg_size: int = 100) -> None:
     """Prepare the workload (fill the log for fetches), set ``ready``, then run it for
     ``seconds``."""
     bootstrap = broker.bootstrap
@@ -210,7 +212,7 @@ def drive(load: str, broker: BrokerProc, seconds: float, ready: threading.Event,
             topic = f"pc-{time.time_ns()}"
             create_topic(bootstrap, topic)
             ready.set()
-            clients.produce_throughput(bootstrap, topic, 100, seconds)
+            clients.produce_throughput(bootstrap, topic, msg_size, seconds)
     finally:
         ready.set()
 
@@ -226,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="raw load: bytes per Produce request")
     ap.add_argument("--msg-rate", type=float, default=12_700,
                     help="latency load: 100 B messages/s (linger 0, acks=all, as bench.clients)")
+    ap.add_argument("--msg-size", type=int, default=100,
+                    help="clients load: bytes per message (bench.clients' rows: 100, 1024, 16384)")
     ap.add_argument("--storage", default="engine", choices=["engine", "memory"],
                     help="memory: profile the request path without WAL and object store")
     ap.add_argument("--broker-arg", action="append", default=[],
@@ -247,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
                      *a.broker_arg]) as b:
         ready = threading.Event()
         t = threading.Thread(target=drive, args=(a.load, b, a.seconds + 2, ready,
-                                                 a.batch_bytes, a.msg_rate))
+                                                 a.batch_bytes, a.msg_rate, a.msg_size))
         t.start()
         ready.wait()
         time.sleep(1)

@@ -37,6 +37,8 @@ _HELP = {
                          "(default 100MiB)",
     "max_inflight_requests": "requests in flight per connection before reading pauses "
                              "(default 256)",
+    "max_inflight_bytes": "bytes of large (>= 64 KiB) request frames in flight per connection "
+                          "before reading pauses (default 32MiB)",
     "shutdown_timeout_s": "seconds SIGTERM waits for in-flight requests (default 30)",
     "retention_check_interval_ms": "log.retention.check.interval.ms (default 300000)",
     "topic_defaults": "broker-wide topic config defaults, NAME=VALUE[,NAME=VALUE...] "

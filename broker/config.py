@@ -41,6 +41,9 @@ class BrokerConfig:
     delete_topic_enable: bool = True         # Kafka's delete.topic.enable
     max_request_bytes: int = 100 << 20       # larger frames close the connection
     max_inflight_requests: int = 256         # per connection; reading pauses above it
+    # per connection: bytes of large (>= 64 KiB) request frames not answered yet; reading
+    # pauses above it (256 requests of 1 MiB held a quarter GiB per producer)
+    max_inflight_bytes: int = 32 << 20
     shutdown_timeout_s: float = 30.0         # how long SIGTERM waits for in-flight requests
     retention_check_interval_ms: int = 300_000   # Kafka's log.retention.check.interval.ms
     producer_id_expiration_ms: int = 86_400_000  # Kafka's producer.id.expiration.ms
@@ -476,6 +479,8 @@ def validate(cfg: BrokerConfig) -> None:
         raise ValueError("storage must be 'engine' or 'memory'")
     if cfg.default_partitions < 1:
         raise ValueError("default_partitions must be >= 1")
+    if cfg.max_inflight_bytes < 1:
+        raise ValueError("max_inflight_bytes must be >= 1")
     if cfg.max_request_bytes < 1024:
         raise ValueError("max_request_bytes must be >= 1024")
     if cfg.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
