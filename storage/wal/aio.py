@@ -63,8 +63,19 @@ _nr = _SYSCALLS.get(platform.machine())
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
-_sched_yield = ctypes.PyDLL(None).sched_yield      # PyDLL: the GIL stays with the caller
+_pylibc = ctypes.PyDLL(None, use_errno=True)       # PyDLL: the GIL stays with the caller
+_sched_yield = _pylibc.sched_yield
 _sched_yield.restype = ctypes.c_int
+# The event loop's own AIO calls (io_submit, a reap that does not wait, the eventfd reset)
+# keep the GIL: none of them waits, and releasing it hands the GIL to a waiting thread (an
+# upload writer) which the loop must then wait to get back from: a futex wake and a futex
+# wait per call, ~2-3 of them per MiB of 1 MiB produce requests (bench/HISTORY.md, session 18).
+# A waiting reap (a closing thread's drain) releases it as before.
+_syscall_held = _pylibc.syscall
+_syscall_held.restype = ctypes.c_long
+_read_held = _pylibc.read
+_read_held.restype = ctypes.c_ssize_t
+_read_held.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
 
 
 def yield_cpu() -> None:
@@ -99,6 +110,7 @@ class AioContext:
         self._events = (_IoEvent * depth)()
         self._depth = depth
         self._zero = _Timespec(0, 0)
+        self._count = ctypes.c_uint64(0)           # the eventfd's counter, read to reset it
 
     def submit_write(self, fd: int, pieces: list[tuple[int, int]], offset: int, token: int,
                      dsync: bool) -> object:
@@ -122,27 +134,25 @@ class AioContext:
             cb.aio_nbytes = len(pieces)
             keep = (cb, iov)
         ptrs = (ctypes.POINTER(_Iocb) * 1)(ctypes.pointer(cb))
-        _check(_syscall(_nr[3], self._ctx, ctypes.c_long(1), ptrs))
+        _check(_syscall_held(_nr[3], self._ctx, ctypes.c_long(1), ptrs))
         return keep
 
     def reap(self, wait_s: float | None = None) -> list[tuple[int, int]]:
         """Completed requests; waits up to wait_s for at least one (None: do not wait)."""
-        if wait_s is None:
-            minimum, ts = 0, self._zero
+        if wait_s is None:      # returns at once: keeps the GIL
+            minimum, ts, call = 0, self._zero, _syscall_held
         else:
-            minimum = 1
+            minimum, call = 1, _syscall
             ts = _Timespec(int(wait_s), int((wait_s % 1) * 1e9))
-        n = _check(_syscall(_nr[2], self._ctx, ctypes.c_long(minimum),
-                            ctypes.c_long(self._depth), self._events, ctypes.byref(ts)))
+        n = _check(call(_nr[2], self._ctx, ctypes.c_long(minimum),
+                        ctypes.c_long(self._depth), self._events, ctypes.byref(ts)))
         ev = self._events
         return [(ev[i].data, ev[i].res) for i in range(n)]
 
     def clear_signal(self) -> None:
-        """Reset the eventfd before reaping, so a completion after the reap wakes us again."""
-        try:
-            os.eventfd_read(self.eventfd)
-        except BlockingIOError:
-            pass
+        """Reset the eventfd before reaping, so a completion after the reap wakes us again.
+        (A non-blocking read that keeps the GIL; EAGAIN when it was not signalled.)"""
+        _read_held(self.eventfd, ctypes.addressof(self._count), 8)
 
     def close(self) -> None:
         if self._ctx.value:

@@ -466,7 +466,10 @@ class DeltaWAL:
         if q is None:
             q = self._queues[stream_id] = collections.deque()
         q.append((blk, pos, waiter))
-        if used >= self._soft_limit:
+        if self._driver is not None:             # the loop writes (no IO threads to wake)
+            if used >= self._soft_limit:
+                self._seal_locked()
+        elif used >= self._soft_limit:
             self._seal_locked()
             if self._may_start_write(False):
                 self._io_cond.notify()

@@ -429,3 +429,40 @@ def test_append_waits_in_a_thread_pool_future(make_wal):
         t.join(10)
         w.close()                                 # the loop has stopped: drained here
         loop.close()
+
+
+async def test_the_loops_aio_calls_keep_the_gil_and_wake_no_io_thread(make_wal, monkeypatch):
+    """io_submit, the reap that does not wait and the eventfd reset run with the GIL held (a
+    release hands it to a waiting thread, which the loop then has to wait for); appends on the
+    loop notify no IO thread condition (there are none once the loop writes)."""
+    import ctypes
+
+    from storage.wal import aio
+
+    assert aio._syscall_held._flags_ & ctypes._FUNCFLAG_PYTHONAPI
+    assert aio._read_held._flags_ & ctypes._FUNCFLAG_PYTHONAPI
+    assert not aio._syscall._flags_ & ctypes._FUNCFLAG_PYTHONAPI   # a waiting reap releases
+    held: list[int] = []
+    reads: list[int] = []
+    real_syscall, real_read = aio._syscall_held, aio._read_held
+
+    def syscall(nr, *a):
+        held.append(nr)
+        return real_syscall(nr, *a)
+
+    def read(fd, *a):
+        reads.append(fd)
+        return real_read(fd, *a)
+
+    monkeypatch.setattr(aio, "_syscall_held", syscall)
+    monkeypatch.setattr(aio, "_read_held", read)
+    w, _ = make_wal()
+    assert w.attach_loop()
+    notified: list[str] = []
+    monkeypatch.setattr(w._io_cond, "notify", lambda n=1: notified.append("io"))
+    rs = [w.append_loop(body(0, i, 40_000)) for i in range(50)]
+    await asyncio.gather(*[r.future for r in rs])
+    assert aio._nr[3] in held and aio._nr[2] in held          # io_submit, io_getevents
+    assert w._driver.aio.eventfd in reads
+    assert notified == []
+    w.close()
