@@ -54,7 +54,7 @@ _BASE_OFFSET = operator.attrgetter("base_offset")
 UPLOAD_PAUSE_S = 0.001
 STOP_WAIT_S = 10.0          # close() waits this long for its cancelled tasks (waits.py)
 # cache entries an upload takes per loop step (~0.3 us each), and evicts (~1 us each)
-TAKE_SLICE = 4096
+TAKE_SLICE = 2048
 EVICT_SLICE = 512
 # entries an upload groups by stream per C-level pass (sort, groupby, sums: ~0.1-0.2 us each)
 GROUP_CHUNK = 2048
@@ -177,9 +177,11 @@ def _split_records(recs: list[Any], limit: int | None = None,
     return parts
 
 
-async def _payload_cumsum(recs: list[Any]) -> list[int]:
+async def _payload_cumsum(recs: list[Any], pause: Callable[[], float] | None = None
+                          ) -> list[int]:
     """The running sum of the records' payload sizes (``_split_records``'s ``cum``), by C-level
-    passes over GROUP_CHUNK records with a yield to the loop between slices."""
+    passes over GROUP_CHUNK records with a yield to the loop between slices (``pause()``:
+    seconds to wait there, Engine._upload_pause)."""
     cum: list[int] = []
     total = 0
     clock = time.perf_counter
@@ -189,9 +191,13 @@ async def _payload_cumsum(recs: list[Any]) -> list[int]:
         cum.extend(itertools.islice(itertools.accumulate(sizes, initial=total), 1, None))
         total = cum[-1]
         if clock() >= until:
-            await asyncio.sleep(0)
+            await asyncio.sleep(pause() if pause is not None else 0)
             until = clock() + SLICE_S
     return cum
+
+
+def _no_pause() -> float:
+    return 0.0
 
 
 def open_engine(config: EngineConfig) -> "Engine":
@@ -521,6 +527,9 @@ class Engine(StreamStore):
         # cache's pending queue and has not committed yet, and the first of them (the backlog
         # metric counts them: a retried upload in an outage holds them all)
         self._upload_takes: dict[int, tuple[int, CacheEntry]] = {}
+        # the stream ids of what each take took (collected per chunk: one pass over an
+        # upload's ~45,000 entries at _upload's start was a 2-3 ms step of the loop)
+        self._take_sids: dict[int, set[int]] = {}
         self._held: dict[int, tuple[int, int]] = {}
         # the cluster's lease gate (broker/cluster/room.py sets it): while it answers False
         # this node uploads, commits and trims nothing (a lapsed lease: maybe fenced already)
@@ -1045,7 +1054,7 @@ class Engine(StreamStore):
     async def _take_for_upload(self, max_bytes: int) -> tuple[list[CacheEntry], int]:
         """``cache.take_pending(max_bytes)`` in chunks of TAKE_SLICE entries with a yield in
         between (an upload of small produce requests takes tens of thousands: one step was a
-        5-8 ms event-loop stall), and the key its ``_upload`` runs under. The WAL trim point
+        5-8 ms event-loop stall; the yield waits ``_upload_pause()``), and the key its ``_upload`` runs under. The WAL trim point
         is held at the first pending entry (pending is in WAL order) from before the first
         chunk, so a drain's trim beside it (a partition move) never passes what this upload
         took."""
@@ -1057,23 +1066,27 @@ class Engine(StreamStore):
         self._inflight[key_] = cache.pending[0].wal_offset
         out: list[CacheEntry] = []
         taken = 0
+        sids = self._take_sids[key_] = set()     # their streams, for _upload (chunk by chunk)
         try:
             while True:
                 chunk = cache.take_pending(max_bytes - taken, TAKE_SLICE, at_least_one=not out)
                 out.extend(chunk)
                 taken += sum(map(_SIZE, chunk))
+                sids.update(map(_STREAM_ID, chunk))
                 if out:                      # counted in the backlog from its take on
                     self._upload_takes[key_] = (taken, out[0])
                 if len(chunk) < TAKE_SLICE or not cache.pending:
                     break
-                await asyncio.sleep(0)
+                await asyncio.sleep(self._upload_pause())
         except BaseException:
             cache.return_pending(out)
             self._inflight.pop(key_, None)
             self._upload_takes.pop(key_, None)
+            self._take_sids.pop(key_, None)
             raise
         if not out:
             self._inflight.pop(key_, None)
+            self._take_sids.pop(key_, None)
         return out, key_
 
     async def _upload(self, entries: list[CacheEntry],
@@ -1087,7 +1100,9 @@ class Engine(StreamStore):
             key_ = id(entries)
             # C-level pass: an upload holds tens of thousands of entries
             self._inflight[key_] = min(map(_WAL_OFFSET, entries)) if entries else 1 << 62
-        sids = set(map(_STREAM_ID, entries))
+        sids = self._take_sids.pop(key_, None)
+        if sids is None:
+            sids = set(map(_STREAM_ID, entries))
         self._inflight_streams.update(sids)
         if entries and key_ not in self._upload_takes:   # (_take_for_upload sized its take)
             self._upload_takes[key_] = (sum(map(_SIZE, entries)), entries[0])
@@ -1150,6 +1165,11 @@ class Engine(StreamStore):
         streams, not_ours = self.streams, self._foreign
         clock = time.perf_counter
         until = clock() + SLICE_S
+        # a background upload waits after each slice of its loop passes while nothing waits
+        # for it (_upload_pause), so its share of the loop stays about a third: at a tenth of
+        # the maximum produce rate the loop itself is busy most of the time, and an upload's
+        # ~45,000 entries taken, grouped and summed back to back queued requests behind them
+        pause = self._upload_pause if background else _no_pause
         # per chunk of entries: sorted by stream (stable: each stream's entries keep their
         # order) and cut into runs by C-level passes; Python work per run, not per entry (the
         # loop over every entry was ~1 us each, ~45 ms of loop time per 64 MiB upload)
@@ -1174,7 +1194,7 @@ class Engine(StreamStore):
                 recs.extend(run)
                 sizes[sid] += sum(map(len, map(_PAYLOAD, run)))
             if clock() >= until:
-                await asyncio.sleep(0)
+                await asyncio.sleep(pause())
                 until = clock() + SLICE_S
         groups: list[tuple[str, list[Any], int]] = []     # (kind, records, payload bytes)
         sso: list[Any] = []
@@ -1182,14 +1202,14 @@ class Engine(StreamStore):
         for sid in sorted(by_stream):
             recs = by_stream[sid]
             if sizes[sid] >= c.stream_object_threshold_bytes:
-                cum = await _payload_cumsum(recs)
+                cum = await _payload_cumsum(recs, pause)
                 groups.extend(("so", part, n) for part, n in _split_records(recs, cum=cum))
             else:
                 sso.extend(recs)
                 sso_bytes += sizes[sid]
         by_stream.clear()
         if sso:
-            cum = await _payload_cumsum(sso)
+            cum = await _payload_cumsum(sso, pause)
             groups.extend(("sso", part, n) for part, n in _split_records(sso, cum=cum))
         new: list[tuple[NewObject, str, str]] = []
         prepared: list[tuple[int, str]] = []
@@ -1202,7 +1222,7 @@ class Engine(StreamStore):
                 # encode buffers reused across uploads (taken while in use: the previous
                 # objects are written meanwhile, a drain may upload beside the loop): fresh
                 # memory faults a page per 4 KiB
-                size = await object_size_in_slices(recs, c.object_block_bytes)
+                size = await object_size_in_slices(recs, c.object_block_bytes, pause=pause)
                 into = self._take_encode_buffer(size)
                 small = payload < NOGIL_COPY_FROM * len(recs)
                 if not small or NATIVE_ENCODE:
@@ -1304,7 +1324,7 @@ class Engine(StreamStore):
         self.reader.add(added)
         # evicted in slices: a full cache of small requests frees ~70,000 entries here
         while self.cache.evict_some(EVICT_SLICE):
-            await asyncio.sleep(0)
+            await asyncio.sleep(pause())
         trim_to = await self._trim_point(entries, key_)
         # a lease lapsed meanwhile: committed, but the WAL stays as it is (a later upload
         # trims; a taker skips what is committed)

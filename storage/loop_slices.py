@@ -60,8 +60,10 @@ async def for_each_in_slices(items: Iterable[Any], fn: Callable[[Any], Any],
 
 
 async def object_size_in_slices(records: list[Record], block_size: int,
-                                slice_s: float = SLICE_S) -> int:
-    """format.object_size() on the running loop, in slices (format.object_size_steps)."""
+                                slice_s: float = SLICE_S,
+                                pause: Callable[[], float] | None = None) -> int:
+    """format.object_size() on the running loop, in slices (format.object_size_steps;
+    ``pause()``: seconds to wait after each slice, as in encode_object_in_slices)."""
     clock = time.perf_counter
     until = clock() + slice_s
     steps = object_size_steps(records, block_size, CHECK_EVERY)
@@ -71,7 +73,7 @@ async def object_size_in_slices(records: list[Record], block_size: int,
         except StopIteration as done:
             return done.value
         if clock() >= until:
-            await asyncio.sleep(0)
+            await asyncio.sleep(pause() if pause is not None else 0)
             until = clock() + slice_s
 
 

@@ -154,7 +154,9 @@ class LogCache:
             if k < len(chunk):
                 break
         if out:
-            self.pending = deque(itertools.islice(pending, len(out), None))
+            # removed in place by C-level poplefts: rebuilding the deque copied every entry
+            # still pending after each chunk an upload takes (O(pending) per chunk)
+            deque(itertools.starmap(pending.popleft, itertools.repeat((), len(out))), maxlen=0)
             self.pending_bytes -= size
         return out
 
