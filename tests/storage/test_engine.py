@@ -762,6 +762,50 @@ async def test_an_upload_of_small_records_is_encoded_off_the_loop_with_the_c_enc
         await eng.close()
 
 
+async def test_a_background_upload_paces_its_loop_passes(tmp_path, monkeypatch) -> None:
+    """A background upload's passes over its entries on the loop (the take, the grouping by
+    stream, the payload sums, the sizing) wait ``_upload_pause()`` after each slice, as the
+    sliced encode did: at a tenth of the maximum produce rate the loop is busy most of the
+    time, and ~45,000 entries taken and grouped back to back queued requests behind them.
+    The objects read back."""
+    import sys
+
+    import storage.engine as engine_mod
+    monkeypatch.setattr(engine_mod, "TAKE_SLICE", 2)
+    monkeypatch.setattr(engine_mod, "GROUP_CHUNK", 2)
+    monkeypatch.setattr(engine_mod, "SLICE_S", 0.0)
+    import storage.loop_slices as slices_mod
+    cfg = small_config(tmp_path, upload_threshold_bytes=1 << 30, upload_interval_s=3600)
+    eng = open_engine(cfg)
+    await eng.start()
+    try:
+        s = await eng.create_stream()
+        await fill(s, 12, size=200)
+        asked: list[str] = []
+
+        def pause() -> float:
+            asked.append(sys._getframe(1).f_code.co_name)
+            return 0.0005
+        eng._upload_pause = pause
+        real_size = slices_mod.object_size_in_slices
+
+        async def sized(recs, block, slice_s=slices_mod.SLICE_S, pause=None):
+            return await real_size(recs, block, 0.0, pause)   # a slice per CHECK_EVERY records
+        monkeypatch.setattr(engine_mod, "object_size_in_slices", sized)
+        monkeypatch.setattr(slices_mod, "CHECK_EVERY", 1)
+        entries, key = await eng._take_for_upload(1 << 30)
+        assert len(entries) == 12
+        await eng._upload(entries, key_=key, background=True)
+        for where in ("_take_for_upload", "_upload_entries", "_payload_cumsum",
+                      "object_size_in_slices"):
+            assert asked.count(where) >= 2, (where, asked)
+        assert s.committed == s.end_offset
+        eng.drop_caches()
+        assert len(await read_all(s)) == 12
+    finally:
+        await eng.close()
+
+
 def test_split_records_cuts_like_the_one_record_at_a_time_rule() -> None:
     """An upload's records are cut into objects of at most ``limit`` payload bytes (a larger
     record alone), by C-level passes: the same parts as adding one record at a time."""
