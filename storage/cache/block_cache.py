@@ -30,6 +30,9 @@ READAHEAD_MAX = 32 << 20
 # (bench/HISTORY.md, session 15)
 PREFETCH_PIECE = 8 << 20
 PREFETCH_BATCHES = 2            # prefetches one reader may have running in one object
+# objects whose fetched front a reader keeps: its own and those it reads ahead into (ObjectReader
+# prefetches the first windows of the following objects within its readahead)
+FRONTS_KEPT = 8
 
 BlockKey = tuple[str, int]                      # (object key, block position)
 # (key, [(position, size), ...]) -> one buffer per block (ObjectStore.get_ranges)
@@ -44,7 +47,8 @@ class Readahead:
     key: str = ""                       # the object this reader reads now
     size: int = READAHEAD_INITIAL
     current: BlockKey | None = None     # the block this reader read last
-    ahead: str = ""                     # the next object whose first window was prefetched
+    # following objects whose first window was prefetched (insertion order, a few kept)
+    ahead: dict[str, None] = field(default_factory=dict)
     pending: asyncio.Future | None = None   # the latest prefetch's claim
     # object key -> end of what was fetched or claimed for this reader (its object and the
     # next one: a prefetch of the next object no longer moves the reader's own front)
@@ -64,7 +68,7 @@ class Readahead:
         """What was fetched or claimed of object ``key`` now reaches ``end``."""
         if end > self.fronts.get(key, -1):
             self.fronts[key] = end
-            if len(self.fronts) > 3:
+            if len(self.fronts) > FRONTS_KEPT:
                 old = next(k for k in self.fronts if k != self.key and k != key)
                 del self.fronts[old]
 

@@ -327,3 +327,41 @@ async def test_a_reader_keeps_its_readahead_across_objects_while_prefetches_run(
         assert bc.bytes_fetched <= sum(r.size for r in eng.reader.stream_ranges(s.stream_id))
     finally:
         await eng.close()
+
+
+async def test_a_reader_reads_ahead_into_every_object_within_its_readahead(tmp_path) -> None:
+    """Objects smaller than the readahead (a cold pass: ~17 MiB objects, 32 MiB readahead):
+    the reader at the start of one object already has the first windows of the following
+    objects within its readahead on their way, each one's index loaded first. With one object
+    ahead only, the object after next was asked for when the reader entered the next one, and
+    a reader faster than two store round trips (index, then blocks) waited at every object
+    (bench/HISTORY.md, session 18)."""
+    from storage.engine import open_engine
+    from storage_helpers import fill, small_config
+    eng = open_engine(small_config(tmp_path, block_cache_bytes=16 << 20,
+                                   readahead_max_bytes=4 << 20, **ONLY_FLUSH_UPLOADS))
+    await eng.start()
+    try:
+        s = await eng.create_stream()
+        for _ in range(8):
+            await fill(s, 60, size=4000)             # ~240 KB per object, its own object
+            await eng.flush()
+        ranges = eng.reader.stream_ranges(s.stream_id)
+        assert len(ranges) == 8
+        eng.drop_caches()
+        await s.read(0, 16 << 10)                    # the first blocks of the first object
+        await _consumer_work(eng.reader)
+        ahead = [r.object_id in eng.reader._index for r in ranges]
+        assert ahead[:3] == [True, True, True], ahead
+        bc = eng.reader.block_cache
+        assert any(k[0] == ranges[2].key for k in bc._lru), "object 2's first window"
+        misses = bc.misses
+        off = 0
+        while off < s.confirmed_offset:
+            batches = await s.read(off, 16 << 10)
+            off = batches[-1].next_offset
+            await _consumer_work(eng.reader)
+        assert bc.misses == misses, (bc.misses, misses)
+        assert bc.bytes_fetched <= sum(r.size for r in ranges)
+    finally:
+        await eng.close()
