@@ -89,14 +89,17 @@ def main() -> None:
                 loop = _loop_cpu_s(broker.pid) - loop0
                 disk1, wall = catchup.disk_counters(dev), time.monotonic() - t0
                 busy = (disk1.get("disk busy ms", nan) - disk0.get("disk busy ms", nan)) / wall / 10
-                rd = (disk1.get("disk read sectors", nan)
-                      - disk0.get("disk read sectors", nan)) * 512 / wall / 1e6
+                sectors = disk1.get("disk read sectors", nan) - disk0.get("disk read sectors", nan)
+                rd = sectors * 512 / wall / 1e6
+                nreq = max(disk1.get("disk reads", nan) - disk0.get("disk reads", nan), 1)
+                req_kib = sectors / 2 / nreq           # mean device request (max_sectors_kb caps it)
+                req_ms = (disk1.get("disk read ms", nan) - disk0.get("disk read ms", nan)) / nreq
                 mib = ft["bytes"] / (1 << 20)
                 mb_s = ft["bytes"] / ft["elapsed"] / 1e6
                 results.setdefault(name, []).append(mb_s)
                 print(f"round {r} {name:10s} {mb_s:7.0f} MB/s {mib:6.0f} MiB in {ft['elapsed']:.2f} s"
                       f"  broker {cpu * 1e3 / mib:.3f} ms/MiB (loop {loop * 1e3 / mib:.3f})  client {cl * 1e3 / mib:.3f} ms/MiB"
-                      f"  disk busy {busy:.0f} % read {rd:.0f} MB/s  load {os.getloadavg()[0]:.1f}", flush=True)
+                      f"  disk busy {busy:.0f} % read {rd:.0f} MB/s in {req_kib:.0f} KiB requests of {req_ms:.2f} ms  load {os.getloadavg()[0]:.1f}", flush=True)
     finally:
         broker.close()
     for name, v in results.items():
