@@ -589,6 +589,7 @@ class Engine(StreamStore):
         self.store = MeasuredStore(inner, self.stats)
         self.reader = ObjectReader(self.store, self.cold_io, c.block_cache_bytes,
                                    c.readahead_max_bytes)
+        self.reader.hot = self.cold_pacer.hot_active
         self.maintenance = Maintenance(self)
         # metadata only: the deletes run in the background (maintenance.run), so a broker
         # restarted while the object store is down still recovers its WAL and listens

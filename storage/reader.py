@@ -33,6 +33,8 @@ class ObjectReader:
         self._index: OrderedDict[int, list[IndexEntry]] = OrderedDict()
         self._readers: OrderedDict[tuple[int, int], Readahead] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()
+        # set by the engine: True while producers append (cold reads are paced then)
+        self.hot: Callable[[], bool] | None = None
         buffers = getattr(store, "buffers", None)     # the file store's read buffer pool
         self.block_cache = BlockCache(block_cache_bytes, self._fetch, readahead_max,
                                       buffers.give_back if buffers is not None else None)
@@ -144,7 +146,10 @@ class ObjectReader:
         rs = self._ranges[stream_id]
         k = i + 1
         limit = 2 * ra.size
-        while k < len(rs) and left <= limit:
+        # while producers append, catch-up reads are paced: the next object is enough ahead,
+        # and no more device reads are queued beside the WAL's writes than before (item 5)
+        last = min(i + 1, len(rs) - 1) if self.hot is not None and self.hot() else len(rs) - 1
+        while k <= last and left <= limit:
             nxt = rs[k]
             if nxt.key not in ra.ahead:
                 self._read_ahead(stream_id, nxt, ra)

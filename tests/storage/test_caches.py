@@ -349,6 +349,7 @@ async def test_a_reader_reads_ahead_into_every_object_within_its_readahead(tmp_p
         ranges = eng.reader.stream_ranges(s.stream_id)
         assert len(ranges) == 8
         eng.drop_caches()
+        eng.reader.hot = lambda: False               # no producers (they just stopped here)
         await s.read(0, 16 << 10)                    # the first blocks of the first object
         await _consumer_work(eng.reader)
         ahead = [r.object_id in eng.reader._index for r in ranges]
@@ -363,5 +364,30 @@ async def test_a_reader_reads_ahead_into_every_object_within_its_readahead(tmp_p
             await _consumer_work(eng.reader)
         assert bc.misses == misses, (bc.misses, misses)
         assert bc.bytes_fetched <= sum(r.size for r in ranges)
+    finally:
+        await eng.close()
+
+
+async def test_while_producers_append_a_reader_reads_ahead_into_the_next_object_only(tmp_path) -> None:
+    """Catch-up reads beside producers are paced (item 5): the read-ahead into objects after
+    the next one is for unpaced readers; while producers append, no more device reads are
+    queued beside the WAL's writes than one object ahead."""
+    from storage.engine import open_engine
+    from storage_helpers import fill, small_config
+    eng = open_engine(small_config(tmp_path, block_cache_bytes=16 << 20,
+                                   readahead_max_bytes=4 << 20, **ONLY_FLUSH_UPLOADS))
+    await eng.start()
+    try:
+        s = await eng.create_stream()
+        for _ in range(4):
+            await fill(s, 60, size=4000)             # ~240 KB per object, its own object
+            await eng.flush()
+        ranges = eng.reader.stream_ranges(s.stream_id)
+        eng.drop_caches()
+        eng.reader.hot = lambda: True
+        await s.read(0, 16 << 10)
+        await _consumer_work(eng.reader)
+        ahead = [r.object_id in eng.reader._index for r in ranges]
+        assert ahead == [True, True, False, False], ahead
     finally:
         await eng.close()
