@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from storage.cache.block_cache import READAHEAD_INITIAL, BlockCache, Readahead
 from storage.cache.log_cache import CacheEntry, LogCache
@@ -329,13 +330,12 @@ async def test_a_reader_keeps_its_readahead_across_objects_while_prefetches_run(
         await eng.close()
 
 
-async def test_a_reader_reads_ahead_into_every_object_within_its_readahead(tmp_path) -> None:
-    """Objects smaller than the readahead (a cold pass: ~17 MiB objects, 32 MiB readahead):
-    the reader at the start of one object already has the first windows of the following
-    objects within its readahead on their way, each one's index loaded first. With one object
-    ahead only, the object after next was asked for when the reader entered the next one, and
-    a reader faster than two store round trips (index, then blocks) waited at every object
-    (bench/HISTORY.md, session 18)."""
+@contextlib.asynccontextmanager
+async def _objects_read_once(tmp_path, objects: int, hot: bool):
+    """An engine holding one stream in ``objects`` small objects (~240 KB each, caches
+    dropped), whose reader has read the first blocks of the first object with producers
+    appending (``hot``) or not, and let the read-ahead it started run: (engine, stream,
+    the stream's object ranges)."""
     from storage.engine import open_engine
     from storage_helpers import fill, small_config
     eng = open_engine(small_config(tmp_path, block_cache_bytes=16 << 20,
@@ -343,15 +343,28 @@ async def test_a_reader_reads_ahead_into_every_object_within_its_readahead(tmp_p
     await eng.start()
     try:
         s = await eng.create_stream()
-        for _ in range(8):
+        for _ in range(objects):
             await fill(s, 60, size=4000)             # ~240 KB per object, its own object
             await eng.flush()
         ranges = eng.reader.stream_ranges(s.stream_id)
-        assert len(ranges) == 8
+        assert len(ranges) == objects
         eng.drop_caches()
-        eng.reader.hot = lambda: False               # no producers (they just stopped here)
+        eng.reader.hot = lambda: hot
         await s.read(0, 16 << 10)                    # the first blocks of the first object
         await _consumer_work(eng.reader)
+        yield eng, s, ranges
+    finally:
+        await eng.close()
+
+
+async def test_a_reader_reads_ahead_into_every_object_within_its_readahead(tmp_path) -> None:
+    """Objects smaller than the readahead (a cold pass: ~17 MiB objects, 32 MiB readahead):
+    the reader at the start of one object already has the first windows of the following
+    objects within its readahead on their way, each one's index loaded first. With one object
+    ahead only, the object after next was asked for when the reader entered the next one, and
+    a reader faster than two store round trips (index, then blocks) waited at every object
+    (bench/HISTORY.md, session 18)."""
+    async with _objects_read_once(tmp_path, 8, hot=False) as (eng, s, ranges):
         ahead = [r.object_id in eng.reader._index for r in ranges]
         assert ahead[:3] == [True, True, True], ahead
         bc = eng.reader.block_cache
@@ -364,30 +377,12 @@ async def test_a_reader_reads_ahead_into_every_object_within_its_readahead(tmp_p
             await _consumer_work(eng.reader)
         assert bc.misses == misses, (bc.misses, misses)
         assert bc.bytes_fetched <= sum(r.size for r in ranges)
-    finally:
-        await eng.close()
 
 
 async def test_while_producers_append_a_reader_reads_ahead_into_the_next_object_only(tmp_path) -> None:
     """Catch-up reads beside producers are paced (item 5): the read-ahead into objects after
     the next one is for unpaced readers; while producers append, no more device reads are
     queued beside the WAL's writes than one object ahead."""
-    from storage.engine import open_engine
-    from storage_helpers import fill, small_config
-    eng = open_engine(small_config(tmp_path, block_cache_bytes=16 << 20,
-                                   readahead_max_bytes=4 << 20, **ONLY_FLUSH_UPLOADS))
-    await eng.start()
-    try:
-        s = await eng.create_stream()
-        for _ in range(4):
-            await fill(s, 60, size=4000)             # ~240 KB per object, its own object
-            await eng.flush()
-        ranges = eng.reader.stream_ranges(s.stream_id)
-        eng.drop_caches()
-        eng.reader.hot = lambda: True
-        await s.read(0, 16 << 10)
-        await _consumer_work(eng.reader)
+    async with _objects_read_once(tmp_path, 4, hot=True) as (eng, s, ranges):
         ahead = [r.object_id in eng.reader._index for r in ranges]
         assert ahead == [True, True, False, False], ahead
-    finally:
-        await eng.close()
