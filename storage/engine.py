@@ -281,7 +281,7 @@ class EngineStream(Stream):
             raise ValueError(f"append of {count} at {base_offset}, expected {self._end}")
         payload = payload if type(payload) is bytes else memoryview(payload).cast("B")
         size = WAL_RECORD.size + len(payload)
-        if not eng.cache.has_room(size + 64):
+        if not eng.cache.has_room(size + 64) or not eng.wal.has_room(size):
             return False
         t0 = time.perf_counter()
         try:
@@ -319,6 +319,19 @@ class EngineStream(Stream):
         deadline = None
         while True:
             room = eng.cache.has_room(size + 64)
+            if room and not eng.wal.has_room(size):
+                # the WAL already holds max_buffered_bytes not yet durable: wait for its writes,
+                # as a blocking append() does. append_loop never waits, and past its buffer
+                # pool every further block is a fresh mapping faulted in on the loop (appends
+                # outpacing the device: hundreds of MiB, FINDINGS session 18 confluent)
+                await eng.wal.wait_for_room(size)
+                if base_offset != self._end or self.deleted:
+                    raise RetriableStorageError("stream moved on while waiting for the WAL; retry")
+                if not self.owned:
+                    raise StorageError(f"stream {self.stream_id} is released to another node")
+                # append once woken, even if another append took the room meanwhile (one
+                # record over at most; a failed WAL wakes its waiters and refuses the append)
+                room = eng.cache.has_room(size + 64)
             if room:
                 try:
                     # an asyncio future completed in batches by the WAL: no cross-thread

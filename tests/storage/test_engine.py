@@ -924,3 +924,40 @@ async def test_the_upload_backlog_counts_what_an_upload_in_flight_took(tmp_path)
     finally:
         release.set()
         await eng.close()
+
+
+async def test_appends_wait_while_the_wal_holds_max_buffered_bytes(tmp_path, monkeypatch) -> None:
+    """Appends on the loop wait for the WAL's writes while it holds max_buffered_bytes not yet
+    durable (as a blocking append does), and the task-less append_now refuses then: otherwise
+    appends outpacing the device grew the WAL's un-durable blocks past its buffer pool, each
+    further block a fresh mapping faulted in on the loop (FINDINGS, session 18 confluent)."""
+    eng = open_engine(small_config(tmp_path))
+    await eng.start()
+    try:
+        s = await eng.create_stream()
+        room = asyncio.Event()
+        asked: list[int] = []
+
+        async def wait_for_room(size: int) -> None:
+            asked.append(size)
+            await room.wait()
+
+        monkeypatch.setattr(eng.wal, "has_room", lambda size: room.is_set())
+        monkeypatch.setattr(eng.wal, "wait_for_room", wait_for_room)
+        data = payload(s.stream_id, 0)
+        assert s.append_now(data, 0, 5, lambda fut: None) is False
+        assert s.end_offset == 0
+        task = asyncio.create_task(s.append(data, 0, 5))
+        for _ in range(200):
+            if asked:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert asked and not task.done() and s.end_offset == 0
+        room.set()
+        await asyncio.wait_for(task, 10)
+        assert (s.end_offset, s.confirmed_offset) == (5, 5)
+        assert [bytes(b.payload) for b in await read_all(s)] == [data]
+        assert s.append_now(payload(s.stream_id, 5), 5, 5, lambda fut: None) is True
+    finally:
+        await eng.close()
