@@ -34,7 +34,7 @@ from .waits import end_tasks, wait_event
 from .metastore import (MetaStore, NewObject, ObjectRange, StreamFenced, StreamMeta,
                         open_metastore)
 from .loop_slices import (NATIVE_ENCODE, SLICE_S, encode_object_in_slices, encode_object_into,
-                          object_size_in_slices)
+                          no_pause, object_size_in_slices)
 from .metrics import MeasuredStore, StorageStats
 from .objects.format import NOGIL_COPY_FROM
 from .objects.store import ObjectStore, open_object_store
@@ -177,7 +177,7 @@ def _split_records(recs: list[Any], limit: int | None = None,
     return parts
 
 
-async def _payload_cumsum(recs: list[Any], pause: Callable[[], float] | None = None
+async def _payload_cumsum(recs: list[Any], pause: Callable[[], float] = no_pause
                           ) -> list[int]:
     """The running sum of the records' payload sizes (``_split_records``'s ``cum``), by C-level
     passes over GROUP_CHUNK records with a yield to the loop between slices (``pause()``:
@@ -191,13 +191,9 @@ async def _payload_cumsum(recs: list[Any], pause: Callable[[], float] | None = N
         cum.extend(itertools.islice(itertools.accumulate(sizes, initial=total), 1, None))
         total = cum[-1]
         if clock() >= until:
-            await asyncio.sleep(pause() if pause is not None else 0)
+            await asyncio.sleep(pause())
             until = clock() + SLICE_S
     return cum
-
-
-def _no_pause() -> float:
-    return 0.0
 
 
 def open_engine(config: EngineConfig) -> "Engine":
@@ -1183,7 +1179,7 @@ class Engine(StreamStore):
         # for it (_upload_pause), so its share of the loop stays about a third: at a tenth of
         # the maximum produce rate the loop itself is busy most of the time, and an upload's
         # ~45,000 entries taken, grouped and summed back to back queued requests behind them
-        pause = self._upload_pause if background else _no_pause
+        pause = self._upload_pause if background else no_pause
         # per chunk of entries: sorted by stream (stable: each stream's entries keep their
         # order) and cut into runs by C-level passes; Python work per run, not per entry (the
         # loop over every entry was ~1 us each, ~45 ms of loop time per 64 MiB upload)
@@ -1252,7 +1248,7 @@ class Engine(StreamStore):
                     # to about a quarter, so hot requests are not starved meanwhile
                     data, _index, ranges = await encode_object_in_slices(
                         recs, c.object_block_bytes, into=into, size=size,
-                        pause=self._upload_pause if background else None)
+                        pause=pause)
                 size = len(data)
                 new.append((NewObject(oid, size, ranges), key, kind))
                 # written while the next ones are encoded, PUTS_IN_FLIGHT at a time (one

@@ -42,6 +42,11 @@ SLICE_S = 0.0005
 CHECK_EVERY = 256
 
 
+def no_pause() -> float:
+    """The ``pause`` of a pass nothing should slow down: yield to the loop, wait for nothing."""
+    return 0.0
+
+
 async def for_each_in_slices(items: Iterable[Any], fn: Callable[[Any], Any],
                              slice_s: float = SLICE_S) -> None:
     """``fn(item)`` for every item, on the running loop, yielding to other callbacks every
@@ -61,7 +66,7 @@ async def for_each_in_slices(items: Iterable[Any], fn: Callable[[Any], Any],
 
 async def object_size_in_slices(records: list[Record], block_size: int,
                                 slice_s: float = SLICE_S,
-                                pause: Callable[[], float] | None = None) -> int:
+                                pause: Callable[[], float] = no_pause) -> int:
     """format.object_size() on the running loop, in slices (format.object_size_steps;
     ``pause()``: seconds to wait after each slice, as in encode_object_in_slices)."""
     clock = time.perf_counter
@@ -73,14 +78,14 @@ async def object_size_in_slices(records: list[Record], block_size: int,
         except StopIteration as done:
             return done.value
         if clock() >= until:
-            await asyncio.sleep(pause() if pause is not None else 0)
+            await asyncio.sleep(pause())
             until = clock() + slice_s
 
 
 async def encode_object_in_slices(records: list[Record], block_size: int = DEFAULT_BLOCK_SIZE,
                                   slice_s: float = SLICE_S, into: Buffer | None = None,
                                   size: int | None = None,
-                                  pause: Callable[[], float] | None = None
+                                  pause: Callable[[], float] = no_pause
                                   ) -> tuple[Buffer | memoryview, list[IndexEntry],
                                              list[StreamRange]]:
     """encode_object() on the running loop, yielding to other callbacks every ``slice_s``
@@ -89,7 +94,7 @@ async def encode_object_in_slices(records: list[Record], block_size: int = DEFAU
     leaves the loop to hot requests most of the time)."""
     enc = ObjectEncoder(records, block_size, into, size)
     while not enc.encode(until=time.perf_counter() + slice_s):
-        await asyncio.sleep(pause() if pause is not None else 0)
+        await asyncio.sleep(pause())
     return enc.finish()
 
 
