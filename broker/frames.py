@@ -18,6 +18,8 @@ import sys
 import threading
 from typing import Any
 
+from storage.thread_priority import lower_current_thread
+
 log = logging.getLogger(__name__)
 
 # finished large frames nobody references any more are kept for reuse, up to this many bytes
@@ -224,6 +226,12 @@ class _Prefill:
             self._ready_bytes = 0
 
     def _run(self) -> None:
+        # SCHED_BATCH (nice unchanged): the thread works ahead of need, so it never preempts
+        # the event loop (or anything else) when woken; it still gets its share of a busy
+        # CPU. It was woken per large request and preempted whatever ran on its CPU: 100 B
+        # confluent-kafka run, 8 s, loop involuntary switches 3,600-4,100 -> 1,600-1,900,
+        # the client's 2,000-2,800 -> 1,000-1,400 (bench/HISTORY.md, session 19)
+        lower_current_thread(0)
         while not self._stopped:
             self._wake.wait()
             self._wake.clear()

@@ -15,6 +15,10 @@ on a small machine (sched_switch traces and per-write WAL timings in bench/HISTO
   slows down under a saturated disk instead of starving. Schedulers without priorities
   ("none", typical for NVMe) ignore it.
 
+The frame prefill thread (broker/frames.py: produce frames faulted in ahead of need, woken
+per large request) takes SCHED_BATCH alone (``lower_current_thread(0)``): it was the main
+thread preempting the event loop and a co-located client under a confluent-kafka producer.
+
 Linux keeps all three per thread, so setting them in a pool's initializer touches only that
 pool. Threads inherit them from their creator: never open the WAL (which starts its IO
 threads) from such a thread.

@@ -122,3 +122,28 @@ async def test_cold_read_io_class_can_be_left_alone(tmp_path) -> None:
         assert len(await read_all(s)) == 50
     finally:
         await eng.close()
+
+
+@linux_ioprio
+def test_the_frame_prefill_thread_never_preempts_on_wake_up() -> None:
+    """The thread that faults produce frames in ahead of need runs at SCHED_BATCH with the
+    process's nice value: woken per large request, it waits for a CPU instead of preempting
+    the event loop (bench/HISTORY.md, session 19); the thread that woke it is untouched."""
+    from broker.frames import PREFILL_FROM, FramePool
+    before = _priorities()
+    pool = FramePool()
+    try:
+        pool.take(PREFILL_FROM)             # the first large take starts the thread
+        pre = pool._prefill
+        assert pre is not None and pre._thread is not None
+        t = pre._thread
+        for _ in range(1000):               # until it prefilled (it lowers itself first)
+            if pre._ready_bytes or not pre._ok:
+                break
+            threading.Event().wait(0.01)
+        assert pre._ok, "madvise(MADV_POPULATE_WRITE) unavailable: nothing to check"
+        assert os.sched_getscheduler(t.native_id) == os.SCHED_BATCH
+        assert os.getpriority(os.PRIO_PROCESS, t.native_id) == before[0]
+    finally:
+        pool.close()
+    assert _priorities() == before
