@@ -4,8 +4,9 @@
    buffer, and checksums it both times (the WAL record CRC, the object block CRC). Done apart
    (memmove, then the crc32c package) each byte is read twice and every destination line is
    fetched before it is overwritten; here each source word is loaded once, stored (32-byte
-   non-temporal stores with AVX2: no fetch, no cache pollution) and fed to the CRC, with the
-   interpreter lock released for large copies. CRC-32C (Castagnoli) with the SSE4.2 crc32
+   stores with AVX2: non-temporal ones - no fetch, no cache pollution - for the object encode
+   copy, ordinary ones for the WAL copy on the event loop, see copy_crc_cached) and fed to the
+   CRC, with the interpreter lock released for large copies. CRC-32C (Castagnoli) with the SSE4.2 crc32
    instruction, three independent lanes combined with precomputed "shift by n zero bytes"
    tables (the usual way to hide the instruction's latency). Same value and chaining as
    crc32c.crc32c(data, value).
@@ -190,9 +191,9 @@ HW_TARGET static uint32_t copy_crc_scalar(unsigned char *dst, const unsigned cha
    soon, so its lines are neither fetched before being overwritten nor kept in the cache.
    Measured on 1 MiB payloads (HISTORY.md, session 15): 0.06-0.08 ms vs 0.12-0.14 ms for
    memmove + crc32c with the source in cache, 0.11-0.12 vs 0.16 with neither in cache. */
-__attribute__((target("sse4.2,avx2")))
-static uint32_t copy_crc_stream(unsigned char *dst, const unsigned char *p, size_t n,
-                                uint32_t crc) {
+__attribute__((target("sse4.2,avx2"))) __attribute__((always_inline))
+static inline uint32_t copy_crc_avx2(unsigned char *dst, const unsigned char *p, size_t n,
+                                     uint32_t crc, const int nt) {
     uint64_t c0 = crc;
     size_t head = (32 - ((uintptr_t)dst & 31)) & 31;    /* align dst for the stream stores */
     if (head > n) head = n;
@@ -215,9 +216,15 @@ static uint32_t copy_crc_stream(unsigned char *dst, const unsigned char *p, size
             __m256i a = _mm256_loadu_si256((const __m256i *)p);
             __m256i b = _mm256_loadu_si256((const __m256i *)(p + LONG_LANE));
             __m256i c = _mm256_loadu_si256((const __m256i *)(p + 2 * LONG_LANE));
-            _mm256_stream_si256((__m256i *)dst, a);
-            _mm256_stream_si256((__m256i *)(dst + LONG_LANE), b);
-            _mm256_stream_si256((__m256i *)(dst + 2 * LONG_LANE), c);
+            if (nt) {
+                _mm256_stream_si256((__m256i *)dst, a);
+                _mm256_stream_si256((__m256i *)(dst + LONG_LANE), b);
+                _mm256_stream_si256((__m256i *)(dst + 2 * LONG_LANE), c);
+            } else {
+                _mm256_storeu_si256((__m256i *)dst, a);
+                _mm256_storeu_si256((__m256i *)(dst + LONG_LANE), b);
+                _mm256_storeu_si256((__m256i *)(dst + 2 * LONG_LANE), c);
+            }
             for (int k = 0; k < 32; k += 8) {      /* the words just loaded: L1 hits */
                 uint64_t x, y, z;
                 memcpy(&x, p + k, 8);
@@ -236,9 +243,29 @@ static uint32_t copy_crc_stream(unsigned char *dst, const unsigned char *p, size
         dst += 2 * LONG_LANE;
         n -= 3 * LONG_LANE;
     }
-    if (streamed) _mm_sfence();     /* order the stream stores before anyone is told */
+    if (nt && streamed) _mm_sfence();   /* order the stream stores before anyone is told */
     memcpy(dst, p, n);
     return crc_hw((uint32_t)c0, dst, n);
+}
+
+__attribute__((target("sse4.2,avx2")))
+static uint32_t copy_crc_stream(unsigned char *dst, const unsigned char *p, size_t n,
+                                uint32_t crc) {
+    return copy_crc_avx2(dst, p, n, crc, 1);
+}
+
+/* The same with ordinary 32-byte stores: the WAL copy on the event loop (copy_crc,
+   copy_crc_split). In the broker under 1 MiB produce load the stream stores into the WAL's
+   (huge-page) blocks took 0.21-0.24 ms per MiB with the source hot (a CRC-only pass over the
+   same source 0.077), ordinary stores 0.08-0.12: the loop's CPU is interrupted often (socket
+   softirqs, AIO completions), and each interruption can flush a partly filled write-combining
+   buffer (a partial line written to memory as a read-modify-write); a quiet micro-benchmark
+   does not show it. The object encode copy on the IO threads (encode_blocks) keeps the
+   stream stores (bench/HISTORY.md, session 19 loopcpu). */
+__attribute__((target("sse4.2,avx2")))
+static uint32_t copy_crc_cached(unsigned char *dst, const unsigned char *p, size_t n,
+                                uint32_t crc) {
+    return copy_crc_avx2(dst, p, n, crc, 0);
 }
 
 static int cpu_has_avx2(void) {
@@ -252,11 +279,13 @@ static uint32_t copy_crc_scalar(unsigned char *dst, const unsigned char *p, size
     return crc_hw(crc, dst, n);
 }
 #define copy_crc_stream copy_crc_scalar
+#define copy_crc_cached copy_crc_scalar
 static int cpu_has_avx2(void) { return 0; }
 #endif
 
 typedef uint32_t (*copy_fn)(unsigned char *, const unsigned char *, size_t, uint32_t);
-static copy_fn copy_crc_raw = copy_crc_scalar;
+static copy_fn copy_crc_raw = copy_crc_scalar;        /* encode_blocks (IO threads) */
+static copy_fn copy_crc_loop_raw = copy_crc_scalar;   /* copy_crc, copy_crc_split (the WAL) */
 
 /* The writable destination and the source of a copy, with the source fitting at `offset` and
    `split` (copy_crc_split; 0 otherwise) inside the source; -1 with an exception set if not. */
@@ -300,10 +329,10 @@ static PyObject *copy_crc(PyObject *self, PyObject *args) {
     size_t n = (size_t)src.len;
     if (n >= NOGIL_FROM) {
         Py_BEGIN_ALLOW_THREADS
-        crc = copy_crc_raw(d, s, n, crc);
+        crc = copy_crc_loop_raw(d, s, n, crc);
         Py_END_ALLOW_THREADS
     } else {
-        crc = copy_crc_raw(d, s, n, crc);
+        crc = copy_crc_loop_raw(d, s, n, crc);
     }
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
@@ -364,12 +393,12 @@ static PyObject *copy_crc_split(PyObject *self, PyObject *args) {
     uint32_t head, tail;
     if (n >= NOGIL_FROM) {
         Py_BEGIN_ALLOW_THREADS
-        head = ~copy_crc_raw(d, s, k, ~(uint32_t)value);
-        tail = ~copy_crc_raw(d + k, s + k, n - k, ~0u);
+        head = ~copy_crc_loop_raw(d, s, k, ~(uint32_t)value);
+        tail = ~copy_crc_loop_raw(d + k, s + k, n - k, ~0u);
         Py_END_ALLOW_THREADS
     } else {
-        head = ~copy_crc_raw(d, s, k, ~(uint32_t)value);
-        tail = ~copy_crc_raw(d + k, s + k, n - k, ~0u);
+        head = ~copy_crc_loop_raw(d, s, k, ~(uint32_t)value);
+        tail = ~copy_crc_loop_raw(d + k, s + k, n - k, ~0u);
     }
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
@@ -828,12 +857,16 @@ PyMODINIT_FUNC PyInit__copycrc(void) {
     s_payload = PyUnicode_InternFromString("payload");
     if (!s_stream_id || !s_base_offset || !s_count || !s_payload) return NULL;
     have_hw = cpu_has_sse42() && self_test(copy_crc_scalar);
-    if (have_hw && cpu_has_avx2() && self_test(copy_crc_stream))
+    if (have_hw && cpu_has_avx2() && self_test(copy_crc_stream) && self_test(copy_crc_cached)) {
         copy_crc_raw = copy_crc_stream;
+        copy_crc_loop_raw = copy_crc_cached;
+    }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "HARDWARE", have_hw) < 0 ||
-            PyModule_AddIntConstant(m, "STREAM_STORES", copy_crc_raw == copy_crc_stream) < 0) {
+            PyModule_AddIntConstant(m, "STREAM_STORES", copy_crc_raw == copy_crc_stream) < 0 ||
+            PyModule_AddIntConstant(m, "LOOP_STREAM_STORES",
+                                    copy_crc_loop_raw == copy_crc_stream) < 0) {
         Py_DECREF(m);
         return NULL;
     }

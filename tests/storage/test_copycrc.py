@@ -80,6 +80,16 @@ def test_copy_crc_split_also_gives_the_crc_of_the_tail(impl, native):
             fn(bytearray(100), 0, b"abc", 0, 4)
 
 
+def test_the_wal_copy_uses_ordinary_stores_and_the_object_encoder_stream_stores(native):
+    """With AVX2 the object encoder (IO threads, encode_blocks) writes with non-temporal
+    stores, the WAL's copies on the event loop (copy_crc, copy_crc_split) with ordinary ones:
+    in the broker the stream stores into WAL blocks took ~2x the CPU (bench/HISTORY.md,
+    session 19 loopcpu). Both give the same bytes and CRCs (the tests above)."""
+    if not native.STREAM_STORES:
+        pytest.skip("no AVX2 here: both are the scalar copy")
+    assert native.LOOP_STREAM_STORES == 0
+
+
 def test_copy_crc_refuses_what_does_not_fit(native):
     with pytest.raises(ValueError):
         native.copy_crc(bytearray(10), 5, b"123456")
