@@ -684,8 +684,9 @@ class Partition:
         timestamps) calls ``done`` before returning. False, with nothing changed, when the
         payload needs ``append``: idempotent or transactional batches, earlier appends still
         waiting for room, a stream without ``append_now`` or without room (back-pressure),
-        the partition closed, offline or its producer state being rebuilt. Small produce
-        requests are cheaper this way (no task, no Drive, no shield futures)."""
+        the partition closed, offline or its producer state being rebuilt. Produce requests
+        are cheaper this way (no task, no Drive, no shield futures); a large lone batch has
+        its CRC checked in the WAL's copy (``_prepare``'s check, passed to the stream)."""
         append_now = getattr(self.stream, "append_now", None)
         if append_now is None or self._closed or self._offline is not None \
                 or self._admission.held or not records:
@@ -697,13 +698,20 @@ class Partition:
             res.error, res.message = ErrorCode.CORRUPT_MESSAGE, str(e)
             done(res)
             return True
-        if check is not None or not views:
-            return False          # a large batch whose CRC the stream checks: append()
+        if not views:
+            return False
         for _pos, view in views:
             if view.producer_id != NO_PRODUCER_ID or view.attributes & TXN_ATTRS:
                 return False
         checked = self._header_checks(buf, views, api_version, False, res)
         if checked is None:
+            if check is not None:
+                # a large lone batch whose CRC the stream would check: a corrupt batch is
+                # answered CORRUPT_MESSAGE whatever else is wrong with it (as append())
+                try:
+                    protocol.validate_batch(views[0][1])
+                except protocol.CorruptRecordError as e:
+                    res.error, res.message = ErrorCode.CORRUPT_MESSAGE, str(e)
             done(res)
             return True
         count, max_ts_of, log_append, now, _txn = checked
@@ -738,8 +746,15 @@ class Partition:
             self._settle(outcome, ok, why, answer)
 
         try:
-            if not append_now(buf, base, count, durable):
+            # a large lone batch (``check``): its CRC-32C is checked in the WAL's copy
+            if not (append_now(buf, base, count, durable) if check is None
+                    else append_now(buf, base, count, durable, check)):
                 return False                  # no room: append() waits for it
+        except PayloadChecksumError as e:     # nothing appended
+            res.error, res.message = ErrorCode.CORRUPT_MESSAGE, \
+                f"record batch CRC-32C mismatch ({e})"
+            done(res)
+            return True
         except StorageError:
             return False                      # deleted, released, fenced: append() answers
         self._tail = outcome

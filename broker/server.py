@@ -299,12 +299,19 @@ class Connection(asyncio.BufferedProtocol):
                       api_name(header.api_key), header.api_version, header.correlation_id,
                       header.client_id, self.peer)
         run = RUN_HANDLERS.get(header.api_key)
-        if run is not None and not pooled:
+        if run is not None:
             try:
                 key = run[0](request)
             except Exception:  # noqa: BLE001 - an odd request is simply handled alone
                 key = None
             if key is not None:
+                if pooled:
+                    # a large frame of its own (never merged: that would copy it): alone,
+                    # through the task-less path when it takes it
+                    self._start_run()
+                    self._start_items([(RequestContext(self.broker, header, self), request,
+                                        received)], frame)
+                    return
                 if key != self._run_key or len(self._run) >= RUN_MAX_REQUESTS:
                     self._start_run()
                     self._run_key = key
@@ -332,6 +339,12 @@ class Connection(asyncio.BufferedProtocol):
             return
         self._run = []
         self._run_key = None
+        self._start_items(items, None)
+
+    def _start_items(self, items: list[tuple[RequestContext, Any, float]],
+                     frame: bytearray | None) -> None:
+        """``_start_run`` of ``items``; ``frame``: the pooled frame of a lone request (counted
+        in ``_frame_bytes`` and given back to the pool once answered, as on the task path)."""
         api_key = items[0][0].header.api_key
         now = NOW_HANDLERS.get(api_key)
         if now is not None and not self._slow:
@@ -344,14 +357,18 @@ class Connection(asyncio.BufferedProtocol):
                 taken = False
             if taken:
                 for (ctx, _request, _received), fut in zip(items, futs):
-                    self._queue.append((fut, ctx.header, None))
+                    self._queue.append((fut, ctx.header, frame))
+                if frame is not None:
+                    self._frame_bytes += len(frame)
                 return
         if len(items) == 1:
             ctx, request, received = items[0]
             task = self._loop.create_task(timed(HANDLERS[api_key], ctx, request,
                                                 self.broker.request_stats, received))
-            self._queue.append((task, ctx.header, None))
+            self._queue.append((task, ctx.header, frame))
             task.add_done_callback(self._handler_done)
+            if frame is not None:
+                self._frame_bytes += len(frame)
         else:
             futs = []
             for ctx, _request, _received in items:

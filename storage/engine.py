@@ -265,13 +265,16 @@ class EngineStream(Stream):
         return entry
 
     def append_now(self, payload: bytes | memoryview, base_offset: int, count: int,
-                   then: Callable[[asyncio.Future], None]) -> bool:
+                   then: Callable[[asyncio.Future], None],
+                   check: tuple[int, int] | None = None) -> bool:
         """``append`` without a coroutine, when there is room at once: the payload is in the
         WAL's block and the LogCache on return (True), and ``then(future)`` runs once it is
         durable (or its write failed), after the stream's own bookkeeping - one loop callback
         per append instead of a coroutine, a shield and two wake-ups. False with nothing
         done when the LogCache or the WAL has no room (``append`` waits for it). Raises
-        StorageError like ``append`` (deleted, released, fenced). The small Produce path."""
+        StorageError like ``append`` (deleted, released, fenced), and PayloadChecksumError
+        (nothing appended) when ``check`` (as ``append``'s: the payload's CRC-32C from an
+        offset, checked in the WAL's copy) does not match. The task-less Produce path."""
         eng = self._engine
         self._check_writable()
         if base_offset != self._end or count <= 0:
@@ -280,10 +283,14 @@ class EngineStream(Stream):
         size = WAL_RECORD.size + len(payload)
         if not eng.cache.has_room(size + 64) or not eng.wal.has_room(size):
             return False
+        if check is not None:      # checked while the WAL copies the record: no pass of its own
+            check = (WAL_RECORD.size + check[0], check[1])
         t0 = time.perf_counter()
         try:
             res = eng.wal.append_loop((WAL_RECORD.pack(self.stream_id, base_offset, count),
-                                       payload), self.stream_id)
+                                       payload), self.stream_id, check)
+        except eng.checksum_error as e:
+            raise PayloadChecksumError(str(e)) from None
         except eng.fenced_error as e:   # another node took this WAL over
             raise StorageError(str(e)) from None
         except eng.over_capacity_error:

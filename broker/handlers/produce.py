@@ -256,10 +256,11 @@ _OWN_FAULTS = frozenset((ErrorCode.CORRUPT_MESSAGE, ErrorCode.MESSAGE_SIZE_TOO_L
 # only requests this small join a run (a copy into the run's buffer; large ones gain nothing;
 # with the server's RUN_MAX_REQUESTS a run's payload stays under 512 KiB)
 RUN_MAX_RECORDS_BYTES = 16 << 10
-# a larger request (up to the server's DIRECT_FRAME: smaller frames are copied out of the read
-# buffer, larger ones received into a pooled frame) is still appended without a task, alone
-# (a linger-0 client's request after a stall carries the backlog)
-LONE_MAX_RECORDS_BYTES = 64 << 10
+# a larger request is still appended without a task, alone: a linger-0 client's request after
+# a stall carries the backlog, and a large request (1 MiB batches: received into a pooled frame
+# of its own, its one batch's CRC checked in the WAL's copy) saves the task, the timing
+# wrapper, four coroutines, Drive and two shield futures. Up to the server's DIRECT_FRAME_MAX
+LONE_MAX_RECORDS_BYTES = 16 << 20
 _PRODUCER_ID = 43          # offset of producerId in a v2 batch header
 _NO_PID = b"\xff" * 8
 
@@ -269,7 +270,8 @@ def run_key(req: Any) -> Any:
     one partition, acks 1 or all, not transactional, a small v2 payload whose first batch has
     no producer id. The run handler checks every batch again. A payload over
     RUN_MAX_RECORDS_BYTES (up to LONE_MAX_RECORDS_BYTES) gets a key of its own: a run of one,
-    which only the task-less path (``produce_now``) takes."""
+    which only the task-less path (``produce_now``) takes (so does the server for a request
+    received into a pooled frame, whatever its key)."""
     if req.acks not in (-1, 1) or req.transactional_id is not None:
         return None
     tds = req.topic_data

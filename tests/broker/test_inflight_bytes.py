@@ -115,3 +115,36 @@ async def test_small_frames_do_not_count(monkeypatch):
     for _ in range(3):
         await asyncio.sleep(0)
     assert conn.idle
+
+
+async def test_large_frames_answered_without_a_task_count_too(monkeypatch):
+    """A large frame of an API with a task-less path (a 1 MiB Produce: NOW_HANDLERS) is
+    handed to it alone, with its frame counted until its answer is written."""
+    conn, t, _answers = _connection(monkeypatch, max_bytes=int(DIRECT_FRAME * 2 * 2.5))
+    taken: list[tuple[list, list]] = []
+
+    async def run(ctxs, reqs):   # never called: every request is taken task-less
+        raise AssertionError("run handler called")
+
+    def now(items, futs, c):
+        assert len(items) == 1 and c is conn     # a pooled frame: alone
+        taken.append((items, futs))
+        return True
+
+    monkeypatch.setitem(server.RUN_HANDLERS, API, (lambda req: ("k", object()), run))
+    monkeypatch.setitem(server.NOW_HANDLERS, API, now)
+    size = DIRECT_FRAME * 2
+    for _ in range(3):
+        _receive(conn, _frame(size))
+    assert len(taken) == 3 and t.paused and conn._frame_bytes == 3 * size
+    taken[0][1][0].set_result(None)                  # answered (nothing to write)
+    conn.answered()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not t.paused and conn._frame_bytes == 2 * size
+    for _items, futs in taken[1:]:
+        futs[0].set_result(None)
+    conn.answered()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert conn._frame_bytes == 0 and conn.idle

@@ -202,3 +202,30 @@ def test_a_lone_request_over_the_run_size_is_appended_without_a_task_and_never_m
     assert _metric(broker, "s3kafka_request_run_members_total") == members
     assert _values(client, t, 800) == [f"{i}-{j}".encode() * 50 for i in range(4)
                                        for j in range(200)]
+
+
+def test_a_large_lone_request_is_appended_without_a_task_its_crc_checked_in_the_wal_copy(
+        broker, client):
+    """A request of one large plain batch (received into a pooled frame of its own) takes the
+    task-less path too: its batch CRC is checked in the WAL's copy (EngineStream.append_now
+    ``check``), so a corrupt one is answered CORRUPT_MESSAGE with nothing appended - also when
+    it is over max.message.bytes as well - and the next one gets the next offsets."""
+    t = _topic()
+    client.create_topic(t, configs={"max.message.bytes": str(400 << 10)})
+    direct = _metric(broker, "s3kafka_request_direct_total")
+    big = [make_batch([f"{i}-{j}".encode() * 100 for j in range(500)]) for i in range(3)]
+    assert all(200 << 10 < len(b) < 400 << 10 for b in big)
+    resps = [client.produce(t, b) for b in big[:2]]
+    assert [(r.error_code, r.base_offset) for r in resps] == [(E_NONE, 0), (E_NONE, 500)]
+    assert _metric(broker, "s3kafka_request_direct_total") >= direct + 2
+    bad = bytearray(big[2])
+    bad[len(bad) // 2] ^= 0x55                       # inside the records: the batch CRC fails
+    assert client.produce(t, bytes(bad)).error_code == E_CORRUPT
+    huge = bytearray(make_batch([b"h" * 1000] * 500))     # > max.message.bytes, and corrupt
+    assert len(huge) > 400 << 10
+    huge[len(huge) // 2] ^= 0x55
+    assert client.produce(t, bytes(huge)).error_code == E_CORRUPT
+    r = client.produce(t, big[2])
+    assert (r.error_code, r.base_offset) == (E_NONE, 1000)
+    assert _values(client, t, 1500) == [f"{i}-{j}".encode() * 100 for i in range(3)
+                                        for j in range(500)]
