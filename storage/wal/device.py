@@ -255,6 +255,16 @@ def _check_space(path: str, directory: str, capacity: int, allocated: int) -> No
             f"--wal-capacity (e.g. {_human(fit)}) or free space")
 
 
+LOOP_MAJOR = 7      # Linux loop devices (include/uapi/linux/major.h)
+
+
+def on_loop_device(st: os.stat_result) -> bool:
+    """Whether writes to what ``st`` describes are served by a loop device's kernel worker:
+    the device itself, or a file on a file system mounted from one."""
+    dev = st.st_rdev if stat.S_ISBLK(st.st_mode) else st.st_dev
+    return os.major(dev) == LOOP_MAJOR
+
+
 class Device:
     """Positional, aligned reads and writes with the configured durability barrier."""
 
@@ -266,6 +276,7 @@ class Device:
         self.sync_mode = sync_mode
         self.direct = True
         self.is_block_device = False
+        self.on_loop_device = False     # writes served by a loop device's kernel worker
         self.created = False
         self._fd = -1
         self._open()
@@ -308,6 +319,7 @@ class Device:
             if self.lock:
                 lock_exclusive(fd, self.path)
             st = os.fstat(fd)
+            self.on_loop_device = on_loop_device(st)
             size = _device_size(fd, st)
             if self.is_block_device:
                 if size < self.capacity:
