@@ -587,8 +587,6 @@ class Engine(StreamStore):
         self._encode_bufs: list[Any] = []   # reused object encode buffers (see _upload)
         self._encode_lock = threading.Lock()     # one object encode at a time (_put_object)
         self._put_slots = _PutSlots(PUTS_IN_FLIGHT)
-        # _put_object jobs not done, across uploads: each holds an encode buffer
-        self._job_room = asyncio.Semaphore(ENCODE_BUFFERS)
         self.cold_pacer = ColdReadPacer(c.cold_read_bytes_per_s, c.cold_read_min_bytes_per_s,
                                         c.cold_read_lag_target_ms / 1000,
                                         hot_tolerance=c.cold_read_hot_tolerance)
@@ -967,101 +965,56 @@ class Engine(StreamStore):
         self.reader.block_cache.clear()
 
     async def _upload_loop(self) -> None:
-        c = self.config
         backoff = 0.1
-        # rounds in flight, oldest first: the next round is taken, grouped and encoded while
-        # the one before it writes its last objects, commits, evicts and trims (between two
-        # rounds that ran one after the other no put ran: ~16 ms of every ~220 ms round under
-        # raw 1 MiB produce); at most two, committing in order (_upload_round)
-        rounds: list[asyncio.Task] = []
-
-        async def settle(take_next: bool) -> None:
-            """Await the rounds that are done (all of them unless ``take_next``; the oldest
-            while two are in flight); after a failure all of them, then back off."""
-            nonlocal backoff
-            failed = None
-            while rounds and (not take_next or failed is not None or rounds[0].done()
-                              or len(rounds) >= 2):
+        c = self.config
+        while True:
+            await wait_event(self._upload_wakeup, min(c.upload_interval_s, 1.0))
+            self._upload_wakeup.clear()
+            await self._check_fenced()
+            self.wal_full.expire()
+            self.backpressure.expire()
+            while self.cache.pending:
+                if not self.writes_allowed():
+                    self.writes_paused.hit("lease lapsed: no uploads, commits or WAL trims "
+                                           "until it is renewed")
+                    break
+                self.writes_paused.clear()
+                due = (self._force_upload
+                       or self.cache.pending_bytes >= c.upload_threshold_bytes
+                       or time.monotonic() - self._last_upload >= c.upload_interval_s
+                       or self._wal_head - self._wal_trimmed > c.wal_capacity // 2
+                       or self._cache_pressure())
+                if not due:
+                    break
+                self._uploading = True      # a drain waits for this upload from its take on
                 try:
-                    await rounds.pop(0)
-                except _EarlierNotCommitted:
-                    pass                     # the earlier round's failure is counted
-                except Exception as e:  # noqa: BLE001 - retried with backoff
-                    failed = e
-                else:
+                    entries, key_ = await self._take_for_upload(c.upload_max_bytes)
+                except BaseException:
+                    self._uploading = False
+                    raise
+                if not entries:
+                    self._uploading = False
+                    await asyncio.sleep(0.001)      # head not durable yet
+                    continue
+                try:
+                    await self._upload(entries, key_=key_, background=True)
                     backoff = 0.1
                     self.store_failing.clear()
-            if failed is not None:
-                self.upload_errors += 1
-                # once per episode, not per retry: a long outage retries every 2 s
-                self.store_failing.hit(f"upload failed, retrying with backoff: {failed}")
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-        try:
-            while True:
-                await wait_event(self._upload_wakeup, min(c.upload_interval_s, 1.0))
-                self._upload_wakeup.clear()
-                await self._check_fenced()
-                self.wal_full.expire()
-                self.backpressure.expire()
-                while self.cache.pending:
-                    await settle(take_next=True)
-                    if not self.cache.pending:
-                        break
-                    if not self.writes_allowed():
-                        self.writes_paused.hit("lease lapsed: no uploads, commits or WAL "
-                                               "trims until it is renewed")
-                        break
-                    self.writes_paused.clear()
-                    due = (self._force_upload
-                           or self.cache.pending_bytes >= c.upload_threshold_bytes
-                           or time.monotonic() - self._last_upload >= c.upload_interval_s
-                           or self._wal_head - self._wal_trimmed > c.wal_capacity // 2
-                           or self._cache_pressure())
-                    if not due:
-                        break
-                    self._uploading = True   # a drain waits for the uploads from their take on
-                    entries, key_ = await self._take_for_upload(c.upload_max_bytes)
-                    if not entries:
-                        await asyncio.sleep(0.001)      # head not durable yet
-                        continue
-                    submitted = asyncio.Event()
-                    rounds.append(asyncio.create_task(self._upload_round(
-                        entries, key_, rounds[-1] if rounds else None, submitted)))
-                    entries = []
-                    await submitted.wait()   # every object handed to the IO threads
-                await settle(take_next=False)
-                self._uploading = False
-                if not self.cache.pending:
-                    self._force_upload = False
-                    self._last_upload = time.monotonic()
-        finally:
-            for t in rounds:
-                t.cancel()
-            if rounds:
-                await asyncio.wait(rounds)
-            self._uploading = False
-
-    async def _upload_round(self, entries: list[CacheEntry], key_: int,
-                            earlier: asyncio.Task | None, submitted: asyncio.Event) -> None:
-        """One round of the upload loop, as a task: the loop takes the next round once this
-        one's objects are all handed to the IO threads (``submitted``). ``earlier``: the
-        round before it, still in flight: it commits first (a stream's objects commit in
-        offset order), and if it failed this one fails too (_EarlierNotCommitted). A failed
-        round's entries go back to pending, to be taken again."""
-        async def after_earlier() -> None:
-            if earlier is not None:
-                await asyncio.wait([earlier])
-                if earlier.cancelled() or earlier.exception() is not None:
-                    raise _EarlierNotCommitted("an earlier upload round failed")
-        try:
-            await self._upload(entries, after_earlier, key_=key_, background=True,
-                               submitted=submitted)
-        except BaseException:
-            self.cache.return_pending(entries)
-            raise
-        finally:
-            submitted.set()
+                except asyncio.CancelledError:
+                    self.cache.return_pending(entries)
+                    raise
+                except Exception as e:
+                    self.cache.return_pending(entries)
+                    self.upload_errors += 1
+                    # once per episode, not per retry: a long outage retries every 2 s
+                    self.store_failing.hit(f"upload failed, retrying with backoff: {e}")
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                finally:
+                    self._uploading = False
+            if not self.cache.pending:
+                self._force_upload = False
+                self._last_upload = time.monotonic()
 
     async def _trim_point(self, entries: list[CacheEntry], key_: int) -> int:
         """How far the WAL may be trimmed after committing ``entries``: up to the first entry
@@ -1152,7 +1105,6 @@ class Engine(StreamStore):
     def _object_done(self, kind: str, into: Any, gentle: bool, job: asyncio.Future) -> None:
         """A _put_object job ended (on the loop): its encode buffer is handed back (not if
         the job was cancelled: its thread may still read it) and the object counted."""
-        self._job_room.release()
         self._gentle_puts -= gentle
         if job.cancelled():
             return
@@ -1201,13 +1153,11 @@ class Engine(StreamStore):
 
     async def _upload(self, entries: list[CacheEntry],
                       before_commit: Callable[[], Any] | None = None,
-                      key_: int | None = None, background: bool = False,
-                      submitted: asyncio.Event | None = None) -> None:
+                      key_: int | None = None, background: bool = False) -> None:
         """Write entries as objects, commit them, trim the WAL, release the cache
         (``before_commit``: awaited after the objects are written, before their commit;
         ``key_``: the in-flight mark _take_for_upload already holds for them;
-        ``background``: the upload loop's, paced while nothing waits for it; ``submitted``:
-        set once every object is handed to the IO threads)."""
+        ``background``: the upload loop's, paced while nothing waits for it)."""
         if key_ is None:
             key_ = id(entries)
             # C-level pass: an upload holds tens of thousands of entries
@@ -1219,7 +1169,7 @@ class Engine(StreamStore):
         if entries and key_ not in self._upload_takes:   # (_take_for_upload sized its take)
             self._upload_takes[key_] = (sum(map(_SIZE, entries)), entries[0])
         try:
-            await self._upload_entries(entries, key_, before_commit, background, submitted)
+            await self._upload_entries(entries, key_, before_commit, background)
         finally:
             self._inflight.pop(key_, None)
             self._inflight_streams.subtract(sids)
@@ -1265,8 +1215,7 @@ class Engine(StreamStore):
 
     async def _upload_entries(self, entries: list[CacheEntry], key_: int,
                               before_commit: Callable[[], Any] | None = None,
-                              background: bool = False,
-                              submitted: asyncio.Event | None = None) -> None:
+                              background: bool = False) -> None:
         c = self.config
         # one pass over the entries (tens of thousands for small produce requests), in
         # slices on the loop (storage/loop_slices.py): unsliced it was a ~50 ms stall
@@ -1336,55 +1285,49 @@ class Engine(StreamStore):
             if groups else None
         # each object is one job on an IO thread: encoded, then written as soon as a put slot
         # is free (_put_object). The loop only submits the jobs, at most ENCODE_BUFFERS at a
-        # time across the engine's uploads (each holds an encode buffer): under load each hop
-        # through the busy loop (an encode's result back, the put's start) took ~2-3 ms, and
-        # the puts waited for them
-        writing: list[asyncio.Future] = []     # this round's jobs, in object order
+        # time (each holds an encode buffer): under load each hop through the busy loop (an
+        # encode's result back, the put's start) took ~2-3 ms, and the puts waited for them
+        writing: dict[asyncio.Future, int] = {}        # jobs not done: object index
+        done: list[Any] = [None] * len(groups)          # (oid, key, size, ranges) per object
         loop = asyncio.get_running_loop()
+
+        async def one_done() -> None:
+            finished, _ = await asyncio.wait(writing, return_when=asyncio.FIRST_COMPLETED)
+            for job in finished:
+                done[writing.pop(job)] = job.result()     # a failed job fails the round
         try:
             for i, (kind, recs, payload) in enumerate(groups):
                 size = await object_size_in_slices(recs, c.object_block_bytes, pause=pause)
-                await self._job_room.acquire()      # released by _object_done
-                try:
-                    for job in writing:            # a failed object fails the round now
-                        if job.done():
-                            job.result()
-                    # encode buffers reused across uploads (taken while in use: the previous
-                    # objects are written meanwhile, a drain may upload beside the loop):
-                    # fresh memory faults a page per 4 KiB
-                    into = self._take_encode_buffer(size)
-                    small = payload < NOGIL_COPY_FROM * len(recs)
-                    encoded = None
-                    if small and not NATIVE_ENCODE:
-                        # small records without the C encoder (per-record Python work): on
-                        # the loop, where a pause after each slice (while nothing waits for
-                        # this upload) keeps its share to about a quarter; large records, or
-                        # any with the C encoder, are encoded on the IO thread with the
-                        # copies' GIL released (the C encoder holds it only to gather each
-                        # block's records)
-                        encoded = await encode_object_in_slices(
-                            recs, c.object_block_bytes, into=into, size=size, pause=pause)
-                    # written PUTS_IN_FLIGHT at a time (one at a time for a background upload
-                    # of small records: the WAL writes of the small appends beside it queue
-                    # behind one put's piece, not two)
-                    gentle = background and small and self._upload_pause() > 0
-                    job = loop.run_in_executor(self._executor, self._put_object, recs, into,
-                                               size, encoded, preparing, i, gentle)
-                except BaseException:
-                    self._job_room.release()
-                    raise
+                while len(writing) >= ENCODE_BUFFERS:
+                    await one_done()
+                # encode buffers reused across uploads (taken while in use: the previous
+                # objects are written meanwhile, a drain may upload beside the loop): fresh
+                # memory faults a page per 4 KiB
+                into = self._take_encode_buffer(size)
+                small = payload < NOGIL_COPY_FROM * len(recs)
+                encoded = None
+                if small and not NATIVE_ENCODE:
+                    # small records without the C encoder (per-record Python work): on the
+                    # loop, where a pause after each slice (while nothing waits for this
+                    # upload) keeps its share to about a quarter; large records, or any with
+                    # the C encoder, are encoded on the IO thread with the copies' GIL released
+                    # (the C encoder holds it only to gather each block's records)
+                    encoded = await encode_object_in_slices(
+                        recs, c.object_block_bytes, into=into, size=size, pause=pause)
+                # written PUTS_IN_FLIGHT at a time (one at a time for a background upload of
+                # small records: the WAL writes of the small appends beside it queue behind
+                # one put's piece, not two)
+                gentle = background and small and self._upload_pause() > 0
                 self._gentle_puts += gentle
+                job = loop.run_in_executor(self._executor, self._put_object, recs, into, size,
+                                           encoded, preparing, i, gentle)
                 job.add_done_callback(functools.partial(self._object_done, kind, into, gentle))
-                writing.append(job)
+                writing[job] = i
                 encoded = recs = None
-            if submitted is not None:
-                submitted.set()
-            if writing:
-                await asyncio.wait(writing)
-            done = [job.result() for job in writing]     # raises the first failure
+            while writing:
+                await one_done()
             new = [(NewObject(oid, size, ranges), key, kind)
                    for (oid, key, size, ranges), (kind, _, _) in zip(done, groups)]
-            done = []
             if before_commit is not None:
                 await before_commit()
             crash_point("before_commit")
