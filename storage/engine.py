@@ -21,7 +21,6 @@ import mmap
 import operator
 import os
 import struct
-import threading
 import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable
@@ -491,29 +490,6 @@ class EngineStream(Stream):
             self.stream_id, start, end, keep, max_object_bytes, max_bytes_per_s)
 
 
-class _PutSlots:
-    """Object puts in flight, across the engine's uploads (IO threads): ``acquire(n)`` takes
-    n of them at once (a gentle put takes them all: it is written alone)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.free = n
-        self._cond = threading.Condition()
-
-    def acquire(self, n: int) -> None:
-        n = min(n, self.n)
-        with self._cond:
-            while self.free < n:
-                self._cond.wait()
-            self.free -= n
-
-    def release(self, n: int) -> None:
-        n = min(n, self.n)
-        with self._cond:
-            self.free += n
-            self._cond.notify_all()
-
-
 class _EarlierNotCommitted(Exception):
     """A release's upload found this stream's earlier entries uncommitted (their upload
     failed): it is not committed either, and its entries are taken again with those."""
@@ -585,8 +561,6 @@ class Engine(StreamStore):
         self.store_failing = Episode(log, "object_store_failing", quiet_s=float("inf"))
         c = self.config
         self._encode_bufs: list[Any] = []   # reused object encode buffers (see _upload)
-        self._encode_lock = threading.Lock()     # one object encode at a time (_put_object)
-        self._put_slots = _PutSlots(PUTS_IN_FLIGHT)
         self.cold_pacer = ColdReadPacer(c.cold_read_bytes_per_s, c.cold_read_min_bytes_per_s,
                                         c.cold_read_lag_target_ms / 1000,
                                         hot_tolerance=c.cold_read_hot_tolerance)
@@ -1078,40 +1052,21 @@ class Engine(StreamStore):
         queue behind less object data."""
         return self._gentle_puts > 0 and self._upload_pause() > 0
 
-    def _put_object(self, recs: list[Any], into: Any, size: int, encoded: Any,
-                    preparing: concurrent.futures.Future, i: int, gentle: bool
-                    ) -> tuple[int, str, int, list[Any]]:
-        """One object of an upload round, on an IO thread: encoded into ``into`` (unless the
-        loop did: ``encoded``; one encode at a time, as when the loop awaited each), then
-        written once ``preparing`` gave its id and key and a put slot is free (all of them
-        for a ``gentle`` one: see _gentle_writes). Returns (object id, key, size, ranges)."""
-        if encoded is None:
-            with self._encode_lock:
-                encoded = encode_object_into(recs, self.config.object_block_bytes, into, size)
-        data, _index, ranges = encoded
+    async def _put_object(self, key: str, data: Any, into: Any, kind: str,
+                          gentle: bool = False) -> None:
+        """Write one encoded object, then hand its encode buffer back (``gentle``: an object
+        of small records of a background upload, see _gentle_writes)."""
+        self._gentle_puts += gentle
         try:
-            oid, key = preparing.result()[i]
-            slots = PUTS_IN_FLIGHT if gentle else 1
-            self._put_slots.acquire(slots)
-            try:
-                self.store.put(key, data)
-            finally:
-                self._put_slots.release(slots)
-            return oid, key, len(data), ranges
+            await self.io(self.store.put, key, data)
+            self.stats.objects_written[kind] += 1
+            self.stats.uploaded_bytes += len(data)
         finally:
+            self._gentle_puts -= gentle
             if isinstance(data, memoryview):
                 data.release()
-
-    def _object_done(self, kind: str, into: Any, gentle: bool, job: asyncio.Future) -> None:
-        """A _put_object job ended (on the loop): its encode buffer is handed back (not if
-        the job was cancelled: its thread may still read it) and the object counted."""
-        self._gentle_puts -= gentle
-        if job.cancelled():
-            return
-        self._give_encode_buffer(into)
-        if job.exception() is None:
-            self.stats.objects_written[kind] += 1
-            self.stats.uploaded_bytes += job.result()[2]
+            data = None
+            self._give_encode_buffer(into)
 
     async def _take_for_upload(self, max_bytes: int) -> tuple[list[CacheEntry], int]:
         """``cache.take_pending(max_bytes)`` in chunks of TAKE_SLICE entries with a yield in
@@ -1276,58 +1231,44 @@ class Engine(StreamStore):
         new: list[tuple[NewObject, str, str]] = []
         prepared: list[tuple[int, str]] = []
         unknown = False          # a commit whose outcome could not be read back
-        # every object of the round is prepared in one metadata transaction, beside the first
-        # object's encode: one prepare per object was a round trip and a durable SQLite commit
-        # (an fsync on the disk the puts and the WAL share) between each encode and the next,
-        # 5 ms on average under raw 1 MiB produce, which left the puts waiting for objects
-        preparing = self._executor.submit(
-            self.meta.prepare_objects, [kind for kind, _, _ in groups], c.node_id) \
-            if groups else None
-        # each object is one job on an IO thread: encoded, then written as soon as a put slot
-        # is free (_put_object). The loop only submits the jobs, at most ENCODE_BUFFERS at a
-        # time (each holds an encode buffer): under load each hop through the busy loop (an
-        # encode's result back, the put's start) took ~2-3 ms, and the puts waited for them
-        writing: dict[asyncio.Future, int] = {}        # jobs not done: object index
-        done: list[Any] = [None] * len(groups)          # (oid, key, size, ranges) per object
-        loop = asyncio.get_running_loop()
-
-        async def one_done() -> None:
-            finished, _ = await asyncio.wait(writing, return_when=asyncio.FIRST_COMPLETED)
-            for job in finished:
-                done[writing.pop(job)] = job.result()     # a failed job fails the round
+        writing: list[asyncio.Future] = []        # puts in flight, oldest first
         try:
-            for i, (kind, recs, payload) in enumerate(groups):
-                size = await object_size_in_slices(recs, c.object_block_bytes, pause=pause)
-                while len(writing) >= ENCODE_BUFFERS:
-                    await one_done()
+            for kind, recs, payload in groups:
+                oid, key = await self.io(self.meta.prepare_object, kind, c.node_id)
+                prepared.append((oid, key))
                 # encode buffers reused across uploads (taken while in use: the previous
                 # objects are written meanwhile, a drain may upload beside the loop): fresh
                 # memory faults a page per 4 KiB
+                size = await object_size_in_slices(recs, c.object_block_bytes, pause=pause)
                 into = self._take_encode_buffer(size)
                 small = payload < NOGIL_COPY_FROM * len(recs)
-                encoded = None
-                if small and not NATIVE_ENCODE:
-                    # small records without the C encoder (per-record Python work): on the
-                    # loop, where a pause after each slice (while nothing waits for this
-                    # upload) keeps its share to about a quarter; large records, or any with
-                    # the C encoder, are encoded on the IO thread with the copies' GIL released
-                    # (the C encoder holds it only to gather each block's records)
-                    encoded = await encode_object_in_slices(
-                        recs, c.object_block_bytes, into=into, size=size, pause=pause)
-                # written PUTS_IN_FLIGHT at a time (one at a time for a background upload of
-                # small records: the WAL writes of the small appends beside it queue behind
-                # one put's piece, not two)
+                if not small or NATIVE_ENCODE:
+                    # large records, or any with the C encoder: the copies run with the GIL
+                    # released, so the IO thread encodes without holding the loop (the C
+                    # encoder holds it only to gather each block's records; loop_slices.py:
+                    # without it, small records' Python work per record would hold it)
+                    data, _index, ranges = await self.io(encode_object_into, recs,
+                                                         c.object_block_bytes, into, size)
+                else:
+                    # small records (per-record Python work on the loop): while nothing waits
+                    # for this upload, a pause after each slice keeps its share of the loop
+                    # to about a quarter, so hot requests are not starved meanwhile
+                    data, _index, ranges = await encode_object_in_slices(
+                        recs, c.object_block_bytes, into=into, size=size,
+                        pause=pause)
+                size = len(data)
+                new.append((NewObject(oid, size, ranges), key, kind))
+                # written while the next ones are encoded, PUTS_IN_FLIGHT at a time (one
+                # at a time for a background upload of small records: the WAL writes of the
+                # small appends beside it queue behind one put's piece, not two)
                 gentle = background and small and self._upload_pause() > 0
-                self._gentle_puts += gentle
-                job = loop.run_in_executor(self._executor, self._put_object, recs, into, size,
-                                           encoded, preparing, i, gentle)
-                job.add_done_callback(functools.partial(self._object_done, kind, into, gentle))
-                writing[job] = i
-                encoded = recs = None
+                while len(writing) >= (1 if gentle else PUTS_IN_FLIGHT):
+                    await writing.pop(0)
+                writing.append(asyncio.ensure_future(
+                    self._put_object(key, data, into, kind, gentle)))
+                data = None
             while writing:
-                await one_done()
-            new = [(NewObject(oid, size, ranges), key, kind)
-                   for (oid, key, size, ranges), (kind, _, _) in zip(done, groups)]
+                await writing.pop(0)
             if before_commit is not None:
                 await before_commit()
             crash_point("before_commit")
@@ -1349,12 +1290,6 @@ class Engine(StreamStore):
                 for w in writing:
                     if not w.cancelled():
                         w.exception()        # retrieved: this upload fails with ``exc``
-            if preparing is not None:
-                # every prepared row is forgotten (or kept, below) like the objects written
-                try:
-                    prepared = await asyncio.wrap_future(preparing)
-                except Exception:  # noqa: BLE001 - nothing prepared; this upload fails with exc
-                    pass
             if unknown:
                 # the commit may have landed and could not be read back: never delete what
                 # the store's metadata may point to (still prepared ones are removed at the

@@ -105,13 +105,6 @@ class MetaStore(abc.ABC):
     def prepare_object(self, kind: str, node_id: int) -> tuple[int, str]:
         """Allocate an object id and key before it is uploaded."""
 
-    def prepare_objects(self, kinds: list[str], node_id: int) -> list[tuple[int, str]]:
-        """``prepare_object`` for each of ``kinds``, in one transaction where the store has
-        them: an upload round's ~12 objects then cost one metadata round trip and one durable
-        commit instead of one each (SQLite, synchronous=FULL: an fsync per commit on a disk
-        the WAL and the objects share)."""
-        return [self.prepare_object(kind, node_id) for kind in kinds]
-
     @abc.abstractmethod
     def commit_objects(self, new: list[NewObject], destroy: list[int],
                        epochs: dict[int, int] | None = None,
@@ -310,20 +303,15 @@ class SqlMetaStore(MetaStore):
                               (stream_id,))
         return None if r is None else (int(r[0]), int(r[1]))
 
-    @staticmethod
-    def _prepare(tx: sqldb.Tx, kind: str, node_id: int) -> tuple[int, str]:
-        oid = tx.insert_id("INSERT INTO s3_objects(object_key, kind, state, node_id,"
-                           " created_ms) VALUES ('', ?, 'prepared', ?, ?) RETURNING object_id",
-                           (kind, node_id, _now_ms()))
-        key = f"{kind}/{node_id}/{oid:012d}"
-        tx.execute("UPDATE s3_objects SET object_key=? WHERE object_id=?", (key, oid))
-        return oid, key
-
     def prepare_object(self, kind: str, node_id: int) -> tuple[int, str]:
-        return self.db.transact(lambda tx: self._prepare(tx, kind, node_id))
-
-    def prepare_objects(self, kinds: list[str], node_id: int) -> list[tuple[int, str]]:
-        return self.db.transact(lambda tx: [self._prepare(tx, kind, node_id) for kind in kinds])
+        def body(tx: sqldb.Tx) -> tuple[int, str]:
+            oid = tx.insert_id("INSERT INTO s3_objects(object_key, kind, state, node_id,"
+                               " created_ms) VALUES ('', ?, 'prepared', ?, ?) RETURNING object_id",
+                               (kind, node_id, _now_ms()))
+            key = f"{kind}/{node_id}/{oid:012d}"
+            tx.execute("UPDATE s3_objects SET object_key=? WHERE object_id=?", (key, oid))
+            return oid, key
+        return self.db.transact(body)
 
     def commit_objects(self, new: list[NewObject], destroy: list[int],
                        epochs: dict[int, int] | None = None,
