@@ -472,13 +472,18 @@ class Partition:
             return await self._append_checked(res, buf, views, None, api_version, control)
         res = await self._append_checked(res, buf, views, check, api_version, control)
         if res.error and res.error != ErrorCode.CORRUPT_MESSAGE:
-            # refused on a header field before the stream checked the CRC: a corrupt batch is
-            # answered CORRUPT_MESSAGE whatever else is wrong with it (rare path: a pass here)
-            try:
-                protocol.validate_batch(views[0][1])
-            except protocol.CorruptRecordError as e:
-                res.error, res.message = ErrorCode.CORRUPT_MESSAGE, str(e)
+            self._corrupt_first(res, views)
         return res
+
+    @staticmethod
+    def _corrupt_first(res: AppendResult, views: list[tuple[int, Any]]) -> None:
+        """A lone batch refused on a header field before the stream checked its CRC: a
+        corrupt batch is answered CORRUPT_MESSAGE whatever else is wrong with it (rare path:
+        a pass here)."""
+        try:
+            protocol.validate_batch(views[0][1])
+        except protocol.CorruptRecordError as e:
+            res.error, res.message = ErrorCode.CORRUPT_MESSAGE, str(e)
 
     async def _append_checked(self, res: AppendResult, buf: bytearray | memoryview,
                               views: list[tuple[int, Any]], check: tuple[int, int] | None,
@@ -705,13 +710,8 @@ class Partition:
                 return False
         checked = self._header_checks(buf, views, api_version, False, res)
         if checked is None:
-            if check is not None:
-                # a large lone batch whose CRC the stream would check: a corrupt batch is
-                # answered CORRUPT_MESSAGE whatever else is wrong with it (as append())
-                try:
-                    protocol.validate_batch(views[0][1])
-                except protocol.CorruptRecordError as e:
-                    res.error, res.message = ErrorCode.CORRUPT_MESSAGE, str(e)
+            if check is not None:       # a large lone batch whose CRC the stream would check
+                self._corrupt_first(res, views)
             done(res)
             return True
         count, max_ts_of, log_append, now, _txn = checked

@@ -346,6 +346,8 @@ class Connection(asyncio.BufferedProtocol):
         """``_start_run`` of ``items``; ``frame``: the pooled frame of a lone request (counted
         in ``_frame_bytes`` and given back to the pool once answered, as on the task path)."""
         api_key = items[0][0].header.api_key
+        if frame is not None:           # queued below on either path, with the request
+            self._frame_bytes += len(frame)
         now = NOW_HANDLERS.get(api_key)
         if now is not None and not self._slow:
             futs = [self._loop.create_future() for _ in items]
@@ -358,8 +360,6 @@ class Connection(asyncio.BufferedProtocol):
             if taken:
                 for (ctx, _request, _received), fut in zip(items, futs):
                     self._queue.append((fut, ctx.header, frame))
-                if frame is not None:
-                    self._frame_bytes += len(frame)
                 return
         if len(items) == 1:
             ctx, request, received = items[0]
@@ -367,8 +367,6 @@ class Connection(asyncio.BufferedProtocol):
                                                 self.broker.request_stats, received))
             self._queue.append((task, ctx.header, frame))
             task.add_done_callback(self._handler_done)
-            if frame is not None:
-                self._frame_bytes += len(frame)
         else:
             futs = []
             for ctx, _request, _received in items:
