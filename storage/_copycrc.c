@@ -15,6 +15,7 @@
    crc32c package instead. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -802,7 +803,13 @@ static PyObject *write_pieces(PyObject *self, PyObject *args) {
     return io_result(&buf, err, done);
 }
 
+static PyObject *take_grouped(PyObject *self, PyObject *args);
+PyDoc_STRVAR(take_grouped_doc,
+"take_grouped(pending, max_bytes, max_entries, at_least_one, out, groups, cums) -> int\n\n"
+"storage.cache.log_cache.LogCache.take_grouped in one pass (see there).");
+
 static PyMethodDef methods[] = {
+    {"take_grouped", take_grouped, METH_VARARGS, take_grouped_doc},
     {"copy_crc", copy_crc, METH_VARARGS, copy_crc_doc},
     {"copy_crc_split", copy_crc_split, METH_VARARGS, copy_crc_split_doc},
     {"crc", crc, METH_VARARGS, crc_doc},
@@ -871,4 +878,173 @@ PyMODINIT_FUNC PyInit__copycrc(void) {
         return NULL;
     }
     return m;
+}
+
+
+/* -- the upload's take: pending entries taken, grouped by stream and summed in one pass --- */
+
+static PyObject *s_durable, *s_size, *s_popleft;
+
+/* where a __slots__ class (LogCache's CacheEntry) keeps the four attributes the take reads:
+   read straight from the instance (a generic getattr per attribute was most of the pass) */
+enum { SL_DURABLE, SL_SIZE, SL_STREAM_ID, SL_PAYLOAD, SL_N };
+typedef struct {
+    PyTypeObject *type;                  /* NULL: no direct reads (generic getattr) */
+    Py_ssize_t off[SL_N];
+} slots_t;
+
+static void find_slots(PyTypeObject *t, slots_t *sl) {
+    PyObject *names[SL_N] = {s_durable, s_size, s_stream_id, s_payload};
+    sl->type = NULL;
+    for (int i = 0; i < SL_N; i++) {
+        PyObject *d = _PyType_Lookup(t, names[i]);           /* borrowed, via the MRO */
+        if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)) return;
+        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+        if (m->type != T_OBJECT_EX || (m->flags & READONLY)) return;
+        sl->off[i] = m->offset;
+    }
+    sl->type = t;
+}
+
+/* a new reference to attribute i of `e` (the generic getattr for other types, unset slots) */
+static PyObject *slot_get(PyObject *e, const slots_t *sl, int i, PyObject *name) {
+    if (Py_TYPE(e) == sl->type) {
+        PyObject *v = *(PyObject **)((char *)e + sl->off[i]);
+        if (v != NULL) {
+            Py_INCREF(v);
+            return v;
+        }
+    }
+    return PyObject_GetAttr(e, name);
+}
+
+/* LogCache.take_grouped (storage/cache/log_cache.py, the reference): pops a durable prefix of
+   the deque `pending` (at most `max_entries` entries, -1: any; at most `max_bytes` of their
+   `size`, but the first one even if larger when `at_least_one`), appends each entry to the
+   list `out` and to the list groups[stream_id], and its stream's running payload sum
+   (len(payload)) to the list cums[stream_id] (both created when missing); returns the
+   sizes' sum. On an error the entries popped so far are in `out`. */
+static PyObject *take_grouped(PyObject *self, PyObject *args) {
+    PyObject *pending, *out, *groups, *cums;
+    long long max_bytes, max_entries;
+    int at_least_one;
+    if (!PyArg_ParseTuple(args, "OLLpO!O!O!:take_grouped", &pending, &max_bytes, &max_entries,
+                          &at_least_one, &PyList_Type, &out, &PyDict_Type, &groups,
+                          &PyDict_Type, &cums))
+        return NULL;
+    if (s_durable == NULL) {
+        s_durable = PyUnicode_InternFromString("durable");
+        s_size = PyUnicode_InternFromString("size");
+        s_popleft = PyUnicode_InternFromString("popleft");
+        if (!s_durable || !s_size || !s_popleft) return NULL;
+    }
+    long long taken = 0, n = 0;
+    /* one stream's list and sums, looked up again only when the stream changes */
+    PyObject *last_sid = NULL, *last_list = NULL, *last_cum = NULL;
+    PyObject *popleft = PyObject_GetAttr(pending, s_popleft);
+    if (popleft == NULL) return NULL;
+    slots_t sl = {NULL, {0}};
+    PyTypeObject *looked_up = NULL;
+    while (max_entries < 0 || n < max_entries) {
+        Py_ssize_t left = PyObject_Length(pending);
+        if (left < 0) goto fail;
+        if (left == 0) break;
+        PyObject *e = PySequence_GetItem(pending, 0);
+        if (e == NULL) goto fail;
+        if (Py_TYPE(e) != looked_up) {
+            looked_up = Py_TYPE(e);
+            find_slots(looked_up, &sl);
+        }
+        PyObject *v = slot_get(e, &sl, SL_DURABLE, s_durable);
+        int durable = v == NULL ? -1 : PyObject_IsTrue(v);
+        Py_XDECREF(v);
+        int64_t size = 0;
+        if (durable > 0) {
+            v = slot_get(e, &sl, SL_SIZE, s_size);
+            long long x = v == NULL ? -1 : PyLong_AsLongLong(v);
+            Py_XDECREF(v);
+            if (x == -1 && (v == NULL || PyErr_Occurred()))
+                durable = -1;
+            size = x;
+        }
+        if (durable < 0) {
+            Py_DECREF(e);
+            goto fail;
+        }
+        if (!durable || (taken + size > max_bytes && !(n == 0 && at_least_one))) {
+            Py_DECREF(e);
+            break;
+        }
+        PyObject *sid = slot_get(e, &sl, SL_STREAM_ID, s_stream_id);
+        PyObject *payload = sid == NULL ? NULL : slot_get(e, &sl, SL_PAYLOAD, s_payload);
+        Py_ssize_t plen = payload == NULL ? -1 : PyObject_Length(payload);
+        Py_XDECREF(payload);
+        if (plen < 0) {
+            Py_XDECREF(sid);
+            Py_DECREF(e);
+            goto fail;
+        }
+        PyObject *popped = PyObject_CallNoArgs(popleft);
+        if (popped != e) {                       /* `e` itself: it was pending[0] */
+            if (popped != NULL) {            /* kept in `out`: the caller returns it */
+                PyErr_SetString(PyExc_RuntimeError, "take_grouped: pending changed");
+                if (PyList_Append(out, popped) < 0)
+                    PyErr_SetString(PyExc_RuntimeError, "take_grouped: pending changed");
+                Py_DECREF(popped);
+            }
+            Py_DECREF(sid);
+            Py_DECREF(e);
+            goto fail;
+        }
+        Py_DECREF(popped);
+        int bad = PyList_Append(out, e);
+        if (!bad && (last_sid == NULL || PyObject_RichCompareBool(sid, last_sid, Py_EQ) != 1)) {
+            last_list = PyDict_GetItemWithError(groups, sid);
+            if (last_list == NULL && !PyErr_Occurred()) {
+                last_list = PyList_New(0);
+                bad = last_list == NULL || PyDict_SetItem(groups, sid, last_list) < 0;
+                Py_XDECREF(last_list);           /* the dict holds it */
+            } else if (last_list == NULL || !PyList_Check(last_list)) {
+                if (last_list != NULL)
+                    PyErr_SetString(PyExc_TypeError, "take_grouped: groups holds a non-list");
+                bad = 1;
+            }
+            if (!bad) {
+                last_cum = PyDict_GetItemWithError(cums, sid);
+                if (last_cum == NULL && !PyErr_Occurred()) {
+                    last_cum = PyList_New(0);
+                    bad = last_cum == NULL || PyDict_SetItem(cums, sid, last_cum) < 0;
+                    Py_XDECREF(last_cum);
+                } else if (last_cum == NULL || !PyList_Check(last_cum)) {
+                    if (last_cum != NULL)
+                        PyErr_SetString(PyExc_TypeError, "take_grouped: cums holds a non-list");
+                    bad = 1;
+                }
+            }
+            Py_XDECREF(last_sid);
+            last_sid = sid;
+            sid = NULL;
+        }
+        Py_XDECREF(sid);
+        if (!bad)
+            bad = PyList_Append(last_list, e) < 0;
+        Py_DECREF(e);
+        if (!bad) {
+            Py_ssize_t at = PyList_GET_SIZE(last_cum);
+            long long sum = at ? PyLong_AsLongLong(PyList_GET_ITEM(last_cum, at - 1)) : 0;
+            PyObject *cum = sum == -1 && PyErr_Occurred() ? NULL : PyLong_FromLongLong(sum + plen);
+            bad = cum == NULL || PyList_Append(last_cum, cum) < 0;
+            Py_XDECREF(cum);
+        }
+        taken += size;
+        n++;
+        if (bad) goto fail;
+    }
+    Py_XDECREF(last_sid);
+    Py_DECREF(popleft);
+    return PyLong_FromLongLong(taken);
+fail:
+    Py_XDECREF(last_sid);
+    Py_DECREF(popleft);
+    return NULL;
 }

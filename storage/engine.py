@@ -45,6 +45,7 @@ from .stream import (Batch, OffsetOutOfRange, PayloadChecksumError, RetriableSto
 
 log = logging.getLogger(__name__)
 _WAL_OFFSET = operator.attrgetter("wal_offset")
+_WAL_NEXT = operator.attrgetter("wal_next")
 _STREAM_ID = operator.attrgetter("stream_id")
 _SIZE = operator.attrgetter("size")
 _PAYLOAD = operator.attrgetter("payload")
@@ -543,9 +544,10 @@ class Engine(StreamStore):
         # cache's pending queue and has not committed yet, and the first of them (the backlog
         # metric counts them: a retried upload in an outage holds them all)
         self._upload_takes: dict[int, tuple[int, CacheEntry]] = {}
-        # the stream ids of what each take took (collected per chunk: one pass over an
-        # upload's ~45,000 entries at _upload's start was a 2-3 ms step of the loop)
-        self._take_sids: dict[int, set[int]] = {}
+        # what each take took, grouped by stream as it was taken (LogCache.take_grouped):
+        # stream id -> its entries, and -> their running payload sums
+        self._take_groups: dict[int, tuple[dict[int, list[CacheEntry]],
+                                           dict[int, list[int]]]] = {}
         self._held: dict[int, tuple[int, int]] = {}
         # the cluster's lease gate (broker/cluster/room.py sets it): while it answers False
         # this node uploads, commits and trims nothing (a lapsed lease: maybe fenced already)
@@ -996,7 +998,7 @@ class Engine(StreamStore):
         drain beside the upload loop: its commit may still fail) nor past dropped entries of
         a stream another node claimed until the store's end of that stream covers them."""
         to = self.cache.pending[0].wal_offset if self.cache.pending else \
-            max(e.wal_next for e in entries)
+            max(map(_WAL_NEXT, entries), default=0)    # (C-level: ~46,000 small entries)
         for sid, (w0, end) in list(self._held.items()):
             m = await self.io(self.meta.stream, sid)
             if m is None or m.deleted or m.end_offset >= end:
@@ -1083,27 +1085,27 @@ class Engine(StreamStore):
         self._inflight[key_] = cache.pending[0].wal_offset
         out: list[CacheEntry] = []
         taken = 0
-        sids = self._take_sids[key_] = set()     # their streams, for _upload (chunk by chunk)
+        # grouped by stream as they are taken, for _upload_entries (one C pass per chunk)
+        groups, cums = self._take_groups[key_] = ({}, {})
         try:
             while True:
-                chunk = cache.take_pending(max_bytes - taken, TAKE_SLICE, at_least_one=not out)
-                out.extend(chunk)
-                taken += sum(map(_SIZE, chunk))
-                sids.update(map(_STREAM_ID, chunk))
+                n = len(out)
+                taken += cache.take_grouped(max_bytes - taken, TAKE_SLICE, not out, out,
+                                            groups, cums)
                 if out:                      # counted in the backlog from its take on
                     self._upload_takes[key_] = (taken, out[0])
-                if len(chunk) < TAKE_SLICE or not cache.pending:
+                if len(out) - n < TAKE_SLICE or not cache.pending:
                     break
                 await asyncio.sleep(self._upload_pause())
         except BaseException:
             cache.return_pending(out)
             self._inflight.pop(key_, None)
             self._upload_takes.pop(key_, None)
-            self._take_sids.pop(key_, None)
+            self._take_groups.pop(key_, None)
             raise
         if not out:
             self._inflight.pop(key_, None)
-            self._take_sids.pop(key_, None)
+            self._take_groups.pop(key_, None)
         return out, key_
 
     async def _upload(self, entries: list[CacheEntry],
@@ -1117,14 +1119,13 @@ class Engine(StreamStore):
             key_ = id(entries)
             # C-level pass: an upload holds tens of thousands of entries
             self._inflight[key_] = min(map(_WAL_OFFSET, entries)) if entries else 1 << 62
-        sids = self._take_sids.pop(key_, None)
-        if sids is None:
-            sids = set(map(_STREAM_ID, entries))
+        grouped = self._take_groups.pop(key_, None)
+        sids = set(map(_STREAM_ID, entries)) if grouped is None else set(grouped[0])
         self._inflight_streams.update(sids)
         if entries and key_ not in self._upload_takes:   # (_take_for_upload sized its take)
             self._upload_takes[key_] = (sum(map(_SIZE, entries)), entries[0])
         try:
-            await self._upload_entries(entries, key_, before_commit, background)
+            await self._upload_entries(entries, key_, before_commit, background, grouped)
         finally:
             self._inflight.pop(key_, None)
             self._inflight_streams.subtract(sids)
@@ -1170,7 +1171,12 @@ class Engine(StreamStore):
 
     async def _upload_entries(self, entries: list[CacheEntry], key_: int,
                               before_commit: Callable[[], Any] | None = None,
-                              background: bool = False) -> None:
+                              background: bool = False,
+                              grouped: tuple[dict[int, list[CacheEntry]],
+                                             dict[int, list[int]]] | None = None) -> None:
+        """Encode, write and commit ``entries``, then trim the WAL and release the cache
+        (``grouped``: the entries by stream and their running payload sums, as
+        _take_for_upload's LogCache.take_grouped made them; else grouped here)."""
         c = self.config
         # one pass over the entries (tens of thousands for small produce requests), in
         # slices on the loop (storage/loop_slices.py): unsliced it was a ~50 ms stall
@@ -1187,10 +1193,30 @@ class Engine(StreamStore):
         # the maximum produce rate the loop itself is busy most of the time, and an upload's
         # ~45,000 entries taken, grouped and summed back to back queued requests behind them
         pause = self._upload_pause if background else no_pause
+        cums: dict[int, Any] = {}            # stream -> its records' running payload sums
+        if grouped is not None:
+            # grouped as they were taken: Python work per stream, not per entry
+            for sid, run in grouped[0].items():
+                if sid in not_ours:
+                    foreign.add(sid)         # never committable: skipped, dropped below
+                    continue
+                s = streams.get(sid)
+                if s is None or s.deleted:
+                    continue
+                if run[0].base_offset < s.committed:
+                    # some are committed already (a drain's upload beside this one): rare
+                    run = [e for e in run if e.next_offset > s.committed]
+                    if not run:
+                        continue
+                else:
+                    cums[sid] = grouped[1][sid]
+                by_stream[sid] = run
+                sizes[sid] = cums[sid][-1] if sid in cums else \
+                    sum(map(len, map(_PAYLOAD, run)))
         # per chunk of entries: sorted by stream (stable: each stream's entries keep their
         # order) and cut into runs by C-level passes; Python work per run, not per entry (the
         # loop over every entry was ~1 us each, ~45 ms of loop time per 64 MiB upload)
-        for lo in range(0, len(entries), GROUP_CHUNK):
+        for lo in range(0, len(entries) if grouped is None else 0, GROUP_CHUNK):
             chunk = entries[lo:lo + GROUP_CHUNK]
             chunk.sort(key=_STREAM_ID)
             for sid, it in itertools.groupby(chunk, _STREAM_ID):
@@ -1216,17 +1242,28 @@ class Engine(StreamStore):
         groups: list[tuple[str, list[Any], int]] = []     # (kind, records, payload bytes)
         sso: list[Any] = []
         sso_bytes = 0
+        sso_cum: list[int] | None = []       # None: a stream's sums are missing
         for sid in sorted(by_stream):
             recs = by_stream[sid]
+            cum = cums.get(sid)
             if sizes[sid] >= c.stream_object_threshold_bytes:
-                cum = await _payload_cumsum(recs, pause)
+                if cum is None:
+                    cum = await _payload_cumsum(recs, pause)
                 groups.extend(("so", part, n) for part, n in _split_records(recs, cum=cum))
             else:
+                if cum is None:
+                    sso_cum = None
+                elif sso_cum is not None:    # (one stream's sums: below 8 MiB of records)
+                    sso_cum.extend(map(sso_bytes.__add__, cum) if sso_bytes else cum)
+                    if clock() >= until:
+                        await asyncio.sleep(pause())
+                        until = clock() + SLICE_S
                 sso.extend(recs)
                 sso_bytes += sizes[sid]
         by_stream.clear()
+        cums.clear()
         if sso:
-            cum = await _payload_cumsum(sso, pause)
+            cum = sso_cum if sso_cum is not None else await _payload_cumsum(sso, pause)
             groups.extend(("sso", part, n) for part, n in _split_records(sso, cum=cum))
         new: list[tuple[NewObject, str, str]] = []
         prepared: list[tuple[int, str]] = []

@@ -15,8 +15,14 @@ import operator
 from collections import deque
 from typing import Any, Callable
 
+from ..copycrc import _copycrc_module
 from ..stream import Batch
 from ..waits import wait_event
+
+# the upload's take in one C pass (storage/_copycrc.c; None without the extension)
+_take_grouped = getattr(_copycrc_module, "take_grouped", None)
+_STREAM_ID = operator.attrgetter("stream_id")
+_PAYLOAD = operator.attrgetter("payload")
 
 
 _DURABLE = operator.attrgetter("durable")
@@ -159,6 +165,44 @@ class LogCache:
             deque(itertools.starmap(pending.popleft, itertools.repeat((), len(out))), maxlen=0)
             self.pending_bytes -= size
         return out
+
+    def take_grouped(self, max_bytes: int, max_entries: int, at_least_one: bool,
+                     out: list[CacheEntry], groups: dict[int, list[CacheEntry]],
+                     cums: dict[int, list[int]], native: bool = True) -> int:
+        """``take_pending`` for an upload, grouped as it goes: each entry taken is appended to
+        ``out`` (WAL order) and to ``groups[stream_id]`` (offset order), and its stream's
+        running payload sum (len(payload)) to ``cums[stream_id]`` (the cut points of the
+        objects, engine._split_records); returns the bytes (``size``) taken. One C pass over
+        the entries when the extension is built (``native``): the take, the upload's grouping
+        by stream and its payload sums were ~6 passes of ~0.04-0.3 us per entry each, 30-45 ms
+        of event-loop time per 64 MiB of small produce requests (bench/HISTORY.md, session
+        20); else take_pending and C-level passes over what it took. ``max_entries`` < 0: no
+        limit."""
+        n0 = len(out)
+        if native and _take_grouped is not None:
+            try:
+                taken = _take_grouped(self.pending, max_bytes, max_entries, at_least_one,
+                                      out, groups, cums)
+            except BaseException:
+                # what it popped is in ``out`` (the caller returns it to pending)
+                self.pending_bytes -= sum(map(_SIZE, out[n0:]))
+                raise
+            self.pending_bytes -= taken
+            return taken
+        chunk = self.take_pending(max_bytes, None if max_entries < 0 else max_entries,
+                                  at_least_one)
+        out.extend(chunk)
+        for sid, it in itertools.groupby(sorted(chunk, key=_STREAM_ID), _STREAM_ID):
+            run = list(it)
+            recs = groups.get(sid)
+            if recs is None:
+                recs = groups[sid] = []
+                cums[sid] = []
+            recs.extend(run)
+            cum = cums[sid]
+            cum.extend(itertools.islice(itertools.accumulate(
+                map(len, map(_PAYLOAD, run)), initial=cum[-1] if cum else 0), 1, None))
+        return sum(map(_SIZE, chunk))
 
     def take_pending_stream(self, stream_id: int, max_bytes: int) -> list[CacheEntry]:
         """One stream's durable pending entries from its first on (at least one if any; a

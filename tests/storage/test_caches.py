@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+
+import pytest
 import contextlib
 
 from storage.cache.block_cache import READAHEAD_INITIAL, BlockCache, Readahead
@@ -127,6 +130,106 @@ def test_log_cache_takes_a_durable_prefix_in_chunks() -> None:
         assert lc.take_pending(max_bytes, max_entries, at_least_one) == want
         assert list(lc.pending) == list(want_left)
         assert lc.pending_bytes == sum(e.size for e in want_left)
+
+
+def test_log_cache_take_grouped_takes_groups_and_sums_in_one_pass() -> None:
+    """take_grouped (the upload's take: one C pass when the extension is built) takes what
+    take_pending takes and hands it over grouped by stream, in offset order, with each
+    stream's running payload sums, across calls that continue the same groups; the Python
+    fallback gives the same. Entries of another type (a subclass with a property: no direct
+    slot reads) and memoryview payloads too."""
+    import random
+    from collections import deque
+
+    from storage.cache import log_cache
+
+    class Odd(CacheEntry):
+        __slots__ = ("_sid",)
+
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            self._sid = a[0]
+
+        @property
+        def stream_id(self) -> int:     # type: ignore[override]
+            return self._sid
+
+        @stream_id.setter
+        def stream_id(self, v: int) -> None:
+            self._sid = v
+
+    def reference(pending: deque, max_bytes: int, max_entries: int, at_least_one: bool):
+        out, size = [], 0
+        while pending and pending[0].durable and (max_entries < 0 or len(out) < max_entries):
+            e = pending[0]
+            if (out or not at_least_one) and size + e.size > max_bytes:
+                break
+            out.append(pending.popleft())
+            size += e.size
+        return out, size
+
+    rnd = random.Random(11)
+    modes = [False] + ([True] if log_cache._take_grouped is not None else [])
+    for _ in range(300):
+        n = rnd.choice([0, 1, 3, 50, 700])
+        durable = rnd.choice([n, rnd.randint(0, n)])
+        nstreams = rnd.choice([1, 2, 5])
+        offs = [0] * nstreams
+        entries = []
+        for i in range(n):
+            sid = rnd.randrange(nstreams) + 7
+            cls = Odd if rnd.random() < 0.1 else CacheEntry
+            data = bytearray(rnd.randint(0, 400) + 8)
+            pay = memoryview(data)[4:-4] if rnd.random() < 0.5 else bytes(data)
+            entries.append(cls(sid, offs[sid - 7], 1, pay, i, i + 1, durable=i < durable))
+            offs[sid - 7] += 1
+        calls = [(rnd.choice([0, 100, 5000, 1 << 30]), rnd.choice([-1, 0, 1, 3, 100]),
+                  rnd.random() < 0.5) for _ in range(rnd.choice([1, 3]))]
+        results = []
+        for native in modes:
+            lc = LogCache(1 << 30)
+            for e in entries:
+                lc.add(e)
+            out, groups, cums = [], {}, {}
+            sizes = [lc.take_grouped(mb, me, one, out, groups, cums, native=native)
+                     for mb, me, one in calls]
+            results.append((out, groups, cums, sizes, list(lc.pending), lc.pending_bytes))
+            left = deque(entries)
+            want, want_sizes = [], []
+            for mb, me, one in calls:
+                got, size = reference(left, mb, me, one)
+                want.extend(got)
+                want_sizes.append(size)
+            assert out == want and sizes == want_sizes
+            assert list(lc.pending) == list(left)
+            assert lc.pending_bytes == sum(e.size for e in left)
+            want_groups: dict = {}
+            for e in want:
+                want_groups.setdefault(e.stream_id, []).append(e)
+            assert groups == want_groups
+            for sid, recs in want_groups.items():
+                assert cums[sid] == list(itertools.accumulate(len(e.payload) for e in recs))
+        assert all(r == results[0] for r in results)
+
+
+def test_log_cache_take_grouped_leaves_nothing_lost_on_an_error() -> None:
+    """An entry whose payload has no length fails the take: what was popped before it is in
+    ``out`` (the engine returns it to pending) and pending_bytes counts only the rest."""
+    from storage.cache import log_cache
+    for native in [False] + ([True] if log_cache._take_grouped is not None else []):
+        lc = LogCache(1 << 30)
+        good = [CacheEntry(1, i, 1, b"x" * 10, i, i + 1, durable=True) for i in range(3)]
+        bad = CacheEntry(1, 3, 1, b"y", 3, 4, durable=True)
+        for e in good + [bad]:
+            lc.add(e)
+        bad.payload = object()                  # type: ignore[assignment]
+        out: list = []
+        with pytest.raises(TypeError):
+            lc.take_grouped(1 << 30, -1, True, out, {}, {}, native=native)
+        assert out[:3] == good[:len(out[:3])]
+        assert lc.pending_bytes == sum(e.size for e in lc.pending)
+        lc.return_pending(out)
+        assert list(lc.pending) == good + [bad]
 
 
 async def test_sequential_reader_prefetches_the_next_window_in_the_background() -> None:
