@@ -30,6 +30,30 @@ def _loop_cpu_s(pid: int | None) -> float:
     return profile.thread_cpu(pid).get(pid, float("nan")) if pid else float("nan")
 
 
+def _cpu_by_role(pid: int | None) -> dict[str, float]:
+    """CPU seconds of the broker's event loop thread and of all its other threads (cold
+    reads, IO pools: Python 3.11's pools leave the native thread names as the process's)."""
+    out = {"loop": 0.0, "other": 0.0}
+    if not pid:
+        return out
+    for tid, cpu in profile.thread_cpu(pid).items():
+        out["loop" if tid == pid else "other"] += cpu
+    return out
+
+
+def _vmstat() -> dict[str, int]:
+    out = {}
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                k, v = line.split()
+                if k in ("thp_fault_alloc", "pgfault"):
+                    out[k] = int(v)
+    except OSError:
+        pass
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,11 +106,13 @@ def main() -> None:
                 host, port = broker.bootstrap.rsplit(":", 1)
                 cpu0, cl0 = rawload.process_cpu_s(broker.pid), time.process_time()
                 loop0 = _loop_cpu_s(broker.pid)
+                roles0, vm0 = _cpu_by_role(broker.pid), _vmstat()
                 disk0, t0 = catchup.disk_counters(dev), time.monotonic()
                 ft = rawload._run(rawload._fetch, host, int(port), topic, conns, a.fetch_seconds,
                                   [lo for lo, _ in marks], 8 << 20, False)
                 cpu, cl = rawload.process_cpu_s(broker.pid) - cpu0, time.process_time() - cl0
                 loop = _loop_cpu_s(broker.pid) - loop0
+                roles1, vm1 = _cpu_by_role(broker.pid), _vmstat()
                 disk1, wall = catchup.disk_counters(dev), time.monotonic() - t0
                 busy = (disk1.get("disk busy ms", nan) - disk0.get("disk busy ms", nan)) / wall / 10
                 sectors = disk1.get("disk read sectors", nan) - disk0.get("disk read sectors", nan)
@@ -100,6 +126,11 @@ def main() -> None:
                 print(f"round {r} {name:10s} {mb_s:7.0f} MB/s {mib:6.0f} MiB in {ft['elapsed']:.2f} s"
                       f"  broker {cpu * 1e3 / mib:.3f} ms/MiB (loop {loop * 1e3 / mib:.3f})  client {cl * 1e3 / mib:.3f} ms/MiB"
                       f"  disk busy {busy:.0f} % read {rd:.0f} MB/s in {req_kib:.0f} KiB requests of {req_ms:.2f} ms  load {os.getloadavg()[0]:.1f}", flush=True)
+                # per thread role (ms/MiB) and, machine-wide, fresh huge pages (MiB) and page faults
+                print("        threads ms/MiB " + " ".join(
+                    f"{k} {(roles1[k] - roles0[k]) * 1e3 / mib:.3f}" for k in roles0)
+                    + f"  fresh huge pages {(vm1.get('thp_fault_alloc', 0) - vm0.get('thp_fault_alloc', 0)) * 2} MiB"
+                    + f"  page faults {vm1.get('pgfault', 0) - vm0.get('pgfault', 0)}", flush=True)
     finally:
         broker.close()
     for name, v in results.items():
