@@ -206,6 +206,9 @@ class Partition:
         # chain of N pipelined appends was answered over N iterations)
         self._then: dict[asyncio.Future[bool], Callable[[bool], tuple]] = {}
         self._offline: str | None = None     # why appends are refused until restart
+        # (the raw config values _header_checks reads, what it made of them): re-parsed only
+        # when a value changed (configs is updated in place by AlterConfigs)
+        self._limits: tuple[tuple, tuple[int, bool, int, int]] | None = None
         self._producers_ready = True         # False while the log tail is still being replayed
         self._replay_from = 0                # where that replay started (caps the LSO)
         self._replay_task: asyncio.Task[None] | None = None
@@ -766,8 +769,7 @@ class Partition:
         max.message.bytes, compression, control and transactional flags, the CreateTime
         bounds. None with ``res.error`` set when refused, else (record count, max timestamp
         per batch, LogAppendTime, now ms, transactional)."""
-        max_bytes = _config_int(self.configs, "max.message.bytes", DEFAULT_MAX_MESSAGE_BYTES)
-        log_append = self.configs.get("message.timestamp.type", "CreateTime") == "LogAppendTime"
+        max_bytes, log_append, before, after = self._limits_now()
         count = 0
         max_ts_of: list[int] = []
         transactional = False
@@ -775,8 +777,8 @@ class Partition:
         if not log_append:
             # KIP-937 bounds on CreateTime, checked on the batch header (first timestamp and
             # max timestamp) so records stay undecoded
-            earliest = now - _config_int(self.configs, "message.timestamp.before.max.ms", LONG_MAX)
-            latest = now + _config_int(self.configs, "message.timestamp.after.max.ms", LONG_MAX)
+            earliest = now - before
+            latest = now + after
         for pos, view in views:
             if view.size > max_bytes:
                 res.error = ErrorCode.MESSAGE_SIZE_TOO_LARGE
@@ -817,6 +819,22 @@ class Partition:
             max_ts_of.append(max_ts)
             count += view.last_offset_delta + 1
         return count, max_ts_of, log_append, now, transactional
+
+    def _limits_now(self) -> tuple[int, bool, int, int]:
+        """max.message.bytes, LogAppendTime or not, message.timestamp.before/after.max.ms:
+        parsed again only when one of their values in ``configs`` changed."""
+        c = self.configs
+        raw = (c.get("max.message.bytes"), c.get("message.timestamp.type"),
+               c.get("message.timestamp.before.max.ms"), c.get("message.timestamp.after.max.ms"))
+        lim = self._limits
+        if lim is not None and lim[0] == raw:
+            return lim[1]
+        parsed = (_config_int(c, "max.message.bytes", DEFAULT_MAX_MESSAGE_BYTES),
+                  c.get("message.timestamp.type", "CreateTime") == "LogAppendTime",
+                  _config_int(c, "message.timestamp.before.max.ms", LONG_MAX),
+                  _config_int(c, "message.timestamp.after.max.ms", LONG_MAX))
+        self._limits = (raw, parsed)
+        return parsed
 
     def refused(self, records: Any) -> None:
         """A produce refused before any append (this broker's lease lapsed): like an append

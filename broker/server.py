@@ -40,7 +40,7 @@ from .frames import FramePool
 from .gc_tuning import FULL_PASS_S, SurvivorFreezer
 from .loop_watch import LoopWatch
 from .handlers import HANDLERS
-from .handlers.registry import NOW_HANDLERS, RUN_HANDLERS, RequestContext
+from .handlers.registry import NOW_HANDLERS, RUN_HANDLERS, Framed, RequestContext
 from .metrics import RequestStats, start_metrics, timed
 from .metastore import MetadataStore, open_metadata_store
 from .cluster import ClusterError, ClusterRoom
@@ -83,6 +83,8 @@ class EncodedBody(bytes):
 
 
 def _encode(header: Any, response: Any) -> list[Any]:
+    if type(response) is Framed:       # framed by its handler already
+        return response
     if isinstance(response, (bytes, bytearray)):
         return protocol.encode_response_parts(header, [response])
     if _encode_buffers is not None:

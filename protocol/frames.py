@@ -60,6 +60,11 @@ def read_tagged_fields(buf: memoryview | bytes, pos: int) -> tuple[dict[int, byt
     return tags, pos
 
 
+# (api key, version) -> whether its request header is v2 (flexible), for the versions of the
+# APIs served, filled as they are first seen
+_FLEXIBLE: dict[tuple[int, int], bool] = {}
+
+
 def parse_header(frame: memoryview | bytes) -> tuple[RequestHeader, int]:
     """Decode the request header and return it with the offset where the body starts.
 
@@ -82,19 +87,25 @@ def parse_header(frame: memoryview | bytes) -> tuple[RequestHeader, int]:
         if pos + n > len(frame):
             raise MalformedRequestError("truncated client id", header)
         try:
-            header.client_id = bytes(frame[pos:pos + n]).decode("utf-8")
+            header.client_id = str(frame[pos:pos + n], "utf-8")   # no bytes copy first
         except UnicodeDecodeError:
             raise MalformedRequestError("client id is not utf-8", header) from None
         pos += n
-    entry = _SUPPORTED.get(api_key)
-    if entry is None:
-        raise UnknownApiError(header)
-    req_cls = entry[2]
-    if api_key == API_VERSIONS_KEY and api_version > entry[1]:
-        # Newer ApiVersions versions are flexible; the fallback answer needs only the header.
-        header.flexible = True
-    elif 0 <= api_version <= req_cls.max_version:
-        header.flexible = bool(req_cls.flexible_version_q(api_version))
+    flexible = _FLEXIBLE.get((api_key, api_version))
+    if flexible is None:
+        entry = _SUPPORTED.get(api_key)
+        if entry is None:
+            raise UnknownApiError(header)
+        req_cls = entry[2]
+        if api_key == API_VERSIONS_KEY and api_version > entry[1]:
+            # Newer ApiVersions versions are flexible; the fallback answer needs only the header.
+            flexible = True
+        elif 0 <= api_version <= req_cls.max_version:
+            flexible = bool(req_cls.flexible_version_q(api_version))
+            _FLEXIBLE[(api_key, api_version)] = flexible
+        else:
+            flexible = False
+    header.flexible = flexible
     if header.flexible:
         try:
             header.tagged_fields, pos = read_tagged_fields(frame, pos)

@@ -241,3 +241,58 @@ def encode_produce_response(version: int,
     if flexible:
         out.append(b"\x00")
     return b"".join(out)
+
+
+_FRAME_HEAD = struct.Struct(">ii")
+# (version, topic name or id, partition) -> (bytes before the partition's fields, after them,
+# the partition fields' struct, response header tag byte): the parts of a one-partition answer
+# that do not change from request to request
+_OK_TEMPLATES: dict[tuple[int, Any, int], tuple[bytes, bytes, struct.Struct, bytes]] = {}
+_OK_TEMPLATES_MAX = 4096
+
+
+def _ok_template(version: int, key: Any, index: int) -> tuple[bytes, bytes, struct.Struct, bytes]:
+    flexible = version >= 9
+    if version >= 13:
+        tid = key if isinstance(key, uuid.UUID) else uuid.UUID(int=0)
+        name = tid.bytes
+    else:
+        name = _put_string(key if isinstance(key, str) else None, flexible)
+    pre = _count(1, flexible) + name + _count(1, flexible)
+    suf = b""
+    if version >= 8:
+        suf += _count(0, flexible) + _put_string(None, flexible)
+    if flexible:
+        suf += b"\x00\x00"      # partition, then topic tagged fields
+    if version >= 1:
+        suf += _I32.pack(0)     # throttle time
+    if flexible:
+        suf += b"\x00"
+    part = _PART_V5 if version >= 5 else _PART_V2 if version >= 2 else _PART_V0
+    tpl = (pre, suf, part, b"\x00" if flexible else b"")
+    if len(_OK_TEMPLATES) >= _OK_TEMPLATES_MAX:
+        _OK_TEMPLATES.clear()
+    _OK_TEMPLATES[(version, key, index)] = tpl
+    return tpl
+
+
+def frame_produce_ok(version: int, correlation_id: int, key: str | uuid.UUID | None, index: int,
+                     base_offset: int, append_time: int, log_start: int) -> bytes:
+    """The whole response frame (length prefix, response header, body) of a successful
+    one-partition Produce: ``encode_produce_response(version, [(key, [(index, 0, base_offset,
+    append_time, log_start, None)])])`` behind its header, in one piece. The task-less path
+    answers every small request this way (no per-field encoding per answer)."""
+    tpl = _OK_TEMPLATES.get((version, key, index))
+    if tpl is None:
+        if not 0 <= version <= PRODUCE_MAX_VERSION:
+            raise ValueError(f"ProduceResponse v{version} is not supported")
+        tpl = _ok_template(version, key, index)
+    pre, suf, part, tag = tpl
+    if version >= 5:
+        fields = part.pack(index, 0, base_offset, append_time, log_start)
+    elif version >= 2:
+        fields = part.pack(index, 0, base_offset, append_time)
+    else:
+        fields = part.pack(index, 0, base_offset)
+    body = pre + fields + suf
+    return _FRAME_HEAD.pack(len(body) + 4 + len(tag), correlation_id) + tag + body

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import protocol
 from protocol import ErrorCode, response_class
-from protocol.produce_fast import encode_produce_response
+from protocol.produce_fast import encode_produce_response, frame_produce_ok
 
 from ..eager import start_now
 from ..partition import NO_PRODUCER_ID, TXN_ATTRS, AppendResult, find_topic, \
@@ -35,7 +35,7 @@ from ..listeners import of_connection
 from ..metrics import stats_of
 from ..topics import INTERNAL_TOPICS, keyless_record_error
 from ..transactions.verify import append_transactional
-from .registry import RequestContext, handler, now_handler, run_handler
+from .registry import Framed, RequestContext, handler, now_handler, run_handler
 
 log = logging.getLogger(__name__)
 
@@ -369,6 +369,22 @@ def _run_answers(broker: Any, ctxs: list[RequestContext], counts: list[int], td:
     return out
 
 
+def _ok_frames(ctxs: list[RequestContext], counts: list[int], td: Any, index: int,
+               r: AppendResult) -> list[Any]:
+    """``_run_answers`` of a run appended without error, each answer framed whole in one
+    piece (``frame_produce_ok``): what the server writes as it is."""
+    key = td.name if td.topic_id is None else td.topic_id
+    base = r.base_offset
+    append_time, start = r.log_append_time, r.log_start_offset
+    out = []
+    for ctx, n in zip(ctxs, counts):
+        h = ctx.header
+        out.append(Framed((frame_produce_ok(h.api_version, h.correlation_id, key, index, base,
+                                            append_time, start),)))
+        base += n
+    return out
+
+
 async def _one_by_one(ctxs: list[RequestContext], reqs: list[Any]) -> list[Any]:
     """The requests of a run handled as if they had come alone: each one's first step (its
     offsets) runs in request order, then all are awaited."""
@@ -431,7 +447,8 @@ def produce_now(items: list[tuple[RequestContext, Any, float]], futs: list[async
 
     def answer(r: AppendResult) -> None:
         try:
-            bodies = _run_answers(broker, ctxs, counts, td, index, r)
+            bodies = _run_answers(broker, ctxs, counts, td, index, r) if r.error else \
+                _ok_frames(ctxs, counts, td, index, r)
         except Exception as exc:  # noqa: BLE001 - each request still gets its answer
             bodies = [exc] * len(futs)
         end = time.perf_counter()

@@ -33,6 +33,14 @@ NowHandler = Callable[[list[tuple["RequestContext", Any, float]], list[Any], Any
 NOW_HANDLERS: dict[int, NowHandler] = {}
 
 
+class Framed(list):
+    """An answer a handler framed itself (length prefix, response header and body, as buffers
+    for ``writelines``): the server writes it as it is instead of encoding it with the
+    request's header (the task-less Produce path frames its answers in one step)."""
+
+    __slots__ = ()
+
+
 def now_handler(api_key: int) -> Callable[[NowHandler], NowHandler]:
     """Register ``fn`` as the task-less handler of ``api_key``'s run-keyed requests."""
 
