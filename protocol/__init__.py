@@ -14,7 +14,8 @@ from .frames import (
     parse_response, unsupported_version_response,
 )
 from .batches import (
-    CRC_START, HEADER_SIZE, BatchView, compute_crc, fill_max_timestamp, iter_batches, record_timestamps,
+    CRC_START, HEADER_SIZE, BatchView, compute_crc, count_offsets, fill_max_timestamp,
+    iter_batches, record_timestamps,
     rewrite_crc, set_base_offset, set_log_append_time, set_partition_leader_epoch,
     validate_batch,
 )
@@ -31,7 +32,8 @@ __all__ = [
     "RequestHeader", "api_versions_fallback", "build_api_versions_response", "decode_body",
     "encode_response", "encode_response_buffers", "encode_response_parts", "parse_header",
     "parse_request", "parse_response", "unsupported_version_response",
-    "CRC_START", "HEADER_SIZE", "BatchView", "compute_crc", "fill_max_timestamp", "iter_batches",
+    "CRC_START", "HEADER_SIZE", "BatchView", "compute_crc", "count_offsets", "fill_max_timestamp",
+    "iter_batches",
     "record_timestamps", "rewrite_crc", "set_base_offset", "set_log_append_time",
     "set_partition_leader_epoch", "validate_batch", "CODEC_NAMES", "GZIP", "LZ4", "SNAPPY",
     "ZSTD", "COMPRESSION_NONE", "compress", "decompress", "build_message_set",

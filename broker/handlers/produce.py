@@ -428,10 +428,7 @@ def produce_now(items: list[tuple[RequestContext, Any, float]], futs: list[async
         try:
             for _ctx, req, _r in items:
                 records = req.topic_data[0].partition_data[0].records
-                n = 0
-                for view in protocol.iter_batches(records):
-                    n += view.last_offset_delta + 1
-                counts.append(n)
+                counts.append(protocol.count_offsets(records))
                 total += len(records)
         except protocol.CorruptRecordError:
             return False

@@ -77,3 +77,22 @@ def test_light_request_converts_to_codec_object(version: int) -> None:
     codec = body.to_codec()
     assert isinstance(codec, ProduceRequest)
     assert bytes(codec.encode(version=version)) == bytes(req.encode(version=version))
+
+
+@pytest.mark.parametrize("version", range(0, 14))
+def test_a_framed_ok_answer_is_the_encoded_one_behind_its_header(version: int) -> None:
+    """``frame_produce_ok`` (the task-less path's one-piece answer, from a cached template)
+    is byte for byte the response header plus ``encode_produce_response`` of the same
+    one-partition success, for every version, topic and partition, also when the template
+    is reused with other offsets."""
+    from protocol.frames import RequestHeader, encode_response_parts
+    from protocol.produce_fast import frame_produce_ok
+
+    for key in (uuid.uuid4() if version >= 13 else "t\u00e9", "other", None):
+        for index, base, append_time, start, corr in ((0, 42, -1, 0, 7), (3, 1 << 40, 1700, 5,
+                                                                          -2), (3, 0, -1, 0, 1)):
+            header = RequestHeader(0, version, corr)
+            want = b"".join(encode_response_parts(header, [encode_produce_response(
+                version, [(key, [(index, 0, base, append_time, start, None)])])]))
+            assert frame_produce_ok(version, corr, key, index, base, append_time,
+                                    start) == want

@@ -228,3 +228,29 @@ def test_concatenated_gzip_members_and_zstd_frames_are_read_whole() -> None:
     assert codecs.decompress(codecs.ZSTD, two) == b"abcdef"
     with pytest.raises(CorruptRecordError):
         codecs.decompress(codecs.GZIP, gzip.compress(b"abc" * 100)[:-5])
+
+
+def test_count_offsets_counts_and_refuses_exactly_as_iter_batches():
+    """``count_offsets`` (the produce run's per-request count) is the sum of each batch's
+    lastOffsetDelta + 1 and raises CorruptRecordError wherever iter_batches does: trailing
+    bytes, a wrong magic, a length under the minimum or past the end."""
+    from protocol import build_batch, count_offsets, iter_batches
+    from protocol.errors import CorruptRecordError
+
+    one = build_batch([(None, b"a"), (None, b"bb"), (None, b"c")])
+    two = build_batch([(None, b"x" * 300)])
+    good = bytes(one + two + one)
+    assert count_offsets(good) == sum(v.last_offset_delta + 1 for v in iter_batches(good)) == 7
+    assert count_offsets(b"") == 0
+    bad_magic = bytearray(good)
+    bad_magic[len(one) + 16] = 1
+    short = bytearray(good)
+    short[len(one) + 8:len(one) + 12] = (10).to_bytes(4, "big")
+    long = bytearray(good)
+    long[8:12] = (len(good)).to_bytes(4, "big")
+    for bad in (good + b"\x00" * 20, good[:-1], bytes(bad_magic), bytes(short), bytes(long)):
+        with pytest.raises(CorruptRecordError) as want:
+            list(iter_batches(bad))
+        with pytest.raises(CorruptRecordError) as got:
+            count_offsets(bad)
+        assert str(got.value) == str(want.value)
