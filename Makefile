@@ -17,14 +17,14 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py storage/_copycrc.c
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py storage/_copycrc.c protocol/_produce.c
 	$(BIN)/pip install -q -e .
 	touch $@
 
 # One pip run for the package and its test extras (one resolve, one editable build: a second
 # `pip install -e .` first cost a minute). --no-compile: the suite imports a small part of what
 # it installs (pyspark alone is thousands of modules); Python compiles that part on first use.
-$(VENV)/.test-installed: $(BIN)/python pyproject.toml setup.py storage/_copycrc.c
+$(VENV)/.test-installed: $(BIN)/python pyproject.toml setup.py storage/_copycrc.c protocol/_produce.c
 	$(BIN)/pip install -q --no-compile -e '.[test]'
 	touch $(VENV)/.installed $@
 

@@ -1,7 +1,9 @@
-"""Build of the optional C extension storage._copycrc (a fused copy + CRC-32C for the produce
-path); everything else is declared in pyproject.toml. A failed compile (no C compiler, no
-Python headers) is not fatal: the install goes on and storage/copycrc.py falls back to memmove
-+ the crc32c package, with a one-line warning when the broker starts."""
+"""Build of the optional C extensions storage._copycrc (a fused copy + CRC-32C for the produce
+path) and protocol._produce (the envelope, checks and stamping of small Produce requests);
+everything else is declared in pyproject.toml. A failed compile (no C compiler, no Python
+headers) is not fatal: the install goes on and storage/copycrc.py falls back to memmove + the
+crc32c package, with a one-line warning when the broker starts; without protocol._produce the
+Python decoder and checks run (protocol/frames.py, broker/partition.py)."""
 import sys
 
 from setuptools import Extension, setup
@@ -28,6 +30,9 @@ class OptionalBuildExt(build_ext):
 
 setup(
     ext_modules=[Extension("storage._copycrc", ["storage/_copycrc.c"],
+                           extra_compile_args=["-O2"], optional=True),
+                 # the envelope of small Produce requests (protocol/frames.py parse_request)
+                 Extension("protocol._produce", ["protocol/_produce.c"],
                            extra_compile_args=["-O2"], optional=True)],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -38,6 +38,11 @@ SNAPSHOT_EVERY_BATCHES = 1000
 # a lone batch from this size on has its CRC checked by the stream, while the storage engine
 # copies it into the WAL (one pass over the bytes instead of two; HISTORY.md session 16)
 STREAM_CHECKS_CRC_FROM = 64 * 1024
+try:    # protocol/_produce.c: the checks and stamping of plain batches in one call
+    from protocol._produce import stamp_plain as _stamp_plain
+except ImportError:  # pragma: no cover - the extension is optional
+    _stamp_plain = None
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 REPLAY_READ_BYTES = 8 << 20
 CHUNK_BYTES = 1 << 20
 LONG_MAX = 2**63 - 1
@@ -700,35 +705,58 @@ class Partition:
                 or self._admission.held or not records:
             return False
         res = AppendResult(log_start_offset=self.log_start_offset)
-        try:
-            buf, views, check = self._prepare(records, True)
-        except protocol.CorruptRecordError as e:
-            res.error, res.message = ErrorCode.CORRUPT_MESSAGE, str(e)
-            done(res)
-            return True
-        if not views:
-            return False
-        for _pos, view in views:
-            if view.producer_id != NO_PRODUCER_ID or view.attributes & TXN_ATTRS:
-                return False
-        checked = self._header_checks(buf, views, api_version, False, res)
-        if checked is None:
-            if check is not None:       # a large lone batch whose CRC the stream would check
-                self._corrupt_first(res, views)
-            done(res)
-            return True
-        count, max_ts_of, log_append, now, _txn = checked
         stream = self.stream
-        base = stream.end_offset
-        end = base + count
-        payload_max_ts = self._stamp(buf, views, base, max_ts_of, log_append, now)
-        loop = self._loop
-        if loop is None:    # looked up once: each lookup is a getpid() syscall
-            loop = self._loop = asyncio.get_running_loop()
-        outcome = loop.create_future()
-        prev = self._tail
-        append_time = now if log_append else -1
-        size, batches = len(buf), len(views)
+        stamped = None
+        if _stamp_plain is not None and type(records) is memoryview and not records.readonly \
+                and records.format == "B" and records.contiguous:
+            max_bytes, log_append, before, after = self._limits_now()
+            if not log_append:
+                # the checks of _prepare and _header_checks and _stamp in one C call when all
+                # pass; None (nothing changed): the Python path below, which answers errors
+                now = _now_ms()
+                base = stream.end_offset
+                stamped = _stamp_plain(records, base, self.leader_epoch, max_bytes,
+                                       api_version >= 7, max(now - before, _I64_MIN),
+                                       min(now + after, _I64_MAX), STREAM_CHECKS_CRC_FROM)
+        if stamped is not None:
+            count, batches, payload_max_ts = stamped
+            buf, check, append_time = records, None, -1
+            end = base + count
+            size = len(buf)
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            outcome = loop.create_future()
+            prev = self._tail
+        else:
+            try:
+                buf, views, check = self._prepare(records, True)
+            except protocol.CorruptRecordError as e:
+                res.error, res.message = ErrorCode.CORRUPT_MESSAGE, str(e)
+                done(res)
+                return True
+            if not views:
+                return False
+            for _pos, view in views:
+                if view.producer_id != NO_PRODUCER_ID or view.attributes & TXN_ATTRS:
+                    return False
+            checked = self._header_checks(buf, views, api_version, False, res)
+            if checked is None:
+                if check is not None:   # a large lone batch whose CRC the stream checks
+                    self._corrupt_first(res, views)
+                done(res)
+                return True
+            count, max_ts_of, log_append, now, _txn = checked
+            base = stream.end_offset
+            end = base + count
+            payload_max_ts = self._stamp(buf, views, base, max_ts_of, log_append, now)
+            loop = self._loop
+            if loop is None:    # looked up once: each lookup is a getpid() syscall
+                loop = self._loop = asyncio.get_running_loop()
+            outcome = loop.create_future()
+            prev = self._tail
+            append_time = now if log_append else -1
+            size, batches = len(buf), len(views)
 
         def answer(ok: bool) -> None:
             done(self._finished(res, ok, base, end, size, batches, payload_max_ts,

@@ -123,6 +123,12 @@ def parse_request(frame: memoryview | bytes) -> tuple[RequestHeader, Any]:
     """
     if not isinstance(frame, memoryview):
         frame = memoryview(frame)
+    if _scan_produce is not None:
+        # the common one-partition Produce envelope in one C call (None: anything else,
+        # decoded below as before)
+        got = _scan_produce(frame)
+        if got is not None and got[0] in _PRODUCE_FLEXIBLE:
+            return _plain_produce(frame, got)
     header, pos = parse_header(frame)
     lo, hi = SUPPORTED_APIS[header.api_key]
     if not lo <= header.api_version <= hi:
@@ -309,4 +315,23 @@ def parse_response(api_key: int, api_version: int, frame: memoryview | bytes) ->
 
 
 # at the end: produce_fast imports the readers defined above
-from .produce_fast import parse_produce_body  # noqa: E402
+from .produce_fast import (FastProduceRequest, PartitionProduceData,  # noqa: E402
+                           TopicProduceData, parse_produce_body)
+
+try:    # built by setup.py beside storage._copycrc; without it every frame is read in Python
+    from ._produce import scan_produce as _scan_produce
+except ImportError:  # pragma: no cover - the extension is optional
+    _scan_produce = None
+# the Produce versions served that scan_produce reads (v3-v12) -> whether their header is v2
+_PRODUCE_FLEXIBLE = {v: bool(_SUPPORTED[PRODUCE_KEY][2].flexible_version_q(v))
+                     for v in range(max(3, SUPPORTED_APIS[PRODUCE_KEY][0]),
+                                    min(12, SUPPORTED_APIS[PRODUCE_KEY][1]) + 1)}
+
+
+def _plain_produce(frame: memoryview, got: tuple) -> tuple[RequestHeader, Any]:
+    """parse_request's result for a frame scan_produce read: the same header and request
+    objects the Python decoder builds (records a view into ``frame``)."""
+    version, corr, client_id, acks, timeout_ms, name, index, start, n = got
+    header = RequestHeader(PRODUCE_KEY, version, corr, client_id, _PRODUCE_FLEXIBLE[version])
+    return header, FastProduceRequest(version, None, acks, timeout_ms, [TopicProduceData(
+        name, None, [PartitionProduceData(index, frame[start:start + n])])])

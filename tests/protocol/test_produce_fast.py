@@ -96,3 +96,159 @@ def test_a_framed_ok_answer_is_the_encoded_one_behind_its_header(version: int) -
                 version, [(key, [(index, 0, base, append_time, start, None)])])]))
             assert frame_produce_ok(version, corr, key, index, base, append_time,
                                     start) == want
+
+
+def _produce_frame(version: int, records: bytes | None, *, acks: int = -1, client="c-1",
+                   name: str = "t\u00e9", txn: str | None = None, parts: int = 1) -> bytearray:
+    part = ProduceRequest.TopicProduceData.PartitionProduceData
+    req = ProduceRequest(version=version, acks=acks, timeout_ms=1500, topic_data=[
+        ProduceRequest.TopicProduceData(version=version, name=name, partition_data=[
+            part(version=version, index=7 + i, records=records) for i in range(parts)])],
+        transactional_id=txn)
+    req.with_header(correlation_id=4242, client_id=client)
+    return bytearray(req.encode(version=version, header=True, framed=False))
+
+
+def _decoded(frame: bytearray, scanner) -> object:
+    """parse_request's outcome with the given scanner: the fields of what it returned, or the
+    type and message of what it raised."""
+    from protocol import frames
+    saved = frames._scan_produce
+    frames._scan_produce = scanner
+    try:
+        header, req = parse_request(frame)
+    except Exception as exc:  # noqa: BLE001 - the outcome compared
+        return type(exc), str(exc)
+    finally:
+        frames._scan_produce = saved
+    head = (header.api_key, header.api_version, header.correlation_id, header.client_id,
+            header.flexible, header.tagged_fields, type(req))
+    if not isinstance(req, FastProduceRequest):      # a flipped bit made it another API
+        return head
+    return (*head, req.version,
+            req.transactional_id, req.acks, req.timeout_ms,
+            [(t.name, t.topic_id, [(p.index, None if p.records is None else
+                                    (bytes(p.records), p.records.readonly,
+                                     p.records.obj is frame)) for p in t.partition_data])
+             for t in req.topic_data])
+
+
+def _plain_batch(n: int = 3, pid: int = -1) -> bytes:
+    from protocol import build_batch
+    raw = bytearray(build_batch([(None, b"v" * 90)] * n, timestamp=1_700_000_000_000))
+    raw[43:51] = pid.to_bytes(8, "big", signed=True)
+    return bytes(raw)
+
+
+def _scanner():
+    from protocol import frames
+    return frames._scan_produce
+
+
+@pytest.mark.skipif(_scanner() is None, reason="protocol._produce not built")
+@pytest.mark.parametrize("version", range(3, 14))
+def test_the_c_envelope_scan_reads_what_the_python_decoder_reads(version: int) -> None:
+    """protocol._produce.scan_produce (parse_request's C path for plain one-partition
+    Produce requests) gives the same header and request as the Python decoder, and frames it
+    does not take (other shapes, every truncation, single-bit corruptions of the envelope)
+    get exactly the Python decoder's outcome, errors included."""
+    scan = _scanner()
+    plain = _plain_batch()
+    frames_ = [_produce_frame(version, plain), _produce_frame(version, plain, client=None),
+               _produce_frame(version, plain, acks=1, client="", name="x" * 300),
+               _produce_frame(version, _plain_batch(40)),
+               # shapes it leaves to Python: acks 0, a producer id, a transactional id, two
+               # partitions, null or short records
+               _produce_frame(version, plain, acks=0), _produce_frame(version, _plain_batch(pid=5)),
+               _produce_frame(version, plain, txn="tx"), _produce_frame(version, plain, parts=2),
+               _produce_frame(version, None), _produce_frame(version, b"x" * 30)]
+    taken = 0
+    for frame in frames_:
+        assert _decoded(frame, scan) == _decoded(bytearray(frame), None)
+        taken += scan(frame) is not None
+    assert taken == (4 if version <= 12 else 0)
+    frame = frames_[0]
+    for cut in range(len(frame) - 1):
+        short = bytearray(frame[:cut])
+        assert _decoded(short, scan) == _decoded(bytearray(short), None), cut
+    for i in range(min(len(frame), 120)):
+        for bit in (0x01, 0x80):
+            bad = bytearray(frame)
+            bad[i] ^= bit
+            assert _decoded(bad, scan) == _decoded(bytearray(bad), None), (i, bit)
+
+
+def _reference_stamp(buf: bytearray, base: int, epoch: int, max_bytes: int, zstd_ok: bool,
+                     earliest: int, latest: int, defer_from: int):
+    """broker.partition's Python checks and stamping of plain batches (what stamp_plain
+    must match): (records, batches, max timestamp) after stamping ``buf``, or None."""
+    import protocol
+    try:
+        views = list(protocol.iter_batches(buf))
+        for v in views:
+            protocol.validate_batch(v)
+    except protocol.CorruptRecordError:
+        return None
+    if not views or (len(views) == 1 and views[0].size >= defer_from):
+        return None
+    for v in views:
+        if v.producer_id != -1 or v.attributes & 0x30 or v.size > max_bytes \
+                or v.compression > 4 or (v.compression == 4 and not zstd_ok) \
+                or v.max_timestamp < 0 or v.max_timestamp > latest \
+                or 0 <= v.base_timestamp < earliest:
+            return None
+    nxt, top = base, -1
+    for v in views:
+        protocol.set_base_offset(buf, v.pos, nxt)
+        protocol.set_partition_leader_epoch(buf, v.pos, epoch)
+        nxt += v.last_offset_delta + 1
+        top = max(top, v.max_timestamp)
+    return nxt - base, len(views), top
+
+
+@pytest.mark.skipif(_scanner() is None, reason="protocol._produce not built")
+def test_stamp_plain_checks_and_stamps_as_the_python_path():
+    """protocol._produce.stamp_plain (Partition.append_now's C path) stamps exactly the
+    payloads the Python checks pass, as they would be stamped, and leaves every other payload
+    untouched (None): the Python path then answers it."""
+    from protocol import build_batch, rewrite_crc
+    from protocol._produce import stamp_plain
+
+    def batch(n=3, ts=1_700_000_000_000, fields=None):
+        fields = fields or {}
+        raw = bytearray(build_batch([(None, b"w" * 50)] * n, timestamp=ts))
+        for (at, size), value in fields.items():
+            raw[at:at + size] = value.to_bytes(size, "big", signed=True)
+        if fields:
+            rewrite_crc(raw, 0)
+        return bytes(raw)
+
+    ok = batch()
+    bad_crc = bytearray(ok)
+    bad_crc[-1] ^= 1
+    cases = [ok, ok + batch(1) + batch(7), batch(40),
+             bytes(bad_crc), ok + bytes(bad_crc), ok[:-1], ok + b"\x00" * 70, ok + b"\x00" * 10,
+             batch(fields={(43, 8): 9}),                 # a producer id
+             # transactional, control
+             batch(fields={(21, 2): 0x10}), batch(fields={(21, 2): 0x20}),
+             batch(fields={(21, 2): 4}), batch(fields={(21, 2): 5}),   # zstd, unknown codec
+             batch(fields={(35, 8): -1}),                # max timestamp unset
+             batch(ts=10), batch(ts=1 << 50),       # before / after the bounds
+             batch(fields={(23, 4): 5}), batch(fields={(57, 4): 0}),          # counts
+             batch(fields={(16, 1): 1}), b""]
+    now = 1_700_000_000_500
+    for zstd_ok in (False, True):
+        for max_bytes in (1 << 20, 300):
+            for defer_from in (1 << 16, 200):
+                for payload in cases:
+                    args = (7, 3, max_bytes, zstd_ok, now - 10**9, now + 10**9, defer_from)
+                    want_buf = bytearray(payload)
+                    want = _reference_stamp(want_buf, *args)
+                    got_buf = bytearray(payload)
+                    got = stamp_plain(memoryview(got_buf), *args)
+                    assert got == want, (payload[:70], args)
+                    assert got_buf == (want_buf if want is not None else payload)
+    # extreme bounds (the partition clamps LONG_MAX sums to 64 bits) and a read-only buffer
+    assert stamp_plain(memoryview(bytearray(ok)), 0, 0, 1 << 20, True, -(1 << 63),
+                       (1 << 63) - 1, 1 << 16) == (3, 1, 1_700_000_000_000)
+    assert stamp_plain(memoryview(ok), 0, 0, 1 << 20, True, 0, 1 << 62, 1 << 16) is None

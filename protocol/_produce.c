@@ -1,0 +1,288 @@
+/* protocol._produce: the envelope of the common Produce request in one C call.
+
+scan_produce(frame) reads a request frame (the bytes after the length prefix) that is a
+Produce v3-v12 request for one topic and one partition, with acks -1 or 1, no transactional id,
+no tagged fields, and records starting with a v2 batch header without a producer id (the
+shape of every small linger-0 request of a plain producer), and returns
+
+    (api_version, correlation_id, client_id or None, acks, timeout_ms, topic name,
+     partition index, records start, records length)
+
+For anything else - another API, another shape, a truncated or malformed frame, text that is
+not UTF-8 - it returns None, and protocol.parse_request decodes the frame in Python as before
+(raising the same typed errors). So it only ever answers for frames the Python parser reads
+to exactly these values.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    const unsigned char *p;
+    Py_ssize_t pos, end;
+    int ok;
+} rd;
+
+static int32_t be32(const unsigned char *p) {
+    return (int32_t)(((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8)
+                     | (uint32_t)p[3]);
+}
+
+static int16_t be16(const unsigned char *p) {
+    return (int16_t)(((uint16_t)p[0] << 8) | (uint16_t)p[1]);
+}
+
+static int32_t r_i16(rd *r) {
+    if (r->end - r->pos < 2) { r->ok = 0; return 0; }
+    int32_t v = be16(r->p + r->pos);
+    r->pos += 2;
+    return v;
+}
+
+static int32_t r_i32(rd *r) {
+    if (r->end - r->pos < 4) { r->ok = 0; return 0; }
+    int32_t v = be32(r->p + r->pos);
+    r->pos += 4;
+    return v;
+}
+
+/* an unsigned varint of at most 5 bytes (protocol.frames.read_uvarint's limit) */
+static int64_t r_uvarint(rd *r) {
+    int64_t value = 0;
+    int shift = 0;
+    for (;;) {
+        if (r->pos >= r->end) { r->ok = 0; return 0; }
+        unsigned char b = r->p[r->pos++];
+        value |= (int64_t)(b & 0x7F) << shift;
+        if (!(b & 0x80)) return value;
+        shift += 7;
+        if (shift > 28) { r->ok = 0; return 0; }
+    }
+}
+
+/* a string/bytes/array length: compact (uvarint - 1) when flexible, else int16/int32 */
+static int64_t r_len(rd *r, int flexible, int wide) {
+    if (flexible) return r_uvarint(r) - 1;
+    return wide ? r_i32(r) : r_i16(r);
+}
+
+static PyObject *scan_produce(PyObject *self, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *result = NULL, *client = NULL, *topic = NULL;
+    rd r = {(const unsigned char *)view.buf, 0, view.len, 1};
+    if (r.end < 10) goto none;
+    if (be16(r.p) != 0) goto none;                          /* Produce only */
+    int version = be16(r.p + 2);
+    if (version < 3 || version > 12) goto none;
+    int32_t corr = be32(r.p + 4);
+    int flexible = version >= 9;
+    r.pos = 8;
+    int64_t n = r_i16(&r);                                  /* client id: always int16 */
+    if (!r.ok) goto none;
+    if (n >= 0) {
+        if (r.end - r.pos < n) goto none;
+        client = PyUnicode_DecodeUTF8((const char *)r.p + r.pos, n, NULL);
+        if (client == NULL) { PyErr_Clear(); goto none; }
+        r.pos += n;
+    } else {
+        client = Py_NewRef(Py_None);
+    }
+    if (flexible && (r_uvarint(&r) != 0 || !r.ok)) goto none;   /* header tagged fields */
+    n = r_len(&r, flexible, 0);                             /* transactional id: null */
+    if (!r.ok || n >= 0) goto none;
+    int32_t acks = r_i16(&r);
+    int32_t timeout = r_i32(&r);
+    if (!r.ok || (acks != -1 && acks != 1)) goto none;
+    if (r_len(&r, flexible, 1) != 1 || !r.ok) goto none;   /* one topic */
+    n = r_len(&r, flexible, 0);
+    if (!r.ok || n < 0 || r.end - r.pos < n) goto none;
+    topic = PyUnicode_DecodeUTF8((const char *)r.p + r.pos, n, NULL);
+    if (topic == NULL) { PyErr_Clear(); goto none; }
+    r.pos += n;
+    if (r_len(&r, flexible, 1) != 1 || !r.ok) goto none;   /* one partition */
+    int32_t index = r_i32(&r);
+    n = r_len(&r, flexible, 1);
+    if (!r.ok || n < 61 || r.end - r.pos < n) goto none;
+    Py_ssize_t start = r.pos;
+    const unsigned char *b = r.p + start;
+    if (b[16] != 2) goto none;                              /* a v2 batch first */
+    for (int i = 43; i < 51; i++)                           /* without a producer id */
+        if (b[i] != 0xff) goto none;
+    r.pos += n;
+    if (flexible) {                                         /* partition, topic, request tags */
+        for (int i = 0; i < 3; i++)
+            if (r_uvarint(&r) != 0 || !r.ok) goto none;
+    }
+    result = Py_BuildValue("iiNiiNinn", version, (int)corr, client, (int)acks, (int)timeout,
+                           topic, (int)index, start, (Py_ssize_t)n);
+    client = topic = NULL;                                  /* stolen by N */
+    PyBuffer_Release(&view);
+    return result;
+none:
+    Py_XDECREF(client);
+    Py_XDECREF(topic);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+
+/* ---- CRC-32C (Castagnoli), for the batch check below ------------------------------------ */
+static uint32_t crc_table[8][256];
+static int have_sse42 = 0;
+
+static void crc_init(void) {
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+        crc_table[0][n] = c;
+    }
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = crc_table[0][n];
+        for (int k = 1; k < 8; k++) {
+            c = crc_table[0][c & 0xff] ^ (c >> 8);
+            crc_table[k][n] = c;
+        }
+    }
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    have_sse42 = __builtin_cpu_supports("sse4.2");
+#endif
+}
+
+static uint32_t crc_soft(const unsigned char *p, size_t n) {
+    uint32_t c = 0xFFFFFFFFu;
+    while (n && ((uintptr_t)p & 7)) { c = crc_table[0][(c ^ *p++) & 0xff] ^ (c >> 8); n--; }
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        w ^= c;
+        c = crc_table[7][w & 0xff] ^ crc_table[6][(w >> 8) & 0xff]
+            ^ crc_table[5][(w >> 16) & 0xff] ^ crc_table[4][(w >> 24) & 0xff]
+            ^ crc_table[3][(w >> 32) & 0xff] ^ crc_table[2][(w >> 40) & 0xff]
+            ^ crc_table[1][(w >> 48) & 0xff] ^ crc_table[0][w >> 56];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) c = crc_table[0][(c ^ *p++) & 0xff] ^ (c >> 8);
+    return c ^ 0xFFFFFFFFu;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2")))
+static uint32_t crc_hw(const unsigned char *p, size_t n) {
+    uint64_t c = 0xFFFFFFFFu;
+    while (n && ((uintptr_t)p & 7)) { c = __builtin_ia32_crc32qi((uint32_t)c, *p++); n--; }
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        c = __builtin_ia32_crc32di(c, w);
+        p += 8;
+        n -= 8;
+    }
+    while (n--) c = __builtin_ia32_crc32qi((uint32_t)c, *p++);
+    return (uint32_t)c ^ 0xFFFFFFFFu;
+}
+#endif
+
+static uint32_t crc32c(const unsigned char *p, size_t n) {
+#if defined(__x86_64__)
+    if (have_sse42) return crc_hw(p, n);
+#endif
+    return crc_soft(p, n);
+}
+
+static int64_t be64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
+    return (int64_t)v;
+}
+
+static void put64(unsigned char *p, int64_t x) {
+    uint64_t v = (uint64_t)x;
+    for (int i = 7; i >= 0; i--) { p[i] = (unsigned char)(v & 0xff); v >>= 8; }
+}
+
+static void put32(unsigned char *p, int32_t x) {
+    uint32_t v = (uint32_t)x;
+    p[0] = v >> 24; p[1] = v >> 16; p[2] = v >> 8; p[3] = v;
+}
+
+/* stamp_plain(buf, base, epoch, max_bytes, zstd_ok, earliest, latest, defer_from)
+   broker.partition's checks of a payload of plain v2 batches and its stamping, in one call:
+   every batch whole (iter_batches), magic 2, its CRC-32C right, records counted right
+   (validate_batch), no producer id and neither transactional nor control, at most max_bytes,
+   a known compression (zstd only if zstd_ok), a max timestamp set and the CreateTime bounds
+   kept (_header_checks); then base offsets from ``base`` and the leader epoch written in
+   place (_stamp, CreateTime). Returns (records, batches, max timestamp), or None - having
+   changed nothing - for anything the Python path must see: an error to answer, a lone batch
+   of defer_from bytes or more (its CRC is checked in the WAL's copy), anything unusual. */
+static PyObject *stamp_plain(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    long long base, max_bytes, earliest, latest, defer_from;
+    int epoch, zstd_ok;
+    if (!PyArg_ParseTuple(args, "OLiLpLLL", &obj, &base, &epoch, &max_bytes, &zstd_ok,
+                          &earliest, &latest, &defer_from))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_WRITABLE) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    unsigned char *buf = (unsigned char *)view.buf;
+    Py_ssize_t end = view.len, pos = 0;
+    long long count = 0, batches = 0, max_ts_all = -1;
+    if (end <= 0) goto none;
+    while (pos < end) {                                  /* checks only: nothing written */
+        if (end - pos < 61) goto none;
+        unsigned char *b = buf + pos;
+        int32_t length = be32(b + 8);
+        if (b[16] != 2 || length < 49 || (long long)length + 12 > end - pos) goto none;
+        int16_t attrs = be16(b + 21);
+        int32_t lod = be32(b + 23);
+        int64_t base_ts = be64(b + 27), max_ts = be64(b + 35), pid = be64(b + 43);
+        int32_t nrec = be32(b + 57);
+        if (nrec <= 0 || lod != nrec - 1) goto none;
+        if (pid != -1 || (attrs & 0x30)) goto none;
+        if ((long long)length + 12 > max_bytes) goto none;
+        int comp = attrs & 7;
+        if (comp > 4 || (comp == 4 && !zstd_ok)) goto none;
+        if (max_ts < 0 || max_ts > latest || (base_ts >= 0 && base_ts < earliest)) goto none;
+        if (crc32c(b + 21, (size_t)length - 9) != (uint32_t)be32(b + 17)) goto none;
+        count += (long long)lod + 1;
+        if (max_ts > max_ts_all) max_ts_all = max_ts;
+        batches++;
+        pos += length + 12;
+    }
+    if (batches == 1 && end >= defer_from) goto none;
+    long long next = base;
+    for (pos = 0; pos < end;) {                          /* stamp */
+        unsigned char *b = buf + pos;
+        put64(b, next);
+        put32(b + 12, epoch);
+        next += (long long)be32(b + 23) + 1;
+        pos += be32(b + 8) + 12;
+    }
+    PyBuffer_Release(&view);
+    return Py_BuildValue("LLL", count, batches, max_ts_all);
+none:
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"scan_produce", scan_produce, METH_O,
+     "The envelope of a plain one-partition Produce v3-v12 request frame, or None."},
+    {"stamp_plain", stamp_plain, METH_VARARGS,
+     "Check and stamp a payload of plain v2 batches (broker.partition), or None."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "protocol._produce", NULL, -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__produce(void) {
+    crc_init();
+    return PyModule_Create(&module);
+}
