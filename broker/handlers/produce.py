@@ -423,22 +423,12 @@ def produce_now(items: list[tuple[RequestContext, Any, float]], futs: list[async
         counts = [0]                    # the run's answer needs no per-request count
         version = ctx0.version
     else:
-        counts = []
-        total = 0
+        parts = [req.topic_data[0].partition_data[0].records for _ctx, req, _r in items]
         try:
-            for _ctx, req, _r in items:
-                records = req.topic_data[0].partition_data[0].records
-                counts.append(protocol.count_offsets(records))
-                total += len(records)
+            counts = list(map(protocol.count_offsets, parts))
         except protocol.CorruptRecordError:
             return False
-        merged = bytearray(total)
-        pos = 0
-        for _ctx, req, _r in items:
-            records = req.topic_data[0].partition_data[0].records
-            merged[pos:pos + len(records)] = records
-            pos += len(records)
-        records = memoryview(merged)
+        records = memoryview(bytearray().join(parts))   # one copy, no zero fill first
         version = min(ctx.version for ctx in ctxs)
     start = time.perf_counter()
 
