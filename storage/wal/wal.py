@@ -417,8 +417,12 @@ class DeltaWAL:
             blk = self._new_block(size)
         at = blk.used
         pos = blk.start + at
-        if pos % ring + size > ring:                      # does not fit before the ring's end
-            next_lap = (pos // ring + 1) * ring
+        in_lap = pos % ring
+        # does not fit before the ring's end, or the block's records end exactly at it: then
+        # pos is the next lap's start (in_lap 0) but this block began in the previous lap, and
+        # one write from the block's start would run past the ring's end instead of wrapping
+        if in_lap + size > ring or (at and not in_lap):
+            next_lap = pos - in_lap + ring if in_lap else pos
             if at:
                 self._seal_locked()
                 blk = self._new_block(size, start=next_lap)

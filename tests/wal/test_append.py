@@ -395,3 +395,40 @@ async def test_append_loop_check_appends_nothing_on_a_crc_mismatch(make_wal, mon
     w.close()
     _, recs = make_wal(capacity=16 << 20)
     assert [(o, bytes(b)) for o, b in recs] == [(good.offset, head + big), (ok2.offset, head + big)]
+
+
+@pytest.mark.parametrize("engine", ["aio", "threads"])
+async def test_record_right_at_the_lap_start_after_a_block_ending_at_the_ring_end(make_wal,
+                                                                                  wal_path,
+                                                                                  engine):
+    """Records end exactly at the ring's end, in the current block; the next record's offset is
+    then the start of the next lap (in_lap 0, so it "fits before the ring's end") but it must
+    not join that block: the block would be written as one piece from its start, past the
+    ring's end (the file grew by a page; on a device it writes beyond the capacity), and the
+    record would be nowhere near the ring position recovery reads for its offset (phys 8 KiB).
+    It was lost after a crash: tests/wal/test_crash.py::test_crash_loop_long_file, docs/wal.md
+    "On-disk format". After the first block's time seal the next one is a minute away, so
+    tail, nxt and more share one block with either engine until flush(): deterministic."""
+    cap = 256 << 10
+    w, _ = make_wal(capacity=cap, io_engine=engine, flush_interval_s=60.0)
+    if engine == "aio":
+        assert w.attach_loop()
+    ring = w.ring_size
+    head = w.append_loop(b"h" * (4096 - RECORD_HEADER_SIZE))      # [0, 4096)
+    await head.future                     # sealed by time: the next time seal is 60 s away
+    fill = w.append_loop(b"f" * (ring - 12288 - RECORD_HEADER_SIZE))  # [4096, ring - 8192)
+    w.flush()
+    await fill.future
+    w.trim(head.next_offset)              # room for one page of the next lap
+    tail = w.append_loop(b"t" * (8192 - RECORD_HEADER_SIZE))      # [ring - 8192, ring)
+    nxt = w.append_loop(b"n" * 100)                                # the next lap's first
+    more = w.append_loop(b"m" * 200)
+    assert (tail.offset, tail.next_offset, nxt.offset) == (ring - 8192, ring, ring)
+    w.flush()
+    assert [await r.future for r in (tail, nxt, more)] == [tail.offset, ring, nxt.next_offset]
+    w.close()
+    assert os.path.getsize(wal_path) == cap                 # nothing written past the ring
+    _, recs = make_wal(capacity=cap)
+    assert recs == [(fill.offset, b"f" * (ring - 12288 - RECORD_HEADER_SIZE)),
+                    (tail.offset, b"t" * (8192 - RECORD_HEADER_SIZE)),
+                    (ring, b"n" * 100), (nxt.next_offset, b"m" * 200)]
