@@ -1193,15 +1193,23 @@ class Engine(StreamStore):
         # the maximum produce rate the loop itself is busy most of the time, and an upload's
         # ~45,000 entries taken, grouped and summed back to back queued requests behind them
         pause = self._upload_pause if background else no_pause
+
+        def committable(sid: int) -> Any:
+            """The stream ``sid``'s taken entries may be committed to, or None: one another
+            node claimed (noted in ``foreign``: never committable, dropped below) or one
+            deleted meanwhile. Called once per stream run, not per entry."""
+            if sid in not_ours:
+                foreign.add(sid)
+                return None
+            s = streams.get(sid)
+            return None if s is None or s.deleted else s
+
         cums: dict[int, Any] = {}            # stream -> its records' running payload sums
         if grouped is not None:
             # grouped as they were taken: Python work per stream, not per entry
             for sid, run in grouped[0].items():
-                if sid in not_ours:
-                    foreign.add(sid)         # never committable: skipped, dropped below
-                    continue
-                s = streams.get(sid)
-                if s is None or s.deleted:
+                s = committable(sid)
+                if s is None:
                     continue
                 if run[0].base_offset < s.committed:
                     # some are committed already (a drain's upload beside this one): rare
@@ -1220,11 +1228,8 @@ class Engine(StreamStore):
             chunk = entries[lo:lo + GROUP_CHUNK]
             chunk.sort(key=_STREAM_ID)
             for sid, it in itertools.groupby(chunk, _STREAM_ID):
-                if sid in not_ours:
-                    foreign.add(sid)         # never committable: skipped, dropped below
-                    continue
-                s = streams.get(sid)
-                if s is None or s.deleted:
+                s = committable(sid)
+                if s is None:
                     continue
                 run = list(it)
                 if min(map(_BASE_OFFSET, run)) < s.committed:
