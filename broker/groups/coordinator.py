@@ -144,17 +144,22 @@ class GroupCoordinator:
 
     def _unload(self, group: Group) -> None:
         """Forget a group another broker coordinates now; its state is in the store."""
+        self._release_members(group, E.NOT_COORDINATOR)
+        group.state = S.DEAD        # handlers still holding it stop, and never save it
+        if self.groups.get(group.group_id) is group:
+            del self.groups[group.group_id]
+        self.offsets.pop(group.group_id, None)
+
+    def _release_members(self, group: Group, error: int) -> None:
+        """Stop a group's rebalance and member timers and answer every parked JoinGroup and
+        SyncGroup with `error` (the group is leaving this coordinator: unload or close)."""
         self._cancel_rebalance_timer(group)
         for handle in group.pending_members.values():
             handle.cancel()
         for m in group.members.values():
             m.cancel_timer()
-            m.complete_join(JoinResult(E.NOT_COORDINATOR, m.member_id))
-            m.complete_sync(SyncResult(E.NOT_COORDINATOR))
-        group.state = S.DEAD        # handlers still holding it stop, and never save it
-        if self.groups.get(group.group_id) is group:
-            del self.groups[group.group_id]
-        self.offsets.pop(group.group_id, None)
+            m.complete_join(JoinResult(error, m.member_id))
+            m.complete_sync(SyncResult(error))
 
     async def refresh_offsets(self, group_id: str) -> None:
         """Re-read a group's committed offsets from the store (in a cluster a coordinator
@@ -174,13 +179,7 @@ class GroupCoordinator:
         """Stop timers, fail parked calls so clients retry elsewhere, finish pending group
         writes (an Empty group must not come back with its departed members), close the store."""
         for group in self.groups.values():
-            self._cancel_rebalance_timer(group)
-            for handle in group.pending_members.values():
-                handle.cancel()
-            for m in group.members.values():
-                m.cancel_timer()
-                m.complete_join(JoinResult(E.COORDINATOR_NOT_AVAILABLE, m.member_id))
-                m.complete_sync(SyncResult(E.COORDINATOR_NOT_AVAILABLE))
+            self._release_members(group, E.COORDINATOR_NOT_AVAILABLE)
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         self._closing = True
