@@ -490,13 +490,7 @@ class TopicManager:
             del self.topics[name]
             if self._cluster is not None:
                 await self._cluster.forget_topic(topic.topic_id)
-            for p in topic.partitions:
-                if p is None:
-                    continue
-                try:
-                    await p.close()
-                except Exception:  # noqa: BLE001
-                    log.exception("closing partition failed topic=%s", name)
+            await _close_partitions(topic)
             for sid in topic.stream_ids:
                 await self._drop_stream(sid)
             log.info("topic deleted topic=%s id=%s", name, topic.topic_id)
@@ -582,13 +576,19 @@ class TopicManager:
 
     async def close(self) -> None:
         for topic in list(self.topics.values()):
-            for p in topic.partitions:
-                if p is None:
-                    continue
-                try:
-                    await p.close()
-                except Exception:  # noqa: BLE001
-                    log.exception("closing partition failed topic=%s", topic.name)
+            await _close_partitions(topic)
+
+
+async def _close_partitions(topic: Topic) -> None:
+    """Close each open partition of a topic (deleted, or the broker stopping); a failure is
+    logged and the others still close."""
+    for p in topic.partitions:
+        if p is None:
+            continue
+        try:
+            await p.close()
+        except Exception:  # noqa: BLE001
+            log.exception("closing partition failed topic=%s", topic.name)
 
 
 def _check_replicas(brokers: list[int], live: list[int]) -> None:
