@@ -87,22 +87,14 @@ class S3ObjectStore(ObjectStore):
         try:
             r = self.client.get_object(Bucket=self.bucket, Key=self._key(key), Range=rng)
             return r["Body"].read()
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                raise ObjectNotFound(key) from e
-            raise ObjectStoreError(f"get {key}: {e}") from e
-        except BotoCoreError as e:
-            raise ObjectStoreError(f"get {key}: {e}") from e
+        except (BotoCoreError, ClientError) as e:
+            raise _key_error("get", key, e) from e
 
     def size(self, key: str) -> int:
         try:
             return self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"]
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                raise ObjectNotFound(key) from e
-            raise ObjectStoreError(f"head {key}: {e}") from e
-        except BotoCoreError as e:
-            raise ObjectStoreError(f"head {key}: {e}") from e
+        except (BotoCoreError, ClientError) as e:
+            raise _key_error("head", key, e) from e
 
     def delete(self, keys: list[str]) -> None:
         try:
@@ -144,3 +136,12 @@ class S3ObjectStore(ObjectStore):
 
     def close(self) -> None:
         self.client.close()
+
+
+def _key_error(op: str, key: str, e: BotoCoreError | ClientError) -> ObjectStoreError:
+    """The error to raise for a failed request about one key: ObjectNotFound where S3 says the
+    key does not exist, else ObjectStoreError naming the operation."""
+    code = e.response.get("Error", {}).get("Code") if isinstance(e, ClientError) else None
+    if code in ("NoSuchKey", "404"):
+        return ObjectNotFound(key)
+    return ObjectStoreError(f"{op} {key}: {e}")
