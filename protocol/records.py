@@ -74,17 +74,25 @@ def _records_bytes(view: BatchView) -> Buffer:
     return raw
 
 
+def _record_spans(data: Buffer, count: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each of `count` length-prefixed records in a batch's record section:
+    start just past the length varint (at the attributes byte), end where the next begins."""
+    pos = 0
+    for _ in range(max(count, 0)):
+        length, pos = _read_varint(data, pos)
+        end = pos + length
+        if length < 0 or end > len(data):
+            raise CorruptRecordError("record length runs past the batch")
+        yield pos, end
+        pos = end
+
+
 def decode_records(view: BatchView) -> list[Record]:
     """All records of one batch (decompressed); LogAppendTime batches report maxTimestamp."""
     data = _records_bytes(view)
     log_append = view.timestamp_type == 1
     out: list[Record] = []
-    pos = 0
-    for _ in range(max(view.record_count, 0)):
-        length, pos = _read_varint(data, pos)
-        end = pos + length
-        if length < 0 or end > len(data):
-            raise CorruptRecordError("record length runs past the batch")
+    for pos, end in _record_spans(data, view.record_count):
         pos += 1  # attributes (unused)
         ts_delta, pos = _read_varint(data, pos)
         off_delta, pos = _read_varint(data, pos)
@@ -128,16 +136,10 @@ def iter_record_timestamps(view: BatchView) -> Iterator[tuple[int, int]]:
             yield view.base_offset + i, view.max_timestamp
         return
     data = _records_bytes(view)
-    pos = 0
-    for _ in range(max(view.record_count, 0)):
-        length, pos = _read_varint(data, pos)
-        end = pos + length
-        if length < 0 or end > len(data):
-            raise CorruptRecordError("record length runs past the batch")
+    for pos, _ in _record_spans(data, view.record_count):
         ts_delta, p = _read_varint(data, pos + 1)
         off_delta, _ = _read_varint(data, p)
         yield view.base_offset + off_delta, view.base_timestamp + ts_delta
-        pos = end
 
 
 def encode_records(records: Sequence[Record], base_offset: int, base_timestamp: int) -> bytes:
