@@ -40,8 +40,8 @@ from .objects.format import NOGIL_COPY_FROM
 from .objects.store import ObjectStore, open_object_store
 from .reader import ObjectReader
 from .thread_priority import background_executor, in_io_class
-from .stream import (Batch, OffsetOutOfRange, PayloadChecksumError, RetriableStorageError,
-                     StorageError, Stream, StreamStore)
+from .stream import (Batch, OffsetOutOfRange, OffsetStream, PayloadChecksumError,
+                     RetriableStorageError, StorageError, Stream, StreamStore)
 
 log = logging.getLogger(__name__)
 _WAL_OFFSET = operator.attrgetter("wal_offset")
@@ -202,7 +202,7 @@ def open_engine(config: EngineConfig) -> "Engine":
     return Engine(config)
 
 
-class EngineStream(Stream):
+class EngineStream(OffsetStream):
     """One stream over the engine."""
 
     def __init__(self, engine: "Engine", meta: StreamMeta) -> None:
@@ -216,14 +216,6 @@ class EngineStream(Stream):
         # False while another node writes the stream (a cluster sharing the object store):
         # appends are refused and compaction leaves its objects alone
         self.owned = True
-
-    @property
-    def start_offset(self) -> int:
-        return self._start
-
-    @property
-    def end_offset(self) -> int:
-        return self._end
 
     @property
     def confirmed_offset(self) -> int:

@@ -5,10 +5,11 @@ import bisect
 
 import crc32c
 
-from .stream import Batch, OffsetOutOfRange, PayloadChecksumError, Stream, StreamStore
+from .stream import (Batch, OffsetOutOfRange, OffsetStream, PayloadChecksumError, Stream,
+                     StreamStore)
 
 
-class MemoryStream(Stream):
+class MemoryStream(OffsetStream):
     """A list of batches; appends are durable at once."""
 
     def __init__(self, stream_id: int) -> None:
@@ -17,14 +18,6 @@ class MemoryStream(Stream):
         self._bases: list[int] = []
         self._start = 0
         self._end = 0
-
-    @property
-    def start_offset(self) -> int:
-        return self._start
-
-    @property
-    def end_offset(self) -> int:
-        return self._end
 
     @property
     def confirmed_offset(self) -> int:

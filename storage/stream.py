@@ -87,6 +87,22 @@ class Stream(abc.ABC):
         """Advance start_offset (retention, DeleteRecords); never moves backwards."""
 
 
+class OffsetStream(Stream):
+    """A Stream whose log start and end offsets are the fields ``_start`` and ``_end`` (set by
+    the subclass: the engine's and the in-memory stream)."""
+
+    _start: int
+    _end: int
+
+    @property
+    def start_offset(self) -> int:
+        return self._start
+
+    @property
+    def end_offset(self) -> int:
+        return self._end
+
+
 class StreamStore(abc.ABC):
     """Creates, opens and deletes streams; one per broker process (the storage engine)."""
 
