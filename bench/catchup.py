@@ -42,9 +42,8 @@ import socket
 import subprocess
 import tempfile
 import time
-import urllib.request
 
-from bench.common import PY, REPO, free_port, pct  # noqa: E402
+from bench.common import PY, REPO, free_port, pct, start_moto_s3  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -669,24 +668,8 @@ def main() -> None:
                if not e.startswith("--cold-read-bytes-per-s")]
     catchup_only(engine, args, "file://")
     if not args.skip_s3:
-        import boto3
-        port = free_port()
-        env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
-        moto = subprocess.Popen([PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        moto, store = start_moto_s3("k", wait_s=10.0)
         try:
-            url = f"http://127.0.0.1:{port}"
-            for _ in range(100):
-                try:
-                    urllib.request.urlopen(url, timeout=1)
-                    break
-                except OSError:
-                    time.sleep(0.1)
-            boto3.client("s3", endpoint_url=url, region_name="us-east-1",
-                         aws_access_key_id="testing",
-                         aws_secret_access_key="testing").create_bucket(Bucket="bench")
-            store = (f"s3://bench/k?endpoint_url={url}&region=us-east-1&access_key_id=testing"
-                     "&secret_access_key=testing")
             catchup_only(engine + ["--object-store", store], args, "moto S3")
         finally:
             moto.terminate()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import functools
 import os
 import re
 import shutil
@@ -29,9 +30,8 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.request
 
-from bench.common import PY, BrokerProc, free_port, pct
+from bench.common import BrokerProc, pct, start_moto_s3, wait_until
 
 TOPIC = "bench-cluster"
 PARTITIONS = 6
@@ -104,28 +104,11 @@ class Backend:
             self.db = os.path.join(dir, "meta.db")
             self.store, self.meta = f"file://{dir}/objects", f"sqlite:///{self.db}"
             return
-        import boto3  # noqa: PLC0415
         try:
             from tests.pgserver import PostgresServer  # noqa: PLC0415
             self._pg = PostgresServer().start()
             self.meta = self._pg.new_database("bench")
-            port = free_port()
-            env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
-            self._moto = subprocess.Popen([PY, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                                           str(port)], env=env, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL)
-            url = f"http://127.0.0.1:{port}"
-            for _ in range(300):
-                try:
-                    urllib.request.urlopen(url, timeout=1)
-                    break
-                except OSError:
-                    time.sleep(0.1)
-            boto3.client("s3", endpoint_url=url, region_name="us-east-1",
-                         aws_access_key_id="testing",
-                         aws_secret_access_key="testing").create_bucket(Bucket="bench")
-            self.store = (f"s3://bench/cluster?endpoint_url={url}&region=us-east-1"
-                          "&access_key_id=testing&secret_access_key=testing")
+            self._moto, self.store = start_moto_s3("cluster")
         except BaseException:
             self.close()
             raise
@@ -222,17 +205,7 @@ def leaders(admin) -> dict[int, tuple[int, int]]:
     return {p["partition_index"]: (p["leader_id"], p["leader_epoch"]) for p in d["partitions"]}
 
 
-def wait(cond, timeout: float = 30.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            v = cond()
-        except Exception:  # noqa: BLE001 - a broker view catching up
-            v = None
-        if v:
-            return v
-        time.sleep(0.05)
-    raise RuntimeError(f"timed out waiting for {cond}")
+wait = functools.partial(wait_until, timeout=30.0)
 
 
 def throughput(load: Load, seconds: float) -> tuple[float, float]:

@@ -33,6 +33,49 @@ def pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(p * len(values)))]
 
 
+def wait_until(cond, timeout: float, what: str = ""):
+    """Poll ``cond()`` every 50 ms until it returns something true (an exception counts as
+    false: a broker view catching up) and return that; RuntimeError after ``timeout`` s."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            v = cond()
+        except Exception:  # noqa: BLE001 - a broker view catching up
+            v = None
+        if v:
+            return v
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out waiting for {what or cond}")
+
+
+def start_moto_s3(prefix: str, wait_s: float = 30.0) -> tuple[subprocess.Popen, str]:
+    """A moto S3 server on a free port with the bucket "bench": (its process, the broker's
+    --object-store URL for ``prefix`` in it). The caller terminates the process."""
+    import boto3  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+    port = free_port()
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    moto = subprocess.Popen([PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(int(wait_s * 10)):
+            try:
+                urllib.request.urlopen(url, timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        boto3.client("s3", endpoint_url=url, region_name="us-east-1",
+                     aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket="bench")
+    except BaseException:
+        moto.terminate()
+        moto.wait(10)
+        raise
+    return moto, (f"s3://bench/{prefix}?endpoint_url={url}&region=us-east-1"
+                  "&access_key_id=testing&secret_access_key=testing")
+
+
 class BrokerProc:
     """An s3kafka broker subprocess on a free port with its own temporary data dir."""
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import re
 import shutil
@@ -35,7 +36,7 @@ import tempfile
 import threading
 import time
 
-from bench.common import BrokerProc, pct
+from bench.common import BrokerProc, pct, wait_until
 
 TOPIC = "bench-failover"
 PARTITIONS = 9
@@ -142,17 +143,7 @@ def leaders(admin) -> dict[int, tuple[int, int]]:
     return {p["partition_index"]: (p["leader_id"], p["leader_epoch"]) for p in d["partitions"]}
 
 
-def wait(cond, timeout: float = 60.0, what: str = ""):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            v = cond()
-        except Exception:  # noqa: BLE001 - a broker view catching up
-            v = None
-        if v:
-            return v
-        time.sleep(0.05)
-    raise RuntimeError(f"timed out waiting for {what or cond}")
+wait = functools.partial(wait_until, timeout=60.0)
 
 
 def read_last(bootstrap: str, last: dict[int, int], t0: float, out: dict) -> None:
