@@ -37,20 +37,24 @@ def plot(results: list[Result], out_dir: str, stem: str = "") -> list[str]:
         print("matplotlib missing: no plots (pip install -e '.[bench]')")
         return []
     files = []
+
+    def finish(fig, ax, ylabel: str, title: str, name: str) -> None:
+        """Log-scale y axis, labels and legend; save as out_dir/name and list it."""
+        ax.set_ylabel(ylabel)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+        fig.savefig(os.path.join(out_dir, name), dpi=90)
+        plt.close(fig)
+        files.append(name)
+
     series = [(label, s) for r in results for label, s in r.series.items() if s]
     if series:
         fig, ax = plt.subplots(figsize=(9, 5))
         for label, s in series:
             ax.plot([t for t, _ in s], [v for _, v in s], label=label)
         ax.set_xlabel("seconds")
-        ax.set_ylabel("MB/s")
-        ax.set_yscale("log")
-        ax.set_title("Produce throughput over time")
-        ax.legend(fontsize=7)
-        name = f"{stem}throughput.png"
-        fig.savefig(os.path.join(out_dir, name), dpi=90)
-        plt.close(fig)
-        files.append(name)
+        finish(fig, ax, "MB/s", "Produce throughput over time", f"{stem}throughput.png")
     pcts = [(label, d) for r in results for label, d in r.percentiles.items()]
     if pcts:
         fig, ax = plt.subplots(figsize=(9, 5))
@@ -59,14 +63,7 @@ def plot(results: list[Result], out_dir: str, stem: str = "") -> list[str]:
         for i, (label, d) in enumerate(pcts):
             ax.bar([k + i * width for k in range(len(keys))], [d[k] for k in keys], width, label=label)
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(keys))], keys)
-        ax.set_yscale("log")
-        ax.set_ylabel("ms")
-        ax.set_title("Produce latency percentiles")
-        ax.legend(fontsize=7)
-        name = f"{stem}latency.png"
-        fig.savefig(os.path.join(out_dir, name), dpi=90)
-        plt.close(fig)
-        files.append(name)
+        finish(fig, ax, "ms", "Produce latency percentiles", f"{stem}latency.png")
     return files
 
 
