@@ -205,6 +205,13 @@ async def test_full_cache_is_backpressure_not_loss(tmp_path) -> None:
         await eng.start()                  # creating the store directory fails
     cfg = small_config(tmp_path, object_store=f"mem://bp-{tmp_path.name}",
                        log_cache_bytes=256 << 10)
+    await backpressure_then_recovery(cfg, most=2000, then=200, read_while_down=True)
+
+
+async def backpressure_then_recovery(cfg, most: int, then: int, read_while_down: bool) -> None:
+    """With every object store put failing, appends to one stream are refused
+    (RetriableStorageError, nothing lost) before `most`; once the store is back, producers
+    that retry get `then` more appended, and every acked record reads back from objects."""
     eng = open_engine(cfg)
     await eng.start()
     real_put = eng.store.put
@@ -220,14 +227,15 @@ async def test_full_cache_is_backpressure_not_loss(tmp_path) -> None:
         s = await eng.create_stream()
         acked = 0
         with pytest.raises(RetriableStorageError):
-            for _ in range(2000):
+            for _ in range(most):
                 await s.append(payload(s.stream_id, s.end_offset), s.end_offset, 1)
                 acked += 1
-        assert 0 < acked < 2000 and s.end_offset == acked
-        assert len(await read_all(s)) == acked      # reads keep working from the cache
+        assert 0 < acked < most and s.end_offset == acked
+        if read_while_down:
+            assert len(await read_all(s)) == acked      # reads keep working from the cache
         down = False
         done = 0
-        while done < 200:                           # producers recover on their own (retrying)
+        while done < then:                              # producers recover on their own
             try:
                 await s.append(payload(s.stream_id, s.end_offset), s.end_offset, 1)
                 done += 1
@@ -235,7 +243,7 @@ async def test_full_cache_is_backpressure_not_loss(tmp_path) -> None:
                 await asyncio.sleep(0.1)
         await eng.flush()
         eng.drop_caches()
-        assert len(await read_all(s)) == acked + 200
+        assert len(await read_all(s)) == acked + then
     finally:
         await eng.close()
 
@@ -243,38 +251,8 @@ async def test_full_cache_is_backpressure_not_loss(tmp_path) -> None:
 async def test_full_wal_is_backpressure_not_loss(tmp_path) -> None:
     cfg = small_config(tmp_path, object_store=f"mem://walbp-{tmp_path.name}",
                        wal_capacity=256 << 10, log_cache_bytes=64 << 20)
-    eng = open_engine(cfg)
-    await eng.start()
-    real_put = eng.store.put
-    down = True
-
-    def put(key, data):
-        if down:
-            raise OSError("store down")
-        real_put(key, data)
-
-    eng.store.put = put
-    try:
-        s = await eng.create_stream()
-        acked = 0
-        with pytest.raises(RetriableStorageError):
-            for _ in range(5000):
-                await s.append(payload(s.stream_id, s.end_offset), s.end_offset, 1)
-                acked += 1
-        assert 0 < acked < 5000 and s.end_offset == acked
-        down = False
-        done = 0
-        while done < 1000:                          # the WAL drains through uploads
-            try:
-                await s.append(payload(s.stream_id, s.end_offset), s.end_offset, 1)
-                done += 1
-            except RetriableStorageError:
-                await asyncio.sleep(0.1)
-        await eng.flush()
-        eng.drop_caches()
-        assert len(await read_all(s)) == acked + 1000
-    finally:
-        await eng.close()
+    await backpressure_then_recovery(cfg, most=5000, then=1000,    # the WAL drains by uploads
+                                     read_while_down=False)
 
 
 async def test_catch_up_from_the_log_cache_is_paced_only_while_producers_append(tmp_path) -> None:
