@@ -20,6 +20,19 @@ def _object(n: int = 400, size: int = 4096) -> tuple[bytes, list[tuple[int, int]
     return data, sorted({(e.position, e.size) for e in index})
 
 
+async def read_in_turn(bc: BlockCache, blocks: list[tuple[int, int]], ra: Readahead | None = None,
+                       start: int = 0, pause: float = 0.0) -> list[int]:
+    """Base offsets of the records of blocks[start:], read in turn with one Readahead (a
+    sequential reader), sleeping ``pause`` s after each block."""
+    ra = ra or Readahead()
+    seen: list[int] = []
+    for i in range(start, len(blocks)):
+        seen += [r.base_offset for r in await bc.get("o", blocks, i, ra)]
+        if pause:
+            await asyncio.sleep(pause)
+    return seen
+
+
 async def test_readahead_grows_and_merges_concurrent_misses() -> None:
     data, blocks = _object()
     calls: list[tuple[int, int]] = []
@@ -30,11 +43,7 @@ async def test_readahead_grows_and_merges_concurrent_misses() -> None:
         return [data[p:p + n] for p, n in ranges]
 
     bc = BlockCache(64 << 20, fetch)
-    ra = Readahead()
-    seen = []
-    for i in range(len(blocks)):
-        seen += [r.base_offset for r in await bc.get("o", blocks, i, ra)]
-    assert seen == list(range(400))
+    assert await read_in_turn(bc, blocks) == list(range(400))
     sizes = [e - s for s, e in calls]
     assert len(calls) < len(blocks) / 4, "sequential reads are served by readahead"
     assert sizes[0] <= READAHEAD_INITIAL < max(sizes), "readahead grew"
@@ -248,11 +257,7 @@ async def test_sequential_reader_prefetches_the_next_window_in_the_background() 
         return [data[p:p + n] for p, n in ranges]
 
     bc = BlockCache(64 << 20, fetch)
-    ra = Readahead()
-    seen = []
-    for i in range(len(blocks)):
-        seen += [r.base_offset for r in await bc.get("o", blocks, i, ra)]
-        await asyncio.sleep(0.001)                  # the reader's own work (sending)
+    seen = await read_in_turn(bc, blocks, pause=0.001)  # pause: the reader's own work (sending)
     assert seen == list(range(400))
     assert bc.prefetches >= 2 and bc.misses <= 2, (bc.prefetches, bc.misses)
 
@@ -263,9 +268,7 @@ async def test_sequential_reader_prefetches_the_next_window_in_the_background() 
     assert [r.base_offset for r in await bc.get("o", blocks, 0, ra)][0] == 0
     await asyncio.sleep(0.05)                       # a prefetch ran (and failed)
     fail_prefetch[0] = False
-    got = []
-    for i in range(1, len(blocks)):
-        got += [r.base_offset for r in await bc.get("o", blocks, i, ra)]
+    got = await read_in_turn(bc, blocks, ra, start=1)
     assert 0 < got[0] and got == list(range(got[0], 400))
 
 
@@ -281,11 +284,8 @@ async def test_a_prefetch_is_claimed_before_it_runs_so_no_block_is_read_twice() 
         return [data[p:p + n] for p, n in ranges]
 
     bc = BlockCache(64 << 20, fetch)
-    ra = Readahead()
-    seen = []
-    for i in range(len(blocks)):                    # no pause: the prefetch task lags behind
-        seen += [r.base_offset for r in await bc.get("o", blocks, i, ra)]
-    assert seen == list(range(400))
+    # no pause: the prefetch task lags behind
+    assert await read_in_turn(bc, blocks) == list(range(400))
     assert sorted(fetched) == sorted(set(fetched)) == [p for p, _ in blocks]
     assert bc.bytes_fetched == sum(n for _, n in blocks)
 
@@ -382,11 +382,7 @@ async def test_a_large_prefetch_is_read_in_pieces_the_reader_can_use_early() -> 
         return [data[p:p + n] for p, n in ranges]
 
     bc = BlockCache(256 << 20, fetch, readahead_max=32 << 20)
-    ra = Readahead()
-    seen = []
-    for i in range(len(blocks)):
-        seen += [r.base_offset for r in await bc.get("o", blocks, i, ra)]
-    assert seen == list(range(3000))
+    assert await read_in_turn(bc, blocks) == list(range(3000))
     assert bc.bytes_fetched == sum(n for _, n in blocks)   # nothing read twice
     assert max(calls) <= PREFETCH_PIECE
     assert bc.prefetches < len(calls)                       # windows were cut into pieces
