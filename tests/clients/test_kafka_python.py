@@ -10,8 +10,8 @@ from kafka.admin import (ConfigResource, ConfigResourceType, KafkaAdminClient, N
 from kafka.errors import TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
-from clients.e2e_helpers import (ACKS, CODECS, group_of_three_then_resume, produce_values,
-                                 unique)
+from clients.e2e_helpers import (ACKS, CODECS, group_of_three_then_resume, kp_poll_records,
+                                 produce_values, unique)
 
 pytestmark = pytest.mark.e2e
 N = 20
@@ -28,12 +28,7 @@ def consume_partition(bootstrap: str, topic: str, count: int, partition: int = 0
         tp = TopicPartition(topic, partition)
         c.assign([tp])
         c.seek_to_beginning(tp)
-        out: list = []
-        deadline = time.monotonic() + 30
-        while len(out) < count and time.monotonic() < deadline:
-            for recs in c.poll(timeout_ms=500).values():
-                out.extend(recs)
-        return out
+        return kp_poll_records(c, count)
     finally:
         c.close()
 

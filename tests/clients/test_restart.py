@@ -15,7 +15,7 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.record import MemoryRecordsBuilder
 from kafka.structs import OffsetAndMetadata
 
-from clients.e2e_helpers import CLIENT_BROKER_ARGS
+from clients.e2e_helpers import CLIENT_BROKER_ARGS, kp_poll_records
 from datapath.wire import WireClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.parametrize("hard", [False, True],
@@ -48,11 +48,7 @@ def consume_all(bootstrap: str, topic: str, partitions: int, expected: int) -> l
         tps = [TopicPartition(topic, p) for p in range(partitions)]
         c.assign(tps)
         c.seek_to_beginning(*tps)
-        out = []
-        deadline = time.monotonic() + 30
-        while len(out) < expected and time.monotonic() < deadline:
-            for recs in c.poll(timeout_ms=500).values():
-                out.extend(recs)
+        out = kp_poll_records(c, expected)
         # one more poll: anything beyond `expected` would be a duplicate
         for recs in c.poll(timeout_ms=500).values():
             out.extend(recs)
