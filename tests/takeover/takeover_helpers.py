@@ -7,7 +7,7 @@ import random
 import subprocess
 import sys
 
-from storage.engine import WAL_RECORD
+from storage.engine import WAL_RECORD, EngineConfig
 from storage.metastore import MetaStore, NewObject
 from storage.objects.format import Record, decode_object, encode_object
 from storage.objects.store import ObjectStore
@@ -16,6 +16,15 @@ from storage.wal import DeltaWAL, WALConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def node_config(tmp_path, meta_url: str, store_url: str, node_id: int, **kw) -> EngineConfig:
+    """An engine of node ``node_id`` in tmp_path/n<id> on the shared stores: a 4 MiB WAL
+    (fdatasync), no compaction or cleanup passes during a test; ``kw`` overrides."""
+    return EngineConfig(**{**dict(
+        data_dir=str(tmp_path / f"n{node_id}"), metadata_url=meta_url, object_store=store_url,
+        node_id=node_id, wal_capacity=4 << 20, compaction_interval_s=3600,
+        cleanup_interval_s=3600, wal_sync_mode="fdatasync"), **kw})
 
 
 def payload(sid: int, base: int) -> bytes:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from storage.engine import EngineConfig, open_engine
+from storage.engine import open_engine
 from storage.metastore import (WAL_ACTIVE, WAL_TAKEN_OVER, WAL_TAKING_OVER, TakeoverConflict,
                                open_metastore)
 from storage.objects.store import open_object_store
@@ -24,7 +24,7 @@ from storage.wal.format import (HEADER_AREA, TAKEOVER_DONE, TAKEOVER_FENCED, TAK
 
 import loopdev
 from takeover_helpers import (HERE, REPO, build_dead_wal, check_exactly_once, commit_records,
-                              framed, open_wal, payload, run_py)
+                              framed, node_config, open_wal, payload, run_py)
 
 CRASH_POINTS = ["takeover_after_fence", "takeover_before_commit", "takeover_after_commit",
                 "takeover_before_done"]
@@ -194,11 +194,8 @@ async def test_engine_takeover_never_touches_its_own_wal(tmp_path, stores):
     meta, store, meta_url, store_url = stores
     dead = str(tmp_path / "wal-1")
     acked = build_dead_wal(dead, meta, store, node_id=1, records=150, uploaded=40)
-    eng = open_engine(EngineConfig(
-        data_dir=str(tmp_path / "n2"), metadata_url=meta_url, object_store=store_url,
-        node_id=2, node_epoch=1, wal_capacity=4 << 20, upload_threshold_bytes=16 << 10,
-        upload_interval_s=0.05, compaction_interval_s=3600, cleanup_interval_s=3600,
-        wal_sync_mode="fdatasync"))
+    eng = open_engine(node_config(tmp_path, meta_url, store_url, 2, node_epoch=1,
+                                  upload_threshold_bytes=16 << 10, upload_interval_s=0.05))
     await eng.start()
     try:
         mine = await eng.create_stream()
@@ -426,11 +423,8 @@ async def test_live_zombie_engine_stops_and_commits_nothing(tmp_path, stores):
     from storage.metastore import StreamFenced
     from storage.stream import StorageError
     meta, store, meta_url, store_url = stores
-    eng = open_engine(EngineConfig(
-        data_dir=str(tmp_path / "n1"), metadata_url=meta_url, object_store=store_url,
-        node_id=1, upload_threshold_bytes=64 << 20, upload_interval_s=3600,
-        wal_capacity=4 << 20, compaction_interval_s=3600, cleanup_interval_s=3600,
-        wal_sync_mode="fdatasync"))
+    eng = open_engine(node_config(tmp_path, meta_url, store_url, 1,
+                                  upload_threshold_bytes=64 << 20, upload_interval_s=3600))
     await eng.start()
     try:
         s = await eng.create_stream()
@@ -455,14 +449,13 @@ async def test_live_zombie_engine_stops_and_commits_nothing(tmp_path, stores):
     check_exactly_once(meta, store, [(s.stream_id, b, 1) for b in range(50)])
     # the zombie restarts: refused on its old epoch, then re-registers at a newer one and
     # formats afresh explicitly; it continues from what the taker committed
-    cfg = dict(data_dir=str(tmp_path / "n1"), metadata_url=meta_url, object_store=store_url,
-               node_id=1, wal_capacity=4 << 20, wal_sync_mode="fdatasync",
-               compaction_interval_s=3600, cleanup_interval_s=3600)
-    again = open_engine(EngineConfig(**cfg, wal_reformat_taken_over=True))
+    again = open_engine(node_config(tmp_path, meta_url, store_url, 1,
+                                    wal_reformat_taken_over=True))
     with pytest.raises(FencedError, match="re-register with an epoch above 0"):
         await again.start()
     await again.close()
-    again = open_engine(EngineConfig(**cfg, node_epoch=1, wal_reformat_taken_over=True))
+    again = open_engine(node_config(tmp_path, meta_url, store_url, 1, node_epoch=1,
+                                    wal_reformat_taken_over=True))
     await again.start()
     try:
         assert (meta.wal(1).state, meta.wal(1).node_epoch) == (WAL_ACTIVE, 1)
@@ -589,10 +582,7 @@ async def test_a_gap_in_the_dead_wal_is_counted_and_logged(tmp_path, stores, cap
         nexts.append(res.next_offset)
     w.trim(nexts[2])                     # offsets 0..6 trimmed but never committed
     w.stats["abandoned"] = 1
-    eng = open_engine(EngineConfig(
-        data_dir=str(tmp_path / "n2"), metadata_url=meta_url, object_store=store_url,
-        node_id=2, node_epoch=1, wal_capacity=4 << 20, compaction_interval_s=3600,
-        cleanup_interval_s=3600, wal_sync_mode="fdatasync"))
+    eng = open_engine(node_config(tmp_path, meta_url, store_url, 2, node_epoch=1))
     await eng.start()
     try:
         res = await eng.take_over_wal(dead, node_id=1, node_epoch=0, taker_epoch=1)
@@ -613,11 +603,8 @@ async def test_a_fenced_node_commits_nothing_from_the_fence_on(tmp_path, stores)
     from broker.cluster.store import ClusterStore
     from storage.metastore import StreamFenced
     meta, store, meta_url, store_url = stores
-    eng = open_engine(EngineConfig(
-        data_dir=str(tmp_path / "n1"), metadata_url=meta_url, object_store=store_url,
-        node_id=1, node_epoch=0, wal_capacity=4 << 20, upload_interval_s=3600,
-        upload_threshold_bytes=64 << 20, compaction_interval_s=3600,
-        cleanup_interval_s=3600, wal_sync_mode="fdatasync"))
+    eng = open_engine(node_config(tmp_path, meta_url, store_url, 1, node_epoch=0,
+                                  upload_interval_s=3600, upload_threshold_bytes=64 << 20))
     await eng.start()
     cluster = ClusterStore(meta_url)
     try:
@@ -664,10 +651,7 @@ async def test_committed_records_of_a_stream_now_owned_elsewhere_are_not_lost(tm
     commit_records(meta, store, [(moved, b, 2) for b in range(0, 20, 2)], node_id=1)
     commit_records(meta, store, [(gone, b, 2) for b in range(0, 10, 2)], node_id=1)
     assert meta.claim_stream(moved, 3, 5) and meta.claim_stream(gone, 3, 5)
-    eng = open_engine(EngineConfig(
-        data_dir=str(tmp_path / "n2"), metadata_url=meta_url, object_store=store_url,
-        node_id=2, node_epoch=1, wal_capacity=4 << 20, compaction_interval_s=3600,
-        cleanup_interval_s=3600, wal_sync_mode="fdatasync"))
+    eng = open_engine(node_config(tmp_path, meta_url, store_url, 2, node_epoch=1))
     await eng.start()
     try:
         res = await eng.take_over_wal(dead, node_id=1, node_epoch=0, taker_epoch=1)
