@@ -63,20 +63,21 @@ def spread_topic(admin: KafkaAdminClient, topic: str, brokers: int) -> dict[int,
     return wait_for(leaders, what=f"{topic} led by all {brokers} brokers")
 
 
-def txn_coordinator(bootstrap_broker, tid: str) -> int:
+def coordinator(bootstrap_broker, key: str, key_type: int) -> int:
+    """The node FindCoordinator v3 names for a group (key_type 0) or transactional id (1)."""
     with WireClient(bootstrap_broker.host, bootstrap_broker.port, timeout=30) as c:
-        r = c.call(protocol.request_class(10)(key=tid, key_type=1),
+        r = c.call(protocol.request_class(10)(key=key, key_type=key_type),
                    protocol.response_class(10), 3)
         assert r.error_code == 0, r
         return r.node_id
+
+
+def txn_coordinator(bootstrap_broker, tid: str) -> int:
+    return coordinator(bootstrap_broker, tid, 1)
 
 
 def group_coordinator(bootstrap_broker, group: str) -> int:
-    with WireClient(bootstrap_broker.host, bootstrap_broker.port, timeout=30) as c:
-        r = c.call(protocol.request_class(10)(key=group, key_type=0),
-                   protocol.response_class(10), 3)
-        assert r.error_code == 0, r
-        return r.node_id
+    return coordinator(bootstrap_broker, group, 0)
 
 
 def apart(brokers: list, make) -> tuple[str, str, int, int]:
