@@ -654,13 +654,7 @@ class GroupCoordinator:
                 self._schedule_session(group, member)
         if not offsets:
             return E.NONE
-        now = int(time.time() * 1000)
-        records = [OffsetRecord(group_id, t, p, o, ep, md, now) for t, p, o, ep, md in offsets]
-        assert self._store is not None
-        await self._run(self._store.commit_offsets, records)
-        committed = self.offsets.setdefault(group_id, {})
-        for r in records:
-            committed[(r.topic, r.partition)] = CommittedOffset(r.offset, r.leader_epoch, r.metadata, r.commit_ts_ms)
+        await self._save_offsets(group_id, offsets)
         if self.groups.get(group_id) is not group:  # deleted meanwhile: it exists again (Empty)
             self.groups.setdefault(group_id, Group(group_id))
         return E.NONE
@@ -671,6 +665,13 @@ class GroupCoordinator:
         become the group's committed offsets; durable before this returns."""
         if not offsets:
             return
+        await self._save_offsets(group_id, offsets)
+        self.groups.setdefault(group_id, Group(group_id))
+
+    async def _save_offsets(self, group_id: str,
+                            offsets: list[tuple[str, int, int, int, str | None]]) -> None:
+        """Write (topic, partition, offset, leader epoch, metadata) rows to the store, stamped
+        now, and once durable make them the group's committed offsets in memory."""
         now = int(time.time() * 1000)
         records = [OffsetRecord(group_id, t, p, o, ep, md, now) for t, p, o, ep, md in offsets]
         assert self._store is not None
@@ -678,7 +679,6 @@ class GroupCoordinator:
         committed = self.offsets.setdefault(group_id, {})
         for r in records:
             committed[(r.topic, r.partition)] = CommittedOffset(r.offset, r.leader_epoch, r.metadata, r.commit_ts_ms)
-        self.groups.setdefault(group_id, Group(group_id))
 
     def _validate_commit(self, group: Group, generation_id: int, member_id: str, instance_id: str | None) -> int:
         if group.state == S.DEAD:
