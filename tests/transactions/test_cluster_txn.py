@@ -31,12 +31,17 @@ PARTITIONS = 6
 FLAGS = ("--cluster-lease-ms", "2000", "--cluster-takeover-margin-ms", "500")
 
 
-def start_cluster(broker_factory, tmp_path, n: int = 3) -> list:
+def start_cluster(broker_factory, tmp_path, n: int = 3) -> tuple[list, str, KafkaAdminClient]:
+    """n brokers on shared stores, their bootstrap list, and an admin client once all are live."""
     shared = ["--object-store", f"file://{tmp_path}/objects",
               "--metadata", f"sqlite:///{tmp_path}/meta.db", "--upload-interval-s", "2",
               *FLAGS, *CLIENT_BROKER_ARGS]
-    return [broker_factory(["--node-id", str(i), "--rack", f"r{i}", *shared])
-            for i in range(n)]
+    brokers = [broker_factory(["--node-id", str(i), "--rack", f"r{i}", *shared])
+               for i in range(n)]
+    boot = ",".join(b.bootstrap for b in brokers)
+    admin = KafkaAdminClient(bootstrap_servers=boot)
+    wait_for(lambda: len(admin.describe_cluster()["brokers"]) == n, what=f"{n} live brokers")
+    return brokers, boot, admin
 
 
 def wait_for(cond, timeout: float = 60.0, what: str = ""):
@@ -104,10 +109,7 @@ def ids_on_every_broker(brokers: list, prefix: str) -> dict[int, str]:
 
 
 def test_transactions_span_every_broker(broker_factory, tmp_path, java_classpath):
-    brokers = start_cluster(broker_factory, tmp_path)
-    boot = ",".join(b.bootstrap for b in brokers)
-    admin = KafkaAdminClient(bootstrap_servers=boot)
-    wait_for(lambda: len(admin.describe_cluster()["brokers"]) == 3, what="3 live brokers")
+    brokers, boot, admin = start_cluster(broker_factory, tmp_path)
     topic = unique("ctx")
     spread_topic(admin, topic, 3)
     tids = ids_on_every_broker(brokers, unique("ctid"))
@@ -152,10 +154,7 @@ def test_transactions_span_every_broker(broker_factory, tmp_path, java_classpath
 
 
 def test_coordinator_killed_mid_transaction(broker_factory, tmp_path):
-    brokers = start_cluster(broker_factory, tmp_path)
-    boot = ",".join(b.bootstrap for b in brokers)
-    admin = KafkaAdminClient(bootstrap_servers=boot)
-    wait_for(lambda: len(admin.describe_cluster()["brokers"]) == 3, what="3 live brokers")
+    brokers, boot, admin = start_cluster(broker_factory, tmp_path)
     topic = unique("ckill")
     spread_topic(admin, topic, 3)
     admin.close()
@@ -201,10 +200,7 @@ def test_offsets_committed_at_a_remote_group_coordinator(broker_factory, tmp_pat
     transaction's: TxnOffsetCommit reaches the group's coordinator, which hands the offsets to
     the transaction; they become the group's only when the transaction commits (the
     coordinator's marker for __consumer_offsets at the group's broker), never on abort."""
-    brokers = start_cluster(broker_factory, tmp_path)
-    boot = ",".join(b.bootstrap for b in brokers)
-    admin = KafkaAdminClient(bootstrap_servers=boot)
-    wait_for(lambda: len(admin.describe_cluster()["brokers"]) == 3, what="3 live brokers")
+    brokers, boot, admin = start_cluster(broker_factory, tmp_path)
     src, dst = unique("rin"), unique("rout")
     spread_topic(admin, src, 3)
     admin.create_topics([NewTopic(dst, PARTITIONS, 1)])
