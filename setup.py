@@ -28,11 +28,15 @@ class OptionalBuildExt(build_ext):
                   file=sys.stderr)
 
 
+# Both extensions compute CRC-32C with crc32c.h (at the top of the tree: neither package owns
+# it, so protocol and storage stay independent of each other)
+CRC32C = dict(include_dirs=["."], depends=["crc32c.h"])
+
 setup(
     ext_modules=[Extension("storage._copycrc", ["storage/_copycrc.c"],
-                           extra_compile_args=["-O2"], optional=True),
+                           extra_compile_args=["-O2"], optional=True, **CRC32C),
                  # the envelope of small Produce requests (protocol/frames.py parse_request)
                  Extension("protocol._produce", ["protocol/_produce.c"],
-                           extra_compile_args=["-O2"], optional=True)],
+                           extra_compile_args=["-O2"], optional=True, **CRC32C)],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -22,9 +22,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#define POLY 0x82f63b78u          /* CRC-32C, reflected */
-#define LONG_LANE 4096            /* bytes per lane in a long step (3 lanes: 12 KiB) */
-#define SHORT_LANE 256            /* bytes per lane in a short step (3 lanes: 768 B) */
+#include "crc32c.h"          /* crc_hw, crc_soft, shift tables (shared with protocol/_produce.c) */
+
 #define NOGIL_FROM (64 * 1024)    /* release the interpreter lock from this many bytes */
 /* the stream copy prefetches its source this far ahead (three 12 KiB steps): each lane is one
    4 KiB page, where the hardware prefetcher stops, so a source not in cache (the object encode
@@ -35,129 +34,11 @@
 #define PF_AHEAD (9 * LONG_LANE)
 #endif
 
-static uint32_t long_shift[4][256];
-static uint32_t short_shift[4][256];
-static uint32_t byte_table[256];
 static int have_hw = 0;
 
-/* multiply the 32x32 GF(2) matrix `mat` by `vec` */
-static uint32_t gf2_times(const uint32_t *mat, uint32_t vec) {
-    uint32_t sum = 0;
-    while (vec) {
-        if (vec & 1) sum ^= *mat;
-        vec >>= 1;
-        mat++;
-    }
-    return sum;
-}
-
-static void gf2_square(uint32_t *square, const uint32_t *mat) {
-    for (int n = 0; n < 32; n++) square[n] = gf2_times(mat, mat[n]);
-}
-
-/* the operator that appends `len` zero bytes to a raw (not inverted) CRC register */
-static void zeros_op(uint32_t *even, size_t len) {
-    uint32_t odd[32];
-    uint32_t row = 1;
-    odd[0] = POLY;                 /* one zero bit */
-    for (int n = 1; n < 32; n++) { odd[n] = row; row <<= 1; }
-    gf2_square(even, odd);         /* two zero bits */
-    gf2_square(odd, even);         /* four zero bits */
-    /* first square gives one zero byte; each further square doubles it */
-    do {
-        gf2_square(even, odd);
-        len >>= 1;
-        if (len == 0) return;
-        gf2_square(odd, even);
-        len >>= 1;
-    } while (len);
-    memcpy(even, odd, sizeof(odd));
-}
-
-static void zeros_tables(uint32_t table[4][256], size_t len) {
-    uint32_t op[32];
-    zeros_op(op, len);
-    for (uint32_t n = 0; n < 256; n++) {
-        table[0][n] = gf2_times(op, n);
-        table[1][n] = gf2_times(op, n << 8);
-        table[2][n] = gf2_times(op, n << 16);
-        table[3][n] = gf2_times(op, n << 24);
-    }
-}
-
-static inline uint32_t shift(uint32_t table[4][256], uint32_t crc) {
-    return table[0][crc & 0xff] ^ table[1][(crc >> 8) & 0xff] ^
-           table[2][(crc >> 16) & 0xff] ^ table[3][crc >> 24];
-}
-
-/* bitwise-table CRC: the reference the self-test compares against */
-static uint32_t crc_sw(uint32_t crc, const unsigned char *p, size_t n) {
-    crc = ~crc;
-    while (n--) crc = byte_table[(crc ^ *p++) & 0xff] ^ (crc >> 8);
-    return ~crc;
-}
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <nmmintrin.h>
 #include <immintrin.h>
-#define HW_TARGET __attribute__((target("sse4.2")))
-
-/* whole steps of three `lane`-byte lanes checksummed side by side, then combined (`table`
-   appends `lane` zero bytes to a register); moves *pp and *np past them */
-HW_TARGET static inline uint64_t crc_lanes(uint64_t c0, const unsigned char **pp, size_t *np,
-                                           size_t lane, uint32_t table[4][256]) {
-    const unsigned char *p = *pp;
-    size_t n = *np;
-    while (n >= 3 * lane) {
-        uint64_t c1 = 0, c2 = 0;
-        const unsigned char *end = p + lane;
-        do {
-            uint64_t a, b, c;
-            memcpy(&a, p, 8); memcpy(&b, p + lane, 8); memcpy(&c, p + 2 * lane, 8);
-            c0 = _mm_crc32_u64(c0, a);
-            c1 = _mm_crc32_u64(c1, b);
-            c2 = _mm_crc32_u64(c2, c);
-            p += 8;
-        } while (p < end);
-        c0 = shift(table, (uint32_t)c0) ^ (uint32_t)c1;
-        c0 = shift(table, (uint32_t)c0) ^ (uint32_t)c2;
-        p += 2 * lane;
-        n -= 3 * lane;
-    }
-    *pp = p;
-    *np = n;
-    return c0;
-}
-
-/* CRC of the n bytes at p (raw register in, raw register out) */
-HW_TARGET static uint32_t crc_hw(uint32_t crc, const unsigned char *p, size_t n) {
-    uint64_t c0 = crc;
-    while (n && ((uintptr_t)p & 7)) { c0 = _mm_crc32_u8((uint32_t)c0, *p++); n--; }
-    c0 = crc_lanes(c0, &p, &n, LONG_LANE, long_shift);
-    c0 = crc_lanes(c0, &p, &n, SHORT_LANE, short_shift);
-    while (n >= 8) {
-        uint64_t a;
-        memcpy(&a, p, 8);
-        c0 = _mm_crc32_u64(c0, a);
-        p += 8;
-        n -= 8;
-    }
-    while (n--) c0 = _mm_crc32_u8((uint32_t)c0, *p++);
-    return (uint32_t)c0;
-}
-
-static int cpu_has_sse42(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("sse4.2");
-}
-#else
-static uint32_t crc_hw(uint32_t crc, const unsigned char *p, size_t n) {
-    return ~crc_sw(~crc, p, n);
-}
-static int cpu_has_sse42(void) { return 0; }
-#endif
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 /* copy n bytes from p to dst and return their CRC (raw register in and out), reading p once:
    each word loaded is stored and fed to the CRC of its lane (three lanes of LONG_LANE bytes
    per step); the tail (< 12 KiB) is copied and then checksummed from dst, still in L1. */
@@ -177,8 +58,7 @@ HW_TARGET static uint32_t copy_crc_scalar(unsigned char *dst, const unsigned cha
             p += 8;
             dst += 8;
         } while (p < end);
-        c0 = shift(long_shift, (uint32_t)c0) ^ (uint32_t)c1;
-        c0 = shift(long_shift, (uint32_t)c0) ^ (uint32_t)c2;
+        c0 = join_lanes(long_shift, c0, c1, c2);
         p += 2 * LONG_LANE;
         dst += 2 * LONG_LANE;
         n -= 3 * LONG_LANE;
@@ -238,8 +118,7 @@ static inline uint32_t copy_crc_avx2(unsigned char *dst, const unsigned char *p,
             p += 32;
             dst += 32;
         } while (p < end);
-        c0 = shift(long_shift, (uint32_t)c0) ^ (uint32_t)c1;
-        c0 = shift(long_shift, (uint32_t)c0) ^ (uint32_t)c2;
+        c0 = join_lanes(long_shift, c0, c1, c2);
         p += 2 * LONG_LANE;
         dst += 2 * LONG_LANE;
         n -= 3 * LONG_LANE;
@@ -825,7 +704,7 @@ static struct PyModuleDef module = {
     "Fused copy + CRC-32C for the produce path (see storage/copycrc.py).", -1, methods,
 };
 
-/* the hardware paths must agree with the bitwise reference, across every step size */
+/* the hardware paths must agree with the software CRC (crc_soft), across every step size */
 static int self_test(copy_fn fn) {
     static unsigned char buf[3 * LONG_LANE * 2 + 777];
     static unsigned char out[sizeof(buf) + 64];
@@ -840,7 +719,7 @@ static int self_test(copy_fn fn) {
     for (size_t i = 0; i < sizeof(lens) / sizeof(lens[0]); i++) {
         const unsigned char *p = buf + (i & 3);
         unsigned char *o = out + (i * 5) % 37;
-        uint32_t want = crc_sw(0x1234u, p, lens[i]);
+        uint32_t want = ~crc_soft(~0x1234u, p, lens[i]);
         uint32_t got = ~fn(o, p, lens[i], ~0x1234u);
         if (want != got || memcmp(o, p, lens[i]) != 0) return 0;
     }
@@ -848,16 +727,10 @@ static int self_test(copy_fn fn) {
 }
 
 PyMODINIT_FUNC PyInit__copycrc(void) {
-    for (uint32_t n = 0; n < 256; n++) {
-        uint32_t c = n;
-        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ POLY : c >> 1;
-        byte_table[n] = c;
-    }
+    crc32c_init();
     uint32_t x = 1u << 30;                                 /* x^1 */
     x2n_table[0] = x;
     for (int k = 1; k < 32; k++) x2n_table[k] = x = multmodp(x, x);
-    zeros_tables(long_shift, LONG_LANE);
-    zeros_tables(short_shift, SHORT_LANE);
     s_stream_id = PyUnicode_InternFromString("stream_id");
     s_base_offset = PyUnicode_InternFromString("base_offset");
     s_count = PyUnicode_InternFromString("count");
