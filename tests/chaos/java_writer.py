@@ -16,6 +16,9 @@ import threading
 import time
 from typing import Any
 
+from java_build import compile_once
+
+from .threads import WorkerThread
 from .workload import Ledger, value_of
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -31,38 +34,18 @@ def java_classpath() -> str | None:
         return None
     cp = os.pathsep.join(str(j) for j in jars)
     digest = hashlib.sha1(SRC.read_bytes()).hexdigest()[:12]
-    out = JAVA_CACHE / f"chaos-writer-{VERSION}-{digest}"
-    if not (out / "ChaosWriter.class").exists():
-        tmp = JAVA_CACHE / f"chaos-writer-{VERSION}-{digest}.tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        proc = subprocess.run(["javac", "-nowarn", "-d", str(tmp), "-cp", cp, str(SRC)],
-                              capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"javac ChaosWriter failed:\n{proc.stderr}")
-        try:
-            os.rename(tmp, out)
-        except OSError:              # another run finished first: use its identical build
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(out) + os.pathsep + cp
+    return compile_once(SRC, cp, JAVA_CACHE / f"chaos-writer-{VERSION}-{digest}", "ChaosWriter")
 
 
-class JavaWriter(threading.Thread):
+class JavaWriter(WorkerThread):
     """One ChaosWriter process: idempotent acks=all, values ``<name>|<n>|...``."""
 
     def __init__(self, name: str, classpath: str, bootstrap: str, topic: str, partitions: int,
                  ledger: Ledger, stop: threading.Event, rate: float) -> None:
-        super().__init__(name=f"writer-{name}", daemon=True)
+        super().__init__(f"writer-{name}")
         self.wname, self.cp, self.bootstrap = name, classpath, bootstrap
         self.topic, self.partitions, self.ledger = topic, partitions, ledger
         self.stop_ev, self.rate = stop, rate
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except BaseException as e:  # noqa: BLE001 - reported by the harness
-            self.error = e
 
     def _run(self) -> None:
         proc = subprocess.Popen(

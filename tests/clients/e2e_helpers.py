@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pathlib
-import shutil
 import subprocess
 import threading
 import time
@@ -14,6 +12,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from java_build import compile_once
 
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -101,20 +101,8 @@ def compile_java(version: str, classpath: str) -> str:
     temporary directory, then rename), so concurrent pytest runs never see half a build.
     """
     digest = hashlib.sha1(JAVA_SRC.read_bytes()).hexdigest()[:12]
-    out = JAVA_CACHE / f"classes-{version}-{digest}"
-    if not (out / "KafkaCli.class").exists():
-        tmp = JAVA_CACHE / f"classes-{version}-{digest}.tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        proc = subprocess.run(["javac", "-nowarn", "-d", str(tmp), "-cp", classpath,
-                               str(JAVA_SRC)], capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"javac failed for kafka-clients {version}:\n{proc.stderr}")
-        try:
-            os.rename(tmp, out)
-        except OSError:            # another run finished first: use its identical build
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(out) + os.pathsep + classpath
+    return compile_once(JAVA_SRC, classpath, JAVA_CACHE / f"classes-{version}-{digest}",
+                        f"KafkaCli for kafka-clients {version}")
 
 
 # -- group of three -----------------------------------------------------------------------------
@@ -228,16 +216,22 @@ def pending_values(bootstrap: str, group: str, topic: str, partitions: int) -> l
         c.assign(tps)
         for tp in tps:
             c.seek(tp, start[tp])
-        out: list[str] = []
         want = sum(max(0, end[tp] - start[tp]) for tp in tps)
-        deadline = time.monotonic() + 30
-        while len(out) < want and time.monotonic() < deadline:
-            for recs in c.poll(timeout_ms=300).values():
-                out += [r.value.decode() for r in recs]
+        out = [r.value.decode() for r in kp_poll_records(c, want, poll_ms=300)]
         assert len(out) == want, f"read {len(out)} of {want} pending records"
         return out
     finally:
         c.close()
+
+
+def kp_poll_records(c: Any, count: int, timeout: float = 30, poll_ms: int = 500) -> list:
+    """Records a kafka-python consumer returns until it has ``count`` or ``timeout`` s pass."""
+    out: list = []
+    deadline = time.monotonic() + timeout
+    while len(out) < count and time.monotonic() < deadline:
+        for recs in c.poll(timeout_ms=poll_ms).values():
+            out.extend(recs)
+    return out
 
 
 def resume_after_restart(broker: Any, group: str, topic: str, consume: Callable[[int], list[str]],
