@@ -21,9 +21,11 @@ import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .errors import Errors, code_retriable
+from .threads import WorkerThread
 
 COMMIT_EVERY = 200
 
@@ -50,24 +52,17 @@ class ConsumeLog:
             return self._session
 
 
-class _Member(threading.Thread):
+class _Member(WorkerThread):
     commit_on_revoke = True
 
     def __init__(self, name: str, bootstrap: str, topic: str, group: str, log: ConsumeLog,
                  stop: threading.Event) -> None:
-        super().__init__(name=f"member-{name}", daemon=True)
+        super().__init__(f"member-{name}")
         self.mname, self.bootstrap, self.topic, self.group = name, bootstrap, topic, group
         self.log, self.stop_ev = log, stop
         self.sess: dict[int, int] = {}         # partition -> session id
         self.pos: dict[int, int] = {}          # partition -> next offset to commit
-        self.error: BaseException | None = None
         self.read = 0
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except BaseException as e:  # noqa: BLE001 - reported by the harness
-            self.error = e
 
     def _assigned(self, partitions: list[int]) -> None:
         for p in partitions:
@@ -90,8 +85,37 @@ class _Member(threading.Thread):
         self.pos[p] = o + 1
         self.read += 1
 
+    def _consume(self, c: Any, poll: Callable[[], Iterable[tuple[int, int, bytes]]]) -> None:
+        """Record each (partition, offset, value) ``poll()`` returns until stopped, committing
+        every ``COMMIT_EVERY`` records and once at the end; then close the consumer ``c``."""
+        since = 0
+        try:
+            while not self.stop_ev.is_set():
+                for p, o, v in poll():
+                    self._got(p, o, v)
+                    since += 1
+                if since >= COMMIT_EVERY:
+                    self._commit()
+                    since = 0
+            self._commit()
+        finally:
+            c.close()
+
     def _commit(self, partitions: list[int] | None = None) -> None:
+        """Commit the next offsets of ``partitions`` (default: all read) synchronously."""
+        offs = {p: o for p, o in self.pos.items() if partitions is None or p in partitions}
+        if offs:
+            self._commit_offsets(offs)
+
+    def _commit_offsets(self, offs: dict[int, int]) -> None:
         raise NotImplementedError
+
+    def _record(self, offs: dict[int, int], ok: bool) -> None:
+        """Log a commit of ``offs`` (ok False: its outcome is unknown)."""
+        now = time.monotonic()
+        with self.log.lock:
+            for p, o in offs.items():
+                self.log.commits.append((self.group, p, o, now, ok))
 
 
 class ConfluentMember(_Member):
@@ -115,27 +139,17 @@ class ConfluentMember(_Member):
         c.subscribe([self.topic],
                     on_assign=lambda _c, tps: self._assigned([tp.partition for tp in tps]),
                     on_revoke=lambda _c, tps: self._revoked([tp.partition for tp in tps]))
-        since = 0
-        try:
-            while not self.stop_ev.is_set():
-                for m in c.consume(500, timeout=0.2):
-                    if m.error():
-                        e = m.error()
-                        errs.add(f"consumer:{e.name()}", code_retriable(e.code()), str(e))
-                        continue
-                    self._got(m.partition(), m.offset(), m.value())
-                    since += 1
-                if since >= COMMIT_EVERY:
-                    self._commit()
-                    since = 0
-            self._commit()
-        finally:
-            c.close()
 
-    def _commit(self, partitions: list[int] | None = None) -> None:
-        offs = {p: o for p, o in self.pos.items() if partitions is None or p in partitions}
-        if not offs:
-            return
+        def poll() -> Iterator[tuple[int, int, bytes]]:
+            for m in c.consume(500, timeout=0.2):
+                if m.error():
+                    e = m.error()
+                    errs.add(f"consumer:{e.name()}", code_retriable(e.code()), str(e))
+                    continue
+                yield m.partition(), m.offset(), m.value()
+        self._consume(c, poll)
+
+    def _commit_offsets(self, offs: dict[int, int]) -> None:
         tps = [self._tp(self.topic, p, o) for p, o in offs.items()]
         try:
             res = self.c.commit(offsets=tps, asynchronous=False)
@@ -152,12 +166,6 @@ class ConfluentMember(_Member):
                     self.log.errors.add(f"commit:{tp.error.name()}",
                                         code_retriable(tp.error.code()), str(tp.error))
                 self.log.commits.append((self.group, tp.partition, tp.offset, now, ok))
-
-    def _record(self, offs: dict[int, int], ok: bool) -> None:
-        now = time.monotonic()
-        with self.log.lock:
-            for p, o in offs.items():
-                self.log.commits.append((self.group, p, o, now, ok))
 
 
 class KafkaPythonMember(_Member):
@@ -184,34 +192,24 @@ class KafkaPythonMember(_Member):
             auto_offset_reset="earliest", session_timeout_ms=10000, heartbeat_interval_ms=1000,
             metadata_max_age_ms=2000, reconnect_backoff_max_ms=500, request_timeout_ms=20000)
         c.subscribe([self.topic], listener=Listener())
-        since = 0
-        try:
-            while not self.stop_ev.is_set():
-                try:
-                    # a poll long enough for a JoinGroup + SyncGroup round: kafka-python
-                    # 3.0.12 can hang for good when poll() returns before the SyncGroup
-                    # answer of a metadata-triggered rebalance (docs/groups.md)
-                    batches = c.poll(timeout_ms=1000, max_records=500)
-                except Exception as e:  # noqa: BLE001 - counted, then poll again
-                    self.log.errors.add(f"consumer:{type(e).__name__}",
-                                        bool(getattr(e, "retriable", False)), repr(e))
-                    time.sleep(0.2)
-                    continue
-                for tp, msgs in batches.items():
-                    for m in msgs:
-                        self._got(tp.partition, m.offset, m.value)
-                        since += 1
-                if since >= COMMIT_EVERY:
-                    self._commit()
-                    since = 0
-            self._commit()
-        finally:
-            c.close()
 
-    def _commit(self, partitions: list[int] | None = None) -> None:
-        offs = {p: o for p, o in self.pos.items() if partitions is None or p in partitions}
-        if not offs:
-            return
+        def poll() -> Iterator[tuple[int, int, bytes]]:
+            try:
+                # a poll long enough for a JoinGroup + SyncGroup round: kafka-python 3.0.12
+                # can hang for good when poll() returns before the SyncGroup answer of a
+                # metadata-triggered rebalance (docs/groups.md)
+                batches = c.poll(timeout_ms=1000, max_records=500)
+            except Exception as e:  # noqa: BLE001 - counted, then poll again
+                self.log.errors.add(f"consumer:{type(e).__name__}",
+                                    bool(getattr(e, "retriable", False)), repr(e))
+                time.sleep(0.2)
+                return
+            for tp, msgs in batches.items():
+                for m in msgs:
+                    yield tp.partition, m.offset, m.value
+        self._consume(c, poll)
+
+    def _commit_offsets(self, offs: dict[int, int]) -> None:
         ok = True
         try:
             self.c.commit({self._tp(self.topic, p): self._om(o, "", -1) for p, o in offs.items()})
@@ -221,10 +219,7 @@ class KafkaPythonMember(_Member):
                 "UnknownMemberIdError")
             self.log.errors.add(f"commit:{type(e).__name__}", retriable, repr(e))
             ok = False
-        now = time.monotonic()
-        with self.log.lock:
-            for p, o in offs.items():
-                self.log.commits.append((self.group, p, o, now, ok))
+        self._record(offs, ok)
 
 
 def start_members(bootstrap: str, topic: str, log: ConsumeLog, stop: threading.Event,

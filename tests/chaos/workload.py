@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import Errors, code_retriable
+from .threads import WorkerThread
 
 PAD = b"." * 500
 # librdkafka's idempotence and batch debug lines ("eos,msg") go here when it has a handler
@@ -106,20 +107,13 @@ class Ledger:
                 self.failed[value] = error
 
 
-class _Writer(threading.Thread):
+class _Writer(WorkerThread):
     def __init__(self, name: str, bootstrap: str, topic: str, partitions: int, ledger: Ledger,
                  stop: threading.Event, max_values: int, rate: float) -> None:
-        super().__init__(name=f"writer-{name}", daemon=True)
+        super().__init__(f"writer-{name}")
         self.wname, self.bootstrap, self.topic = name, bootstrap, topic
         self.partitions, self.ledger, self.stop_ev = partitions, ledger, stop
         self.max_values, self.interval = max_values, 1.0 / rate
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except BaseException as e:  # noqa: BLE001 - reported by the harness
-            self.error = e
 
 
 class ConfluentWriter(_Writer):
