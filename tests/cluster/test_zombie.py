@@ -13,10 +13,12 @@ acknowledged record must be read back exactly once at its acknowledged offset.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -44,6 +46,33 @@ def end_offsets(boot: str, topic: str) -> dict[int, int]:
                 for p in range(PARTITIONS)}
     finally:
         c.close()
+
+
+@contextlib.contextmanager
+def load_then_read_back(boot: str, topic: str) -> Iterator[TimedLoad]:
+    """A TimedLoad on a new topic, producing to every partition on entry; on a clean exit every
+    acknowledged record must be read back once at its acknowledged offset."""
+    create_topic(boot, topic, live=2)
+    load = TimedLoad(boot, topic)
+    try:
+        load.wait_every_partition()
+        yield load
+    finally:
+        load.stop()
+    assert not load.errors, load.errors[:5]
+    print(f"acknowledged {check_read_back(boot, topic, load.acked)} records, all read back once")
+
+
+def restarted_after_its_takeover(brokers: list, load: TimedLoad) -> str:
+    """Broker 1's log since its restart, which waited for broker 0's takeover of its WAL and
+    then formatted a fresh one at node epoch 1; producers go on being acknowledged."""
+    text1 = brokers[1].log_text().rsplit("===== start", 1)[1]
+    assert "waiting for the takeover of this node's WAL by broker 0" in text1, text1[-2000:]
+    assert "formatting it afresh node_epoch=1" in text1, text1[-2000:]
+    assert "takeover finished node_id=1 " in brokers[0].log_text()
+    n = len(load.acked)
+    wait_for(lambda: len(load.acked) > n + 200, what="acks after the restart")
+    return text1
 
 
 def test_zombie_after_sigcont_acknowledges_and_serves_nothing(cluster_factory, metadata_url):
@@ -170,10 +199,7 @@ def test_fenced_node_restarted_during_its_takeover_waits_for_it(broker_factory, 
                                    "S3KAFKA_PAUSE_S": "6"})]
     brokers += cluster_factory(1, first_id=1, extra=FLAGS)
     boot = ",".join(b.bootstrap for b in brokers)
-    create_topic(boot, "rs", live=2)
-    load = TimedLoad(boot, "rs")
-    try:
-        load.wait_every_partition()
+    with load_then_read_back(boot, "rs") as load:
         time.sleep(0.5)
         brokers[1].kill()
         wait_for(lambda: "pause point takeover_before_commit" in brokers[0].log_text(),
@@ -181,17 +207,8 @@ def test_fenced_node_restarted_during_its_takeover_waits_for_it(broker_factory, 
         t0 = time.monotonic()
         brokers[1].start()           # returns once it answers; raised if it exited
         waited = time.monotonic() - t0
-        text1 = brokers[1].log_text().rsplit("===== start", 1)[1]
-        assert "waiting for the takeover of this node's WAL by broker 0" in text1, text1[-2000:]
-        assert "formatting it afresh node_epoch=1" in text1, text1[-2000:]
-        assert "takeover finished node_id=1 " in brokers[0].log_text()
+        restarted_after_its_takeover(brokers, load)
         print(f"\nrestart during the takeover: waited, answered {waited:.1f} s after the start")
-        n = len(load.acked)
-        wait_for(lambda: len(load.acked) > n + 200, what="acks after the restart")
-    finally:
-        load.stop()
-    assert not load.errors, load.errors[:5]
-    print(f"acknowledged {check_read_back(boot, 'rs', load.acked)} records, all read back once")
 
 
 def test_restart_that_locked_its_wal_before_the_fence_lets_the_taker_in(broker_factory,
@@ -211,23 +228,11 @@ def test_restart_that_locked_its_wal_before_the_fence_lets_the_taker_in(broker_f
                                         "--cluster-takeover-margin-ms", "500",
                                         "--upload-interval-s", "30"))
     boot = ",".join(b.bootstrap for b in brokers)
-    create_topic(boot, "rl", live=2)
-    load = TimedLoad(boot, "rl")
-    try:
-        load.wait_every_partition()
+    with load_then_read_back(boot, "rl") as load:
         time.sleep(0.5)
         brokers[1].kill()
         brokers[1].env = {**(brokers[1].env or {}), "S3KAFKA_PAUSE_POINT": "startup_wal_locked",
                           "S3KAFKA_PAUSE_S": "17"}
         brokers[1].start()   # returns once it answers; raises if it exited or hung 60 s
-        text1 = brokers[1].log_text().rsplit("===== start", 1)[1]
+        text1 = restarted_after_its_takeover(brokers, load)
         assert "pause point startup_wal_locked" in text1, text1[-2000:]
-        assert "waiting for the takeover of this node's WAL by broker 0" in text1, text1[-2000:]
-        assert "formatting it afresh node_epoch=1" in text1, text1[-2000:]
-        assert "takeover finished node_id=1 " in brokers[0].log_text()
-        n = len(load.acked)
-        wait_for(lambda: len(load.acked) > n + 200, what="acks after the restart")
-    finally:
-        load.stop()
-    assert not load.errors, load.errors[:5]
-    print(f"acknowledged {check_read_back(boot, 'rl', load.acked)} records, all read back once")
