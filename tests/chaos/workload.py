@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +115,21 @@ class _Writer(WorkerThread):
         self.wname, self.bootstrap, self.topic = name, bootstrap, topic
         self.partitions, self.ledger, self.stop_ev = partitions, ledger, stop
         self.max_values, self.interval = max_values, 1.0 / rate
+        self._next_t = 0.0
+
+    def _value(self, n: int) -> tuple[int, bytes]:
+        """The partition and value of this writer's n-th send (round robin)."""
+        return n % self.partitions, value_of(self.wname, n)
+
+    def _pace(self, wait: Callable[[float], Any]) -> None:
+        """After a value is sent: ``wait`` out the time to the next send at the writer's rate, or
+        start the schedule again from now when behind it."""
+        self._next_t += self.interval
+        delay = self._next_t - time.monotonic()
+        if delay > 0:
+            wait(delay)
+        else:
+            self._next_t = time.monotonic()
 
 
 class ConfluentWriter(_Writer):
@@ -148,10 +164,9 @@ class ConfluentWriter(_Writer):
                 led.fail(msg.value(), str(err), err.name(),
                          code_retriable(err.code()) and not err.fatal())
         n = 0
-        next_t = time.monotonic()
+        self._next_t = time.monotonic()
         while not self.stop_ev.is_set() and n < self.max_values:
-            part = n % self.partitions
-            v = value_of(self.wname, n)
+            part, v = self._value(n)
             try:
                 p.produce(self.topic, v, partition=part, on_delivery=cb)
             except BufferError:
@@ -168,12 +183,7 @@ class ConfluentWriter(_Writer):
             led.send(v, part)
             n += 1
             p.poll(0)
-            next_t += self.interval
-            delay = next_t - time.monotonic()
-            if delay > 0:
-                p.poll(delay)
-            else:
-                next_t = time.monotonic()
+            self._pace(p.poll)
         self._flush(p)
 
     def _flush(self, p: Any) -> None:
@@ -194,10 +204,9 @@ class KafkaPythonWriter(_Writer):
                           max_in_flight_requests_per_connection=5)
         led = self.ledger
         n = 0
-        next_t = time.monotonic()
+        self._next_t = time.monotonic()
         while not self.stop_ev.is_set() and n < self.max_values:
-            part = n % self.partitions
-            v = value_of(self.wname, n)
+            part, v = self._value(n)
             try:
                 fut = p.send(self.topic, v, partition=part)
             except Exception as e:  # noqa: BLE001 - buffer full / metadata: try again
@@ -210,12 +219,7 @@ class KafkaPythonWriter(_Writer):
             fut.add_errback(lambda e, v=v: led.fail(v, repr(e), type(e).__name__,
                                                     bool(getattr(e, "retriable", False))))
             n += 1
-            next_t += self.interval
-            delay = next_t - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            else:
-                next_t = time.monotonic()
+            self._pace(time.sleep)
         try:
             p.flush(150)
         finally:
