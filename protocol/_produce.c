@@ -180,6 +180,10 @@ static PyObject *stamp_plain(PyObject *self, PyObject *args) {
     Py_ssize_t end = view.len, pos = 0;
     long long count = 0, batches = 0, max_ts_all = -1;
     if (end <= 0) goto none;
+    /* a lone batch of defer_from bytes or more: its CRC is checked in the WAL's copy, so go
+       before the CRC pass here (it read every byte of a 1 MiB batch a second time: 7 % of the
+       broker's CPU under raw 1 MiB produce) */
+    if (end >= defer_from && end >= 61 && (long long)be32(buf + 8) + 12 == end) goto none;
     while (pos < end) {                                  /* checks only: nothing written */
         if (end - pos < 61) goto none;
         unsigned char *b = buf + pos;
@@ -201,7 +205,6 @@ static PyObject *stamp_plain(PyObject *self, PyObject *args) {
         batches++;
         pos += length + 12;
     }
-    if (batches == 1 && end >= defer_from) goto none;
     long long next = base;
     for (pos = 0; pos < end;) {                          /* stamp */
         unsigned char *b = buf + pos;
