@@ -421,25 +421,34 @@ class DeltaWAL:
         # does not fit before the ring's end, or the block's records end exactly at it: then
         # pos is the next lap's start (in_lap 0) but this block began in the previous lap, and
         # one write from the block's start would run past the ring's end instead of wrapping
-        if in_lap + size > ring or (at and not in_lap):
-            next_lap = pos - in_lap + ring if in_lap else pos
-            if at:
-                self._seal_locked()
-                blk = self._new_block(size, start=next_lap)
-            else:
-                blk.start = next_lap
-            at = 0
-            pos = blk.start
+        jump = in_lap + size > ring or (at and not in_lap)
+        if jump and in_lap:
+            pos += ring - in_lap
         # the block is written in whole 4 KiB pages: its zero padding must not reach the page
         # holding the (unaligned) trim offset one lap later
         end = pos + size
-        if ((end + _MASK) & _ALIGN_DOWN) - self._trim > ring:   # nothing modified yet: refuse
+        if ((end + _MASK) & _ALIGN_DOWN) - self._trim > ring:
+            # before the block moves to the next lap: an empty block left there would take
+            # every later record too, each then needing the trim past that lap's start plus
+            # its size (session 21: beyond the last record's end, no append ever again)
             raise OverCapacityError(
-                f"WAL ring full: {end - self._trim} bytes untrimmed > {ring}; "
-                "upload and trim first")
+                f"WAL ring full: {((end + _MASK) & _ALIGN_DOWN) - self._trim} bytes from the "
+                f"trim to this record's last page > {ring}; upload and trim first")
+        if jump:
+            if at:
+                self._seal_locked()
+                blk = self._new_block(size, start=pos)
+            else:
+                blk.start = pos
+            at = 0
         buf = blk.buf
         if check is not None:   # copy, checksum and check in one pass; nothing taken yet
-            crc = _copy_checked(buf, at + RECORD_HEADER_SIZE, body, check)
+            try:
+                crc = _copy_checked(buf, at + RECORD_HEADER_SIZE, body, check)
+            except ChecksumMismatchError:
+                if not blk.used:            # not left at the next lap's start (see above)
+                    blk.start = blk.scan_from
+                raise
             pack_record_header(buf, at, n, pos, crc)
         elif crc is None:       # storage._copycrc: copy and checksum the body in one pass
             if type(body) is tuple:

@@ -257,7 +257,7 @@ class Walk:
         elif cur is None:
             p0 = w._cursor
         else:
-            p0 = cur.start + cur.used     # an empty block left by a refusal keeps its start
+            p0 = cur.start + cur.used
         in_lap = p0 % ring
         return (p0 - in_lap + ring if in_lap + size > ring else p0), p0
 
@@ -348,9 +348,8 @@ class Walk:
         # Refused with nothing left to trim (append checked that the ring cannot hold it where
         # it must go): a record that does not fit in the rest of the lap goes to the next lap's
         # start, and reaching from there it would need the trim beyond the last record's end
-        # (records above about half the ring; docs/FINDINGS.md). A restart places it afresh.
+        # (records above about half the ring). The next records still go where they fit.
         self.stats["refused"] += 1
-        await self.restart()
 
     # -- crash and restart ----------------------------------------------------------------------
     async def crash(self) -> None:
@@ -471,3 +470,58 @@ async def test_ring_boundaries_seeded_walk(tmp_path, engine):
         assert totals[key] > 0, (key, totals)
     print(engine, totals)
 
+
+@pytest.mark.parametrize("engine", ["threads", "aio"])
+async def test_a_refused_lap_jump_leaves_the_next_records_where_they_fit(tmp_path, engine):
+    """A record that does not fit in the rest of the lap is placed at the next lap's start;
+    when the ring then cannot hold it (OverCapacityError) the WAL must not stay moved there.
+    It did: the empty block kept that start, every later record went there too and needed the
+    trim past (that lap's start + its aligned size - ring), beyond the last record's end
+    here: nothing could be appended again until a restart, however much was trimmed."""
+    path = str(tmp_path / "wal")
+    cap = 24 << 10
+    w = DeltaWAL(WALConfig(path=path, capacity=cap, io_engine=engine, flush_interval_s=FAR))
+    list(w.open())
+    if engine == "aio":
+        assert w.attach_loop()
+    ring = w.ring_size                                             # 16 KiB
+    first = w.append_loop(b"r" * (ring - H))                       # the whole first lap
+    assert await first.future == 0
+    w.trim(first.next_offset)
+    small = w.append_loop(b"s" * (100 - H))                        # [ring, ring + 100)
+    w.flush()
+    assert await small.future == ring
+    with pytest.raises(OverCapacityError):                        # 12289 > the lap's rest
+        w.append_loop(b"b" * (ring - ALIGN + 1 - H))
+    w.trim(small.next_offset)                                      # nothing left untrimmed
+    more = w.append_loop(b"m" * (100 - H))                         # fits after small's block
+    w.flush()
+    assert await more.future == ring + ALIGN
+    w.close()
+    w = DeltaWAL(WALConfig(path=path, capacity=cap))
+    assert list(w.open()) == [(ring + ALIGN, b"m" * (100 - H))]
+    w.close()
+
+
+async def test_a_lap_jump_refused_by_its_checksum_leaves_the_next_records_where_they_fit(
+        tmp_path):
+    """The same for a record refused by append_loop's check (ChecksumMismatchError) after it
+    was placed at the next lap's start: the next record goes right after the last block, not
+    to the next lap (which wasted the rest of the lap and could run into the refusal above)."""
+    import crc32c
+    from storage.wal.errors import ChecksumMismatchError
+    w = DeltaWAL(WALConfig(path=str(tmp_path / "wal"), capacity=24 << 10, io_engine="threads",
+                           flush_interval_s=FAR))
+    list(w.open())
+    ring = w.ring_size
+    first = w.append_loop(b"f" * (12000 - H))                      # [0, 12000)
+    w.flush()
+    assert await first.future == 0
+    w.trim(first.next_offset)
+    big = b"b" * (5000 - H)                  # not in the lap's last 4 KiB: at the next lap
+    with pytest.raises(ChecksumMismatchError):
+        w.append_loop(big, 0, (0, crc32c.crc32c(big) ^ 1))
+    nxt = w.append_loop(b"n" * (100 - H))
+    w.flush()
+    assert await nxt.future == 3 * ALIGN                          # not ring (16 KiB)
+    w.close()
