@@ -193,7 +193,7 @@ class Walk:
         self.pending: bytes | None = None
         self.abandoned: list[tuple[DeltaWAL, Writes]] = []
         self.stats = dict(appends=0, end_at_ring_end=0, next_after_ring_end=0, lap_jumps=0,
-                          ring_sized=0, too_large=0, refused=0, trims=0, lap_trims=0,
+                          ring_sized=0, header_in_last_bytes=0, too_large=0, refused=0, trims=0, lap_trims=0,
                           crashes=0, restarts=0, writes=0, recovered=0)
 
     def live_sizes(self):
@@ -300,6 +300,7 @@ class Walk:
         st["next_after_ring_end"] += joins_at_lap_start
         st["lap_jumps"] += want != p0
         st["ring_sized"] += align_up(size) == ring
+        st["header_in_last_bytes"] += r.offset % ring == ring - H    # an empty body there
         return True
 
     async def settle(self) -> None:
@@ -420,6 +421,9 @@ class Walk:
                 k = rng.random()
                 if self.w._end % self.ring == 0 and rng.random() < 0.7:
                     k = 0           # right behind a record that ended at the ring's end
+                    if self.records and self.records[-1][0] % self.ring == self.ring - H \
+                            and rng.random() < 0.5:
+                        k = 0.95    # ... a lone header there: recover it
                 if k < 0.70:
                     await self.add(self.next_size())
                 elif k < 0.82:
@@ -466,6 +470,7 @@ async def test_ring_boundaries_seeded_walk(tmp_path, engine):
             totals[k] = totals.get(k, 0) + v
     # the boundaries this test exists for were all reached (the seeds, not luck, decide it)
     for key in ("end_at_ring_end", "next_after_ring_end", "lap_jumps", "ring_sized",
+                "header_in_last_bytes",
                 "too_large", "lap_trims", "crashes", "restarts", "writes", "recovered"):
         assert totals[key] > 0, (key, totals)
     print(engine, totals)
@@ -524,4 +529,30 @@ async def test_a_lap_jump_refused_by_its_checksum_leaves_the_next_records_where_
     nxt = w.append_loop(b"n" * (100 - H))
     w.flush()
     assert await nxt.future == 3 * ALIGN                          # not ring (16 KiB)
+    w.close()
+
+
+@pytest.mark.parametrize("engine", ["threads", "aio"])
+async def test_a_record_with_its_header_in_the_ring_last_bytes_is_recovered(tmp_path, engine):
+    """An empty record whose 24-byte header fills the ring's last bytes, acknowledged, then a
+    crash (the WAL is abandoned, not closed): recovery reads that header and goes on at the
+    next lap's start."""
+    path = str(tmp_path / "wal")
+    cap = 24 << 10
+    w = DeltaWAL(WALConfig(path=path, capacity=cap, io_engine=engine, flush_interval_s=FAR))
+    list(w.open())
+    if engine == "aio":
+        assert w.attach_loop()
+    ring = w.ring_size
+    fill = w.append_loop(b"f" * (ring - 2 * H))                    # [0, ring - 24)
+    last = w.append_loop(b"")                                      # [ring - 24, ring)
+    w.flush()
+    assert [await r.future for r in (fill, last)] == [0, ring - H]
+    w.trim(fill.next_offset)                                       # room in the next lap
+    nxt = w.append_loop(b"n" * 50)                                 # the next lap's start
+    w.flush()
+    assert await nxt.future == ring
+    w2 = DeltaWAL(WALConfig(path=path, capacity=cap))              # the first is abandoned
+    assert list(w2.open()) == [(ring - H, b""), (ring, b"n" * 50)]
+    w2.close()
     w.close()
