@@ -81,7 +81,8 @@ class ColdReadPacer:
         self.lag_s = 0.0                           # the latest lag sample
         self.window_lag_s = 0.0                    # the latest window's mean lag
         self.cuts = 0
-        self.bytes = 0
+        self.bytes = 0                             # cold bytes served (paced or not)
+        self.paced_bytes = 0                       # ... of which through the bucket
         self._hot_at = float("-inf")               # last hot append (clock)
         self._cold_at = float("-inf")              # last paced cold read (clock)
         self.hot_rate = 0.0                        # append bytes/s over the last window
@@ -160,7 +161,12 @@ class ColdReadPacer:
         self._window_n = 0
         self.window_lag_s = mean
         hot_late = self._hot_late(now)
-        if (self.lag_target_s > 0 and mean > self.lag_target_s) or hot_late:
+        # without appends within HOT_ACTIVE_S nothing is paced (docs/storage.md): a late loop
+        # then has nothing to protect, and cutting the rate only left a catch-up reader at
+        # the floor once producers came back (a CPU-starved machine's idle broker logged
+        # 312 cuts a minute, FINDINGS lead 22:40)
+        if ((self.lag_target_s > 0 and mean > self.lag_target_s) or hot_late) \
+                and now - self._hot_at < self.HOT_ACTIVE_S:
             self.cuts += 1
             self.rate = max(self.min_rate, self.rate * self.DECREASE)
         else:
@@ -172,6 +178,7 @@ class ColdReadPacer:
         self.bytes += nbytes
         if self.max_rate <= 0:
             return 0.0
+        self.paced_bytes += nbytes
         now = self._clock()
         if nbytes:
             self._span_cold = True
@@ -232,7 +239,9 @@ class ColdReadPacer:
             if time.monotonic() >= report_at:
                 report_at += 60
                 if self.cuts != cuts:
+                    # totals since start: the paced share is what the rate applied to
                     log.info("cold reads paced: %d rate cuts in the last minute, rate now "
-                             "%.1f MiB/s, %.0f MiB served so far", self.cuts - cuts,
-                             self.rate / (1 << 20), self.bytes / (1 << 20))
+                             "%.1f MiB/s; since start %.0f MiB served, %.0f MiB of it paced",
+                             self.cuts - cuts, self.rate / (1 << 20), self.bytes / (1 << 20),
+                             self.paced_bytes / (1 << 20))
                     cuts = self.cuts

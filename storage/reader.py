@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import logging
 from collections import OrderedDict
 from typing import Awaitable, Callable
@@ -31,6 +32,7 @@ class ObjectReader:
         self._ranges: dict[int, list[ObjectRange]] = {}
         self._starts: dict[int, list[int]] = {}
         self._index: OrderedDict[int, list[IndexEntry]] = OrderedDict()
+        self._index_loads: dict[int, asyncio.Future] = {}
         self._readers: OrderedDict[tuple[int, int], Readahead] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()
         # set by the engine: True while producers append (cold reads are paced then)
@@ -111,6 +113,21 @@ class ObjectReader:
         if idx is not None:
             self._index.move_to_end(r.object_id)
             return idx
+        # one load per object at a time: a reader and its read-ahead (or two readers) asking
+        # together share it instead of reading the object's tail twice
+        loading = self._index_loads.get(r.object_id)
+        if loading is None:
+            loading = asyncio.ensure_future(self._read_index(r))
+            self._index_loads[r.object_id] = loading
+            loading.add_done_callback(functools.partial(self._index_loaded, r.object_id))
+        return await asyncio.shield(loading)
+
+    def _index_loaded(self, object_id: int, fut: asyncio.Future) -> None:
+        self._index_loads.pop(object_id, None)
+        if not fut.cancelled():
+            fut.exception()             # retrieved: every waiter got it (or none is left)
+
+    async def _read_index(self, r: ObjectRange) -> list[IndexEntry]:
         start = max(0, r.size - INDEX_TAIL)
         tail = await self._io(self.store.get, r.key, start, r.size)
         if len(tail) != r.size - start:
@@ -147,8 +164,14 @@ class ObjectReader:
         k = i + 1
         limit = 2 * ra.size
         # while producers append, catch-up reads are paced: the next object is enough ahead,
-        # and no more device reads are queued beside the WAL's writes than before (item 5)
-        last = min(i + 1, len(rs) - 1) if self.hot is not None and self.hot() else len(rs) - 1
+        # and no more device reads are queued beside the WAL's writes than before (item 5).
+        # Otherwise at most AHEAD_KEYS objects: the reader remembers no more (it asked for the
+        # others again at every read), and a run of tiny objects (the uploads of a store
+        # outage's backlog: ~100 objects of 2-17 KB within a 512 KiB readahead) queued two
+        # store reads per object on the cold threads ahead of the reader's own read, which
+        # then waited 50 s behind them on a CPU-starved machine (FINDINGS, lead 22:40)
+        hot = self.hot is not None and self.hot()
+        last = min(i + (1 if hot else AHEAD_KEYS), len(rs) - 1)
         while k <= last and left <= limit:
             nxt = rs[k]
             if nxt.key not in ra.ahead:

@@ -58,31 +58,57 @@ def produce(bootstrap: str, topic: str, values: list[bytes], partition: int = 0,
 
 
 def consume_all(bootstrap: str, topic: str, expect: int | None = None, partition: int = 0,
-                timeout: float = 60, start: int = 0,
-                at_least: int = 0) -> list[tuple[int, bytes]]:
+                timeout: float = 60, start: int = 0, at_least: int = 0,
+                stall: float | None = None,
+                progress: list[tuple[float, int]] | None = None) -> list[tuple[int, bytes]]:
     """(offset, value) of every record from the start until ``expect`` were read (None: up
     to the high watermark, once it shows at least ``at_least`` records).
 
     ``at_least``: after a restart the read_committed high watermark (the LSO) stays at the
     start of a producer-state replay that runs in the background, so a watermark read at once
     can show fewer records than were acknowledged; waiting for ``len(acked)`` tells that
-    apart from lost records (the wait ends at the deadline and the check then fails)."""
+    apart from lost records (the wait ends at the deadline and the check then fails).
+
+    ``stall``: give up only after this many seconds without progress (a record read, or the
+    high watermark moving while waiting for ``at_least``), with ``timeout`` as the overall
+    cap; None: ``timeout`` alone. A slow machine then slows the read down instead of failing
+    it, while a read that stopped still fails. ``progress`` (when given) receives
+    (seconds since the start, records read) about once a second, for failure messages."""
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"g-{time.time_ns()}",
                   "enable.auto.commit": False, "auto.offset.reset": "earliest",
                   "fetch.max.bytes": 1 << 20})
-    deadline = time.monotonic() + timeout
+    t0 = time.monotonic()
+    cap = t0 + timeout
+    stall_s = timeout if stall is None else stall
+
+    def deadline(last: float) -> float:
+        return min(cap, last + stall_s)
+
+    last = t0
     if expect is None:
         tp = TopicPartition(topic, partition)
+        seen = None
         while True:
             low, high = c.get_watermark_offsets(tp, timeout=10)
             expect = high - max(low, start)
-            if expect >= at_least or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if expect != seen:
+                seen, last = expect, now
+            if expect >= at_least or now >= deadline(last):
                 break
             time.sleep(0.2)
     c.assign([TopicPartition(topic, partition, start)])
     out: list[tuple[int, bytes]] = []
+    last = time.monotonic()
+    noted = last
     try:
-        while len(out) < expect and time.monotonic() < deadline:
+        while len(out) < expect:
+            now = time.monotonic()
+            if now >= deadline(last):
+                break
+            if progress is not None and now - noted >= 1.0:
+                progress.append((round(now - t0, 1), len(out)))
+                noted = now
             m = c.poll(0.5)
             if m is None:
                 continue
@@ -91,8 +117,11 @@ def consume_all(bootstrap: str, topic: str, expect: int | None = None, partition
                     continue
                 raise AssertionError(f"consumer error: {m.error()}")
             out.append((m.offset(), m.value()))
+            last = time.monotonic()
     finally:
         c.close()
+    if progress is not None:
+        progress.append((round(time.monotonic() - t0, 1), len(out)))
     return out
 
 

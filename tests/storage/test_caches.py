@@ -430,7 +430,7 @@ async def test_a_reader_keeps_its_readahead_across_objects_while_prefetches_run(
 
 
 @contextlib.asynccontextmanager
-async def _objects_read_once(tmp_path, objects: int, hot: bool):
+async def _objects_read_once(tmp_path, objects: int, hot: bool, records: int = 60):
     """An engine holding one stream in ``objects`` small objects (~240 KB each, caches
     dropped), whose reader has read the first blocks of the first object with producers
     appending (``hot``) or not, and let the read-ahead it started run: (engine, stream,
@@ -443,7 +443,7 @@ async def _objects_read_once(tmp_path, objects: int, hot: bool):
     try:
         s = await eng.create_stream()
         for _ in range(objects):
-            await fill(s, 60, size=4000)             # ~240 KB per object, its own object
+            await fill(s, records, size=4000)        # ~240 KB per object, its own object
             await eng.flush()
         ranges = eng.reader.stream_ranges(s.stream_id)
         assert len(ranges) == objects
@@ -485,3 +485,62 @@ async def test_while_producers_append_a_reader_reads_ahead_into_the_next_object_
     async with _objects_read_once(tmp_path, 4, hot=True) as (eng, s, ranges):
         ahead = [r.object_id in eng.reader._index for r in ranges]
         assert ahead == [True, True, False, False], ahead
+
+
+async def test_a_reader_reads_ahead_into_a_bounded_number_of_tiny_objects(tmp_path) -> None:
+    """A run of tiny objects (a store outage's backlog is uploaded as ~100 objects of 2-17 KB)
+    within the readahead: the reader reads ahead into at most AHEAD_KEYS of them. Before,
+    every object within the readahead's bytes was read ahead (two store reads each), and the
+    reader, remembering only AHEAD_KEYS of them, asked for the rest again at every read: its
+    own read queued behind hundreds of store reads on the cold threads (a restarted broker
+    served the tail for 50 s on a CPU-starved machine, FINDINGS lead 22:40)."""
+    from storage.reader import AHEAD_KEYS
+    async with _objects_read_once(tmp_path, 3 * AHEAD_KEYS, hot=False, records=2) as (eng, s,
+                                                                                       ranges):
+        ahead = [r.object_id in eng.reader._index for r in ranges]
+        assert sum(ahead) <= 3 + AHEAD_KEYS, ahead      # the objects read, and 8 beyond
+        assert ahead[:3] == [True, True, True], ahead
+        off = 0
+        while off < s.confirmed_offset:               # the whole stream, still in order
+            batches = await s.read(off, 16 << 10)
+            assert batches[0].base_offset == off
+            off = batches[-1].next_offset
+            await _consumer_work(eng.reader)
+
+
+async def test_an_object_index_is_read_once_when_the_reader_meets_its_read_ahead(tmp_path) -> None:
+    """A reader that reaches the next object while the read-ahead's load of that object's
+    index is still on its way waits for that load instead of reading the index again (on a
+    slow store, every object's tail was read twice)."""
+    from storage.engine import open_engine
+    from storage_helpers import fill, small_config
+    eng = open_engine(small_config(tmp_path, block_cache_bytes=8 << 20,
+                                   readahead_max_bytes=1 << 20, **ONLY_FLUSH_UPLOADS))
+    await eng.start()
+    try:
+        s = await eng.create_stream()
+        for _ in range(6):
+            await fill(s, 4, size=1000)              # ~4 KB per object, its own object
+            await eng.flush()
+        ranges = eng.reader.stream_ranges(s.stream_id)
+        assert len(ranges) == 6
+        eng.drop_caches()
+        io = eng.reader._io
+        tails: list[str] = []
+        get = eng.reader.store.get
+
+        async def slow_io(fn, *args):                # a store that answers after 20 ms
+            if fn == get:
+                tails.append(args[0])
+            await asyncio.sleep(0.02)
+            return await io(fn, *args)
+        eng.reader._io = slow_io
+        off = 0
+        while off < s.confirmed_offset:              # a reader that never waits
+            batches = await s.read(off, 1 << 20)
+            off = batches[-1].next_offset
+        while eng.reader.reads_ahead:
+            await asyncio.sleep(0.005)
+        assert sorted(tails) == sorted({r.key for r in ranges}), tails
+    finally:
+        await eng.close()

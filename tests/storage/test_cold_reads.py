@@ -19,10 +19,14 @@ class Clock:
         return self.t
 
 
-def feed(p: ColdReadPacer, clock: Clock, lag: float, seconds: float, step: float = 0.005) -> None:
-    """Lag samples every ``step`` for ``seconds`` (what the probe task does on a real loop)."""
+def feed(p: ColdReadPacer, clock: Clock, lag: float, seconds: float, step: float = 0.005,
+         hot: bool = True) -> None:
+    """Lag samples every ``step`` for ``seconds`` (what the probe task does on a real loop),
+    with a producer appending meanwhile (``hot``: lag is a signal only then)."""
     for _ in range(round(seconds / step)):
         clock.t += step
+        if hot:
+            p.note_hot(0.0002, 1000)
         p.note_lag(lag)
 
 
@@ -78,6 +82,7 @@ async def test_probe_runs_on_the_loop_and_stops() -> None:
 
     async def hog() -> None:                         # a loop that is late on every wake-up
         for _ in range(300):
+            p.note_hot(0.0002, 1000)                 # ... while a producer appends
             await asyncio.sleep(0)
             t = time.perf_counter()
             while time.perf_counter() - t < 0.003:
@@ -220,3 +225,46 @@ async def test_probe_samples_fast_only_while_paced_cold_reads_run() -> None:
     finally:
         await p.stop()
     assert samples[0] >= 3
+
+
+def test_a_late_loop_without_appends_cuts_nothing() -> None:
+    """With no append within HOT_ACTIVE_S nothing is paced (docs/storage.md), so loop lag is
+    no signal: a CPU-starved machine's broker with only a catch-up reader cut the rate 312
+    times a minute (FINDINGS lead 22:40), leaving the rate at the floor for when producers
+    came back. Once a producer appends, a late loop cuts again."""
+    clock = Clock()
+    p = ColdReadPacer(64 * MiB, 16 * MiB, lag_target_s=0.001, clock=clock, hot_tolerance=0.05)
+    feed(p, clock, 0.010, 5.0, hot=False)            # 10 ms late, every window
+    assert p.cuts == 0 and p.rate == 64 * MiB
+    p.delay_for(4 * MiB)                             # an unpaced read's bytes are no debt...
+    feed(p, clock, 0.010, 0.11, hot=True)            # ... and a producer arrives: cut
+    assert p.cuts == 1 and p.rate == 32 * MiB
+    clock.t += ColdReadPacer.HOT_ACTIVE_S            # producers gone: it grows back
+    feed(p, clock, 0.010, ColdReadPacer.RAMP_S, hot=False)
+    assert p.cuts == 1 and p.rate == 64 * MiB
+
+
+@pytest.mark.parametrize("late_s", [0.0, 0.004, 0.03])
+def test_paced_reads_get_at_least_the_floor_on_a_late_loop(late_s: float) -> None:
+    """A catch-up reader paced at the floor (the loop is late in every window, producers
+    append) still gets the floor: every sleep the pacer asks for ends ``late_s`` late (a
+    starved loop) and each 256 KiB read costs 2 ms; what the bucket lets through over 20 s,
+    counted on a fake clock, is at least the floor (the token bucket credits the late
+    wake-ups up to BURST_S). The 22:40 log's '8 MiB served' over two minutes was the total
+    of an unpaced read, not a paced rate."""
+    clock = Clock()
+    p = ColdReadPacer(64 * MiB, 16 * MiB, lag_target_s=0.001, clock=clock)
+    feed(p, clock, 0.004, 1.0)                       # late windows: the rate is at the floor
+    assert p.rate == 16 * MiB
+    start, served, next_probe = clock.t, 0, clock.t
+    while clock.t - start < 20.0:
+        clock.t += 0.002                             # the read itself
+        served += 256 << 10
+        wait = p.delay_for(256 << 10)
+        clock.t += (wait + late_s) if wait > 0 else 0.0
+        while next_probe <= clock.t:                 # the probe's samples meanwhile: late
+            p.note_hot(0.0002, 1000)
+            p.note_lag(0.004)
+            next_probe += 0.005
+    assert p.rate == 16 * MiB
+    assert served / (clock.t - start) >= 16 * MiB * 0.99
