@@ -78,6 +78,8 @@ class ColdReadPacer:
         self._window_sum = 0.0
         self._window_n = 0
         self._task: asyncio.Task | None = None
+        self._quiet = False                        # the probe waits for _kick (nothing runs)
+        self._kick: asyncio.Event | None = None
         self.lag_s = 0.0                           # the latest lag sample
         self.window_lag_s = 0.0                    # the latest window's mean lag
         self.cuts = 0
@@ -104,6 +106,8 @@ class ColdReadPacer:
         if self._hot_on:
             self._hot.append(latency_s)
         if self.max_rate > 0:
+            if self._quiet:             # the probe sleeps until there is something to measure
+                self._wake_probe()
             now = self._clock()
             self._hot_at = now
             self._rate_bytes += nbytes
@@ -183,6 +187,8 @@ class ColdReadPacer:
         if nbytes:
             self._span_cold = True
             self._cold_at = now
+            if self._quiet:
+                self._wake_probe()
         rate = max(self.rate, min_rate, 1.0)
         self._debt = max(0.0, self._debt - (now - self._debt_at) * rate) + nbytes
         self._debt_at = now
@@ -217,22 +223,44 @@ class ColdReadPacer:
                 pass
             self._task = None
 
-    def probe_interval(self) -> float:
-        """The lag probe's next sleep: fast while paced cold reads ran within COLD_RECENT_S."""
-        if self._clock() - self._cold_at < self.COLD_RECENT_S:
+    def probe_interval(self) -> float | None:
+        """The lag probe's next sleep: fast while paced cold reads ran within COLD_RECENT_S;
+        IDLE_PROBE_S while producers append (windows close, hot spans feed the baseline);
+        None when neither: lag is no signal then (nothing is paced), the probe sleeps until
+        an append or a paced read wakes it."""
+        now = self._clock()
+        if now - self._cold_at < self.COLD_RECENT_S:
             return self.probe_interval_s
-        return max(self.probe_interval_s, self.IDLE_PROBE_S)
+        if now - self._hot_at < self.HOT_ACTIVE_S:
+            return max(self.probe_interval_s, self.IDLE_PROBE_S)
+        return None
+
+    def _wake_probe(self) -> None:
+        self._quiet = False
+        if self._kick is not None:
+            self._kick.set()
 
     async def _probe(self) -> None:
         """Lag samples every ``probe_interval_s`` while paced cold reads run (or ran within
-        COLD_RECENT_S); every IDLE_PROBE_S otherwise, when they steer nothing: 200 wake-ups
-        a second of an idle broker were 2-4 % of its loop's samples under a hot Fetch load
-        (FINDINGS, thruput 01:20). Windows still close and hot spans still feed the
-        baseline at the slower pace."""
+        COLD_RECENT_S); every IDLE_PROBE_S while only producers append: 200 wake-ups a
+        second of an idle broker were 2-4 % of its loop's samples under a hot Fetch load
+        (FINDINGS, thruput 01:20). With neither, no wake-up at all: an append (note_hot) or
+        a paced read wakes the probe, which starts a fresh window (an idle broker's probe
+        woke 20 times a second for nothing, session 21)."""
         report_at = time.monotonic() + 60
         cuts = 0
+        self._kick = asyncio.Event()
         while True:
             interval = self.probe_interval()
+            if interval is None:
+                self._kick.clear()
+                self._quiet = True
+                await self._kick.wait()
+                self._quiet = False
+                self._window_start = self._clock()
+                self._window_sum = 0.0
+                self._window_n = 0
+                continue
             t0 = time.perf_counter()          # loop.time() is whole milliseconds under uvloop
             await asyncio.sleep(interval)
             self.note_lag(max(0.0, time.perf_counter() - t0 - interval))

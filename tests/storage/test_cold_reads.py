@@ -201,12 +201,16 @@ async def test_probe_samples_fast_only_while_paced_cold_reads_run() -> None:
     clock = Clock()
     p = ColdReadPacer(64 * MiB, 16 * MiB, lag_target_s=0.001, probe_interval_s=0.005,
                       clock=clock)
+    assert p.probe_interval() is None               # nothing runs: no sampling at all
+    p.note_hot(0.0002, 1000)                        # a producer appends
     assert p.probe_interval() == p.IDLE_PROBE_S
     p.delay_for(256 << 10)                          # a paced cold read
     assert p.probe_interval() == 0.005
     clock.t += p.COLD_RECENT_S - 0.01
     assert p.probe_interval() == 0.005
     clock.t += 0.02
+    assert p.probe_interval() is None               # both over (HOT_ACTIVE_S == COLD_RECENT_S)
+    p.note_hot(0.0002, 1000)
     assert p.probe_interval() == p.IDLE_PROBE_S
     p.delay_for(256 << 10)
     samples = [0]
@@ -268,3 +272,30 @@ def test_paced_reads_get_at_least_the_floor_on_a_late_loop(late_s: float) -> Non
             next_probe += 0.005
     assert p.rate == 16 * MiB
     assert served / (clock.t - start) >= 16 * MiB * 0.99
+
+
+async def test_an_idle_probe_sleeps_until_an_append_wakes_it() -> None:
+    """With no append and no paced read within the last second there is nothing to measure
+    (loop lag is no signal then): the probe takes no sample at all until an append (or a
+    paced read) wakes it; it woke 20 times a second on an idle broker before (session 21)."""
+    p = ColdReadPacer(64 * MiB, 16 * MiB, lag_target_s=0.001, probe_interval_s=0.005)
+    samples = [0]
+    real = p.note_lag
+
+    def count(lag: float) -> None:
+        samples[0] += 1
+        real(lag)
+    p.note_lag = count  # type: ignore[method-assign]
+    p.start()
+    try:
+        for _ in range(30):                          # the probe runs and goes to sleep ...
+            await asyncio.sleep(0.01)
+        assert getattr(p, "_quiet", False) and samples[0] == 0   # ... without a sample
+        p.note_hot(0.0002, 1000)                     # a producer appends: sampling again
+        for _ in range(400):
+            await asyncio.sleep(0.005)
+            if samples[0] >= 3:
+                break
+        assert samples[0] >= 3
+    finally:
+        await p.stop()
