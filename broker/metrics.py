@@ -178,7 +178,8 @@ class BrokerCollector(Collector):
         if watch is not None:
             yield GaugeMetricFamily(_P + "loop_lag_max_seconds", "Longest a 5 ms timer of the "
                                     "event loop fired late since the previous scrape (a "
-                                    "request waited that long behind other loop work)",
+                                    "request waited that long behind other loop work; "
+                                    "every 250 ms while no client is connected)",
                                     value=watch.take_max())
             yield CounterMetricFamily(_P + "loop_stalls", "Times that timer fired 5 ms or "
                                       "more late", value=watch.stalls)

@@ -665,7 +665,7 @@ class Broker:
         self._server = self._servers[0]
         self._gc = SurvivorFreezer()
         self._gc.install()
-        self.loop_watch = LoopWatch(loop)
+        self.loop_watch = LoopWatch(loop, lambda: bool(self.connections))
         self.loop_watch.start()
         self._gc_pass = loop.call_later(FULL_PASS_S, self._gc_full_pass)
         sock = self._server.sockets[0].getsockname()

@@ -8,7 +8,7 @@ import gc
 import time
 
 from broker.gc_tuning import SurvivorFreezer
-from broker.loop_watch import STALL_S, LoopWatch
+from broker.loop_watch import IDLE_INTERVAL_S, INTERVAL_S, STALL_S, LoopWatch
 
 
 async def test_a_blocked_loop_step_is_seen_as_lateness_and_a_stall() -> None:
@@ -23,6 +23,24 @@ async def test_a_blocked_loop_step_is_seen_as_lateness_and_a_stall() -> None:
         assert watch.take_max() >= 0.02
         assert watch.stalls >= stalls + 1 and STALL_S <= 0.02
         assert watch.lag_total >= 0.02
+    finally:
+        watch.stop()
+
+
+async def test_the_timer_fires_seldom_while_no_client_is_connected() -> None:
+    """With no client connected no request can wait behind a stall: the timer fires every
+    IDLE_INTERVAL_S (its 200 wake-ups a second were most of an idle broker's CPU, session
+    21); a connection brings the 5 ms timer back at the next tick."""
+    loop = asyncio.get_running_loop()
+    connected = [False]
+    watch = LoopWatch(loop, lambda: connected[0])
+    watch.start()
+    try:
+        watch._tick()                     # a tick: the next one is scheduled from it
+        assert watch._handle.when() - loop.time() > IDLE_INTERVAL_S - 0.01
+        connected[0] = True
+        watch._tick()
+        assert watch._handle.when() - loop.time() <= INTERVAL_S + 0.001
     finally:
         watch.stop()
 

@@ -100,3 +100,48 @@ async def test_the_watch_loop_ends_when_cancelled_as_it_is_woken(tmp_path) -> No
         assert done and t.cancelled(), "the watch loop survived its cancel"
     finally:
         r.store.close()
+
+
+async def test_a_broker_alone_waits_longer_between_watch_rounds(tmp_path, monkeypatch) -> None:
+    """An idle single broker ran a watch round (a thread hop, two reads) every 200 ms for
+    nothing: alone (every other registered broker stopped) and with no partition operation
+    running it waits up to ALONE_POLL_S (at most a quarter of its lease) for a wake-up;
+    another live broker, or an operation of its own, brings the 200 ms rounds back. Whatever
+    another broker does first (registering) bumps the version, which the change watch
+    reports at once, so nothing waits for the longer round."""
+    r = _room(f"sqlite:///{tmp_path}/meta.db")
+    try:
+        reg = r.store.register
+        await asyncio.to_thread(reg, 0, "h", 1, None, r.instance, 6000, "home-0")
+        await r._refresh()
+        assert r._poll_s() == room_mod.ALONE_POLL_S
+        other = uuid.uuid4().hex
+        await asyncio.to_thread(reg, 1, "h", 2, None, other, 6000, "home-1")
+        await r._refresh()
+        assert r._poll_s() == room_mod.POLL_S           # someone else is up
+        await asyncio.to_thread(r.store.set_state, 1, other, room_mod.STOPPED)
+        await r._refresh()
+        assert r._poll_s() == room_mod.ALONE_POLL_S     # stopped: alone again
+        r._busy.add(("t", 0))
+        assert r._poll_s() == room_mod.POLL_S           # an operation of its own runs
+        r._busy.clear()
+        r.lease_ms = 1000
+        assert r._poll_s() == 0.25                      # a quarter of a short lease
+
+        waits: list[float] = []                          # the loop uses it
+        real = room_mod.wait_event
+
+        async def wait(event: asyncio.Event, timeout: float) -> bool:
+            waits.append(timeout)
+            return await real(event, 0.01)
+        monkeypatch.setattr(room_mod, "wait_event", wait)
+        t = asyncio.create_task(r._watch_loop())
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if len(waits) >= 2:
+                break
+        t.cancel()
+        await asyncio.wait({t}, timeout=2)
+        assert waits[:2] == [0.25, 0.25], waits
+    finally:
+        r.store.close()
