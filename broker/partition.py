@@ -765,16 +765,17 @@ class Partition:
         def after_prev(prev_ok: bool) -> tuple:
             return outcome, prev_ok, "an earlier append of this partition failed", answer
 
-        def durable(fut: asyncio.Future) -> None:
-            ok = not fut.cancelled() and fut.exception() is None
-            why = "append cancelled" if fut.cancelled() else \
-                f"WAL write failed: {fut.exception()!r}" if not ok else ""
-            if ok and prev is not None:
-                if not prev.done():
-                    self._then[prev] = after_prev     # settled right after prev, same call
-                    return
-                ok, why = prev.result(), "an earlier append of this partition failed"
-            self._settle(outcome, ok, why, answer)
+        def durable(error: BaseException | None) -> None:
+            # run by the stream in the WAL's completion of this append's write
+            if error is not None:
+                self._settle(outcome, False, f"WAL write failed: {error!r}", answer)
+            elif prev is not None and not prev.done():
+                self._then[prev] = after_prev         # settled right after prev, same call
+            elif prev is None or prev.result():
+                self._settle(outcome, True, "", answer)
+            else:
+                self._settle(outcome, False, "an earlier append of this partition failed",
+                             answer)
 
         try:
             # a large lone batch (``check``): its CRC-32C is checked in the WAL's copy

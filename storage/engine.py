@@ -245,28 +245,32 @@ class EngineStream(OffsetStream):
 
     def _taken(self, payload: bytes | memoryview, base_offset: int, count: int, size: int,
                res: Any, t0: float) -> CacheEntry:
-        """The bookkeeping of a record the WAL took (both append paths): its LogCache entry,
-        the stream's end and the engine's WAL position."""
-        eng = self._engine
+        """The bookkeeping of a record the WAL took (``append``): its LogCache entry, the
+        stream's end and the engine's WAL position."""
         entry = CacheEntry(self.stream_id, base_offset, count, payload, res.offset,
                            res.next_offset, added=t0)
-        eng.cache.add(entry)
-        eng.stats.wal_appended_bytes += size
-        self._end = base_offset + count
-        eng.note_wal(res.next_offset)
+        self._took(entry, size)
         return entry
 
+    def _took(self, entry: CacheEntry, size: int) -> None:
+        eng = self._engine
+        eng.cache.add(entry)
+        eng.stats.wal_appended_bytes += size
+        self._end = entry.base_offset + entry.count
+        eng.note_wal(entry.wal_next)
+
     def append_now(self, payload: bytes | memoryview, base_offset: int, count: int,
-                   then: Callable[[asyncio.Future], None],
+                   then: Callable[[BaseException | None], None],
                    check: tuple[int, int] | None = None) -> bool:
         """``append`` without a coroutine, when there is room at once: the payload is in the
-        WAL's block and the LogCache on return (True), and ``then(future)`` runs once it is
-        durable (or its write failed), after the stream's own bookkeeping - one loop callback
-        per append instead of a coroutine, a shield and two wake-ups. False with nothing
-        done when the LogCache or the WAL has no room (``append`` waits for it). Raises
-        StorageError like ``append`` (deleted, released, fenced), and PayloadChecksumError
-        (nothing appended) when ``check`` (as ``append``'s: the payload's CRC-32C from an
-        offset, checked in the WAL's copy) does not match. The task-less Produce path."""
+        WAL's block and the LogCache on return (True), and ``then(None)`` runs once it is
+        durable, ``then(error)`` if its write failed, after the stream's own bookkeeping: in
+        the WAL's completion of its write (append_loop's ``then``), with no future, done
+        callback or loop iteration per append. False with nothing done when the LogCache or
+        the WAL has no room (``append`` waits for it). Raises StorageError like ``append``
+        (deleted, released, fenced), and PayloadChecksumError (nothing appended) when
+        ``check`` (as ``append``'s: the payload's CRC-32C from an offset, checked in the WAL's
+        copy) does not match. The task-less Produce path."""
         eng = self._engine
         self._check_writable()
         if base_offset != self._end or count <= 0:
@@ -278,23 +282,34 @@ class EngineStream(OffsetStream):
         if check is not None:      # checked while the WAL copies the record: no pass of its own
             check = (WAL_RECORD.size + check[0], check[1])
         t0 = time.perf_counter()
+        entry = CacheEntry(self.stream_id, base_offset, count, payload, added=t0)
+
+        def durable(_offset: int, error: BaseException | None) -> None:
+            # _durable's bookkeeping, then the caller's continuation: one call per append
+            entry.durable = True    # even on a WAL error: the bytes still go to the object store
+            took = time.perf_counter() - t0
+            eng.cold_pacer.note_hot(took, len(payload))
+            stats = eng.stats
+            stats.wal_append.observe(took)
+            if took > stats.wal_append_max:
+                stats.wal_append_max = took
+            if error is None and entry.next_offset > self._confirmed:
+                self._confirmed = entry.next_offset
+            eng._maybe_upload()
+            then(error)
+
         try:
             res = eng.wal.append_loop((WAL_RECORD.pack(self.stream_id, base_offset, count),
-                                       payload), self.stream_id, check)
+                                       payload), self.stream_id, check, durable)
         except eng.checksum_error as e:
             raise PayloadChecksumError(str(e)) from None
         except eng.fenced_error as e:   # another node took this WAL over
             raise StorageError(str(e)) from None
         except eng.over_capacity_error:
             return False
-        entry = self._taken(payload, base_offset, count, size, res, t0)
-        res.future.add_done_callback(functools.partial(self._durable_then, entry, t0, then))
+        entry.wal_offset, entry.wal_next = res.offset, res.next_offset
+        self._took(entry, size)
         return True
-
-    def _durable_then(self, entry: CacheEntry, t0: float, then: Callable[[asyncio.Future], None],
-                      fut: asyncio.Future) -> None:
-        self._durable(entry, t0, fut)
-        then(fut)
 
     async def append(self, payload: bytes | memoryview, base_offset: int, count: int,
                      check: tuple[int, int] | None = None) -> None:

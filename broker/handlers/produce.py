@@ -432,7 +432,18 @@ def produce_now(items: list[tuple[RequestContext, Any, float]], futs: list[async
         version = min(ctx.version for ctx in ctxs)
     start = time.perf_counter()
 
-    def answer(r: AppendResult) -> None:
+    def done(r: AppendResult) -> None:
+        # the partition's completion of the append (in the WAL's completion of its write)
+        if r.error:
+            if r.error in _OWN_FAULTS and len(items) > 1:
+                # nothing appended: find the request at fault, one at a time (later requests
+                # of the connection wait for this task: conn.track_slow)
+                _settle_later(_one_by_one(ctxs, [it[1] for it in items]), futs, conn)
+                return
+        elif lease is not None and not lease.valid():
+            _settle_later(_after_renewal(broker, ctxs, counts, td, index, r, req0, lease),
+                          futs, conn)
+            return
         try:
             bodies = _run_answers(broker, ctxs, counts, td, index, r) if r.error else \
                 _ok_frames(ctxs, counts, td, index, r)
@@ -454,18 +465,6 @@ def produce_now(items: list[tuple[RequestContext, Any, float]], futs: list[async
             else:
                 fut.set_result(body)
         conn.answered()
-
-    def done(r: AppendResult) -> None:
-        if r.error in _OWN_FAULTS and len(items) > 1:
-            # nothing appended: find the request at fault, one at a time (later requests of
-            # the connection wait for this task: conn.track_slow)
-            _settle_later(_one_by_one(ctxs, [it[1] for it in items]), futs, conn)
-            return
-        if not r.error and lease is not None and not lease.valid():
-            _settle_later(_after_renewal(broker, ctxs, counts, td, index, r, req0, lease),
-                          futs, conn)
-            return
-        answer(r)
 
     return partition.append_now(records, version, done)
 

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Union
+from typing import Any, Callable, Iterator, Union
 
 import crc32c
 
@@ -50,7 +50,8 @@ class AppendResult:
 
     offset: int
     next_offset: int
-    future: "cf.Future | asyncio.Future"   # asyncio.Future from append_loop()
+    future: "cf.Future | asyncio.Future | None"   # asyncio.Future from append_loop(); None
+                                                   # from append_loop(then=...)
 
 
 class DeltaWAL:
@@ -67,6 +68,7 @@ class DeltaWAL:
         self._spare_cond = threading.Condition(self._lock)    # threads beyond eager_writes
         self._header_lock = threading.Lock()
         self._resolve_lock = threading.Lock()
+        self._resolver: int | None = None   # the thread draining completions (see below)
         self._completed: collections.deque = collections.deque()
         self._device: Device | None = None
         self._header: WALHeader | None = None
@@ -336,7 +338,9 @@ class DeltaWAL:
         return AppendResult(offset, offset + size, fut)
 
     def append_loop(self, body: Body, stream_id: int = 0,
-                    check: tuple[int, int] | None = None) -> AppendResult:
+                    check: tuple[int, int] | None = None,
+                    then: "Callable[[int, BaseException | None], None] | None" = None
+                    ) -> AppendResult:
         """append() for code on a running event loop: the result's future is an asyncio.Future
         of that loop, completed in batches (one cross-thread wake-up per drained batch rather than
         one per record, and no concurrent.futures.Future to build). Never blocks; the caller
@@ -345,7 +349,15 @@ class DeltaWAL:
         ``check`` = (start, crc): the body's bytes from ``start`` to its end must have that
         CRC-32C, or ChecksumMismatchError is raised and nothing is appended. It is computed in
         the same pass that copies the body into its block (a produce batch's own CRC, which
-        the broker would otherwise compute in a pass of its own)."""
+        the broker would otherwise compute in a pass of its own).
+
+        ``then``: instead of a future (the result's ``future`` is None), ``then(offset, None)``
+        is called on this loop once the record and every earlier one of ``stream_id`` are
+        durable, or ``then(offset, error)`` when its write failed - in the same order a future
+        would complete, with the other records completed by the same write, and in the call
+        that completes the write when the loop's own AIO did it (no future, no done-callback,
+        no loop iteration per record). It must not raise (an exception is logged) nor complete
+        WAL writes itself; it runs in the loop's completion path, so it should be short."""
         driver = self._driver
         # on the driver's thread its loop is the running one; get_running_loop() costs a
         # getpid() syscall per call
@@ -355,9 +367,10 @@ class DeltaWAL:
         if check is not None and crc is not None:     # no fused copy: a pass of its own
             _verify(body, check)
             check = None
-        fut = loop.create_future()
+        fut = loop.create_future() if then is None else None
         with self._lock:
-            offset = self._reserve(body, n, stream_id, (loop, fut), crc, check)
+            offset = self._reserve(body, n, stream_id, (loop, fut if then is None else then),
+                                   crc, check)
         if driver is not None:
             if self._pending and driver.on_loop():
                 driver.kick()                     # a block sealed by size: write it now
@@ -738,33 +751,44 @@ class DeltaWAL:
         """Complete waiters outside the main lock, in the order they were popped (so callers
         see acknowledgements of one stream in order even when IO threads race); one loop
         wake-up per event loop per batch."""
+        me = threading.get_ident()
+        if self._resolver == me:
+            return      # called from a completion callback: the drain below takes these too
         with self._resolve_lock:
-            q = self._completed
+            self._resolver = me
+            try:
+                self._drain_locked()
+            finally:
+                self._resolver = None
+
+    def _drain_locked(self) -> None:
+        """_drain_completed's work; caller holds _resolve_lock."""
+        q = self._completed
+        while q:
+            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+            items = None
+            last_loop = None
+            popleft = q.popleft
             while q:
-                by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-                items = None
-                last_loop = None
-                popleft = q.popleft
-                while q:
-                    offset, waiter, exc = popleft()
-                    if type(waiter) is tuple:
-                        loop = waiter[0]
-                        if loop is not last_loop:
-                            items = by_loop.get(loop)
-                            if items is None:
-                                items = by_loop[loop] = []
-                            last_loop = loop
-                        items.append((waiter[1], offset, exc))
-                    elif not waiter.done():
-                        try:
-                            if exc is None:
-                                waiter.set_result(offset)
-                            else:
-                                waiter.set_exception(exc)
-                        except cf.InvalidStateError:
-                            pass
-                for loop, batch in by_loop.items():
-                    self._call_soon(loop, _set_many, batch)
+                offset, waiter, exc = popleft()
+                if type(waiter) is tuple:
+                    loop = waiter[0]
+                    if loop is not last_loop:
+                        items = by_loop.get(loop)
+                        if items is None:
+                            items = by_loop[loop] = []
+                        last_loop = loop
+                    items.append((waiter[1], offset, exc))
+                elif not waiter.done():
+                    try:
+                        if exc is None:
+                            waiter.set_result(offset)
+                        else:
+                            waiter.set_exception(exc)
+                    except cf.InvalidStateError:
+                        pass
+            for loop, batch in by_loop.items():
+                self._call_soon(loop, _set_many, batch)
 
     @staticmethod
     def _call_soon(loop: asyncio.AbstractEventLoop, fn, arg) -> None:
@@ -953,9 +977,15 @@ def _as_bytes_view(body) -> memoryview:
 
 
 def _set_many(items: list) -> None:
-    """Runs on the waiters' loop: resolve a batch of asyncio futures in order."""
+    """Runs on the waiters' loop: resolve a batch of asyncio futures, and call the callbacks
+    of append_loop(then=...) (callable; a future is not), in order."""
     for fut, value, exc in items:
-        if exc is None:
+        if callable(fut):
+            try:
+                fut(value, exc)
+            except Exception:  # noqa: BLE001 - the records after it are still completed
+                log.exception("WAL completion callback failed")
+        elif exc is None:
             if not fut.done():
                 fut.set_result(value)
         elif not fut.done():

@@ -309,7 +309,7 @@ async def test_replay_that_reads_nothing_retries_until_the_tail_is_read(tmp_path
 
 class DirectStream(GatedStream):
     """GatedStream with the engine's task-less ``append_now``: the payload is taken at once
-    and ``then(future)`` runs when the test resolves that append's durability future."""
+    and ``then(error)`` runs when the test resolves that append's durability future."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -320,7 +320,7 @@ class DirectStream(GatedStream):
         self._bases.append(base_offset)
         self._end = base_offset + count
         fut = asyncio.get_running_loop().create_future()
-        fut.add_done_callback(then)
+        fut.add_done_callback(lambda f: then(f.exception()))
         self.direct.append(fut)
         return True
 

@@ -997,3 +997,44 @@ async def test_appends_wait_while_the_wal_holds_max_buffered_bytes(tmp_path, mon
         assert s.append_now(payload(s.stream_id, 5), 5, 5, lambda fut: None) is True
     finally:
         await eng.close()
+
+
+async def test_append_now_continues_in_the_wal_completion_of_its_write(tmp_path) -> None:
+    """EngineStream.append_now: the caller's ``then(None)`` runs in the call that completes
+    the WAL write (the loop's AIO completion: no future, done callback or loop iteration per
+    append between durable and the caller's answer), after the stream's bookkeeping (the
+    confirmed offset includes it); appends are continued in order."""
+    eng = open_engine(small_config(tmp_path))
+    await eng.start()
+    try:
+        driver = eng.wal._driver
+        if driver is None:
+            pytest.skip("the WAL is not written by the loop's AIO here")
+        completing = [False]
+        real_finish = driver._finish
+
+        def finish(events):
+            completing[0] = True
+            try:
+                return real_finish(events)
+            finally:
+                completing[0] = False
+
+        driver._finish = finish
+        s = await eng.create_stream()
+        seen: list[tuple[int, object, bool, int]] = []
+        for i in range(20):
+            assert s.append_now(payload(s.stream_id, 5 * i), 5 * i, 5,
+                                lambda err, i=i: seen.append((i, err, completing[0],
+                                                              s.confirmed_offset)))
+        for _ in range(10_000):
+            if len(seen) == 20:
+                break
+            await asyncio.sleep(0.001)
+        assert [(i, err, inside) for i, err, inside, _c in seen] == \
+            [(i, None, True) for i in range(20)]
+        assert all(conf >= 5 * (i + 1) for i, _e, _in, conf in seen)
+        assert [bytes(b.payload) for b in await read_all(s)] == \
+            [payload(s.stream_id, 5 * i) for i in range(20)]
+    finally:
+        await eng.close()
