@@ -790,10 +790,13 @@ class DeltaWAL:
             for loop, batch in by_loop.items():
                 self._call_soon(loop, _set_many, batch)
 
-    @staticmethod
-    def _call_soon(loop: asyncio.AbstractEventLoop, fn, arg) -> None:
-        if asyncio._get_running_loop() is loop:
-            fn(arg)                   # on that loop already (AIO completions): no wake-up
+    def _call_soon(self, loop: asyncio.AbstractEventLoop, fn, arg) -> None:
+        driver = self._driver
+        # on that loop already (AIO completions): no wake-up. The driver knows its thread;
+        # asyncio._get_running_loop() costs a getpid() syscall per call (CPython 3.11)
+        if (driver is not None and driver.loop is loop and driver.on_loop()) \
+                or asyncio._get_running_loop() is loop:
+            fn(arg)
             return
         try:
             loop.call_soon_threadsafe(fn, arg)

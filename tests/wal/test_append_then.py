@@ -130,3 +130,24 @@ async def test_a_then_that_stops_the_wal_fails_the_records_behind_it(make_wal):
     assert calls[1][0] == "behind" and isinstance(calls[1][1], WALError)
     with pytest.raises(Exception):
         w.append_loop(b"refused")
+
+
+async def test_completions_on_the_drivers_loop_ask_asyncio_for_no_running_loop(make_wal,
+                                                                               monkeypatch):
+    """The loop's own AIO completions run their callbacks directly without asking asyncio
+    which loop runs (asyncio._get_running_loop() is a getpid() syscall per call in 3.11)."""
+    w, _ = make_wal()
+    assert w.attach_loop()
+    asked: list[int] = []
+    real = asyncio._get_running_loop
+
+    def counting():
+        asked.append(1)
+        return real()
+
+    done: list[int] = []
+    monkeypatch.setattr(asyncio, "_get_running_loop", counting)
+    w.append_loop(b"x" * 100, then=lambda off, exc: done.append(off))
+    asked.clear()                               # the append itself may look it up
+    await _until(lambda: bool(done))
+    assert asked == []
