@@ -115,6 +115,19 @@ class PartitionProducers:
         any sequence; a new epoch must start at sequence 0."""
         entry = self.entries.get(producer_id)
         mark = self.failed.get(producer_id)
+        if mark is not None:
+            m_epoch, m_seq, t = mark
+            if epoch > m_epoch or time.monotonic() - t > FAILED_MARK_S:
+                del self.failed[producer_id]
+                mark = None
+            elif epoch == m_epoch and _after(first_seq, m_seq):
+                # duplicates too (a replayed batch behind one refused while the replay ran):
+                # answered with its offset before the marked batch's retry, a stored batch
+                # of librdkafka's would be acknowledged implicitly, without an offset
+                raise ProducerError(
+                    "NOT_ENOUGH_REPLICAS",
+                    f"producer {producer_id}: the batch at sequence {m_seq} failed and must be "
+                    f"retried before sequence {first_seq}")
         if entry is not None:
             dup = entry.find_duplicate(epoch, first_seq, _last_seq(first_seq, count))
             if dup is not None:
@@ -123,15 +136,6 @@ class PartitionProducers:
                     # found it ran): its retry is answered, the successors may follow
                     del self.failed[producer_id]
                 return dup
-        if mark is not None:
-            m_epoch, m_seq, t = mark
-            if epoch > m_epoch or time.monotonic() - t > FAILED_MARK_S:
-                del self.failed[producer_id]
-            elif epoch == m_epoch and _after(first_seq, m_seq):
-                raise ProducerError(
-                    "NOT_ENOUGH_REPLICAS",
-                    f"producer {producer_id}: the batch at sequence {m_seq} failed and must be "
-                    f"retried before sequence {first_seq}")
         if entry is None:
             return None
         if epoch < entry.epoch:

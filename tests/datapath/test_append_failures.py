@@ -254,6 +254,27 @@ async def test_a_batch_refused_during_replay_holds_back_its_successor(tmp_path):
     await p2.close()
 
 
+async def test_a_batch_refused_during_replay_holds_back_a_stored_successor(tmp_path):
+    """Like the test above, but the successor was stored too (both in flight at a kill -9 or
+    a fence, both retried to the taker): v1's retry was refused while the replay ran, v2's
+    retry, arriving once it had ended, is a duplicate of a replayed batch. Answered with its
+    offset ahead of v1, librdkafka acknowledges v1 implicitly, without an offset (the
+    "implicitly acked by subsequent batch success" of the cluster chaos suite). A duplicate
+    behind a failed mark waits for the marked batch's retry like any successor."""
+    p2, stream = await _reopened_while_unreadable(tmp_path)
+    ra = await p2.append(idem(b"v1", 1))
+    assert ra.error == ErrorCode.NOT_ENOUGH_REPLICAS
+    stream.read_error = None
+    await asyncio.wait_for(p2._replay_task, 10)
+    rb = await p2.append(idem(b"v2", 2))
+    assert rb.error == ErrorCode.NOT_ENOUGH_REPLICAS, rb
+    ra = await p2.append(idem(b"v1", 1))
+    rb = await p2.append(idem(b"v2", 2))
+    assert (ra.error, ra.base_offset, rb.error, rb.base_offset) == (0, 1, 0, 2), (ra, rb)
+    assert [v for _, v in await values(p2)] == [b"v0", b"v1", b"v2"]
+    await p2.close()
+
+
 async def test_a_batch_refused_before_append_holds_back_its_successor(tmp_path):
     """Issue 17 (chaos suite): a produce refused at the door (this broker's lease lapsed for
     a few ms) appends nothing; the producer's next pipelined batch, arriving once the lease
