@@ -102,9 +102,12 @@ class PartitionProducers:
 
     def __init__(self) -> None:
         self.entries: dict[int, ProducerEntry] = {}
-        # producer id -> (epoch, first sequence, monotonic time) of a batch whose append
-        # failed after validation; later batches wait for its retry
-        self.failed: dict[int, tuple[int, int, float]] = {}
+        # producer id -> (epoch, first sequence, monotonic time, upto) of a batch whose
+        # append failed after validation; later batches wait for its retry. ``upto``: the
+        # highest first sequence refused behind it meanwhile (held back, or failed itself and
+        # never stored), else None: the marked batch's retry then moves the mark to the next
+        # sequence instead of removing it (_retried)
+        self.failed: dict[int, tuple[int, int, float, int | None]] = {}
 
     def check(self, producer_id: int, epoch: int, first_seq: int, count: int) -> BatchMeta | None:
         """Validate a batch before it is appended.
@@ -116,7 +119,7 @@ class PartitionProducers:
         entry = self.entries.get(producer_id)
         mark = self.failed.get(producer_id)
         if mark is not None:
-            m_epoch, m_seq, t = mark
+            m_epoch, m_seq, t, _upto = mark
             if epoch > m_epoch or time.monotonic() - t > FAILED_MARK_S:
                 del self.failed[producer_id]
                 mark = None
@@ -124,6 +127,7 @@ class PartitionProducers:
                 # duplicates too (a replayed batch behind one refused while the replay ran):
                 # answered with its offset before the marked batch's retry, a stored batch
                 # of librdkafka's would be acknowledged implicitly, without an offset
+                self._held(producer_id, mark, first_seq)
                 raise ProducerError(
                     "NOT_ENOUGH_REPLICAS",
                     f"producer {producer_id}: the batch at sequence {m_seq} failed and must be "
@@ -134,7 +138,7 @@ class PartitionProducers:
                 if mark is not None and mark[0] == epoch and mark[1] == first_seq:
                     # the marked batch was stored after all (refused while the replay that
                     # found it ran): its retry is answered, the successors may follow
-                    del self.failed[producer_id]
+                    self._retried(producer_id, mark, dup.last_seq)
                 return dup
         if entry is None:
             return None
@@ -161,8 +165,11 @@ class PartitionProducers:
         whether it became durable. A replayed batch leaves failed marks alone: its retry,
         refused during the replay, is still on its way (``check`` clears the mark then)."""
         mark = None if replayed else self.failed.get(producer_id)
-        if mark is not None and (epoch > mark[0] or (epoch == mark[0] and first_seq == mark[1])):
-            del self.failed[producer_id]      # the failed batch's retry (or a new epoch)
+        if mark is not None and epoch > mark[0]:
+            del self.failed[producer_id]      # a new epoch
+        elif mark is not None and epoch == mark[0] and first_seq == mark[1]:
+            # the failed batch's retry
+            self._retried(producer_id, mark, _last_seq(first_seq, count))
         entry = self.entries.get(producer_id)
         if entry is None or epoch != entry.epoch:
             if entry is not None and epoch < entry.epoch:
@@ -191,8 +198,35 @@ class PartitionProducers:
             return
         mark = self.failed.get(producer_id)
         if mark is not None and mark[0] == epoch and _after(first_seq, mark[1]):
-            return                            # an earlier failure already holds them back
-        self.failed[producer_id] = (epoch, first_seq, time.monotonic())
+            # an earlier failure already holds them back; its retry must not free them
+            self._held(producer_id, mark, first_seq)
+            return
+        self.failed[producer_id] = (epoch, first_seq, time.monotonic(), None)
+
+    def _held(self, producer_id: int, mark: tuple[int, int, float, int | None],
+              first_seq: int) -> None:
+        """A batch after the marked one was refused: remember the highest such sequence."""
+        upto = mark[3]
+        if upto is None or _after(first_seq, upto):
+            self.failed[producer_id] = (mark[0], mark[1], mark[2], first_seq)
+
+    def _retried(self, producer_id: int, mark: tuple[int, int, float, int | None],
+                 last_seq: int) -> None:
+        """The marked batch's retry was taken (or answered as a duplicate): the mark goes,
+        or, when later batches were refused while it stood, it moves to the next sequence
+        (the first of them), so the ones after it wait for its retry in turn. Without that,
+        seq n+1 refused behind seq n's mark was forgotten once seq n's retry was taken, and
+        seq n+2, pipelined behind it, was answered OUT_OF_ORDER_SEQUENCE (cluster chaos
+        suite, session 21: a librdkafka epoch bump re-sending 'possibly persisted' records);
+        a stored seq n+2 would have been answered, and seq n+1 acknowledged implicitly,
+        without an offset."""
+        upto = mark[3]
+        nxt = 0 if last_seq == INT32_MAX else last_seq + 1
+        if upto is None or _after(nxt, upto):
+            del self.failed[producer_id]
+        else:
+            self.failed[producer_id] = (mark[0], nxt, time.monotonic(),
+                                        upto if _after(upto, nxt) else None)
 
     def expire_below(self, log_start_offset: int) -> None:
         """Drop producers whose every remembered batch fell below the log start (retention)."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from broker.partition import Partition
 from protocol import ErrorCode
 from storage.memory import MemoryStream, MemoryStreamStore
@@ -273,6 +275,38 @@ async def test_a_batch_refused_during_replay_holds_back_a_stored_successor(tmp_p
     assert (ra.error, ra.base_offset, rb.error, rb.base_offset) == (0, 1, 0, 2), (ra, rb)
     assert [v for _, v in await values(p2)] == [b"v0", b"v1", b"v2"]
     await p2.close()
+
+
+@pytest.mark.parametrize("refusal", ["held back by the mark", "failed itself"])
+async def test_a_batch_refused_behind_a_failed_mark_is_waited_for_after_its_retry(
+        tmp_path, refusal):
+    """Cluster chaos suite (run 7 of session 21, a passing run): during an object store cut
+    seq 1 failed (no room: a mark at 1); seq 2 was refused too, either by that mark or by a
+    failure of its own (an admission wait timing out), leaving no mark of its own since the
+    one at 1 held it back; room came back and seq 1's retry was appended, which took the
+    mark away, so seq 3 (pipelined behind seq 2) was checked against seq 1 and answered
+    OUT_OF_ORDER_SEQUENCE (librdkafka: a fatal-path epoch bump re-sending 'possibly
+    persisted' records). A stored successor (a duplicate) would have been answered instead,
+    and librdkafka would have acknowledged seq 2 implicitly, without an offset. Seq 3 must
+    wait for seq 2's retry."""
+    stream = GatedStream(timeout=0.05)
+    p, *_ = await open_partition(tmp_path, stream=stream)
+    assert (await p.append(idem(b"A", 0))).error == 0
+    stream.room.clear()
+    assert (await p.append(idem(b"B", 1))).error == ErrorCode.NOT_ENOUGH_REPLICAS
+    if refusal == "failed itself":
+        p.refused(idem(b"C", 2))
+    else:
+        assert (await p.append(idem(b"C", 2))).error == ErrorCode.NOT_ENOUGH_REPLICAS
+    stream.room.set()
+    rb = await p.append(idem(b"B", 1))
+    assert (rb.error, rb.base_offset) == (0, 1), rb
+    rd = await p.append(idem(b"D", 3))
+    assert rd.error == ErrorCode.NOT_ENOUGH_REPLICAS, rd
+    rc = await p.append(idem(b"C", 2))
+    rd = await p.append(idem(b"D", 3))
+    assert (rc.error, rc.base_offset, rd.error, rd.base_offset) == (0, 2, 0, 3), (rc, rd)
+    assert await values(p) == [(0, b"A"), (1, b"B"), (2, b"C"), (3, b"D")]
 
 
 async def test_a_batch_refused_before_append_holds_back_its_successor(tmp_path):
