@@ -11,6 +11,18 @@ from storage.cold_reads import ColdReadPacer
 MiB = 1 << 20
 
 
+def count_lag_samples(p: ColdReadPacer) -> list[int]:
+    """Count the probe's lag samples: the returned one-item list counts its note_lag calls."""
+    samples = [0]
+    real = p.note_lag
+
+    def count(lag: float) -> None:
+        samples[0] += 1
+        real(lag)
+    p.note_lag = count  # type: ignore[method-assign]
+    return samples
+
+
 class Clock:
     def __init__(self) -> None:
         self.t = 100.0
@@ -213,13 +225,7 @@ async def test_probe_samples_fast_only_while_paced_cold_reads_run() -> None:
     p.note_hot(0.0002, 1000)
     assert p.probe_interval() == p.IDLE_PROBE_S
     p.delay_for(256 << 10)
-    samples = [0]
-    real = p.note_lag
-
-    def count(lag: float) -> None:
-        samples[0] += 1
-        real(lag)
-    p.note_lag = count  # type: ignore[method-assign]
+    samples = count_lag_samples(p)
     p.start()
     try:
         for _ in range(200):                        # a few probe rounds, however slow the loop
@@ -279,13 +285,7 @@ async def test_an_idle_probe_sleeps_until_an_append_wakes_it() -> None:
     (loop lag is no signal then): the probe takes no sample at all until an append (or a
     paced read) wakes it; it woke 20 times a second on an idle broker before (session 21)."""
     p = ColdReadPacer(64 * MiB, 16 * MiB, lag_target_s=0.001, probe_interval_s=0.005)
-    samples = [0]
-    real = p.note_lag
-
-    def count(lag: float) -> None:
-        samples[0] += 1
-        real(lag)
-    p.note_lag = count  # type: ignore[method-assign]
+    samples = count_lag_samples(p)
     p.start()
     try:
         for _ in range(30):                          # the probe runs and goes to sleep ...

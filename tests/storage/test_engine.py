@@ -13,6 +13,7 @@ from storage.engine import open_engine
 from storage.stream import OffsetOutOfRange, RetriableStorageError, StorageError
 
 from storage_helpers import fill, payload, read_all, small_config
+from wal_probes import flag_completions
 
 
 @contextlib.asynccontextmanager
@@ -1010,17 +1011,7 @@ async def test_append_now_continues_in_the_wal_completion_of_its_write(tmp_path)
         driver = eng.wal._driver
         if driver is None:
             pytest.skip("the WAL is not written by the loop's AIO here")
-        completing = [False]
-        real_finish = driver._finish
-
-        def finish(events):
-            completing[0] = True
-            try:
-                return real_finish(events)
-            finally:
-                completing[0] = False
-
-        driver._finish = finish
+        completing = flag_completions(driver)
         s = await eng.create_stream()
         seen: list[tuple[int, object, bool, int]] = []
         for i in range(20):

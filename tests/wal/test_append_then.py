@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from storage.wal import WALError
+from wal_probes import flag_completions
 
 from .test_loop_aio import body, reopen
 
@@ -29,17 +30,7 @@ async def test_then_runs_in_the_completion_of_the_write_in_order_per_stream(make
     w, _ = make_wal(capacity=16 << 20, block_soft_limit=4096)
     assert w.attach_loop()
     driver = w._driver
-    completing = [False]
-    real_finish = driver._finish
-
-    def finish(events):
-        completing[0] = True
-        try:
-            return real_finish(events)
-        finally:
-            completing[0] = False
-
-    driver._finish = finish
+    completing = flag_completions(driver)
     seen: list[tuple[int, int, object, bool]] = []
     recs = [(i % 3, body(i % 3, i, 100 + (i * 7919) % 9000)) for i in range(300)]
     results = []
