@@ -222,6 +222,11 @@ class EngineStream(OffsetStream):
         return self._confirmed
 
     def _durable(self, entry: CacheEntry, t0: float, fut: asyncio.Future) -> None:
+        self._note_durable(entry, t0, not fut.cancelled() and fut.exception() is None)
+
+    def _note_durable(self, entry: CacheEntry, t0: float, ok: bool) -> None:
+        """The stream's bookkeeping once an append's WAL write completed (both append paths):
+        ``ok`` when it is durable, False when the write failed."""
         entry.durable = True        # even on a WAL error: the bytes still go to the object store
         # the hot path's latency as the loop sees it: what cold reads must not stretch
         took = time.perf_counter() - t0
@@ -230,7 +235,7 @@ class EngineStream(OffsetStream):
         stats.wal_append.observe(took)
         if took > stats.wal_append_max:
             stats.wal_append_max = took
-        if not fut.cancelled() and fut.exception() is None and entry.next_offset > self._confirmed:
+        if ok and entry.next_offset > self._confirmed:
             self._confirmed = entry.next_offset
         self._engine._maybe_upload()
 
@@ -285,17 +290,8 @@ class EngineStream(OffsetStream):
         entry = CacheEntry(self.stream_id, base_offset, count, payload, added=t0)
 
         def durable(_offset: int, error: BaseException | None) -> None:
-            # _durable's bookkeeping, then the caller's continuation: one call per append
-            entry.durable = True    # even on a WAL error: the bytes still go to the object store
-            took = time.perf_counter() - t0
-            eng.cold_pacer.note_hot(took, len(payload))
-            stats = eng.stats
-            stats.wal_append.observe(took)
-            if took > stats.wal_append_max:
-                stats.wal_append_max = took
-            if error is None and entry.next_offset > self._confirmed:
-                self._confirmed = entry.next_offset
-            eng._maybe_upload()
+            # the stream's bookkeeping, then the caller's continuation: one call per append
+            self._note_durable(entry, t0, error is None)
             then(error)
 
         try:
