@@ -476,6 +476,16 @@ async def test_ring_boundaries_seeded_walk(tmp_path, engine):
     print(engine, totals)
 
 
+def small_wal(path: str, engine: str, cap: int = 24 << 10) -> DeltaWAL:
+    """An opened WAL of a 16 KiB ring whose blocks are sealed only by size or flush() (no
+    timer: the layout depends on the test alone), written by ``engine``."""
+    w = DeltaWAL(WALConfig(path=path, capacity=cap, io_engine=engine, flush_interval_s=FAR))
+    list(w.open())
+    if engine == "aio":
+        assert w.attach_loop()
+    return w
+
+
 @pytest.mark.parametrize("engine", ["threads", "aio"])
 async def test_a_refused_lap_jump_leaves_the_next_records_where_they_fit(tmp_path, engine):
     """A record that does not fit in the rest of the lap is placed at the next lap's start;
@@ -484,11 +494,7 @@ async def test_a_refused_lap_jump_leaves_the_next_records_where_they_fit(tmp_pat
     trim past (that lap's start + its aligned size - ring), beyond the last record's end
     here: nothing could be appended again until a restart, however much was trimmed."""
     path = str(tmp_path / "wal")
-    cap = 24 << 10
-    w = DeltaWAL(WALConfig(path=path, capacity=cap, io_engine=engine, flush_interval_s=FAR))
-    list(w.open())
-    if engine == "aio":
-        assert w.attach_loop()
+    w = small_wal(path, engine)
     ring = w.ring_size                                             # 16 KiB
     first = w.append_loop(b"r" * (ring - H))                       # the whole first lap
     assert await first.future == 0
@@ -503,7 +509,7 @@ async def test_a_refused_lap_jump_leaves_the_next_records_where_they_fit(tmp_pat
     w.flush()
     assert await more.future == ring + ALIGN
     w.close()
-    w = DeltaWAL(WALConfig(path=path, capacity=cap))
+    w = DeltaWAL(WALConfig(path=path, capacity=24 << 10))
     assert list(w.open()) == [(ring + ALIGN, b"m" * (100 - H))]
     w.close()
 
@@ -515,9 +521,7 @@ async def test_a_lap_jump_refused_by_its_checksum_leaves_the_next_records_where_
     to the next lap (which wasted the rest of the lap and could run into the refusal above)."""
     import crc32c
     from storage.wal.errors import ChecksumMismatchError
-    w = DeltaWAL(WALConfig(path=str(tmp_path / "wal"), capacity=24 << 10, io_engine="threads",
-                           flush_interval_s=FAR))
-    list(w.open())
+    w = small_wal(str(tmp_path / "wal"), "threads")
     ring = w.ring_size
     first = w.append_loop(b"f" * (12000 - H))                      # [0, 12000)
     w.flush()
@@ -538,11 +542,7 @@ async def test_a_record_with_its_header_in_the_ring_last_bytes_is_recovered(tmp_
     crash (the WAL is abandoned, not closed): recovery reads that header and goes on at the
     next lap's start."""
     path = str(tmp_path / "wal")
-    cap = 24 << 10
-    w = DeltaWAL(WALConfig(path=path, capacity=cap, io_engine=engine, flush_interval_s=FAR))
-    list(w.open())
-    if engine == "aio":
-        assert w.attach_loop()
+    w = small_wal(path, engine)
     ring = w.ring_size
     fill = w.append_loop(b"f" * (ring - 2 * H))                    # [0, ring - 24)
     last = w.append_loop(b"")                                      # [ring - 24, ring)
@@ -552,7 +552,7 @@ async def test_a_record_with_its_header_in_the_ring_last_bytes_is_recovered(tmp_
     nxt = w.append_loop(b"n" * 50)                                 # the next lap's start
     w.flush()
     assert await nxt.future == ring
-    w2 = DeltaWAL(WALConfig(path=path, capacity=cap))              # the first is abandoned
+    w2 = DeltaWAL(WALConfig(path=path, capacity=24 << 10))        # the first is abandoned
     assert list(w2.open()) == [(ring - H, b""), (ring, b"n" * 50)]
     w2.close()
     w.close()
