@@ -518,6 +518,23 @@ class Partition:
             res.error, res.message = ErrorCode.KAFKA_STORAGE_ERROR, self._offline
             return res
         admission = self._admission
+        if admission.held and len(views) == 1 and idempotent and self._offline is None \
+                and not self._closed:
+            # a retry of a stored batch needs no room: answered now, not queued behind an
+            # append that waits for room, where its wait would time out and the refusal hold
+            # back its stored successors (failed marks) until it is retried once more
+            view = views[0][1]
+            count_1 = view.last_offset_delta + 1
+            if self.producers.stored(view.producer_id, view.producer_epoch,
+                                     view.base_sequence, count_1):
+                try:
+                    dup = self.producers.check(view.producer_id, view.producer_epoch,
+                                               view.base_sequence, count_1)
+                except ProducerError as e:
+                    res.error, res.message = ErrorCode[e.code], str(e)
+                    return res
+                if dup is not None:
+                    return await self._answer_duplicate(dup, res)
         if not admission.try_take() and not await admission.take(self._admission_timeout_s):
             return self._not_appended(res, idempotent, ErrorCode.NOT_ENOUGH_REPLICAS,
                                       "storage busy: earlier appends still wait; retry")

@@ -158,6 +158,13 @@ class PartitionProducers:
                 f"producer {producer_id}: expected sequence {entry.last_seq + 1}, got {first_seq}")
         return None
 
+    def stored(self, producer_id: int, epoch: int, first_seq: int, count: int) -> bool:
+        """Whether this batch is one the window remembers (a duplicate), without the checks
+        and mark bookkeeping of ``check``."""
+        entry = self.entries.get(producer_id)
+        return entry is not None and \
+            entry.find_duplicate(epoch, first_seq, _last_seq(first_seq, count)) is not None
+
     def record(self, producer_id: int, epoch: int, first_seq: int, count: int,
                base_offset: int, timestamp: int, outcome: Any = None,
                replayed: bool = False) -> BatchMeta:
@@ -187,19 +194,36 @@ class PartitionProducers:
 
     def fail(self, producer_id: int, epoch: int, first_seq: int) -> None:
         """A batch that passed validation was not appended (back-pressure, storage error,
-        shutdown): its window is untouched, and the producer's later batches are refused
-        (retriably) until this one is retried. A batch at or before the window's last
-        sequence (a duplicate) leaves no mark."""
+        shutdown) or was refused before its duplicate check: its window is untouched, and
+        the producer's later batches are refused (retriably) until this one is retried.
+
+        A refused duplicate (a retry of a stored batch still in the window) leaves a mark
+        too: the client saw an error for it and retries it, and a stored successor answered
+        with its offset first would make librdkafka acknowledge it implicitly, without an
+        offset (back-pressure chaos suite, CI of session 22). A batch at or before the
+        window's last sequence that is not in the window (older) leaves none: no retry of
+        it could clear the mark."""
         entry = self.entries.get(producer_id)
         if entry is not None and entry.epoch == epoch and entry.batches \
-                and not _after(first_seq, entry.last_seq):
+                and not _after(first_seq, entry.last_seq) \
+                and not any(b.first_seq == first_seq for b in entry.batches):
             return
         if entry is not None and epoch < entry.epoch:
             return
         mark = self.failed.get(producer_id)
-        if mark is not None and mark[0] == epoch and _after(first_seq, mark[1]):
-            # an earlier failure already holds them back; its retry must not free them
-            self._held(producer_id, mark, first_seq)
+        if mark is not None and mark[0] == epoch:
+            if _after(first_seq, mark[1]):
+                # an earlier failure already holds them back; its retry must not free them
+                self._held(producer_id, mark, first_seq)
+                return
+            if first_seq != mark[1]:
+                # below the mark (a refused duplicate): the mark moves down to it and still
+                # remembers the batches refused at or after the old one
+                upto = mark[3] if mark[3] is not None and _after(mark[3], mark[1]) \
+                    else mark[1]
+                self.failed[producer_id] = (epoch, first_seq, time.monotonic(), upto)
+                return
+            self.failed[producer_id] = (epoch, first_seq, time.monotonic(), mark[3])
             return
         self.failed[producer_id] = (epoch, first_seq, time.monotonic(), None)
 

@@ -326,6 +326,70 @@ async def test_a_batch_refused_before_append_holds_back_its_successor(tmp_path):
     assert await values(p) == [(0, b"A"), (1, b"B"), (2, b"C")]
 
 
+async def test_a_refused_retry_of_a_stored_batch_holds_back_its_stored_successor(tmp_path):
+    """Back-pressure suite (CI, session 22: four values acknowledged without an offset): seq 1
+    and seq 2 were stored, both answers lost (kill -9 or a reset connection), both retried. The
+    retry of seq 1 was refused before its duplicate check (here at the door; at the
+    replay's or the admission's refusal in the chaos run) and, being a duplicate, left no
+    failed mark; the retry of seq 2 was then answered with its offset, and librdkafka
+    acknowledged seq 1 implicitly, without one. A refused duplicate holds back its
+    successors like any refused batch, until its own retry is answered."""
+    p, *_ = await open_partition(tmp_path)
+    for i, v in enumerate((b"A", b"B", b"C")):
+        assert (await p.append(idem(v, i))).error == 0
+    p.refused(idem(b"B", 1))
+    rc = await p.append(idem(b"C", 2))
+    assert rc.error == ErrorCode.NOT_ENOUGH_REPLICAS, rc
+    rb = await p.append(idem(b"B", 1))
+    rc = await p.append(idem(b"C", 2))
+    assert (rb.error, rb.base_offset, rc.error, rc.base_offset) == (0, 1, 0, 2), (rb, rc)
+    rd = await p.append(idem(b"D", 3))
+    assert (rd.error, rd.base_offset) == (0, 3), rd
+    assert await values(p) == [(0, b"A"), (1, b"B"), (2, b"C"), (3, b"D")]
+
+
+async def test_a_refused_duplicate_below_a_failed_mark_keeps_that_mark(tmp_path):
+    """Seq 2 failed (a mark at 2), then the retry of the stored seq 1 was refused too: the
+    mark moves down to 1 and still remembers 2, so seq 3 waits for both retries in turn."""
+    stream = GatedStream(timeout=0.05)
+    p, *_ = await open_partition(tmp_path, stream=stream)
+    for i, v in enumerate((b"A", b"B")):
+        assert (await p.append(idem(v, i))).error == 0
+    stream.room.clear()
+    assert (await p.append(idem(b"C", 2))).error == ErrorCode.NOT_ENOUGH_REPLICAS
+    p.refused(idem(b"B", 1))
+    stream.room.set()
+    assert (await p.append(idem(b"D", 3))).error == ErrorCode.NOT_ENOUGH_REPLICAS
+    rb = await p.append(idem(b"B", 1))
+    assert (rb.error, rb.base_offset) == (0, 1), rb
+    assert (await p.append(idem(b"D", 3))).error == ErrorCode.NOT_ENOUGH_REPLICAS
+    rc = await p.append(idem(b"C", 2))
+    rd = await p.append(idem(b"D", 3))
+    assert (rc.error, rc.base_offset, rd.error, rd.base_offset) == (0, 2, 0, 3), (rc, rd)
+    assert await values(p) == [(0, b"A"), (1, b"B"), (2, b"C"), (3, b"D")]
+
+
+async def test_a_retried_stored_batch_is_answered_without_waiting_for_admission(tmp_path):
+    """A retry of a stored batch needs no room: it is answered with its offset at once, not
+    queued behind another producer's append that waits for room (where it would time out,
+    be refused, and hold back its own stored successors)."""
+    stream = GatedStream(timeout=30)
+    p, *_ = await open_partition(tmp_path, stream=stream)
+    p._admission_timeout_s = 0.05
+    for i, v in enumerate((b"A", b"B")):
+        assert (await p.append(idem(v, i))).error == 0
+    stream.room.clear()
+    other = asyncio.ensure_future(p.append(idem(b"X", 0, pid=8)))
+    await asyncio.sleep(0.05)
+    assert p._admission.held and not other.done()
+    rb = await p.append(idem(b"B", 1))
+    assert (rb.error, rb.base_offset) == (0, 1), rb
+    stream.room.set()
+    rx = await other
+    assert (rx.error, rx.base_offset) == (0, 2), rx
+    assert await values(p) == [(0, b"A"), (1, b"B"), (2, b"X")]
+
+
 class _ReadsNothingAtFirst:
     """A stream whose first reads return no batches (objects not visible yet)."""
 
