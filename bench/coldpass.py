@@ -14,6 +14,13 @@ pass: MB/s, MiB read, the broker's CPU per MiB (all threads; of it the event loo
 bench process's own (the client), and the data disk's busy share and read MB/s over the pass
 (/proc/diskstats, every process: on a quiet machine a busy share near 100 % says the pass is
 bound by the device, not by CPU). ``--data-dir`` keeps the data for another run (the topic is reused when it exists).
+
+``--device THREADS,PIECE_MIB`` (repeatable, e.g. ``--device 4,8 --device 1,8``) adds, after each
+round's passes, plain reads of the same object files with no broker running: every file read
+whole from its start in PIECE_MIB O_DIRECT reads into a reused huge-page buffer, THREADS files at
+a time (the cold pass's readers each read their partition's objects in order). It is what this
+disk gives the pass's bytes in the same minutes, so "the pass is at the device" is checked
+rather than assumed (the busy share alone did not tell: bench/HISTORY.md, sessions 20 and 22).
 """
 from __future__ import annotations
 
@@ -41,6 +48,66 @@ def _cpu_by_role(pid: int | None) -> dict[str, float]:
     return out
 
 
+def device_pass(objects_dir: str, threads: int, piece: int, dev: str | None) -> dict:
+    """Read every file under ``objects_dir`` once with O_DIRECT, ``piece`` bytes per read into
+    one reused buffer per thread (huge pages where the kernel gives them), ``threads`` files
+    at a time; returns bytes, seconds, and the device's requests (count, sectors, ms) over it.
+    File systems that refuse O_DIRECT (tmpfs) are read through the page cache."""
+    import mmap
+    import threading
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(objects_dir) for f in fs
+                   if ".tmp-" not in f)
+    lock = threading.Lock()
+    todo = iter(files)
+    total = [0]
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            buf = mmap.mmap(-1, piece, flags=mmap.MAP_PRIVATE)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                try:
+                    buf.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:
+                    pass
+            mv = memoryview(buf)
+            while True:
+                with lock:
+                    path = next(todo, None)
+                if path is None:
+                    return
+                try:
+                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+                except OSError:
+                    fd = os.open(path, os.O_RDONLY)
+                got = 0
+                try:
+                    while True:
+                        r = os.preadv(fd, [mv], got)
+                        got += r
+                        if r < piece:
+                            break
+                finally:
+                    os.close(fd)
+                with lock:
+                    total[0] += got
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            errors.append(e)
+
+    d0, t0 = catchup.disk_counters(dev), time.monotonic()
+    ths = [threading.Thread(target=worker) for _ in range(max(1, threads))]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    wall, d1 = time.monotonic() - t0, catchup.disk_counters(dev)
+    if errors:
+        raise errors[0]
+    delta = {k: d1.get(k, float("nan")) - d0.get(k, float("nan")) for k in
+             ("disk reads", "disk read sectors", "disk read ms", "disk busy ms")}
+    return {"bytes": total[0], "seconds": wall, "files": len(files), **delta}
+
+
 def _vmstat() -> dict[str, int]:
     out = {}
     try:
@@ -63,6 +130,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0, help="produce time")
     ap.add_argument("--fetch-seconds", type=float, default=5.0, help="most time per pass")
     ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--device", action="append", default=[], metavar="THREADS,PIECE_MIB",
+                    help="after each round, plain O_DIRECT reads of the same objects (no broker)")
     a = ap.parse_args()
     variants = []
     for v in a.variant:
@@ -131,6 +200,21 @@ def main() -> None:
                     f"{k} {(roles1[k] - roles0[k]) * 1e3 / mib:.3f}" for k in roles0)
                     + f"  fresh huge pages {(vm1.get('thp_fault_alloc', 0) - vm0.get('thp_fault_alloc', 0)) * 2} MiB"
                     + f"  page faults {vm1.get('pgfault', 0) - vm0.get('pgfault', 0)}", flush=True)
+            if a.device:
+                broker.stop()                    # the disk alone: no broker beside the reads
+                for spec in a.device:
+                    th, _, mib = spec.partition(",")
+                    st = device_pass(os.path.join(broker.data_dir, "data", "objects"), int(th),
+                                     int(float(mib or 8) * (1 << 20)), dev)
+                    nreq = max(st["disk reads"], 1)
+                    name = f"device {th}x{mib or 8}M"
+                    results.setdefault(name, []).append(st["bytes"] / st["seconds"] / 1e6)
+                    print(f"round {r} {name:10s} {st['bytes'] / st['seconds'] / 1e6:7.0f} MB/s "
+                          f"{st['bytes'] / (1 << 20):6.0f} MiB in {st['seconds']:.2f} s  "
+                          f"disk busy {st['disk busy ms'] / st['seconds'] / 10:.0f} % in "
+                          f"{st['disk read sectors'] / 2 / nreq:.0f} KiB requests of "
+                          f"{st['disk read ms'] / nreq:.2f} ms  load {os.getloadavg()[0]:.1f}",
+                          flush=True)
     finally:
         broker.close()
     for name, v in results.items():
