@@ -54,7 +54,20 @@ class Outcome:
         lines = [self.report.summary(), f"schedule: {' '.join(self.steps)} ({self.seconds:.0f}s)"]
         lines += [str(r) for r in self.restarts]
         lines += [f"writer error: {e}" for e in self.writer_errors]
+        if self.report is not None and self.report.no_offset:
+            lines += [f"librdkafka: {ln}" for ln in implicit_acks(self.rdkafka_log)]
         return "\n".join(lines)
+
+
+def implicit_acks(path: str, limit: int = 10) -> list[str]:
+    """librdkafka's 'implicitly acked by subsequent batch success' lines (the values it
+    acknowledged without an offset: an earlier answer was an error for a batch that was
+    stored), so a failing CI run names them even when its logs are gone."""
+    try:
+        with open(path, errors="replace") as f:
+            return [ln.strip()[:300] for ln in f if "implicitly acked" in ln][:limit]
+    except OSError:
+        return []
 
 
 def short_schedule() -> list[Any]:
