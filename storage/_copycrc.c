@@ -35,6 +35,7 @@
 #endif
 
 static int have_hw = 0;
+static int fold_on = 0;     /* the copies fold the CRC with VPCLMULQDQ (copy_crc_fold) */
 
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -152,6 +153,142 @@ static int cpu_has_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2");
 }
+
+/* The same copy with the CRC computed by carry-less multiplication (VPCLMULQDQ on 512-bit
+   registers) instead of the crc32 instruction. crc32 takes 8 bytes per cycle at best, so a
+   hot copy was bound by it (1 MiB: CRC alone 0.038 ms, memmove 0.026), and its three lanes
+   4 KiB apart read a cold source as three streams (CRC alone 0.10 ms from a cold source,
+   memmove 0.05). Here the source is read as one stream of 64-byte loads, each stored and
+   folded into one of four 512-bit accumulators (each 128-bit part is a polynomial congruent,
+   modulo the CRC's, to all the data folded into it so far, moved 256 bytes on per step:
+   lo * x^(2048+64) + hi * x^2048, constants below as rev64(x^(e-1) mod P)). The 256 bytes of
+   the accumulators are then a message with the same CRC as everything folded, which the
+   crc32 instruction finishes (no reduction constants), followed by the tail. The register
+   going in is XORed into the first four bytes (a CRC's register is the same as XORing it
+   into the data that follows). */
+#if defined(__clang__) || __GNUC__ >= 8   /* the vpclmulqdq target attribute */
+#define FOLD_STEP 256
+#define FOLD_MIN 1024
+#define FOLD_K_LO 0xe9a5d8be00000000ull    /* rev64(x^(2048+63) mod P) */
+#define FOLD_K_HI 0x1426a81500000000ull    /* rev64(x^(2048-1) mod P) */
+
+__attribute__((target("sse4.2,avx2,avx512f,vpclmulqdq"))) __attribute__((always_inline))
+static inline uint32_t copy_crc_fold(unsigned char *dst, const unsigned char *p, size_t n,
+                                     uint32_t crc, const int nt) {
+    if (n < FOLD_MIN) return copy_crc_avx2(dst, p, n, crc, 0);
+    size_t head = (64 - ((uintptr_t)dst & 63)) & 63;    /* align dst to a line */
+    memcpy(dst, p, head);
+    crc = crc_hw(crc, p, head);
+    dst += head;
+    p += head;
+    n -= head;
+    const __m512i k = _mm512_set_epi64((long long)FOLD_K_HI, (long long)FOLD_K_LO,
+                                       (long long)FOLD_K_HI, (long long)FOLD_K_LO,
+                                       (long long)FOLD_K_HI, (long long)FOLD_K_LO,
+                                       (long long)FOLD_K_HI, (long long)FOLD_K_LO);
+    __m512i x0 = _mm512_loadu_si512((const void *)p);
+    __m512i x1 = _mm512_loadu_si512((const void *)(p + 64));
+    __m512i x2 = _mm512_loadu_si512((const void *)(p + 128));
+    __m512i x3 = _mm512_loadu_si512((const void *)(p + 192));
+#define FOLD_STORE(off, v) do { \
+        if (nt) _mm512_stream_si512((void *)(dst + (off)), (v)); \
+        else _mm512_store_si512((void *)(dst + (off)), (v)); } while (0)
+    FOLD_STORE(0, x0); FOLD_STORE(64, x1); FOLD_STORE(128, x2); FOLD_STORE(192, x3);
+    x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)crc)));
+    p += FOLD_STEP;
+    dst += FOLD_STEP;
+    n -= FOLD_STEP;
+    while (n >= FOLD_STEP) {
+        __m512i d0 = _mm512_loadu_si512((const void *)p);
+        __m512i d1 = _mm512_loadu_si512((const void *)(p + 64));
+        __m512i d2 = _mm512_loadu_si512((const void *)(p + 128));
+        __m512i d3 = _mm512_loadu_si512((const void *)(p + 192));
+        FOLD_STORE(0, d0); FOLD_STORE(64, d1); FOLD_STORE(128, d2); FOLD_STORE(192, d3);
+        x0 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x0, k, 0x00),
+                                       _mm512_clmulepi64_epi128(x0, k, 0x11), d0, 0x96);
+        x1 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x1, k, 0x00),
+                                       _mm512_clmulepi64_epi128(x1, k, 0x11), d1, 0x96);
+        x2 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x2, k, 0x00),
+                                       _mm512_clmulepi64_epi128(x2, k, 0x11), d2, 0x96);
+        x3 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x3, k, 0x00),
+                                       _mm512_clmulepi64_epi128(x3, k, 0x11), d3, 0x96);
+        p += FOLD_STEP;
+        dst += FOLD_STEP;
+        n -= FOLD_STEP;
+    }
+#undef FOLD_STORE
+    if (nt) _mm_sfence();             /* order the stream stores before anyone is told */
+    unsigned char acc[FOLD_STEP] __attribute__((aligned(64)));
+    _mm512_store_si512((void *)acc, x0);
+    _mm512_store_si512((void *)(acc + 64), x1);
+    _mm512_store_si512((void *)(acc + 128), x2);
+    _mm512_store_si512((void *)(acc + 192), x3);
+    crc = crc_hw(0, acc, FOLD_STEP);
+    memcpy(dst, p, n);
+    return crc_hw(crc, dst, n);
+}
+
+/* the CRC alone, folded the same way (no copy): cold reads check each object block's CRC */
+__attribute__((target("sse4.2,avx2,avx512f,vpclmulqdq")))
+static uint32_t crc_fold(uint32_t crc, const unsigned char *p, size_t n) {
+    if (n < FOLD_MIN) return crc_hw(crc, p, n);
+    const __m512i k = _mm512_set_epi64((long long)FOLD_K_HI, (long long)FOLD_K_LO,
+                                       (long long)FOLD_K_HI, (long long)FOLD_K_LO,
+                                       (long long)FOLD_K_HI, (long long)FOLD_K_LO,
+                                       (long long)FOLD_K_HI, (long long)FOLD_K_LO);
+    __m512i x0 = _mm512_loadu_si512((const void *)p);
+    __m512i x1 = _mm512_loadu_si512((const void *)(p + 64));
+    __m512i x2 = _mm512_loadu_si512((const void *)(p + 128));
+    __m512i x3 = _mm512_loadu_si512((const void *)(p + 192));
+    x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)crc)));
+    p += FOLD_STEP;
+    n -= FOLD_STEP;
+    while (n >= FOLD_STEP) {
+        x0 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x0, k, 0x00),
+                                       _mm512_clmulepi64_epi128(x0, k, 0x11),
+                                       _mm512_loadu_si512((const void *)p), 0x96);
+        x1 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x1, k, 0x00),
+                                       _mm512_clmulepi64_epi128(x1, k, 0x11),
+                                       _mm512_loadu_si512((const void *)(p + 64)), 0x96);
+        x2 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x2, k, 0x00),
+                                       _mm512_clmulepi64_epi128(x2, k, 0x11),
+                                       _mm512_loadu_si512((const void *)(p + 128)), 0x96);
+        x3 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x3, k, 0x00),
+                                       _mm512_clmulepi64_epi128(x3, k, 0x11),
+                                       _mm512_loadu_si512((const void *)(p + 192)), 0x96);
+        p += FOLD_STEP;
+        n -= FOLD_STEP;
+    }
+    unsigned char acc[FOLD_STEP] __attribute__((aligned(64)));
+    _mm512_store_si512((void *)acc, x0);
+    _mm512_store_si512((void *)(acc + 64), x1);
+    _mm512_store_si512((void *)(acc + 128), x2);
+    _mm512_store_si512((void *)(acc + 192), x3);
+    return crc_hw(crc_hw(0, acc, FOLD_STEP), p, n);
+}
+
+__attribute__((target("sse4.2,avx2,avx512f,vpclmulqdq")))
+static uint32_t copy_crc_fold_stream(unsigned char *dst, const unsigned char *p, size_t n,
+                                     uint32_t crc) {
+    return copy_crc_fold(dst, p, n, crc, 1);
+}
+
+__attribute__((target("sse4.2,avx2,avx512f,vpclmulqdq")))
+static uint32_t copy_crc_fold_cached(unsigned char *dst, const unsigned char *p, size_t n,
+                                     uint32_t crc) {
+    return copy_crc_fold(dst, p, n, crc, 0);
+}
+
+static int cpu_has_fold(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("vpclmulqdq");
+}
+#else
+#define copy_crc_fold_stream copy_crc_stream
+#define copy_crc_fold_cached copy_crc_cached
+#define crc_fold crc_hw
+static int cpu_has_fold(void) { return 0; }
+#endif
 #else
 static uint32_t copy_crc_scalar(unsigned char *dst, const unsigned char *p, size_t n,
                                 uint32_t crc) {
@@ -161,6 +298,10 @@ static uint32_t copy_crc_scalar(unsigned char *dst, const unsigned char *p, size
 #define copy_crc_stream copy_crc_scalar
 #define copy_crc_cached copy_crc_scalar
 static int cpu_has_avx2(void) { return 0; }
+#define copy_crc_fold_stream copy_crc_scalar
+#define copy_crc_fold_cached copy_crc_scalar
+#define crc_fold crc_hw
+static int cpu_has_fold(void) { return 0; }
 #endif
 
 typedef uint32_t (*copy_fn)(unsigned char *, const unsigned char *, size_t, uint32_t);
@@ -566,19 +707,27 @@ static PyObject *object_size_steps(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(crc_doc,
-"crc(data, value=0) -> int\n\nCRC-32C of `data` continued from `value` (for tests).");
+"crc(data, value=0) -> int\n\nCRC-32C of `data` continued from `value` (crc32c.crc32c(data, value));\n"
+"folded with VPCLMULQDQ where the copies are (FOLD), ~2x the crc32c package on 1 MiB; the\n"
+"interpreter lock released from 64 KiB.");
 
 static PyObject *crc(PyObject *self, PyObject *args) {
     Py_buffer buf;
     unsigned long value = 0;
     if (!PyArg_ParseTuple(args, "y*|k:crc", &buf, &value))
         return NULL;
-    uint32_t c;
-    Py_BEGIN_ALLOW_THREADS
-    c = ~crc_hw(~(uint32_t)value, (const unsigned char *)buf.buf, (size_t)buf.len);
-    Py_END_ALLOW_THREADS
+    uint32_t c = ~(uint32_t)value;
+    const unsigned char *p = (const unsigned char *)buf.buf;
+    size_t n = (size_t)buf.len;
+    if (n >= NOGIL_FROM) {
+        Py_BEGIN_ALLOW_THREADS
+        c = fold_on ? crc_fold(c, p, n) : crc_hw(c, p, n);
+        Py_END_ALLOW_THREADS
+    } else {
+        c = fold_on ? crc_fold(c, p, n) : crc_hw(c, p, n);
+    }
     PyBuffer_Release(&buf);
-    return PyLong_FromUnsignedLong(c);
+    return PyLong_FromUnsignedLong(~c);
 }
 
 /* The end of read_pieces and write_pieces: the buffer released, then OSError for `err` (an
@@ -740,13 +889,21 @@ PyMODINIT_FUNC PyInit__copycrc(void) {
     if (have_hw && cpu_has_avx2() && self_test(copy_crc_stream) && self_test(copy_crc_cached)) {
         copy_crc_raw = copy_crc_stream;
         copy_crc_loop_raw = copy_crc_cached;
+        if (cpu_has_fold() && self_test(copy_crc_fold_stream) && self_test(copy_crc_fold_cached)) {
+            fold_on = 1;
+            copy_crc_raw = copy_crc_fold_stream;
+            copy_crc_loop_raw = copy_crc_fold_cached;
+        }
     }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "HARDWARE", have_hw) < 0 ||
-            PyModule_AddIntConstant(m, "STREAM_STORES", copy_crc_raw == copy_crc_stream) < 0 ||
+            PyModule_AddIntConstant(m, "STREAM_STORES", copy_crc_raw == copy_crc_stream ||
+                                    copy_crc_raw == copy_crc_fold_stream) < 0 ||
             PyModule_AddIntConstant(m, "LOOP_STREAM_STORES",
-                                    copy_crc_loop_raw == copy_crc_stream) < 0) {
+                                    copy_crc_loop_raw == copy_crc_stream ||
+                                    copy_crc_loop_raw == copy_crc_fold_stream) < 0 ||
+            PyModule_AddIntConstant(m, "FOLD", fold_on) < 0) {
         Py_DECREF(m);
         return NULL;
     }
