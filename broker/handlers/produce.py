@@ -158,7 +158,7 @@ async def handle_produce(ctx: RequestContext, req: Any) -> Any:
         # in its WAL before any takeover: they are acknowledged, with their offsets. An
         # error for an appended batch makes librdkafka acknowledge it without an offset once
         # a later batch of the producer succeeds.)
-        _withhold(plan, lease)
+        _withhold(plan, lease, req, ctx.broker, version)
     stats = stats_of(ctx.broker)
     if acks == 0:
         for _, jobs in plan:
@@ -237,13 +237,23 @@ def _renewal_wait_s(req: Any, lease: Any) -> float:
     return max(0.0, (30000 if timeout_ms is None else timeout_ms) / 2000)
 
 
-def _withhold(plan: list[tuple[Any, list[tuple[int, Any]]]], lease: Any) -> None:
-    """Replace every successful result by LEASE_LAPSED (the client retries)."""
-    for _, jobs in plan:
-        for i, (index, r) in enumerate(jobs):
+def _withhold(plan: list[tuple[Any, list[tuple[int, Any]]]], lease: Any, req: Any,
+              broker: Any, version: int) -> None:
+    """Replace every successful result by LEASE_LAPSED (the client retries). The withheld
+    batches are stored: their idempotent ones leave failed marks (``Partition.refused``), or
+    a successor of the producer answered with its offset after the renewal would make
+    librdkafka acknowledge them implicitly, without an offset (a single broker whose
+    metadata lease lapsed for longer than the wait under heavy load, session 22)."""
+    for td, (_, jobs) in zip(req.topic_data or [], plan):
+        topic = find_topic_by_id(broker, td.topic_id) if version >= 13 \
+            else find_topic(broker, td.name)
+        for i, ((index, r), pd) in enumerate(zip(jobs, td.partition_data or [])):
             if not r.error:
                 jobs[i] = (index, LEASE_LAPSED)
                 lease.withhold()
+                partition = get_partition(topic, index)
+                if partition is not None and pd.records:
+                    partition.refused(pd.records)
 
 
 # -- runs of pipelined requests ------------------------------------------------------------
