@@ -6,6 +6,10 @@ offsets and checks producer sequences synchronously, before its first await, so 
 step at once keeps appends in request order even when a request for several partitions is
 followed, on the same connection, by one whose handler appends inline. (Python 3.12's
 ``eager_task_factory`` does this for every task; this broker runs on 3.11 as well.)
+
+Unlike 3.12's eager tasks, the first step runs with the *caller's* task as
+``asyncio.current_task()``: nothing reachable from it may bind to the current task
+(``asyncio.timeout`` cancels it at expiry - the caller, not this coroutine; storage/waits.py).
 """
 from __future__ import annotations
 

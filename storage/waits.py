@@ -6,7 +6,14 @@ its result, and the cancellation is gone. A background loop of the form ``while 
 wait_for(wake.wait(), poll)`` then survives its ``cancel()``, and whoever awaits it after the
 cancel - a broker's shutdown - waits forever (3.12 rewrote ``wait_for`` on ``asyncio.timeout``).
 ``asyncio.timeout`` converts only its own expiry into ``TimeoutError``: an outside cancel
-always propagates. Every wait in a cancellable loop goes through here.
+always propagates - but it cancels ``asyncio.current_task()`` at its expiry, which is the
+*caller's* task in a coroutine's first step run by ``broker.eager.start_now``: a produce for
+several partitions whose append waited for room there had its handler task cancelled at the
+back-pressure deadline, and that cancel reached another partition's append after its offsets
+were taken, which took that partition offline ("append cancelled"; chaos run under CPU load,
+session 22). ``asyncio.wait`` on the event's own waiter binds to no task: an outside cancel
+still propagates, and the expiry cancels nothing. Every wait in a cancellable loop goes
+through here.
 """
 from __future__ import annotations
 
@@ -21,11 +28,12 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     the calling task always raises ``CancelledError``."""
     if event.is_set():
         return True
+    waiter = asyncio.ensure_future(event.wait())
     try:
-        async with asyncio.timeout(max(timeout, 0.0)):
-            await event.wait()
-    except TimeoutError:
-        pass
+        await asyncio.wait((waiter,), timeout=max(timeout, 0.0))
+    finally:
+        if not waiter.done():
+            waiter.cancel()
     return event.is_set()
 
 

@@ -80,3 +80,17 @@ async def test_the_upload_loop_ends_when_cancelled_as_it_is_woken(tmp_path) -> N
         await _ends_when_cancelled_as_set(eng._upload_wakeup, uploader)
     finally:
         await asyncio.wait_for(eng.close(), 30)
+
+
+async def test_a_wait_started_eagerly_cancels_nothing_of_its_caller_at_its_expiry() -> None:
+    """A coroutine whose first step runs in the caller's task (``start_now``, the produce path
+    for several partitions) and waits there with a timeout: the expiry ends that wait only.
+    With ``asyncio.timeout`` it cancelled the caller's task, and through it the append the
+    caller was awaiting (a partition went offline: 'append cancelled')."""
+    from broker.eager import start_now
+
+    ev = asyncio.Event()
+    job = start_now(wait_event(ev, 0.05))
+    other = asyncio.ensure_future(asyncio.sleep(0.3, "other done"))
+    assert await other == "other done"       # the caller was not cancelled meanwhile
+    assert await job is False
