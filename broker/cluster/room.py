@@ -50,6 +50,7 @@ CATCH_UP_GAP_S = 0.05     # catch_up() rounds (a full re-read) at most this ofte
 MAX_MOVES_PER_ROUND = 16
 OP_STUCK_S = 15.0        # a partition operation running longer is logged (once per op)
 SNAPSHOT_WAIT_S = 30.0   # a release waits at most this long for a producer snapshot
+BUMP_RETRY_S = 1.0       # a topic change the metadata store refused is announced again after
 
 
 class ClusterError(Exception):
@@ -83,6 +84,7 @@ class ClusterRoom:
         # assignments were read before the hand-over must not open them again at that epoch
         self._handed: dict[tuple[str, int], int] = {}
         self._ops: set[asyncio.Task] = set()
+        self._bump_failing = False    # a topic change's version bump waits for the store
         self._members_seen: frozenset[int] = frozenset()
         self._stopping = False
         self._wake = asyncio.Event()
@@ -349,11 +351,30 @@ class ClusterRoom:
             pass
 
     def topic_changed(self) -> None:
-        """Topics were created, deleted, grown or reconfigured here: tell the others."""
-        if self.store is not None:
+        """Topics were created, deleted, grown or reconfigured here: tell the others. A bump
+        the metadata store refuses (an outage) is retried every BUMP_RETRY_S until it lands:
+        the others would otherwise learn of the change only with the next one. (Its failure
+        was an unretrieved future's exception, an ERROR from asyncio, in the PostgreSQL cut
+        test: a topic created just before the cut.)"""
+        if self.store is not None and not self._stopping:
             t = asyncio.get_running_loop().run_in_executor(None, self.store.bump)
             self._ops.add(t)  # type: ignore[arg-type]
-            t.add_done_callback(self._ops.discard)  # type: ignore[arg-type]
+            t.add_done_callback(self._bumped)
+
+    def _bumped(self, t: "asyncio.Future[None]") -> None:
+        self._ops.discard(t)  # type: ignore[arg-type]
+        exc = None if t.cancelled() else t.exception()
+        if exc is None:
+            if self._bump_failing:
+                self._bump_failing = False
+                log.info("topic change announced after the metadata store came back")
+            return
+        if not self._bump_failing:
+            self._bump_failing = True
+            log.warning("topic change not announced to the other brokers yet (retrying every "
+                        "%.0f s): %s", BUMP_RETRY_S, exc)
+        if not self._stopping:
+            asyncio.get_running_loop().call_later(BUMP_RETRY_S, self.topic_changed)
 
     # ---- loops --------------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
@@ -894,8 +915,10 @@ async def prepare_node_epoch(cfg: Any, startup: Any = None) -> None:
             raise ClusterError(f"node id {cfg.node_id} is being taken over by broker "
                                f"{row.taker}; start again when that is done")
         if not logged:
-            log.warning("waiting for the takeover of this node's WAL by broker %d "
-                        "(node_epoch=%d)", row.taker, row.node_epoch)
+            # taker -1: between a taker's failed attempt and the controller's next pick
+            log.warning("waiting for the takeover of this node's WAL by %s (node_epoch=%d)",
+                        f"broker {row.taker}" if row.taker >= 0 else
+                        "the next taker the controller picks", row.node_epoch)
             logged = True
         if startup is not None and getattr(startup, "wal_fd", None) is not None:
             startup.release_wal()

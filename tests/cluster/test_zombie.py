@@ -67,7 +67,10 @@ def restarted_after_its_takeover(brokers: list, load: TimedLoad) -> str:
     """Broker 1's log since its restart, which waited for broker 0's takeover of its WAL and
     then formatted a fresh one at node epoch 1; producers go on being acknowledged."""
     text1 = brokers[1].log_text().rsplit("===== start", 1)[1]
-    assert "waiting for the takeover of this node's WAL by broker 0" in text1, text1[-2000:]
+    # by broker 0, or (read in the few ms between a failed attempt of broker 0's - the WAL
+    # still locked - and the controller's next pick: CI, session 22) by the next taker
+    assert re.search(r"waiting for the takeover of this node's WAL by (broker 0|the next "
+                     r"taker)", text1), text1[-2000:]
     assert "formatting it afresh node_epoch=1" in text1, text1[-2000:]
     assert "takeover finished node_id=1 " in brokers[0].log_text()
     n = len(load.acked)
