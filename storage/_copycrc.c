@@ -171,6 +171,28 @@ static int cpu_has_avx2(void) {
 #define FOLD_MIN 1024
 #define FOLD_K_LO 0xe9a5d8be00000000ull    /* rev64(x^(2048+63) mod P) */
 #define FOLD_K_HI 0x1426a81500000000ull    /* rev64(x^(2048-1) mod P) */
+/* one step: accumulator x moved 256 bytes on (by k) with the next 64 bytes d XORed in */
+#define FOLD(x, d) _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128((x), k, 0x00), \
+                                             _mm512_clmulepi64_epi128((x), k, 0x11), (d), 0x96)
+
+__attribute__((target("sse4.2,avx2,avx512f,vpclmulqdq"))) __attribute__((always_inline))
+static inline __m512i fold_k(void) {
+    return _mm512_set_epi64((long long)FOLD_K_HI, (long long)FOLD_K_LO,
+                            (long long)FOLD_K_HI, (long long)FOLD_K_LO,
+                            (long long)FOLD_K_HI, (long long)FOLD_K_LO,
+                            (long long)FOLD_K_HI, (long long)FOLD_K_LO);
+}
+
+/* the accumulators' 256 bytes are a message with the CRC of everything folded into them */
+__attribute__((target("sse4.2,avx2,avx512f,vpclmulqdq"))) __attribute__((always_inline))
+static inline uint32_t fold_finish(__m512i x0, __m512i x1, __m512i x2, __m512i x3) {
+    unsigned char acc[FOLD_STEP] __attribute__((aligned(64)));
+    _mm512_store_si512((void *)acc, x0);
+    _mm512_store_si512((void *)(acc + 64), x1);
+    _mm512_store_si512((void *)(acc + 128), x2);
+    _mm512_store_si512((void *)(acc + 192), x3);
+    return crc_hw(0, acc, FOLD_STEP);
+}
 
 __attribute__((target("sse4.2,avx2,avx512f,vpclmulqdq"))) __attribute__((always_inline))
 static inline uint32_t copy_crc_fold(unsigned char *dst, const unsigned char *p, size_t n,
@@ -182,10 +204,7 @@ static inline uint32_t copy_crc_fold(unsigned char *dst, const unsigned char *p,
     dst += head;
     p += head;
     n -= head;
-    const __m512i k = _mm512_set_epi64((long long)FOLD_K_HI, (long long)FOLD_K_LO,
-                                       (long long)FOLD_K_HI, (long long)FOLD_K_LO,
-                                       (long long)FOLD_K_HI, (long long)FOLD_K_LO,
-                                       (long long)FOLD_K_HI, (long long)FOLD_K_LO);
+    const __m512i k = fold_k();
     __m512i x0 = _mm512_loadu_si512((const void *)p);
     __m512i x1 = _mm512_loadu_si512((const void *)(p + 64));
     __m512i x2 = _mm512_loadu_si512((const void *)(p + 128));
@@ -204,26 +223,17 @@ static inline uint32_t copy_crc_fold(unsigned char *dst, const unsigned char *p,
         __m512i d2 = _mm512_loadu_si512((const void *)(p + 128));
         __m512i d3 = _mm512_loadu_si512((const void *)(p + 192));
         FOLD_STORE(0, d0); FOLD_STORE(64, d1); FOLD_STORE(128, d2); FOLD_STORE(192, d3);
-        x0 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x0, k, 0x00),
-                                       _mm512_clmulepi64_epi128(x0, k, 0x11), d0, 0x96);
-        x1 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x1, k, 0x00),
-                                       _mm512_clmulepi64_epi128(x1, k, 0x11), d1, 0x96);
-        x2 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x2, k, 0x00),
-                                       _mm512_clmulepi64_epi128(x2, k, 0x11), d2, 0x96);
-        x3 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x3, k, 0x00),
-                                       _mm512_clmulepi64_epi128(x3, k, 0x11), d3, 0x96);
+        x0 = FOLD(x0, d0);
+        x1 = FOLD(x1, d1);
+        x2 = FOLD(x2, d2);
+        x3 = FOLD(x3, d3);
         p += FOLD_STEP;
         dst += FOLD_STEP;
         n -= FOLD_STEP;
     }
 #undef FOLD_STORE
     if (nt) _mm_sfence();             /* order the stream stores before anyone is told */
-    unsigned char acc[FOLD_STEP] __attribute__((aligned(64)));
-    _mm512_store_si512((void *)acc, x0);
-    _mm512_store_si512((void *)(acc + 64), x1);
-    _mm512_store_si512((void *)(acc + 128), x2);
-    _mm512_store_si512((void *)(acc + 192), x3);
-    crc = crc_hw(0, acc, FOLD_STEP);
+    crc = fold_finish(x0, x1, x2, x3);
     memcpy(dst, p, n);
     return crc_hw(crc, dst, n);
 }
@@ -232,10 +242,7 @@ static inline uint32_t copy_crc_fold(unsigned char *dst, const unsigned char *p,
 __attribute__((target("sse4.2,avx2,avx512f,vpclmulqdq")))
 static uint32_t crc_fold(uint32_t crc, const unsigned char *p, size_t n) {
     if (n < FOLD_MIN) return crc_hw(crc, p, n);
-    const __m512i k = _mm512_set_epi64((long long)FOLD_K_HI, (long long)FOLD_K_LO,
-                                       (long long)FOLD_K_HI, (long long)FOLD_K_LO,
-                                       (long long)FOLD_K_HI, (long long)FOLD_K_LO,
-                                       (long long)FOLD_K_HI, (long long)FOLD_K_LO);
+    const __m512i k = fold_k();
     __m512i x0 = _mm512_loadu_si512((const void *)p);
     __m512i x1 = _mm512_loadu_si512((const void *)(p + 64));
     __m512i x2 = _mm512_loadu_si512((const void *)(p + 128));
@@ -244,27 +251,14 @@ static uint32_t crc_fold(uint32_t crc, const unsigned char *p, size_t n) {
     p += FOLD_STEP;
     n -= FOLD_STEP;
     while (n >= FOLD_STEP) {
-        x0 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x0, k, 0x00),
-                                       _mm512_clmulepi64_epi128(x0, k, 0x11),
-                                       _mm512_loadu_si512((const void *)p), 0x96);
-        x1 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x1, k, 0x00),
-                                       _mm512_clmulepi64_epi128(x1, k, 0x11),
-                                       _mm512_loadu_si512((const void *)(p + 64)), 0x96);
-        x2 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x2, k, 0x00),
-                                       _mm512_clmulepi64_epi128(x2, k, 0x11),
-                                       _mm512_loadu_si512((const void *)(p + 128)), 0x96);
-        x3 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x3, k, 0x00),
-                                       _mm512_clmulepi64_epi128(x3, k, 0x11),
-                                       _mm512_loadu_si512((const void *)(p + 192)), 0x96);
+        x0 = FOLD(x0, _mm512_loadu_si512((const void *)p));
+        x1 = FOLD(x1, _mm512_loadu_si512((const void *)(p + 64)));
+        x2 = FOLD(x2, _mm512_loadu_si512((const void *)(p + 128)));
+        x3 = FOLD(x3, _mm512_loadu_si512((const void *)(p + 192)));
         p += FOLD_STEP;
         n -= FOLD_STEP;
     }
-    unsigned char acc[FOLD_STEP] __attribute__((aligned(64)));
-    _mm512_store_si512((void *)acc, x0);
-    _mm512_store_si512((void *)(acc + 64), x1);
-    _mm512_store_si512((void *)(acc + 128), x2);
-    _mm512_store_si512((void *)(acc + 192), x3);
-    return crc_hw(crc_hw(0, acc, FOLD_STEP), p, n);
+    return crc_hw(fold_finish(x0, x1, x2, x3), p, n);
 }
 
 __attribute__((target("sse4.2,avx2,avx512f,vpclmulqdq")))
