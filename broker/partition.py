@@ -518,8 +518,7 @@ class Partition:
             res.error, res.message = ErrorCode.KAFKA_STORAGE_ERROR, self._offline
             return res
         admission = self._admission
-        if admission.held and len(views) == 1 and idempotent and self._offline is None \
-                and not self._closed:
+        if admission.held and len(views) == 1 and idempotent and not self._closed:
             # a retry of a stored batch needs no room: answered now, not queued behind an
             # append that waits for room, where its wait would time out and the refusal hold
             # back its stored successors (failed marks) until it is retried once more

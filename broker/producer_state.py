@@ -211,21 +211,17 @@ class PartitionProducers:
         if entry is not None and epoch < entry.epoch:
             return
         mark = self.failed.get(producer_id)
+        upto = None
         if mark is not None and mark[0] == epoch:
             if _after(first_seq, mark[1]):
                 # an earlier failure already holds them back; its retry must not free them
                 self._held(producer_id, mark, first_seq)
                 return
-            if first_seq != mark[1]:
-                # below the mark (a refused duplicate): the mark moves down to it and still
-                # remembers the batches refused at or after the old one
-                upto = mark[3] if mark[3] is not None and _after(mark[3], mark[1]) \
-                    else mark[1]
-                self.failed[producer_id] = (epoch, first_seq, time.monotonic(), upto)
-                return
-            self.failed[producer_id] = (epoch, first_seq, time.monotonic(), mark[3])
-            return
-        self.failed[producer_id] = (epoch, first_seq, time.monotonic(), None)
+            # the marked batch failed again (upto kept), or one below it did (a refused
+            # duplicate): the mark moves down to it and still remembers the old one
+            # (``upto`` is only ever after the mark's sequence: _held, _retried)
+            upto = mark[3] if first_seq == mark[1] or mark[3] is not None else mark[1]
+        self.failed[producer_id] = (epoch, first_seq, time.monotonic(), upto)
 
     def _held(self, producer_id: int, mark: tuple[int, int, float, int | None],
               first_seq: int) -> None:
