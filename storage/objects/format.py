@@ -26,10 +26,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Generator, Iterable, Iterator, NamedTuple, Union
 
-import crc32c
-
 from .. import copycrc as _native
 from ..copycrc import NATIVE as COPY_CRC_NATIVE, copy_crc
+# CRC-32C alone (block and index checks, the encoder's small-record runs): storage._copycrc's
+# folded CRC, ~2x the crc32c package on large buffers (1 MiB cold 0.045 vs 0.085 ms), the same
+# values; the crc32c package itself without the extension
+from ..copycrc import crc as _crc
 
 BLOCK_MAGIC = 0x5A
 RECORD_MAGIC = 0x22
@@ -180,7 +182,7 @@ class ObjectEncoder:
         at += RECORD_HEADER.size
         if n >= FUSED_COPY_FROM:    # the CRC so far (this record's header included), then
             with memoryview(out) as mv, mv[self._crc_at:at] as before:     # copy + CRC
-                crc = crc32c.crc32c(before, self._crc)
+                crc = _crc(before, self._crc)
             self._crc = copy_crc(out, at, r.payload, crc)
             self._crc_at = at + n
         elif n < NOGIL_COPY_FROM or not _copy_nogil(out, at, r.payload, n):
@@ -217,7 +219,7 @@ class ObjectEncoder:
         hdr = BLOCK_HEADER.size
         length = self._at - pos - hdr
         with memoryview(self.out) as mv, mv[self._crc_at:self._at] as rest:
-            crc = crc32c.crc32c(rest, self._crc)
+            crc = _crc(rest, self._crc)
         BLOCK_HEADER.pack_into(self.out, pos, BLOCK_MAGIC, 0, self._block_records, length, crc)
         size = self._at - pos
         for sid, start, end, cnt in self._runs:
@@ -240,7 +242,7 @@ class ObjectEncoder:
         if end + FOOTER.size != len(out):
             raise AssertionError(f"object size {end + FOOTER.size} != precomputed {len(out)}")
         out[index_pos:end] = index_bytes
-        FOOTER.pack_into(out, end, index_pos, len(index_bytes), crc32c.crc32c(index_bytes),
+        FOOTER.pack_into(out, end, index_pos, len(index_bytes), _crc(index_bytes),
                          bytes(24), FOOTER_MAGIC)
         return out, self.index, list(self._ranges.values())
 
@@ -345,7 +347,7 @@ def decode_footer(tail: bytes | memoryview, object_size: int) -> tuple[int, int,
 
 def decode_index(data: bytes | memoryview, crc: int) -> list[IndexEntry]:
     """Parse and check the index block."""
-    if crc32c.crc32c(data) != crc:
+    if _crc(data) != crc:
         raise CorruptObjectError("index checksum mismatch")
     entries = []
     for sid, start, delta, cnt, pos, size in INDEX_ENTRY.iter_unpack(data):
@@ -364,7 +366,7 @@ def decode_block(data: bytes | memoryview) -> list[Record]:
     if magic != BLOCK_MAGIC or flags != 0 or length != len(mv) - BLOCK_HEADER.size or count < 0:
         raise CorruptObjectError("bad block header")
     body = mv[BLOCK_HEADER.size:]
-    if crc32c.crc32c(body) != crc:
+    if _crc(body) != crc:
         raise CorruptObjectError("block checksum mismatch")
     out: list[Record] = []
     pos = 0
