@@ -7,6 +7,12 @@ stable storage before it completes) to a preallocated file in ``--dir`` (default
 temporary directory, where the bench brokers keep their data and WAL), one write at a time at
 a fixed rate, and prints p50/p99/p999 in ms. ``bench.run_all`` sets the broker's produce p99
 at 1000 msgs/s against this p99 (issue 20, Done-when 4).
+
+``disk_of`` and ``disk_counters`` read what the device holding a directory wrote and how long it
+was busy (/proc/diskstats): bench.rawload sets them against the bytes produced over the same
+window. With the embedded defaults every produced byte reaches this one device twice (the WAL,
+then the file:// object), so the device's write rate, not the broker's CPU, can be what holds a
+durable produce rate.
 """
 from __future__ import annotations
 
@@ -65,6 +71,38 @@ def write_latency(directory: str | None = None, rate: float = 1000, seconds: flo
     lat = lat[len(lat) // 10:]          # warm-up
     return {"p50": pct(lat, 0.5), "p99": pct(lat, 0.99), "p999": pct(lat, 0.999),
             "n": len(lat), "mode": mode, "dir": directory}
+
+
+def disk_of(path: str) -> str | None:
+    """The /proc/diskstats name of the block device (or partition) holding ``path``; None where
+    there is none (tmpfs, a device this process cannot see, no /proc)."""
+    try:
+        st = os.stat(path)
+        want = (os.major(st.st_dev), os.minor(st.st_dev))
+        with open("/proc/diskstats") as f:
+            for line in f:
+                parts = line.split()
+                if (int(parts[0]), int(parts[1])) == want:
+                    return parts[2]
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def disk_counters(disk: str | None) -> tuple[int, int] | None:
+    """(bytes written, ms busy) of ``disk`` since boot (/proc/diskstats: sectors written x 512,
+    io_ticks); None when unknown."""
+    if disk is None:
+        return None
+    try:
+        with open("/proc/diskstats") as f:
+            for line in f:
+                parts = line.split()
+                if parts[2] == disk:
+                    return int(parts[9]) * 512, int(parts[12])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def main() -> None:

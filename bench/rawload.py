@@ -23,6 +23,7 @@ from typing import Any
 
 from protocol import build_batch
 
+from . import device
 from .common import BrokerProc, MockCluster, Result, create_topic, mock_cpu_s, pct
 
 _PREFIX = struct.Struct(">ihhi")
@@ -339,8 +340,10 @@ def fetch_figures(bootstrap: str, topic: str, partitions: int, seconds: float,
 
 def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: bytes,
                  create: bool, fetch: bool, pid: int | None = None, restart=None,
-                 fetch_seconds: float = 5.0, settle=None) -> dict[str, Any]:
-    """Raw produce; then (``fetch``) hot raw Fetch over the last HOT_FETCH_BYTES, read over
+                 fetch_seconds: float = 5.0, settle=None, disk: str | None = None
+                 ) -> dict[str, Any]:
+    """Raw produce (``disk``: the device holding the broker's WAL and objects, whose writes and
+    busy time over the produce window are reported beside it); then (``fetch``) hot raw Fetch over the last HOT_FETCH_BYTES, read over
     and over for ``fetch_seconds`` once the broker's uploads are done (the data is still
     in the LogCache); then (``restart``: a callable restarting the broker, returning its
     bootstrap and pid; the shutdown uploads everything and empties the caches) one cold pass
@@ -354,8 +357,10 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
         p = Producer({"bootstrap.servers": bootstrap, "log_level": 2})
         p.list_topics(topic, timeout=10)
     cpu0 = process_cpu_s(pid)
+    dev0, w0 = device.disk_counters(disk), time.monotonic()
     st = _run(_produce, host, int(port), topic, conns, depth, seconds, batch)
     cpu = process_cpu_s(pid) - cpu0
+    dev1, wall = device.disk_counters(disk), time.monotonic() - w0
     ms = [x * 1000 for x in st["lat"]]
     mib = st["bytes"] / (1 << 20)
     out = {"mb_s": st["bytes"] / st["elapsed"] / 1e6, "req_s": st["reqs"] / st["elapsed"],
@@ -365,6 +370,12 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
            "errors": st["errors"], "error_codes": st.get("error_codes", {}),
            "retries": st.get("retries", 0), "p50": pct(ms, 0.5), "p99": pct(ms, 0.99),
            "p999": pct(ms, 0.999), "series": series_of(st["ts"], st["t0"])}
+    if dev0 is not None and dev1 is not None and st["bytes"]:
+        # the device's own account of the window: bytes it wrote per byte produced (WAL +
+        # objects: 2 with the embedded defaults once uploads keep up) and its busy share
+        out.update({"disk": disk, "disk_mb_s": (dev1[0] - dev0[0]) / wall / 1e6,
+                    "disk_per_byte": (dev1[0] - dev0[0]) / st["bytes"],
+                    "disk_busy": (dev1[1] - dev0[1]) / 1e3 / wall})
     if fetch:
         # hot = the tail that is still in the LogCache: the last HOT_FETCH_BYTES of all partitions
         # (the mock keeps only its last segments: never before the log start)
@@ -401,7 +412,8 @@ def run(seconds: float = 10, conns: int = 4, depth: int = 8, batch_bytes: int = 
 
     try:
         ours = bench_target(broker.bootstrap, seconds, conns, depth, batch, True, fetch,
-                            broker.pid, restart, fetch_seconds, broker.wait_uploaded)
+                            broker.pid, restart, fetch_seconds, broker.wait_uploaded,
+                            device.disk_of(broker.data_dir))
     finally:
         broker.close()
     theirs = None
@@ -434,6 +446,12 @@ def run(seconds: float = 10, conns: int = 4, depth: int = 8, batch_bytes: int = 
                            "client retries them (latency counted from the first send)")
     r.notes.append("broker CPU: the s3kafka process (all threads, /proc); for the mock, its "
                    "cluster thread (rdk:mock) in the bench process")
+    if ours.get("disk_mb_s") is not None:
+        r.notes.append(f"the device under s3kafka's WAL and objects ({ours['disk']}) during its "
+                       f"produce run: {ours['disk_mb_s']:,.0f} MB/s written "
+                       f"({ours['disk_per_byte']:.2f} bytes per byte produced: WAL + objects), "
+                       f"busy {100 * ours['disk_busy']:.0f} % of the time (/proc/diskstats); the "
+                       "mock keeps everything in memory")
     if fetch:
         r.notes.append(f"hot fetch: the last {HOT_FETCH_BYTES >> 20} MiB written, read over and "
                        f"over for {fetch_seconds:.0f} s (after 1 s untimed) once the broker's uploads were done "
