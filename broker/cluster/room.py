@@ -26,6 +26,7 @@ import time
 import uuid
 from typing import Any
 
+import protocol
 from storage.wal.errors import WALLockedError
 from storage.crash import crash_point
 from storage.waits import end_tasks, wait_event
@@ -40,6 +41,8 @@ from .store import ACTIVE, DRAINING, FENCED, LIVE, MOVING, STOPPED, TAKEN_OVER, 
 
 log = logging.getLogger("broker.cluster")
 
+NO_PRODUCER_ID = -1
+
 HEARTBEAT_S = 1.0
 LEASE_MS = 6000
 TAKEOVER_MARGIN_MS = 1000
@@ -50,6 +53,7 @@ CATCH_UP_GAP_S = 0.05     # catch_up() rounds (a full re-read) at most this ofte
 MAX_MOVES_PER_ROUND = 16
 OP_STUCK_S = 15.0        # a partition operation running longer is logged (once per op)
 SNAPSHOT_WAIT_S = 30.0   # a release waits at most this long for a producer snapshot
+REFUSED_KEEP = 1000      # refused idempotent batches remembered per partition (refused_here)
 BUMP_RETRY_S = 1.0       # a topic change the metadata store refused is announced again after
 
 
@@ -83,6 +87,10 @@ class ClusterRoom:
         # partitions this broker handed over, at the epoch it led them: a round whose
         # assignments were read before the hand-over must not open them again at that epoch
         self._handed: dict[tuple[str, int], int] = {}
+        # idempotent batches (producer id, epoch, first sequence) answered NOT_LEADER_OR_FOLLOWER
+        # while an open or release of their partition ran here: failed marks on the Partition
+        # that operation installs (refused_here)
+        self._refused: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
         self._ops: set[asyncio.Task] = set()
         self._bump_failing = False    # a topic change's version bump waits for the store
         self._members_seen: frozenset[int] = frozenset()
@@ -263,6 +271,41 @@ class ClusterRoom:
         none): a produce that finds the partition closed waits for it (then answers
         NOT_LEADER_OR_FOLLOWER naming the new leader; produce.py)."""
         return self._settling.get((str(topic.topic_id), index))
+
+    def refused_here(self, topic: Any, index: int, records: Any) -> None:
+        """A produce found this partition not open here (answered NOT_LEADER_OR_FOLLOWER):
+        while an open of it, or a release that may end in a reopen, runs here, its idempotent
+        batches become failed marks on the Partition installed next (``_install``), like any
+        refused batch's. Without them, the retry of a stored seq n refused here and its stored
+        seq n+1, pipelined behind it, answered with its offset by the Partition installed a
+        moment later made librdkafka acknowledge seq n implicitly, without an offset (a seq n
+        never stored: n+1 answered OUT_OF_ORDER_SEQUENCE). Parsed now: ``records`` is a view
+        into a request frame the server reuses."""
+        key = (str(topic.topic_id), index)
+        if key not in self._busy or not records:
+            return
+        try:
+            ids = [(v.producer_id, v.producer_epoch, v.base_sequence)
+                   for v in protocol.iter_batches(records)
+                   if v.producer_id != NO_PRODUCER_ID and not v.is_control]
+        except protocol.CorruptRecordError:
+            return                          # refused anyway; nothing to remember
+        if ids:
+            refused = self._refused.setdefault(key, [])
+            refused.extend(ids)
+            del refused[:-REFUSED_KEEP]
+
+    def _install(self, topic: Any, index: int, p: Any, old: Any = None) -> None:
+        """``p`` serves the partition from now on. In the same step (no await: every produce
+        that found the partition away was recorded before, every later one finds ``p``), the
+        failed marks of the Partition it replaces (``old``: a release that failed) and of the
+        batches refused meanwhile (``refused_here``) are set on it."""
+        marks = getattr(getattr(old, "producers", None), "failed", None)
+        if marks:
+            p.producers.failed.update(marks)
+        for pid, epoch, seq in self._refused.pop((str(topic.topic_id), index), ()):
+            p.producers.fail(pid, epoch, seq)
+        topic.partitions[index] = p
 
     def should_open(self, topic_id: Any, index: int) -> bool:
         a = self.assign.get((str(topic_id), index))
@@ -554,6 +597,8 @@ class ClusterRoom:
                 a = self.assign.get(key)
                 if a is None or key in self._busy:
                     continue
+                if a.leader != self.node_id:
+                    self._refused.pop(key, None)    # its retries go to the leader
                 if a.leader == self.node_id and a.leader_epoch <= self._handed.get(key, -1):
                     continue            # a stale view: this broker handed that epoch over
                 if a.leader == self.node_id and p is None:
@@ -622,7 +667,7 @@ class ClusterRoom:
             return
         start = stream.end_offset   # where this epoch begins (appends may follow at once)
         p.leader_epoch = a.leader_epoch     # stamped into every batch it appends
-        topic.partitions[index] = p
+        self._install(topic, index, p)
         if a.leader_epoch > 0 and self.store is not None:   # a failover records no start
             await asyncio.to_thread(self.store.record_epoch_start, a.topic_id, index,
                                     a.leader_epoch, start)
@@ -672,6 +717,7 @@ class ClusterRoom:
             await self._reopen(topic, index, p)
             return
         self._handed[(str(topic.topic_id), index)] = a.leader_epoch
+        self._refused.pop(key, None)        # led elsewhere now: its retries go there
         # our own view at once: NOT_LEADER answers name the new leader (KIP-951) from now,
         # not from our next round
         self.assign[(str(topic.topic_id), index)] = Assignment(
@@ -696,13 +742,14 @@ class ClusterRoom:
                         "round opens it", topic.name, index)
             return
         p.leader_epoch = getattr(old, "leader_epoch", 0)
-        topic.partitions[index] = p
+        self._install(topic, index, p, old)
 
     async def _close_local(self, topic: Any, index: int) -> None:
         p = topic.partitions[index]
         if p is None:
             return
         topic.partitions[index] = None
+        self._refused.pop((str(topic.topic_id), index), None)
         await p.close()
         disown = getattr(self.broker.store, "disown_stream", None)
         if disown is not None:

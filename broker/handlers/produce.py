@@ -71,6 +71,9 @@ async def _append(topic: Any, index: int, records: Any, version: int,
     if partition is None:
         if topic is None or not 0 <= index < len(topic.partitions):
             return AppendResult(error=ErrorCode.UNKNOWN_TOPIC_OR_PARTITION)
+        refused_here = getattr(getattr(broker, "cluster", None), "refused_here", None)
+        if refused_here is not None:    # opened or reopened here next: failed marks there
+            refused_here(topic, index, records)
         await _hand_over_done(broker, topic, index)
         return AppendResult(error=ErrorCode.NOT_LEADER_OR_FOLLOWER)  # led elsewhere
     keyless = keyless_record_error(topic, index, records)   # compacted topics only
@@ -126,6 +129,8 @@ async def handle_produce(ctx: RequestContext, req: Any) -> Any:
                     partition = get_partition(topic, pd.index)
                     if partition is not None:
                         partition.refused(pd.records)   # failed marks (Partition.refused)
+                    elif hasattr(cluster, "refused_here"):  # opened or reopened here next
+                        cluster.refused_here(topic, pd.index, pd.records)
                 jobs.append((pd.index, refused))
             elif topic is None:
                 jobs.append((pd.index, AppendResult(error=unknown)))
