@@ -18,6 +18,7 @@ from array import array
 from typing import Any
 
 from .common import BrokerProc, MockCluster, Result, create_topic, pct
+from .device import disk_counters, disk_of
 
 PRODUCER_CONF = {"acks": "all", "linger.ms": 5, "batch.size": 1 << 20, "batch.num.messages": 1_000_000,
                  "queue.buffering.max.messages": 2_000_000, "queue.buffering.max.kbytes": 1 << 21,
@@ -194,15 +195,23 @@ def latency_trace(sent_at: list[float], lat: list[float], step: float = 0.25
 
 
 def run_target(bootstrap: str, sizes: list[int], seconds: float, restart=None,
-               lat_rates: list[float] | None = None, create: bool = True) -> dict[str, Any]:
-    """All client benchmarks against one target; `restart` (if given) makes the next read cold."""
+               lat_rates: list[float] | None = None, create: bool = True,
+               disk: str | None = None) -> dict[str, Any]:
+    """All client benchmarks against one target; `restart` (if given) makes the next read cold;
+    `disk`: the device under the broker's WAL and objects (its writes during each produce run
+    are reported beside it, bench.device)."""
     out: dict[str, Any] = {"produce": {}, "series": {}}
     topic_100 = None
     for size in sizes:
         topic = f"bench-p-{size}-{time.time_ns()}"
         if create:  # the mock auto-creates topics on first use
             create_topic(bootstrap, topic)
+        dev0, t0 = disk_counters(disk), time.monotonic()
         r = produce_throughput(bootstrap, topic, size, seconds)
+        dev1, wall = disk_counters(disk), time.monotonic() - t0
+        if dev0 is not None and dev1 is not None and r.get("mb_s"):
+            r["disk_mb_s"] = (dev1[0] - dev0[0]) / wall / 1e6
+            r["disk_busy"] = (dev1[1] - dev0[1]) / 1e3 / wall
         out["produce"][size] = r
         out["series"][size] = r["series"]
         if topic_100 is None:  # hot: read the smallest-message topic back while in the LogCache
@@ -245,7 +254,8 @@ def run(seconds: float = 8, sizes: list[int] | None = None, mock: bool = True,
         return broker.bootstrap
 
     try:
-        ours = run_target(broker.bootstrap, sizes, seconds, restart)
+        ours = run_target(broker.bootstrap, sizes, seconds, restart,
+                          disk=disk_of(broker.data_dir))
     finally:
         broker.close()
     theirs = None
@@ -265,6 +275,12 @@ def run(seconds: float = 8, sizes: list[int] | None = None, mock: bool = True,
         prod.series[f"s3kafka {size} B"] = ours["series"][size]
         if theirs:
             prod.series[f"mock {size} B"] = theirs["series"][size]
+    disk = [f"{size} B {a['disk_mb_s']:,.0f} MB/s (busy {100 * a['disk_busy']:.0f} %)"
+            for size, a in ours["produce"].items() if a.get("disk_mb_s") is not None]
+    if disk:
+        prod.notes.append("the device under s3kafka's WAL and objects wrote during each produce "
+                          "run (WAL + objects, /proc/diskstats; the mock keeps everything in "
+                          "memory): " + ", ".join(disk))
     cons = Result(f"Consume throughput, confluent-kafka, {ours['consume_size']} B messages",
                   ["read", "s3kafka msgs/s", "s3kafka MB/s", "mock msgs/s", "ratio s3kafka/mock"])
     mh = theirs["hot"] if theirs else {"msgs_s": float("nan")}
