@@ -303,9 +303,14 @@ class ClusterRoom:
         marks = getattr(getattr(old, "producers", None), "failed", None)
         if marks:
             p.producers.failed.update(marks)
-        for pid, epoch, seq in self._refused.pop((str(topic.topic_id), index), ()):
+        refused = self._refused.pop((str(topic.topic_id), index), ())
+        for pid, epoch, seq in refused:
             p.producers.fail(pid, epoch, seq)
         topic.partitions[index] = p
+        if refused or marks:
+            log.info("partition installed topic=%s partition=%d with failed marks: %d kept from "
+                     "the Partition it replaces, %d batches refused while it was away",
+                     topic.name, index, len(marks or ()), len(refused))
 
     def should_open(self, topic_id: Any, index: int) -> bool:
         a = self.assign.get((str(topic_id), index))
