@@ -16,7 +16,7 @@ from typing import Callable
 
 INTERVAL_S = 0.005
 STALL_S = 0.005        # a timer at least this late counts as a stall
-# while no client is connected no request can wait behind a stall: the timer fires this often
+# while no request is answered no request can wait behind a stall: the timer fires this often
 # (its 200 wake-ups a second were ~12 of an idle broker's ~20 ms of CPU a second, session 21)
 IDLE_INTERVAL_S = 0.25
 
@@ -27,9 +27,10 @@ class LoopWatch:
 
     def __init__(self, loop: asyncio.AbstractEventLoop,
                  active: Callable[[], bool] | None = None) -> None:
-        """``active()``: whether a request could be waiting (clients are connected); while it
-        is False the timer fires every IDLE_INTERVAL_S instead of INTERVAL_S (a client's
-        first requests may then miss up to that long of stall measurement)."""
+        """``active()``: whether a request could be waiting (the broker: one was answered since
+        the last tick); while it is False the timer fires every IDLE_INTERVAL_S instead of
+        INTERVAL_S (a client's first requests after a quiet spell may then miss up to that
+        long of stall measurement)."""
         self._loop = loop
         self._active = active
         self._handle: asyncio.TimerHandle | None = None

@@ -69,6 +69,7 @@ class RequestStats:
         self.run_requests = 0          # requests answered together with others (run handlers)
         self.runs = 0                  # run handler calls
         self.direct_requests = 0       # requests answered without a task (NOW_HANDLERS)
+        self.answered = 0              # requests answered (all APIs): the loop watch's traffic
 
     def api(self, api_key: int) -> ApiStats:
         a = self.apis.get(api_key)
@@ -78,6 +79,7 @@ class RequestStats:
 
     def observe(self, api_key: int, version: int, queued: float, handled: float) -> None:
         """One answered request: queue time (frame received -> handler runs) and handling."""
+        self.answered += 1
         a = self.apis.get(api_key) or self.api(api_key)
         v = a.versions
         v[version] = v.get(version, 0) + 1

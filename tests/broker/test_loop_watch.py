@@ -4,11 +4,15 @@ start again after each read (one /metrics scrape per latency window in bench.cli
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import time
+from types import SimpleNamespace
 
 from broker.gc_tuning import SurvivorFreezer
 from broker.loop_watch import IDLE_INTERVAL_S, INTERVAL_S, STALL_S, LoopWatch
+from broker.metrics import RequestStats
+from broker.server import Broker
 
 
 async def test_a_blocked_loop_step_is_seen_as_lateness_and_a_stall() -> None:
@@ -41,6 +45,30 @@ async def test_the_timer_fires_seldom_while_no_client_is_connected() -> None:
         connected[0] = True
         watch._tick()
         assert watch._handle.when() - loop.time() <= INTERVAL_S + 0.001
+    finally:
+        watch.stop()
+
+
+async def test_connected_clients_that_send_nothing_let_the_timer_fire_seldom() -> None:
+    """The broker's watch is active only while requests are answered: every client keeps its
+    connections open, and an idle consumer or producer kept 200 wake-ups a second going while
+    no request could wait behind a stall. The 5 ms timer comes back at the tick after an
+    answer, and goes once a whole interval passes without one."""
+    loop = asyncio.get_running_loop()
+    broker = SimpleNamespace(request_stats=RequestStats(), _watch_seen=0)
+    watch = LoopWatch(loop, functools.partial(Broker._requests_flowing, broker))
+    watch.start()
+    try:
+        watch._tick()                                  # connected, nothing answered
+        assert watch._handle.when() - loop.time() > IDLE_INTERVAL_S - 0.01
+        broker.request_stats.observe(18, 3, 0.0, 0.0)  # one ApiVersions answered
+        watch._tick()
+        assert watch._handle.when() - loop.time() <= INTERVAL_S + 0.001
+        broker.request_stats.observe(0, 9, 0.0, 0.0)
+        watch._tick()                                  # still flowing
+        assert watch._handle.when() - loop.time() <= INTERVAL_S + 0.001
+        watch._tick()                                  # a whole interval without an answer
+        assert watch._handle.when() - loop.time() > IDLE_INTERVAL_S - 0.01
     finally:
         watch.stop()
 
