@@ -904,8 +904,24 @@ class ClusterRoom:
             log.error("takeover failed node_id=%d takeover_epoch=%d: %s: %s", n, tepoch,
                       type(e).__name__, e)
             await asyncio.sleep(1)
-            await asyncio.to_thread(self.store.takeover_failed, n, tepoch)
+            try:
+                await asyncio.to_thread(self.store.takeover_failed, n, tepoch)
+            except Exception as e2:  # noqa: BLE001 - the controller sees the row unchanged
+                log_failure(log, e2, "takeover node_id=%d takeover_epoch=%d: giving it back "
+                            "failed", n, tepoch)
             return
+        try:
+            await self._reassign_taken(n, tepoch, records, committed, t0)
+        except Exception as e:  # noqa: BLE001 - the row stays ours: a later round ends it
+            # (the done callback retrieves nothing: an exception escaping this task was
+            # asyncio's 'Task exception was never retrieved' instead of a line of ours)
+            log_failure(log, e, "takeover node_id=%d takeover_epoch=%d: WAL recovered, "
+                        "reassigning its partitions failed; the next round retries", n, tepoch)
+
+    async def _reassign_taken(self, n: int, tepoch: int, records: int, committed: int,
+                              t0: float) -> None:
+        """The dead node's WAL is recovered: hand its partitions to live brokers."""
+        assert self.store is not None
         await self._refresh(force=True)
         dead = [a for a in self.assign.values() if a.leader == n]
         counts = {m: 0 for m, r in self.live.items() if r.state == LIVE and m != n}
