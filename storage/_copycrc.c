@@ -825,6 +825,177 @@ static PyObject *write_pieces(PyObject *self, PyObject *args) {
     return io_result(&buf, err, done);
 }
 
+
+/* -- the WAL's native AIO: io_submit and io_getevents without ctypes (storage/wal/aio.py) -- */
+#if defined(__linux__)
+#include <linux/aio_abi.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <sys/syscall.h>
+#define HAVE_AIO 1
+#ifndef RWF_DSYNC
+#define RWF_DSYNC 0x00000002
+#endif
+#define AIO_STACK_IOV 64          /* a WAL write merges at most 64 blocks (wal.py _take_group) */
+
+PyDoc_STRVAR(aio_submit_doc,
+"aio_submit(ctx, resfd, fd, pieces, offset, token, dsync) -> None\n\n"
+"One io_submit of a write of `pieces`, a sequence of (address, length) pairs, at `offset` of\n"
+"`fd` (IOCB_CMD_PWRITE for one piece, IOCB_CMD_PWRITEV for more), its completion signalled on\n"
+"the eventfd `resfd` and reported with `token`; RWF_DSYNC when `dsync` is true. The kernel\n"
+"copies the iocb and the iovec during the call, so only the buffers must stay valid until the\n"
+"completion is reaped (the caller keeps them). Keeps the interpreter lock (io_submit does not\n"
+"wait: storage/wal/aio.py). Raises OSError(errno) as io_submit fails, e.g. EBADF, EAGAIN.\n"
+"Same iocb as aio.py's ctypes path, built in C: ~3 us less Python per WAL write.");
+
+static PyObject *aio_submit(PyObject *self, PyObject *args) {
+    unsigned long long ctx, token;
+    int resfd, fd, dsync;
+    long long offset;
+    PyObject *pieces;
+    if (!PyArg_ParseTuple(args, "KiiOLKp:aio_submit", &ctx, &resfd, &fd, &pieces, &offset,
+                          &token, &dsync))
+        return NULL;
+    PyObject *seq = PySequence_Fast(pieces, "aio_submit: pieces must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "aio_submit: no pieces");
+        return NULL;
+    }
+    struct iovec stack_iov[AIO_STACK_IOV];
+    struct iovec *iov = n <= AIO_STACK_IOV ? stack_iov : PyMem_Malloc(n * sizeof(*iov));
+    if (iov == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = items[i];
+        unsigned long long addr, len;
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_SetString(PyExc_TypeError, "aio_submit: pieces are (address, length) pairs");
+            goto fail;
+        }
+        addr = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(pair, 0));
+        if (addr == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
+        len = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(pair, 1));
+        if (len == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
+        iov[i].iov_base = (void *)(uintptr_t)addr;
+        iov[i].iov_len = (size_t)len;
+    }
+    struct iocb cb;
+    memset(&cb, 0, sizeof(cb));
+    cb.aio_data = token;
+    cb.aio_fildes = (uint32_t)fd;
+    cb.aio_offset = offset;
+    cb.aio_flags = IOCB_FLAG_RESFD;
+    cb.aio_resfd = (uint32_t)resfd;
+    cb.aio_rw_flags = dsync ? RWF_DSYNC : 0;
+    if (n == 1) {
+        cb.aio_lio_opcode = IOCB_CMD_PWRITE;
+        cb.aio_buf = (uint64_t)(uintptr_t)iov[0].iov_base;
+        cb.aio_nbytes = iov[0].iov_len;
+    } else {
+        cb.aio_lio_opcode = IOCB_CMD_PWRITEV;
+        cb.aio_buf = (uint64_t)(uintptr_t)iov;
+        cb.aio_nbytes = (uint64_t)n;
+    }
+    struct iocb *cbs[1] = {&cb};
+    long r = syscall(SYS_io_submit, (aio_context_t)ctx, 1L, cbs);
+    int err = errno;
+    if (iov != stack_iov) PyMem_Free(iov);
+    Py_DECREF(seq);
+    if (r < 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (r != 1) {                /* not for one iocb (the kernel answers 1 or an error) */
+        errno = EAGAIN;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+fail:
+    if (iov != stack_iov) PyMem_Free(iov);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+PyDoc_STRVAR(aio_reap_doc,
+"aio_reap(ctx, nr, wait_s=None) -> list of (token, result)\n\n"
+"io_getevents of up to `nr` completions: wait_s None returns at once and keeps the\n"
+"interpreter lock (the event loop's reap); a number waits up to wait_s seconds for at least\n"
+"one with the lock released (a closing thread's drain). result is the byte count written or\n"
+"a negative errno. Raises OSError(errno) as io_getevents fails.");
+
+static PyObject *aio_reap(PyObject *self, PyObject *args) {
+    unsigned long long ctx;
+    int nr;
+    PyObject *wait = Py_None;
+    if (!PyArg_ParseTuple(args, "Ki|O:aio_reap", &ctx, &nr, &wait))
+        return NULL;
+    if (nr < 1 || nr > 4096) {
+        PyErr_SetString(PyExc_ValueError, "aio_reap: nr must be 1..4096");
+        return NULL;
+    }
+    struct io_event stack_ev[64];
+    struct io_event *ev = nr <= 64 ? stack_ev : PyMem_Malloc(nr * sizeof(*ev));
+    if (ev == NULL) return PyErr_NoMemory();
+    struct timespec ts = {0, 0};
+    long r;
+    int err;
+    if (wait == Py_None) {
+        r = syscall(SYS_io_getevents, (aio_context_t)ctx, 0L, (long)nr, ev, &ts);
+        err = errno;
+    } else {
+        double w = PyFloat_AsDouble(wait);
+        if (w == -1.0 && PyErr_Occurred()) {
+            if (ev != stack_ev) PyMem_Free(ev);
+            return NULL;
+        }
+        if (w < 0) w = 0;
+        ts.tv_sec = (time_t)w;
+        ts.tv_nsec = (long)((w - (double)ts.tv_sec) * 1e9);
+        Py_BEGIN_ALLOW_THREADS
+        r = syscall(SYS_io_getevents, (aio_context_t)ctx, 1L, (long)nr, ev, &ts);
+        err = errno;
+        Py_END_ALLOW_THREADS
+    }
+    if (r < 0) {
+        if (ev != stack_ev) PyMem_Free(ev);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    PyObject *out = PyList_New(r);
+    for (long i = 0; out != NULL && i < r; i++) {
+        PyObject *t = Py_BuildValue("(KL)", (unsigned long long)ev[i].data, (long long)ev[i].res);
+        if (t == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, t);
+    }
+    if (ev != stack_ev) PyMem_Free(ev);
+    return out;
+}
+
+PyDoc_STRVAR(eventfd_reset_doc,
+"eventfd_reset(fd) -> None\n\n"
+"Read an eventfd's counter once without waiting (EAGAIN when it was not signalled is not an\n"
+"error), keeping the interpreter lock: os.read would release it, and the event loop would\n"
+"then wait to get it back from an upload thread.");
+
+static PyObject *eventfd_reset(PyObject *self, PyObject *arg) {
+    int fd = _PyLong_AsInt(arg);
+    if (fd == -1 && PyErr_Occurred()) return NULL;
+    uint64_t count;
+    ssize_t r = read(fd, &count, sizeof(count));
+    (void)r;
+    Py_RETURN_NONE;
+}
+#endif
+
 static PyObject *take_grouped(PyObject *self, PyObject *args);
 PyDoc_STRVAR(take_grouped_doc,
 "take_grouped(pending, max_bytes, max_entries, at_least_one, out, groups, cums) -> int\n\n"
@@ -839,6 +1010,11 @@ static PyMethodDef methods[] = {
     {"read_pieces", read_pieces, METH_VARARGS, read_pieces_doc},
     {"encode_blocks", encode_blocks, METH_VARARGS, encode_blocks_doc},
     {"object_size_steps", object_size_steps, METH_VARARGS, object_size_steps_doc},
+#ifdef HAVE_AIO
+    {"aio_submit", aio_submit, METH_VARARGS, aio_submit_doc},
+    {"aio_reap", aio_reap, METH_VARARGS, aio_reap_doc},
+    {"eventfd_reset", eventfd_reset, METH_O, eventfd_reset_doc},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,16 +1,32 @@
-"""Linux native AIO and timerfd through raw syscalls (ctypes): no extra package, no threads.
+"""Linux native AIO and timerfd through raw syscalls: no extra package, no threads.
 
 Why: a WAL written by IO threads pays a GIL hand-off on the event loop for every write
 started and every write finished. With native AIO the loop submits a write itself (io_submit
 returns once the request is queued) and learns of its completion from an eventfd in its own
 epoll set, so nothing else has to run Python code for the write path. The kernel ABI used here
 (struct iocb, struct io_event, syscall numbers) is fixed; only x86_64 and aarch64 are mapped.
+
+The per-write calls (io_submit, the reap, the eventfd reset) run in C when storage._copycrc is
+built (aio_submit, aio_reap, eventfd_reset): building the iocb with ctypes and calling through
+it cost ~3 us of Python per WAL write on the event loop. Without the extension (or with a
+stale in-place build that predates them) the ctypes path below does the same calls.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
+
+try:
+    from .. import _copycrc as _ext
+except ImportError:                 # not built: the ctypes path
+    _ext = None
+_c_submit = getattr(_ext, "aio_submit", None)
+_c_reap = getattr(_ext, "aio_reap", None)
+_c_eventfd_reset = getattr(_ext, "eventfd_reset", None)
+# the per-write AIO calls run in C (AioContext(native=None) follows this)
+NATIVE = None not in (_c_submit, _c_reap, _c_eventfd_reset)
 
 __all__ = ["AioContext", "TimerFD", "AioUnavailable", "yield_cpu"]
 
@@ -98,7 +114,7 @@ class AioContext:
     the caller keeps the buffers alive. Completions come back as (token, result) pairs, where
     result is the byte count written or a negative errno."""
 
-    def __init__(self, depth: int) -> None:
+    def __init__(self, depth: int, native: bool | None = None) -> None:
         if _nr is None:
             raise AioUnavailable(f"native AIO not mapped for {platform.machine()}")
         self._ctx = ctypes.c_ulong(0)
@@ -111,10 +127,17 @@ class AioContext:
         self._depth = depth
         self._zero = _Timespec(0, 0)
         self._count = ctypes.c_uint64(0)           # the eventfd's counter, read to reset it
+        self.native = NATIVE if native is None else (native and NATIVE)
+        if self.native:     # the same calls and signatures as the methods below, in C
+            ctx = self._ctx.value
+            self.submit_write = functools.partial(_c_submit, ctx, self.eventfd)
+            self.reap = functools.partial(_c_reap, ctx, depth)
+            self.clear_signal = functools.partial(_c_eventfd_reset, self.eventfd)
 
     def submit_write(self, fd: int, pieces: list[tuple[int, int]], offset: int, token: int,
                      dsync: bool) -> object:
-        """Queue one write of `pieces` at `offset`; returns what must outlive the request."""
+        """Queue one write of `pieces` at `offset`; returns what must outlive the request
+        (the buffers themselves the caller keeps)."""
         cb = _Iocb()
         cb.aio_data = token
         cb.aio_fildes = fd
@@ -155,6 +178,8 @@ class AioContext:
         _read_held(self.eventfd, ctypes.addressof(self._count), 8)
 
     def close(self) -> None:
+        for name in ("submit_write", "reap", "clear_signal"):
+            self.__dict__.pop(name, None)   # the methods below: a closed context, a closed fd
         if self._ctx.value:
             _syscall(_nr[1], self._ctx)      # waits for requests still in flight
             self._ctx = ctypes.c_ulong(0)

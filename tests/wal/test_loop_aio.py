@@ -467,10 +467,13 @@ def test_append_waits_in_a_thread_pool_future(make_wal):
 async def test_the_loops_aio_calls_keep_the_gil_and_wake_no_io_thread(make_wal, monkeypatch):
     """io_submit, the reap that does not wait and the eventfd reset run with the GIL held (a
     release hands it to a waiting thread, which the loop then has to wait for); appends on the
-    loop notify no IO thread condition (there are none once the loop writes)."""
+    loop notify no IO thread condition (there are none once the loop writes). The ctypes path
+    (no storage._copycrc); the C one: test_aio_native.py."""
     import ctypes
 
     from storage.wal import aio
+
+    monkeypatch.setattr(aio, "NATIVE", False)
 
     assert aio._syscall_held._flags_ & ctypes._FUNCFLAG_PYTHONAPI
     assert aio._read_held._flags_ & ctypes._FUNCFLAG_PYTHONAPI
