@@ -6,8 +6,8 @@ returns once the request is queued) and learns of its completion from an eventfd
 epoll set, so nothing else has to run Python code for the write path. The kernel ABI used here
 (struct iocb, struct io_event, syscall numbers) is fixed; only x86_64 and aarch64 are mapped.
 
-The per-write calls (io_submit, the reap, the eventfd reset) run in C when storage._copycrc is
-built (aio_submit, aio_reap, eventfd_reset): building the iocb with ctypes and calling through
+The per-write calls (io_submit, the reap, the eventfd reset, the timer's arm and reset) run in C when storage._copycrc is
+built (aio_submit, aio_reap, eventfd_reset, timerfd_arm), keeping the interpreter lock: building the iocb with ctypes and calling through
 it cost ~3 us of Python per WAL write on the event loop. Without the extension (or with a
 stale in-place build that predates them) the ctypes path below does the same calls.
 """
@@ -25,6 +25,7 @@ except ImportError:                 # not built: the ctypes path
 _c_submit = getattr(_ext, "aio_submit", None)
 _c_reap = getattr(_ext, "aio_reap", None)
 _c_eventfd_reset = getattr(_ext, "eventfd_reset", None)
+_c_timerfd_arm = getattr(_ext, "timerfd_arm", None)
 # the per-write AIO calls run in C (AioContext(native=None) follows this)
 NATIVE = None not in (_c_submit, _c_reap, _c_eventfd_reset)
 
@@ -192,18 +193,24 @@ class TimerFD:
     """A CLOCK_MONOTONIC timerfd: microsecond wake-ups for an event loop whose own timers
     (uvloop) fire in whole milliseconds, too coarse for a 1/3000 s seal interval."""
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool | None = None) -> None:
         if _nr is None:
             raise AioUnavailable(f"timerfd not mapped for {platform.machine()}")
         self.fd = _check(_syscall(_nr[4], ctypes.c_int(_CLOCK_MONOTONIC),
                                   ctypes.c_int(_TFD_NONBLOCK | _TFD_CLOEXEC)))
         self.armed_at: float | None = None
+        self.native = (_c_timerfd_arm is not None and _c_eventfd_reset is not None
+                       and native is not False)
 
     def arm(self, deadline: float) -> None:
         """Fire once at time.monotonic() == deadline (earlier deadlines win)."""
         if self.armed_at is not None and self.armed_at <= deadline:
             return
         deadline = max(deadline, 1e-6)
+        if self.native:
+            _c_timerfd_arm(self.fd, deadline)
+            self.armed_at = deadline
+            return
         spec = _Itimerspec(_Timespec(0, 0), _Timespec(int(deadline), int((deadline % 1) * 1e9)))
         _check(_syscall(_nr[5], ctypes.c_int(self.fd), ctypes.c_int(_TFD_TIMER_ABSTIME),
                         ctypes.byref(spec), None))
@@ -212,12 +219,16 @@ class TimerFD:
     def consume(self) -> None:
         """Acknowledge an expiry (the fd stays readable until read)."""
         self.armed_at = None
+        if self.native:
+            _c_eventfd_reset(self.fd)        # the same read, keeping the interpreter lock
+            return
         try:
             os.read(self.fd, 8)
         except BlockingIOError:
             pass
 
     def close(self) -> None:
+        self.native = False                  # a late consume() reads fd -1, not a reused fd
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

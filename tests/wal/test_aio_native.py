@@ -12,11 +12,12 @@ import platform
 import select
 import sys
 import threading
+import time
 
 import pytest
 
 from storage.wal import aio
-from storage.wal.aio import AioContext
+from storage.wal.aio import AioContext, TimerFD
 
 pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"),
                                 reason="native AIO mapped for x86_64 and aarch64 only")
@@ -78,8 +79,12 @@ def test_the_c_calls_are_built_and_the_default():
     ext = _ext()
     if ext is None:
         pytest.skip("storage._copycrc not built")
-    assert all(hasattr(ext, n) for n in ("aio_submit", "aio_reap", "eventfd_reset"))
+    assert all(hasattr(ext, n) for n in ("aio_submit", "aio_reap", "eventfd_reset",
+                                         "timerfd_arm"))
     assert aio.NATIVE
+    t = TimerFD()
+    assert t.native
+    t.close()
     a = AioContext(8)
     try:
         assert a.native
@@ -240,6 +245,8 @@ def test_the_c_calls_keep_the_interpreter_lock(tmp_path):
     fd = os.open(tmp_path / "h", os.O_RDWR | os.O_CREAT)     # buffered: completes in submit
     m = _buf(4096, 6)
     c, addr = _addr(m)
+    timer = TimerFD()
+    assert timer.native
     gate = threading.Lock()
     gate.acquire()
     ran: list[int] = []
@@ -254,11 +261,52 @@ def test_the_c_calls_keep_the_interpreter_lock(tmp_path):
                 a.submit_write(fd, [(addr, 4096)], 0, i, False)
             a.clear_signal()
             a.reap()
+            timer.armed_at = None
+            timer.arm(1e9 + i)
+            timer.consume()
         assert ran == []
     finally:
         sys.setswitchinterval(interval)
         t.join()
         del c
         a.close()
+        timer.close()
         os.close(fd)
     assert ran == [1]
+
+
+@PATHS
+def test_the_timer_fires_at_its_deadline_and_consume_resets_it(native):
+    if native and not aio.NATIVE:
+        pytest.skip("storage._copycrc not built")
+    t = TimerFD(native=native)
+    assert t.native is native
+    try:
+        t.arm(time.monotonic() + 3600)
+        assert t.armed_at is not None
+        assert not select.select([t.fd], [], [], 0)[0]
+        t.arm(time.monotonic() + 7200)                # later: the earlier deadline stays
+        assert t.armed_at < time.monotonic() + 3601
+        t.arm(time.monotonic() - 1)                   # earlier (already past): fires now
+        assert select.select([t.fd], [], [], 10)[0]
+        t.consume()
+        assert t.armed_at is None
+        assert not select.select([t.fd], [], [], 0)[0]
+        t.consume()                                   # not expired: nothing to read, no error
+        t.arm(time.monotonic() + 0.001)
+        assert select.select([t.fd], [], [], 10)[0]
+    finally:
+        t.close()
+    assert not t.native                               # a late consume: the ctypes path's
+
+
+def test_arming_a_bad_timer_fd_raises_the_same_error_on_both_paths():
+    for native in ([False, True] if aio.NATIVE else [False]):
+        t = TimerFD(native=native)
+        fd = t.fd
+        t.fd = 1 << 20                                # open nowhere: EBADF
+        with pytest.raises(OSError) as ei:
+            t.arm(time.monotonic() + 1)
+        assert ei.value.errno == errno.EBADF
+        t.fd = fd
+        t.close()
