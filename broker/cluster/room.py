@@ -212,8 +212,10 @@ class ClusterRoom:
                                             self.controller_epoch)
                 await asyncio.to_thread(self.store.set_state, self.node_id, self.instance,
                                         STOPPED, True)
-            except Exception:  # noqa: BLE001
-                log.exception("cluster deregistration failed")
+            except Exception as exc:  # noqa: BLE001 - the others fence it once its lease lapses
+                # an outage (the metadata store cut or gone at shutdown) is its one-line
+                # episode, not an ERROR with a traceback; anything else is a bug: logged so
+                log_failure(log, exc, "cluster deregistration failed")
             await asyncio.to_thread(self.store.close)
 
     # ---- what handlers ask --------------------------------------------------------------------

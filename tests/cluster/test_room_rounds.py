@@ -220,3 +220,21 @@ async def test_a_takeover_that_meets_a_metadata_outage_ends_with_a_log_line_not_
         assert "takeover" in caplog.text and "metadata database cut" in caplog.text
     finally:
         r.store.close()
+
+
+async def test_a_stop_with_the_metadata_store_gone_logs_the_outage_not_a_traceback(
+        tmp_path, caplog) -> None:
+    """A broker stopped while its metadata store is unreachable (SIGTERM during a PostgreSQL
+    cut, or after the database went away) cannot deregister: that is an outage, logged as
+    the store's one-line episode, not `cluster deregistration failed` with a traceback."""
+    from storage.sqldb import MetadataUnreachable
+    r = _room(f"sqlite:///{tmp_path}/meta.db")
+
+    def gone(*_a, **_k):
+        raise MetadataUnreachable("cannot reach PostgreSQL metadata at 127.0.0.1:1")
+    r.store.set_state = gone
+    r.store.resign = gone
+    caplog.set_level(logging.DEBUG)
+    await asyncio.wait_for(r.stop(), 30)
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR], caplog.text
+    assert "cannot reach PostgreSQL metadata" in caplog.text
