@@ -51,12 +51,24 @@ async def _setup(tmp_path, store_ns: types.SimpleNamespace):
     return room, broker, topic, p, stream
 
 
-async def _answers_after(room, broker, topic, first) -> tuple:
-    """The retries' answers: ``first`` (seq 0's, refused while the partition was away), then
-    seq 1's on the installed partition, then both retried once more."""
+async def _held_back_then_taken(broker, topic, first) -> None:
+    """``first`` (seq 0's retry, refused while the partition was away) is NOT_LEADER; seq 1's
+    retry on the installed partition is held back behind seq 0's mark (the old code answered it
+    with its offset: seq 0 acknowledged implicitly); both retried once more are taken in order."""
     r0 = await first
     r1 = await _append(topic, 0, bytearray(idem(b"B", 1)), 9, None, broker)
-    return r0, r1
+    assert r0.error == ErrorCode.NOT_LEADER_OR_FOLLOWER
+    assert r1.error == ErrorCode.NOT_ENOUGH_REPLICAS, r1
+    r0 = await _append(topic, 0, bytearray(idem(b"A", 0)), 9, None, broker)
+    r1 = await _append(topic, 0, bytearray(idem(b"B", 1)), 9, None, broker)
+    assert (r0.error, r0.base_offset, r1.error, r1.base_offset) == (0, 0, 0, 1)
+
+
+async def _close(room, topic) -> None:
+    for q in topic.partitions:
+        if q is not None:
+            await q.close()
+    room.store.close()
 
 
 async def test_a_retry_refused_during_a_failed_release_holds_back_its_stored_successor(
@@ -84,18 +96,9 @@ async def test_a_retry_refused_during_a_failed_release_holds_back_its_stored_suc
         gate.set()                      # the release fails: the partition reopens here
         while topic.partitions[0] is None or topic.partitions[0] is p:
             await asyncio.sleep(0.01)
-        r0, r1 = await _answers_after(room, broker, topic, first)
-        assert r0.error == ErrorCode.NOT_LEADER_OR_FOLLOWER
-        # the old code answered seq 1 with its offset here: seq 0 acknowledged implicitly
-        assert r1.error == ErrorCode.NOT_ENOUGH_REPLICAS, r1
-        r0 = await _append(topic, 0, bytearray(idem(b"A", 0)), 9, None, broker)
-        r1 = await _append(topic, 0, bytearray(idem(b"B", 1)), 9, None, broker)
-        assert (r0.error, r0.base_offset, r1.error, r1.base_offset) == (0, 0, 0, 1)
+        await _held_back_then_taken(broker, topic, first)
     finally:
-        for q in topic.partitions:
-            if q is not None:
-                await q.close()
-        room.store.close()
+        await _close(room, topic)
 
 
 async def test_a_retry_refused_while_the_partition_opens_holds_back_its_stored_successor(
@@ -124,14 +127,6 @@ async def test_a_retry_refused_while_the_partition_opens_holds_back_its_stored_s
         gate.set()
         while topic.partitions[0] is None:
             await asyncio.sleep(0.01)
-        r0, r1 = await _answers_after(room, broker, topic, first)
-        assert r0.error == ErrorCode.NOT_LEADER_OR_FOLLOWER
-        assert r1.error == ErrorCode.NOT_ENOUGH_REPLICAS, r1
-        r0 = await _append(topic, 0, bytearray(idem(b"A", 0)), 9, None, broker)
-        r1 = await _append(topic, 0, bytearray(idem(b"B", 1)), 9, None, broker)
-        assert (r0.error, r0.base_offset, r1.error, r1.base_offset) == (0, 0, 0, 1)
+        await _held_back_then_taken(broker, topic, first)
     finally:
-        for q in topic.partitions:
-            if q is not None:
-                await q.close()
-        room.store.close()
+        await _close(room, topic)

@@ -391,6 +391,16 @@ def test_read_pieces_reports_errors_and_the_end_of_the_file(tmp_path) -> None:
     assert e.value.errno == errno.EBADF
 
 
+def _require_huge_pages() -> None:
+    """Skip where the kernel gives no transparent huge pages."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[never]" in f.read():
+                pytest.skip("transparent huge pages are off")
+    except OSError:
+        pytest.skip("no transparent huge pages")
+
+
 def _anon_huge_kib(buf) -> int:
     """AnonHugePages (KiB) of the mapping holding ``buf`` (an mmap), from /proc/self/smaps."""
     import ctypes
@@ -412,12 +422,7 @@ def test_file_store_reads_spans_into_huge_pages(tmp_path) -> None:
     pages where the kernel has them: an O_DIRECT read is one device request per physically
     contiguous run (at most max_segments runs, 254 on the test VM), so into 4 KiB pages a
     4 MiB read went to the device as 5 requests (bench/HISTORY.md, session 15)."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            if "[never]" in f.read():
-                pytest.skip("transparent huge pages are off")
-    except OSError:
-        pytest.skip("no transparent huge pages")
+    _require_huge_pages()
     s = open_object_store(f"file://{tmp_path}/o")
     s.direct_writes = True
     data = os.urandom(12 << 20)
@@ -436,12 +441,7 @@ def test_file_store_reads_a_span_into_huge_pages_only(tmp_path) -> None:
     extents were huge pages (4-6 of 8 MiB), the rest 4 KiB pages, and the O_DIRECT read went
     to the device as 2.1-2.7 MiB requests instead of 4 MiB (bench/HISTORY.md, sessions 18
     and 20)."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            if "[never]" in f.read():
-                pytest.skip("transparent huge pages are off")
-    except OSError:
-        pytest.skip("no transparent huge pages")
+    _require_huge_pages()
     import ctypes
     s = open_object_store(f"file://{tmp_path}/o")
     s.direct_writes = True
