@@ -30,28 +30,6 @@ HUGE = 2 << 20
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
-class Buffer(mmap.mmap):
-    """A pool buffer: an anonymous mapping whose usable bytes are ``cap`` from ``at`` (see
-    ``BufferPool.take``); ``weight`` is what it counts against the pool's budgets."""
-
-    at = 0
-    cap = 0
-    weight = 0
-
-    def view(self) -> memoryview:
-        """The usable bytes: page aligned (2 MiB aligned for a huge-page buffer)."""
-        return memoryview(self)[self.at:self.at + self.cap]
-
-
-def _address(buf: mmap.mmap) -> int:
-    import ctypes
-    ref = ctypes.c_char.from_buffer(buf)
-    try:
-        return ctypes.addressof(ref)
-    finally:
-        del ref
-
-
 class BufferPool:
     """Free buffers (by capacity), at most ``max_bytes`` of them, plus buffers handed back that
     may still be seen by readers, at most ``max_returned`` bytes (default twice ``max_bytes``).
@@ -84,30 +62,16 @@ class BufferPool:
         """Capacity held by the pool: free buffers plus returned ones."""
         return self._free_bytes + self._returned_bytes
 
-    def take(self, size: int) -> Buffer:
-        """A buffer of at least ``size`` usable bytes (``Buffer.view``; contents undefined).
-
-        From HUGE bytes its usable bytes are whole huge pages, 2 MiB aligned: the kernel puts
-        an anonymous mapping on a 2 MiB boundary only when its length is a multiple of 2 MiB,
-        and backs only aligned 2 MiB extents with huge pages. A 7.06 MiB span buffer (7 blocks
-        of ~1 MiB) got 4-6 MiB of huge pages, the rest 4 KiB pages, and an O_DIRECT read into
-        them went to the device as 2.1-2.7 MiB requests on average instead of 4 MiB (more
-        than max_segments runs); fresh 4 KiB pages also cost ~0.8 ms of CPU per MiB against
-        ~0.05 for huge ones (bench/HISTORY.md, sessions 18 and 20). So the mapping is one
-        huge page longer than the rounded capacity and the usable bytes start at its first
-        2 MiB boundary: the unused head and tail are never touched and take no memory.
-        A buffer weighs what it was first taken for (GRANULE-rounded), not its rounded
-        capacity: with the rounding in the budgets they held 13 % fewer span buffers and a
-        cold pass mapped twice as much fresh memory (session 18); the memory behind a
-        buffer is at most one huge page more than its weight."""
+    def take(self, size: int) -> mmap.mmap:
+        """A page-aligned buffer of at least ``size`` bytes (contents undefined)."""
         cap = -(-max(size, 1) // GRANULE) * GRANULE
         with self._lock:
             self._collect()
             free = self._free
             best = -1
             for i in range(len(free) - 1, -1, -1):
-                n = free[i].cap
-                if cap <= n and (best < 0 or n < free[best].cap):
+                n = len(free[i])
+                if cap <= n and (best < 0 or n < len(free[best])):
                     best = i
                     if n <= 2 * cap:
                         break
@@ -116,24 +80,17 @@ class BufferPool:
                 # read spans of a ramping readahead come in 1-8 MiB, and with only buffers of
                 # about the same size taken, a pass kept fresh mapping beside a full free list)
                 buf = free.pop(best)
-                self._free_bytes -= buf.weight
+                self._free_bytes -= len(buf)
                 self.reused += 1
                 return buf
             self.fresh += 1
             self.fresh_bytes += cap
-        if cap < HUGE or _MADV_HUGEPAGE is None:
-            buf = Buffer(-1, cap, flags=mmap.MAP_PRIVATE)
-            buf.cap = buf.weight = cap
-            return buf
-        usable = -(-cap // HUGE) * HUGE
-        buf = Buffer(-1, usable + HUGE, flags=mmap.MAP_PRIVATE)
-        buf.at = -_address(buf) % HUGE
-        buf.cap = usable
-        buf.weight = cap
-        try:
-            buf.madvise(_MADV_HUGEPAGE, buf.at, usable)
-        except OSError:
-            pass                          # no transparent huge pages here: 4 KiB pages
+        buf = mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE)
+        if cap >= HUGE and _MADV_HUGEPAGE is not None:
+            try:
+                buf.madvise(_MADV_HUGEPAGE)
+            except OSError:
+                pass                      # no transparent huge pages here: 4 KiB pages
         return buf
 
     def _collect(self) -> None:
@@ -145,7 +102,7 @@ class BufferPool:
             # 3 = the dict's value, this name and getrefcount's argument
             if sys.getrefcount(buf) == 3:
                 del returned[key]
-                n = buf.weight
+                n = len(buf)
                 self._returned_bytes -= n
                 if self._free_bytes + n <= self.max_bytes:
                     self._free.append(buf)
@@ -157,9 +114,9 @@ class BufferPool:
     def give_back(self, buf: object) -> None:
         """A buffer the caller no longer uses (views of it may still live: it is reused only
         once they are gone); ignored when it is not a pool buffer."""
-        if type(buf) is not Buffer:
+        if type(buf) is not mmap.mmap:
             return
-        n = buf.weight
+        n = len(buf)
         limit = self.max_returned if self.max_returned is not None else 2 * self.max_bytes
         with self._lock:
             returned = self._returned
@@ -170,7 +127,7 @@ class BufferPool:
                 self._collect()
                 while returned and self._returned_bytes + n > limit:
                     old = returned.pop(next(iter(returned)))
-                    self._returned_bytes -= old.weight
+                    self._returned_bytes -= len(old)
                     self.dropped += 1
                     del old
                 if self._returned_bytes + n > limit:

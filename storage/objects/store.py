@@ -281,7 +281,7 @@ class FileObjectStore(ObjectStore):
         a0 = pos - pos % PAGE
         a1 = -(-(pos + n) // PAGE) * PAGE
         buf = self.buffers.take(a1 - a0)
-        mv = buf.view()
+        mv = memoryview(buf)
         got = 0
         # While producers append, a span is read hot_read_piece at a time and one piece at a
         # time across the cold threads (the lock): an O_DIRECT read goes to the device, where

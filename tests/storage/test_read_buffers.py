@@ -66,24 +66,3 @@ def test_idle_and_returned_buffers_stay_bounded() -> None:
     del b, bufs, v, views
     pool.take(MiB)                    # collects: 2 MiB of free buffers at most are kept
     assert pool.bytes <= 2 * MiB
-
-
-def test_huge_page_buffers_count_what_they_were_taken_for_against_the_budgets() -> None:
-    # a 7-block span (~7.06 MiB) gets a buffer of 8 MiB of huge pages; counted at 8 MiB the
-    # budgets held 13 % fewer span buffers and a cold pass mapped twice as much fresh memory
-    # (bench/HISTORY.md, session 18)
-    span = 7 * MiB + 64 * 1024
-    pool = BufferPool(max_bytes=4 * span, max_returned=4 * span)
-    bufs = [pool.take(span) for _ in range(4)]
-    assert all(b.cap >= span for b in bufs)
-    views = [b.view()[:16] for b in bufs]
-    for b in bufs:
-        pool.give_back(b)                 # still seen: returned, within max_returned
-    del b, bufs
-    assert pool.dropped == 0
-    for v in views:
-        v.release()
-    del v, views
-    again = [pool.take(span) for _ in range(4)]  # collected to the free list, all kept
-    assert pool.reused == 4 and pool.fresh == 4 and pool.dropped == 0
-    del again
