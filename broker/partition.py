@@ -26,7 +26,7 @@ from storage.stream import (Batch, OffsetOutOfRange, PayloadChecksumError, Retri
 
 from .eager import Drive
 from .producer_state import (NO_PRODUCER_ID, BatchMeta, PartitionProducers, ProducerError,
-                             ProducerStore, producer_store_for)
+                             ProducerStore, idempotent_batches, producer_store_for)
 from .transactions import PartitionTxns, coordinator_for, ensure_transactions
 from .transactions.markers import build_marker, marker_fields
 
@@ -888,10 +888,8 @@ class Partition:
         instead of OUT_OF_ORDER_SEQUENCE - on which librdkafka bumps the producer's epoch and
         re-sends records that may have been stored (duplicates; chaos suite)."""
         try:
-            for view in protocol.iter_batches(records):
-                if view.producer_id != NO_PRODUCER_ID and not view.is_control:
-                    self.producers.fail(view.producer_id, view.producer_epoch,
-                                        view.base_sequence)
+            for pid, epoch, first_seq in idempotent_batches(records):
+                self.producers.fail(pid, epoch, first_seq)
         except protocol.CorruptRecordError:
             pass                            # refused anyway; nothing to remember
 

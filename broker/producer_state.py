@@ -21,8 +21,9 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
+import protocol
 from storage import sqldb
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,15 @@ EPOCH_MAX = 2**15 - 1
 # how long a failed mark holds back a producer's later batches: the clients' default
 # delivery.timeout.ms, after which they give the failed batch up (and Kafka's rules apply)
 FAILED_MARK_S = 120.0
+
+
+def idempotent_batches(records: Any) -> Iterator[tuple[int, int, int]]:
+    """(producer id, epoch, first sequence) of each idempotent data batch in ``records``: what
+    a refused request's failed marks are keyed by (``PartitionProducers.fail``). Raises
+    protocol.CorruptRecordError where the records stop parsing."""
+    for view in protocol.iter_batches(records):
+        if view.producer_id != NO_PRODUCER_ID and not view.is_control:
+            yield view.producer_id, view.producer_epoch, view.base_sequence
 
 
 class ProducerError(Exception):

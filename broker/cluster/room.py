@@ -33,6 +33,7 @@ from storage.waits import end_tasks, wait_event
 
 from ..failures import log_failure, note as note_failure
 from ..listeners import decode as decode_listeners, encode as encode_listeners
+from ..producer_state import idempotent_batches
 from .changes import ChangeWatch
 from .coordinators import Placement
 from .lease import LeaseWatch, OwnLease
@@ -40,8 +41,6 @@ from .store import ACTIVE, DRAINING, FENCED, LIVE, MOVING, STOPPED, TAKEN_OVER, 
     BrokerRow, ClusterStore, NodeIdInUse, now_ms
 
 log = logging.getLogger("broker.cluster")
-
-NO_PRODUCER_ID = -1
 
 HEARTBEAT_S = 1.0
 LEASE_MS = 6000
@@ -287,9 +286,7 @@ class ClusterRoom:
         if key not in self._busy or not records:
             return
         try:
-            ids = [(v.producer_id, v.producer_epoch, v.base_sequence)
-                   for v in protocol.iter_batches(records)
-                   if v.producer_id != NO_PRODUCER_ID and not v.is_control]
+            ids = list(idempotent_batches(records))
         except protocol.CorruptRecordError:
             return                          # refused anyway; nothing to remember
         if ids:
