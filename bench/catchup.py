@@ -44,6 +44,7 @@ import tempfile
 import time
 
 from bench.common import PY, REPO, free_port, pct, start_moto_s3  # noqa: E402
+from bench.device import device_of, disk_counters  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -65,40 +66,6 @@ def machine_busy_seconds() -> float:
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
     return (sum(v[:8]) - v[3] - v[4]) / TICKS          # all but idle and iowait
-
-
-def device_of(path: str) -> str | None:
-    """Name of the block device (as /proc/diskstats names it) holding ``path``; None when it
-    is not a plain disk (tmpfs, overlay without a device of its own)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
-    try:
-        with open("/proc/diskstats") as f:
-            for line in f:
-                v = line.split()
-                if int(v[0]) == major and int(v[1]) == minor:
-                    return v[2]
-    except OSError:
-        pass
-    return None
-
-
-def disk_counters(dev: str | None) -> dict[str, float]:
-    """Cumulative /proc/diskstats counters of ``dev``: reads, read sectors, read ms, writes,
-    write ms, busy ms (the device had requests in flight); empty when unknown."""
-    if dev is None:
-        return {}
-    with open("/proc/diskstats") as f:
-        for line in f:
-            v = line.split()
-            if v[2] == dev:
-                return {"disk reads": float(v[3]), "disk read sectors": float(v[5]),
-                        "disk read ms": float(v[6]), "disk writes": float(v[7]),
-                        "disk write ms": float(v[10]), "disk busy ms": float(v[12])}
-    return {}
 
 
 def cpu_share(t0: float) -> float:

@@ -18,7 +18,7 @@ from array import array
 from typing import Any
 
 from .common import BrokerProc, MockCluster, Result, create_topic, pct
-from .device import disk_counters, disk_of
+from .device import device_of, disk_counters, disk_writes
 
 PRODUCER_CONF = {"acks": "all", "linger.ms": 5, "batch.size": 1 << 20, "batch.num.messages": 1_000_000,
                  "queue.buffering.max.messages": 2_000_000, "queue.buffering.max.kbytes": 1 << 21,
@@ -209,9 +209,9 @@ def run_target(bootstrap: str, sizes: list[int], seconds: float, restart=None,
         dev0, t0 = disk_counters(disk), time.monotonic()
         r = produce_throughput(bootstrap, topic, size, seconds)
         dev1, wall = disk_counters(disk), time.monotonic() - t0
-        if dev0 is not None and dev1 is not None and r.get("mb_s"):
-            r["disk_mb_s"] = (dev1[0] - dev0[0]) / wall / 1e6
-            r["disk_busy"] = (dev1[1] - dev0[1]) / 1e3 / wall
+        written = disk_writes(dev0, dev1, wall)
+        if written is not None and r.get("mb_s"):
+            r["disk_mb_s"], r["disk_busy"] = written[0] / wall / 1e6, written[1]
         out["produce"][size] = r
         out["series"][size] = r["series"]
         if topic_100 is None:  # hot: read the smallest-message topic back while in the LogCache
@@ -255,7 +255,7 @@ def run(seconds: float = 8, sizes: list[int] | None = None, mock: bool = True,
 
     try:
         ours = run_target(broker.bootstrap, sizes, seconds, restart,
-                          disk=disk_of(broker.data_dir))
+                          disk=device_of(broker.data_dir))
     finally:
         broker.close()
     theirs = None

@@ -29,6 +29,7 @@ import os
 import time
 
 from . import catchup, common, profile, rawload
+from .device import device_of, disk_counters
 from .common import BrokerProc, create_topic
 
 
@@ -94,13 +95,13 @@ def device_pass(objects_dir: str, threads: int, piece: int, dev: str | None) -> 
         except BaseException as e:  # noqa: BLE001 - reported by the caller
             errors.append(e)
 
-    d0, t0 = catchup.disk_counters(dev), time.monotonic()
+    d0, t0 = disk_counters(dev), time.monotonic()
     ths = [threading.Thread(target=worker) for _ in range(max(1, threads))]
     for t in ths:
         t.start()
     for t in ths:
         t.join()
-    wall, d1 = time.monotonic() - t0, catchup.disk_counters(dev)
+    wall, d1 = time.monotonic() - t0, disk_counters(dev)
     if errors:
         raise errors[0]
     delta = {k: d1.get(k, float("nan")) - d0.get(k, float("nan")) for k in
@@ -142,7 +143,7 @@ def main() -> None:
         os.makedirs(a.data_dir, exist_ok=True)
     broker = BrokerProc(["--wal-capacity", str(1 << 30)], data_dir=a.data_dir)
     base = list(broker.args)
-    dev = catchup.device_of(broker.data_dir)
+    dev = device_of(broker.data_dir)
     nan = float("nan")
 
     def start(tree: str, flags: list[str]) -> None:
@@ -176,13 +177,13 @@ def main() -> None:
                 cpu0, cl0 = rawload.process_cpu_s(broker.pid), time.process_time()
                 loop0 = _loop_cpu_s(broker.pid)
                 roles0, vm0 = _cpu_by_role(broker.pid), _vmstat()
-                disk0, t0 = catchup.disk_counters(dev), time.monotonic()
+                disk0, t0 = disk_counters(dev), time.monotonic()
                 ft = rawload._run(rawload._fetch, host, int(port), topic, conns, a.fetch_seconds,
                                   [lo for lo, _ in marks], 8 << 20, False)
                 cpu, cl = rawload.process_cpu_s(broker.pid) - cpu0, time.process_time() - cl0
                 loop = _loop_cpu_s(broker.pid) - loop0
                 roles1, vm1 = _cpu_by_role(broker.pid), _vmstat()
-                disk1, wall = catchup.disk_counters(dev), time.monotonic() - t0
+                disk1, wall = disk_counters(dev), time.monotonic() - t0
                 busy = (disk1.get("disk busy ms", nan) - disk0.get("disk busy ms", nan)) / wall / 10
                 sectors = disk1.get("disk read sectors", nan) - disk0.get("disk read sectors", nan)
                 rd = sectors * 512 / wall / 1e6

@@ -8,9 +8,10 @@ temporary directory, where the bench brokers keep their data and WAL), one write
 a fixed rate, and prints p50/p99/p999 in ms. ``bench.run_all`` sets the broker's produce p99
 at 1000 msgs/s against this p99 (issue 20, Done-when 4).
 
-``disk_of`` and ``disk_counters`` read what the device holding a directory wrote and how long it
-was busy (/proc/diskstats): bench.rawload sets them against the bytes produced over the same
-window. With the embedded defaults every produced byte reaches this one device twice (the WAL,
+``device_of``, ``disk_counters`` and ``disk_writes`` read what the device holding a directory
+wrote and how long it was busy (/proc/diskstats): bench.rawload and bench.clients set them
+against the bytes produced over the same window, bench.catchup and bench.coldpass against their
+reads. With the embedded defaults every produced byte reaches this one device twice (the WAL,
 then the file:// object), so the device's write rate, not the broker's CPU, can be what holds a
 durable produce rate.
 """
@@ -73,36 +74,49 @@ def write_latency(directory: str | None = None, rate: float = 1000, seconds: flo
             "n": len(lat), "mode": mode, "dir": directory}
 
 
-def disk_of(path: str) -> str | None:
-    """The /proc/diskstats name of the block device (or partition) holding ``path``; None where
-    there is none (tmpfs, a device this process cannot see, no /proc)."""
+def device_of(path: str) -> str | None:
+    """Name of the block device (as /proc/diskstats names it) holding ``path``; None when it
+    is not a plain disk (tmpfs, overlay without a device of its own)."""
     try:
         st = os.stat(path)
-        want = (os.major(st.st_dev), os.minor(st.st_dev))
-        with open("/proc/diskstats") as f:
-            for line in f:
-                parts = line.split()
-                if (int(parts[0]), int(parts[1])) == want:
-                    return parts[2]
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def disk_counters(disk: str | None) -> tuple[int, int] | None:
-    """(bytes written, ms busy) of ``disk`` since boot (/proc/diskstats: sectors written x 512,
-    io_ticks); None when unknown."""
-    if disk is None:
+    except OSError:
         return None
+    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
     try:
         with open("/proc/diskstats") as f:
             for line in f:
-                parts = line.split()
-                if parts[2] == disk:
-                    return int(parts[9]) * 512, int(parts[12])
-    except (OSError, ValueError, IndexError):
+                v = line.split()
+                if int(v[0]) == major and int(v[1]) == minor:
+                    return v[2]
+    except OSError:
         pass
     return None
+
+
+def disk_counters(dev: str | None) -> dict[str, float]:
+    """Cumulative /proc/diskstats counters of ``dev``: reads, read sectors, read ms, writes,
+    write sectors, write ms, busy ms (the device had requests in flight); empty when unknown."""
+    if dev is None:
+        return {}
+    with open("/proc/diskstats") as f:
+        for line in f:
+            v = line.split()
+            if v[2] == dev:
+                return {"disk reads": float(v[3]), "disk read sectors": float(v[5]),
+                        "disk read ms": float(v[6]), "disk writes": float(v[7]),
+                        "disk write sectors": float(v[9]), "disk write ms": float(v[10]),
+                        "disk busy ms": float(v[12])}
+    return {}
+
+
+def disk_writes(before: dict[str, float], after: dict[str, float],
+                wall: float) -> tuple[float, float] | None:
+    """(bytes written, share of ``wall`` seconds busy) between two ``disk_counters`` of one
+    device; None when either is unknown."""
+    if not before or not after or wall <= 0:
+        return None
+    return ((after["disk write sectors"] - before["disk write sectors"]) * 512,
+            (after["disk busy ms"] - before["disk busy ms"]) / 1e3 / wall)
 
 
 def main() -> None:

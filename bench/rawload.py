@@ -370,12 +370,12 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
            "errors": st["errors"], "error_codes": st.get("error_codes", {}),
            "retries": st.get("retries", 0), "p50": pct(ms, 0.5), "p99": pct(ms, 0.99),
            "p999": pct(ms, 0.999), "series": series_of(st["ts"], st["t0"])}
-    if dev0 is not None and dev1 is not None and st["bytes"]:
+    written = device.disk_writes(dev0, dev1, wall)
+    if written is not None and st["bytes"]:
         # the device's own account of the window: bytes it wrote per byte produced (WAL +
         # objects: 2 with the embedded defaults once uploads keep up) and its busy share
-        out.update({"disk": disk, "disk_mb_s": (dev1[0] - dev0[0]) / wall / 1e6,
-                    "disk_per_byte": (dev1[0] - dev0[0]) / st["bytes"],
-                    "disk_busy": (dev1[1] - dev0[1]) / 1e3 / wall})
+        out.update({"disk": disk, "disk_mb_s": written[0] / wall / 1e6,
+                    "disk_per_byte": written[0] / st["bytes"], "disk_busy": written[1]})
     if fetch:
         # hot = the tail that is still in the LogCache: the last HOT_FETCH_BYTES of all partitions
         # (the mock keeps only its last segments: never before the log start)
@@ -413,7 +413,7 @@ def run(seconds: float = 10, conns: int = 4, depth: int = 8, batch_bytes: int = 
     try:
         ours = bench_target(broker.bootstrap, seconds, conns, depth, batch, True, fetch,
                             broker.pid, restart, fetch_seconds, broker.wait_uploaded,
-                            device.disk_of(broker.data_dir))
+                            device.device_of(broker.data_dir))
     finally:
         broker.close()
     theirs = None
