@@ -838,6 +838,16 @@ static PyObject *write_pieces(PyObject *self, PyObject *args) {
 #endif
 #define AIO_STACK_IOV 64          /* a WAL write merges at most 64 blocks (wal.py _take_group) */
 
+/* `seconds` (>= 0 after clamping) as a timespec: io_getevents' wait and timerfd_settime's
+   absolute deadline */
+static void set_timespec(struct timespec *ts, double seconds) {
+    if (seconds < 0) seconds = 0;
+    ts->tv_sec = (time_t)seconds;
+    ts->tv_nsec = (long)((seconds - (double)ts->tv_sec) * 1e9);
+    if (ts->tv_nsec < 0) ts->tv_nsec = 0;
+    if (ts->tv_nsec > 999999999) ts->tv_nsec = 999999999;
+}
+
 PyDoc_STRVAR(aio_submit_doc,
 "aio_submit(ctx, resfd, fd, pieces, offset, token, dsync) -> None\n\n"
 "One io_submit of a write of `pieces`, a sequence of (address, length) pairs, at `offset` of\n"
@@ -954,9 +964,7 @@ static PyObject *aio_reap(PyObject *self, PyObject *args) {
             if (ev != stack_ev) PyMem_Free(ev);
             return NULL;
         }
-        if (w < 0) w = 0;
-        ts.tv_sec = (time_t)w;
-        ts.tv_nsec = (long)((w - (double)ts.tv_sec) * 1e9);
+        set_timespec(&ts, w);
         Py_BEGIN_ALLOW_THREADS
         r = syscall(SYS_io_getevents, (aio_context_t)ctx, 1L, (long)nr, ev, &ts);
         err = errno;
@@ -1000,10 +1008,7 @@ static PyObject *timerfd_arm(PyObject *self, PyObject *args) {
         return NULL;
     struct itimerspec spec;
     memset(&spec, 0, sizeof(spec));
-    spec.it_value.tv_sec = (time_t)deadline;
-    spec.it_value.tv_nsec = (long)((deadline - (double)spec.it_value.tv_sec) * 1e9);
-    if (spec.it_value.tv_nsec < 0) spec.it_value.tv_nsec = 0;
-    if (spec.it_value.tv_nsec > 999999999) spec.it_value.tv_nsec = 999999999;
+    set_timespec(&spec.it_value, deadline);
     if (syscall(SYS_timerfd_settime, fd, 1 /* TFD_TIMER_ABSTIME */, &spec, NULL) < 0)
         return PyErr_SetFromErrno(PyExc_OSError);
     Py_RETURN_NONE;
