@@ -1,12 +1,12 @@
 """Failover: a broker killed with kill -9 under load is fenced, its WAL taken over by a live
 broker, and its partitions open elsewhere; then it restarts and rejoins.
 
-Three brokers on one file:// object store and one SQLite database, a short lease (2 s) and
-margin (0.5 s) through the room's flags, uploads every 30 s (so the records acknowledged just
-before the kill live only in the dead broker's WAL). A confluent-kafka idempotent acks=all
-producer writes unique values throughout. Every acknowledged record must be read back exactly
-once at its acknowledged offset; the time from the kill until every partition of the dead
-broker accepts produces again is printed.
+Three brokers on one file:// object store and one SQLite database (PostgreSQL for the SIGSTOP
+case), a short lease (2 s) and margin (0.5 s) through the room's flags, uploads every 30 s (so
+the records acknowledged just before the kill live only in the dead broker's WAL). A
+confluent-kafka idempotent acks=all producer writes unique values throughout. Every acknowledged
+record must be read back exactly once at its acknowledged offset; the time from the kill until
+every partition of the dead broker accepts produces again is printed.
 """
 from __future__ import annotations
 
@@ -31,7 +31,13 @@ def test_dead_broker_fails_over_and_rejoins(cluster_factory, metadata_url, fault
     """kill -9, or SIGSTOP past the lease (a zombie: its WAL flock is still held, the taker
     forces it; on SIGCONT it finds itself fenced and exits), or kill -9 of the controller
     (another broker takes the controller lease over first, then fences it)."""
-    if not metadata_url.startswith("sqlite"):
+    sqlite = metadata_url.startswith("sqlite")
+    if fault == "sigstop" and sqlite:
+        # a broker stopped inside a write transaction keeps SQLite's file lock, so no other
+        # broker can renew its lease or fence it until it runs again (docs/cluster.md); a
+        # PostgreSQL server ends such a session's transaction (idle_in_transaction timeout)
+        pytest.skip("a stopped broker may hold SQLite's write lock: PostgreSQL only")
+    if fault != "sigstop" and not sqlite:
         pytest.skip("the failover path is the same on PostgreSQL; SQLite keeps this lean")
     brokers = cluster_factory(3, extra=FLAGS)
     boot = ",".join(b.bootstrap for b in brokers)
