@@ -25,6 +25,7 @@ from storage.stream import (Batch, OffsetOutOfRange, PayloadChecksumError, Retri
                             StorageError, Stream)
 
 from .eager import Drive
+from .failures import log_failure
 from .producer_state import (NO_PRODUCER_ID, BatchMeta, PartitionProducers, ProducerError,
                              ProducerStore, idempotent_batches, producer_store_for)
 from .transactions import PartitionTxns, coordinator_for, ensure_transactions
@@ -244,8 +245,8 @@ class Partition:
         if broker is not None and getattr(broker, "meta", None) is not None:
             try:  # the coordinator finishes transactions a restart interrupted
                 await ensure_transactions(broker)
-            except Exception:  # noqa: BLE001 - transactions then start on first use
-                log.exception("transaction coordinator did not start")
+            except Exception as exc:  # noqa: BLE001 - transactions then start on first use
+                log_failure(log, exc, "transaction coordinator did not start")
         if broker is not None:
             from .retention import ensure_retention  # noqa: PLC0415 - retention imports us
             ensure_retention(broker)
@@ -394,8 +395,8 @@ class Partition:
         exc = fut.exception()
         if exc is not None:  # the log tail still rebuilds the state on start
             self._dirty = True
-            log.error("producer snapshot failed topic=%s partition=%d: %r",
-                      self.topic, self.index, exc)
+            log_failure(log, exc, "producer snapshot failed topic=%s partition=%d",
+                        self.topic, self.index)
 
     async def close(self, snapshot: bool = True) -> None:
         """Snapshot producer state and release long-polling fetches (``snapshot=False``: the

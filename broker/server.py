@@ -35,7 +35,7 @@ from storage import sqldb
 from storage.waits import wait_event
 
 from .config import BrokerConfig
-from .failures import failure_answer
+from .failures import failure_answer, log_failure
 from .frames import FramePool
 from .gc_tuning import FULL_PASS_S, SurvivorFreezer
 from .loop_watch import LoopWatch
@@ -748,8 +748,8 @@ class Broker:
         if self.cluster is not None:
             try:
                 await self.cluster.drain()     # controlled shutdown: partitions move first
-            except Exception:  # noqa: BLE001
-                log.exception("controlled shutdown failed")
+            except Exception as exc:  # noqa: BLE001 - a store outage: its one-line episode
+                log_failure(log, exc, "controlled shutdown failed")
             await self.cluster.stop()
         for srv in self._servers:
             srv.close()
