@@ -10,7 +10,9 @@ import logging
 from typing import Any, Iterable
 
 from protocol import ErrorCode as E, response_class
+from storage.sqldb import note_unreachable
 
+from ..failures import is_store_outage
 from ..groups import GroupCoordinator
 from ..listeners import of_connection, own_address
 from ..partition import find_topic, find_topic_by_id
@@ -320,6 +322,27 @@ async def _fresh_offsets(ctx: RequestContext, group_id: str) -> None:
         await _coordinator(ctx).refresh_offsets(group_id)
 
 
+async def _readable(ctx: RequestContext, group_id: str, require_stable: bool
+                    ) -> tuple[int, set[tuple[str, int]]]:
+    """(error, unstable partitions) before an OffsetFetch of ``group_id`` is answered: the
+    store reads of ``_fresh_offsets`` and ``_unstable``. While the metadata store is out of
+    reach the group's offsets are not known yet: COORDINATOR_LOAD_IN_PROGRESS, Kafka's answer
+    while a coordinator loads a group's offsets - every client retries it in place until the
+    store is back. Not COORDINATOR_NOT_AVAILABLE: librdkafka does not retry an OffsetFetch
+    that answers it (it only looks the coordinator up again) and leaves the partitions it
+    asked about unfetched until the next rebalance, so a group assigned during an outage
+    reads nothing for good (session 23's chaos run, docs/FINDINGS.md;
+    tests/cluster/test_group_offsets_outage.py)."""
+    try:
+        await _fresh_offsets(ctx, group_id)
+        return E.NONE, await _unstable(ctx, group_id, require_stable)
+    except Exception as exc:
+        if not is_store_outage(exc):
+            raise
+        note_unreachable(f"offsets of group {group_id} not read: {exc}")
+        return E.COORDINATOR_LOAD_IN_PROGRESS, set()
+
+
 @handler(OFFSET_FETCH)
 async def offset_fetch(ctx: RequestContext, req: Any) -> Any:
     """All partitions when topics is null (v2+); v8+ batches groups. require_stable (v7+)
@@ -331,9 +354,15 @@ async def offset_fetch(ctx: RequestContext, req: Any) -> Any:
         pcls = tcls.OffsetFetchResponsePartition
         if _elsewhere(ctx, req.group_id):
             return cls(throttle_time_ms=0, error_code=E.NOT_COORDINATOR, topics=[])
-        await _fresh_offsets(ctx, req.group_id)
-        unstable = await _unstable(ctx, req.group_id,
-                                   v >= 7 and bool(getattr(req, "require_stable", False)))
+        error, unstable = await _readable(
+            ctx, req.group_id, v >= 7 and bool(getattr(req, "require_stable", False)))
+        if error != E.NONE:
+            # v0-1 have no top-level error: each partition asked for carries it
+            return cls(throttle_time_ms=0, error_code=error, topics=[] if v >= 2 else [
+                tcls(name=t.name, partitions=[
+                    pcls(partition_index=p, committed_offset=-1, committed_leader_epoch=-1,
+                         metadata="", error_code=error) for p in (t.partition_indexes or [])])
+                for t in (req.topics or [])])
         result = _fetch_group(ctx, req.group_id, req.topics, use_ids=False, unstable=unstable)
         return cls(
             throttle_time_ms=0,
@@ -354,8 +383,11 @@ async def offset_fetch(ctx: RequestContext, req: Any) -> Any:
         if _elsewhere(ctx, g.group_id):
             groups.append(gcls(group_id=g.group_id, error_code=E.NOT_COORDINATOR, topics=[]))
             continue
-        await _fresh_offsets(ctx, g.group_id)
-        unstable = await _unstable(ctx, g.group_id, bool(getattr(req, "require_stable", False)))
+        error, unstable = await _readable(ctx, g.group_id,
+                                          bool(getattr(req, "require_stable", False)))
+        if error != E.NONE:
+            groups.append(gcls(group_id=g.group_id, error_code=error, topics=[]))
+            continue
         result = _fetch_group(ctx, g.group_id, g.topics, use_ids=v >= 10, unstable=unstable)
         groups.append(gcls(
             group_id=g.group_id,
