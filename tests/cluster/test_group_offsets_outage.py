@@ -12,19 +12,25 @@ heartbeated (answered NONE) for 3.5 minutes and read nothing.
 Here two brokers share PostgreSQL through a TcpProxy; the store is cut from inside the
 member's on_assign callback, so the OffsetFetch that follows the assignment is the one that
 meets the outage, every time; the cut ends 3 s later and the member must read every record.
+The second test checks the answer itself on the wire: COORDINATOR_LOAD_IN_PROGRESS (what
+Kafka answers while it loads a group's offsets; every client retries it in place) at the top
+level (v2-7), per group (v8+) or per partition (v0-1, which have no top-level error).
 """
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from confluent_kafka import Consumer, Producer
+from kafka.protocol.consumer import OffsetFetchRequest, OffsetFetchResponse
 
+from broker.cluster.coordinators import coordinator_for
+from datapath.wire import WireClient
 from tcp_proxy import TcpProxy
 
+from .kit import wait_for
 from .timed_load import PARTITIONS, create_topic
 
 pytestmark = pytest.mark.slow
@@ -43,15 +49,20 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-@pytest.mark.parametrize("metadata_url", ["postgresql"], indirect=True)
-def test_member_reads_after_its_offset_fetch_met_a_store_outage(broker_factory, tmp_path,
-                                                                 metadata_url):
+def _two_brokers(broker_factory, tmp_path, metadata_url) -> tuple[TcpProxy, list]:
+    """Two brokers sharing PostgreSQL through a TcpProxy (cut it to cut the store)."""
     u = urlsplit(metadata_url)
     proxy = TcpProxy(u.hostname, u.port)
     url = urlunsplit(u._replace(netloc=f"{u.username}@127.0.0.1:{proxy.port}"))
     shared = ["--object-store", f"file://{tmp_path}/objects", "--metadata", url]
-    brokers = [broker_factory(["--node-id", str(i), "--rack", f"r{i}", *shared])
-               for i in range(2)]
+    return proxy, [broker_factory(["--node-id", str(i), "--rack", f"r{i}", *shared])
+                   for i in range(2)]
+
+
+@pytest.mark.parametrize("metadata_url", ["postgresql"], indirect=True)
+def test_member_reads_after_its_offset_fetch_met_a_store_outage(broker_factory, tmp_path,
+                                                                 metadata_url):
+    proxy, brokers = _two_brokers(broker_factory, tmp_path, metadata_url)
     boot = ",".join(b.bootstrap for b in brokers)
     lines = _Lines()
     rdlog = logging.getLogger(f"rdkafka-{tmp_path.name}")
@@ -105,3 +116,47 @@ def test_member_reads_after_its_offset_fetch_met_a_store_outage(broker_factory, 
             c.close()
         proxy.close()
         rdlog.removeHandler(lines)
+
+
+def _offset_fetch(c: WireClient, group: str, version: int) -> tuple[int, list[tuple[int, int]]]:
+    """(top-level or group error, [(partition, error)]) of an OffsetFetch of partitions 0, 1
+    of TOPIC."""
+    if version >= 8:
+        G = OffsetFetchRequest.OffsetFetchRequestGroup
+        req = OffsetFetchRequest(groups=[G(group_id=group, member_id=None, member_epoch=-1,
+                                           topics=[G.OffsetFetchRequestTopics(
+                                               name=TOPIC, partition_indexes=[0, 1])])],
+                                 require_stable=True)
+        (g,) = c.call(req, OffsetFetchResponse, version).groups
+        return g.error_code, [(p.partition_index, p.error_code)
+                              for t in g.topics for p in t.partitions]
+    T = OffsetFetchRequest.OffsetFetchRequestTopic
+    req = OffsetFetchRequest(group_id=group, topics=[T(name=TOPIC, partition_indexes=[0, 1])],
+                             require_stable=version >= 7)
+    r = c.call(req, OffsetFetchResponse, version)
+    return (r.error_code if version >= 2 else 0), [(p.partition_index, p.error_code)
+                                                    for t in r.topics for p in t.partitions]
+
+
+@pytest.mark.parametrize("metadata_url", ["postgresql"], indirect=True)
+def test_offset_fetch_answers_load_in_progress_while_the_store_is_cut(broker_factory, tmp_path,
+                                                                      metadata_url):
+    proxy, brokers = _two_brokers(broker_factory, tmp_path, metadata_url)
+    boot = ",".join(b.bootstrap for b in brokers)
+    load, none = 14, 0      # COORDINATOR_LOAD_IN_PROGRESS
+    try:
+        create_topic(boot, TOPIC, live=2)
+        group = "outage-wire"
+        coord = brokers[coordinator_for(group, [0, 1])]
+        with WireClient(coord.host, coord.port, timeout=60, client_id="outage-wire") as c:
+            wait_for(lambda: _offset_fetch(c, group, 8) == (none, [(0, none), (1, none)]),
+                     what="the coordinator to answer for the group")
+            proxy.cut()
+            assert _offset_fetch(c, group, 8) == (load, [])
+            assert _offset_fetch(c, group, 5) == (load, [])
+            assert _offset_fetch(c, group, 1) == (0, [(0, load), (1, load)])
+            proxy.restore()
+            wait_for(lambda: _offset_fetch(c, group, 8) == (none, [(0, none), (1, none)]),
+                     what="OffsetFetch to answer again once the store is back")
+    finally:
+        proxy.close()
