@@ -1024,6 +1024,18 @@ static PyObject *eventfd_reset(PyObject *self, PyObject *arg) {
 }
 #endif
 
+static PyObject *read_span_crcs(PyObject *self, PyObject *args);
+PyDoc_STRVAR(read_span_crcs_doc,
+"read_span_crcs(fd, buf, offset, ranges, skip) -> (int, list)\n\n"
+"Fill the writable buffer `buf` from file `fd` at `offset` (preads until it is full or the\n"
+"file ends), then the CRC-32C of each (start, size) range of `ranges` (positions in `buf`)\n"
+"from its byte `skip` on, all with the interpreter lock released once. Returns the bytes\n"
+"read and per range its CRC, or None where the range was not read whole (the file ended)\n"
+"or is shorter than `skip`. Raises OSError on an error (EINTR is retried; EINVAL: O_DIRECT\n"
+"refused, the caller reads without it).\n"
+"storage/objects/store.py reads a cold span of object blocks so: one hand-off with the event\n"
+"loop per span instead of one per block CRC and one for the read.");
+
 static PyObject *take_grouped(PyObject *self, PyObject *args);
 PyDoc_STRVAR(take_grouped_doc,
 "take_grouped(pending, max_bytes, max_entries, at_least_one, out, groups, cums) -> int\n\n"
@@ -1036,6 +1048,7 @@ static PyMethodDef methods[] = {
     {"crc", crc, METH_VARARGS, crc_doc},
     {"write_pieces", write_pieces, METH_VARARGS, write_pieces_doc},
     {"read_pieces", read_pieces, METH_VARARGS, read_pieces_doc},
+    {"read_span_crcs", read_span_crcs, METH_VARARGS, read_span_crcs_doc},
     {"encode_blocks", encode_blocks, METH_VARARGS, encode_blocks_doc},
     {"object_size_steps", object_size_steps, METH_VARARGS, object_size_steps_doc},
 #ifdef HAVE_AIO
@@ -1276,4 +1289,108 @@ fail:
     Py_XDECREF(last_sid);
     Py_DECREF(popleft);
     return NULL;
+}
+
+/* read_span_crcs (doc above): the cold read threads' span read and block CRCs in one call */
+#define SPAN_RANGES_MAX 4096
+static PyObject *read_span_crcs(PyObject *self, PyObject *args) {
+    int fd;
+    PyObject *obj, *ranges;
+    long long offset;
+    Py_ssize_t skip;
+    if (!PyArg_ParseTuple(args, "iOLOn:read_span_crcs", &fd, &obj, &offset, &ranges, &skip))
+        return NULL;
+    if (offset < 0 || skip < 0) {
+        PyErr_SetString(PyExc_ValueError, "read_span_crcs: offset and skip must be >= 0");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(ranges, "read_span_crcs: ranges must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t nr = PySequence_Fast_GET_SIZE(seq);
+    if (nr > SPAN_RANGES_MAX) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "read_span_crcs: too many ranges");
+        return NULL;
+    }
+    Py_buffer buf;
+    if (PyObject_GetBuffer(obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    long long *st = PyMem_Malloc(sizeof(long long) * 2 * (size_t)(nr ? nr : 1));
+    uint32_t *crcs = PyMem_Malloc(sizeof(uint32_t) * (size_t)(nr ? nr : 1));
+    if (st == NULL || crcs == NULL) {
+        PyMem_Free(st);
+        PyMem_Free(crcs);
+        PyBuffer_Release(&buf);
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < nr; i++) {
+        long long a, b;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "LL:read_span_crcs range",
+                              &a, &b)) {
+            PyMem_Free(st);
+            PyMem_Free(crcs);
+            PyBuffer_Release(&buf);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        st[2 * i] = a;
+        st[2 * i + 1] = b;
+    }
+    Py_DECREF(seq);
+    unsigned char *p = (unsigned char *)buf.buf;
+    size_t len = (size_t)buf.len, got = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (got < len) {
+        ssize_t r = pread(fd, p + got, len - got, (off_t)(offset + (long long)got));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            err = errno;
+            break;
+        }
+        if (r == 0) break;
+        got += (size_t)r;
+        if (r % 4096) break;              /* the end of the file (O_DIRECT reads whole pages) */
+    }
+    if (!err) {
+        for (Py_ssize_t i = 0; i < nr; i++) {
+            long long a = st[2 * i], n = st[2 * i + 1];
+            if (a < 0 || n < skip || (unsigned long long)(a + n) > got) continue;
+            uint32_t c = ~0u;
+            const unsigned char *q = p + a + skip;
+            size_t m = (size_t)(n - skip);
+            c = fold_on ? crc_fold(c, q, m) : have_hw ? crc_hw(c, q, m) : crc_soft(c, q, m);
+            crcs[i] = ~c;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyObject *out = NULL;
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else if ((out = PyList_New(nr)) != NULL) {
+        for (Py_ssize_t i = 0; i < nr; i++) {
+            long long a = st[2 * i], n = st[2 * i + 1];
+            PyObject *v;
+            if (a < 0 || n < skip || (unsigned long long)(a + n) > got) {
+                v = Py_None;
+                Py_INCREF(v);
+            } else if ((v = PyLong_FromUnsignedLong(crcs[i])) == NULL) {
+                Py_CLEAR(out);
+                break;
+            }
+            PyList_SET_ITEM(out, i, v);
+        }
+    }
+    PyMem_Free(st);
+    PyMem_Free(crcs);
+    PyBuffer_Release(&buf);
+    if (out == NULL)
+        return NULL;
+    PyObject *res = Py_BuildValue("(nN)", (Py_ssize_t)got, out);
+    return res;
 }

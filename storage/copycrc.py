@@ -74,6 +74,10 @@ crc = _copycrc.crc if NATIVE else crc32c.crc32c
 # interpreter lock per piece (storage/objects/store.py); None without the extension (or with
 # a stale build of it): the store then loops over the pieces in Python
 read_pieces = getattr(_copycrc_module, "read_pieces", None)
+# a cold span's read and its blocks' CRC-32Cs in one call releasing the interpreter lock once
+# (storage/objects/store.py: FileObjectStore.get_ranges_crc); None without the extension, a
+# stale build of it, or SSE4.2 (then the blocks are checked by crc above, one call each)
+read_span_crcs = getattr(_copycrc, "read_span_crcs", None) if NATIVE else None
 # the O_DIRECT object writes' pieces in one call that releases the interpreter lock once
 # (storage/objects/store.py); None likewise: the store then writes the pieces in Python
 write_pieces = getattr(_copycrc_module, "write_pieces", None)

@@ -123,6 +123,9 @@ class MeasuredStore:
     def get_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[Any]:
         return self._call("get_ranges", self.inner.get_ranges, key, ranges)
 
+    def get_ranges_crc(self, key: str, ranges: list[tuple[int, int]], skip: int) -> Any:
+        return self._call("get_ranges", self.inner.get_ranges_crc, key, ranges, skip)
+
     def size(self, key: str) -> int:
         return self._call("size", self.inner.size, key)
 

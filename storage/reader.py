@@ -10,7 +10,7 @@ from typing import Awaitable, Callable
 
 from .cache.block_cache import BlockCache, Readahead
 from .metastore import ObjectRange
-from .objects.format import (FOOTER, CorruptObjectError, IndexEntry, decode_block, decode_footer,
+from .objects.format import (BLOCK_HEADER, FOOTER, CorruptObjectError, IndexEntry, decode_block, decode_footer,
                              decode_index)
 from .objects.store import ObjectNotFound, ObjectStore, ObjectStoreError
 from .stream import Batch, RetriableStorageError, StorageError
@@ -54,12 +54,14 @@ class ObjectReader:
         """On the cold read thread: the blocks, each decoded (its CRC-32C checked, which runs
         without the GIL) when whole and sound; a short or bad block stays raw bytes, so the
         error is raised only to the reader of that block (BlockCache decodes it then)."""
-        parts = self.store.get_ranges(key, ranges)
+        # the file store computes the blocks' CRCs in the same call as their read (one
+        # interpreter lock hand-off per span, not per block); None where it did not
+        parts, crcs = self.store.get_ranges_crc(key, ranges, BLOCK_HEADER.size)
         out: list = []
-        for part, (_, size) in zip(parts, ranges):
+        for part, (_, size), body_crc in zip(parts, ranges, crcs):
             if len(part) == size:
                 try:
-                    out.append(decode_block(part))
+                    out.append(decode_block(part, body_crc))
                     continue
                 except CorruptObjectError:
                     pass

@@ -357,8 +357,12 @@ def decode_index(data: bytes | memoryview, crc: int) -> list[IndexEntry]:
     return entries
 
 
-def decode_block(data: bytes | memoryview) -> list[Record]:
-    """Parse and check one data block (header included); payloads are views into ``data``."""
+def decode_block(data: bytes | memoryview, body_crc: int | None = None) -> list[Record]:
+    """Parse and check one data block (header included); payloads are views into ``data``.
+    ``body_crc``: the CRC-32C of the block's body (the bytes after its header) when the
+    caller computed it already (the cold read threads, in the same C call as the read: see
+    FileObjectStore.get_ranges_crc); it is compared with the header's instead of computing
+    it again."""
     mv = memoryview(data)
     if len(mv) < BLOCK_HEADER.size:
         raise CorruptObjectError("truncated block header")
@@ -366,7 +370,7 @@ def decode_block(data: bytes | memoryview) -> list[Record]:
     if magic != BLOCK_MAGIC or flags != 0 or length != len(mv) - BLOCK_HEADER.size or count < 0:
         raise CorruptObjectError("bad block header")
     body = mv[BLOCK_HEADER.size:]
-    if _crc(body) != crc:
+    if (_crc(body) if body_crc is None else body_crc) != crc:
         raise CorruptObjectError("block checksum mismatch")
     out: list[Record] = []
     pos = 0

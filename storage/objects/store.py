@@ -18,6 +18,10 @@ from typing import Callable, Iterator
 from urllib.parse import urlsplit
 
 from ..copycrc import read_pieces
+# storage/_copycrc.c's read_span_crcs: a span's read and its blocks' CRCs in one call that
+# releases the interpreter lock once (see FileObjectStore.get_ranges_crc); None without the
+# extension (or with a stale build of it)
+from ..copycrc import read_span_crcs
 # storage/_copycrc.c's write_pieces: _write_direct's pieces in one call that releases the
 # interpreter lock once. In Python each piece re-took the lock when it returned: an upload
 # thread then waited up to a switch interval (5 ms) per 1 MiB piece behind a busy event loop,
@@ -59,6 +63,12 @@ class ObjectStore(abc.ABC):
         start = ranges[0][0]
         data = memoryview(self.get(key, start, ranges[-1][0] + ranges[-1][1]))
         return [data[pos - start:pos - start + n] for pos, n in ranges]
+
+    def get_ranges_crc(self, key: str, ranges: list[tuple[int, int]], skip: int
+                       ) -> tuple[list[bytes | memoryview], list[int | None]]:
+        """get_ranges, and per range the CRC-32C of its bytes from ``skip`` on where the store
+        computed it while reading (None: not computed, the caller checks). Default: none."""
+        return self.get_ranges(key, ranges), [None] * len(ranges)
 
     @abc.abstractmethod
     def size(self, key: str) -> int:
@@ -247,6 +257,23 @@ class FileObjectStore(ObjectStore):
         ms of CPU per MiB here, where a buffered read that missed the page cache did 150 MB/s
         at ~1 ms per MiB); file systems that refuse O_DIRECT (tmpfs) are read through the page
         cache."""
+        return self._get_ranges(key, ranges, None)[0]
+
+    def get_ranges_crc(self, key: str, ranges: list[tuple[int, int]], skip: int
+                       ) -> tuple[list[bytes | memoryview], list[int | None]]:
+        """get_ranges, and each range's CRC-32C from its byte ``skip`` on (an object block's
+        body), computed in the same C call as the span's read (storage._copycrc's
+        read_span_crcs) with the interpreter lock released once per span. The cold thread
+        then takes the lock back once per span instead of once for the read and once per
+        block's CRC: each take waits for the event loop to let go of it (a switch interval,
+        0.5 ms, when the loop is busy). None where not computed: a span read while producers
+        append (64 KiB pieces, storage._copycrc's read_pieces), without the extension, or
+        short (the end of the file)."""
+        return self._get_ranges(key, ranges, skip)
+
+    def _get_ranges(self, key: str, ranges: list[tuple[int, int]], skip: int | None
+                    ) -> tuple[list[bytes | memoryview], list[int | None]]:
+        crcs: list[int | None] = []
         with self._reading(key, direct=self.direct_writes) as fd:
             if ranges and hasattr(os, "posix_fadvise"):
                 first = ranges[0][0]
@@ -264,20 +291,25 @@ class FileObjectStore(ObjectStore):
                         and ranges[j][0] + ranges[j][1] - start <= FILE_READ_SPAN:
                     end = ranges[j][0] + ranges[j][1]
                     j += 1
-                span = self._read_block(fd, start, end - start)
+                span, got = self._read_block(fd, start, end - start, ranges[i:j], skip)
                 for pos, size in ranges[i:j]:
                     out.append(span[pos - start:pos - start + size])
+                crcs.extend(got)
                 span.release()
                 if len(out[-1]) < ranges[j - 1][1]:
                     break                     # past the end: the caller sees a short answer
                 i = j
-            return out
+            return out, crcs
 
-    def _read_block(self, fd: int, pos: int, n: int) -> memoryview:
+    def _read_block(self, fd: int, pos: int, n: int, blocks: list[tuple[int, int]],
+                    skip: int | None) -> tuple[memoryview, list[int | None]]:
         """Bytes [pos, pos + n) of the file (fewer past its end) as a view into a pool
-        buffer; the read covers whole pages around them (O_DIRECT alignment)."""
+        buffer; the read covers whole pages around them (O_DIRECT alignment). With ``skip``
+        also the CRC of each of ``blocks`` ((position, size) in the file, within the span)
+        from its byte ``skip`` on, where read_span_crcs read the span (else None each)."""
+        crcs: list[int | None] = [None] * len(blocks)
         if n > FILE_READ_SPAN * 2:
-            return memoryview(_read_range(fd, pos, n))    # not a block: no pool buffer
+            return memoryview(_read_range(fd, pos, n)), crcs   # not a block: no pool buffer
         a0 = pos - pos % PAGE
         a1 = -(-(pos + n) // PAGE) * PAGE
         buf = self.buffers.take(a1 - a0)
@@ -298,9 +330,15 @@ class FileObjectStore(ObjectStore):
         # 64 KiB piece, a Python loop re-took the lock 128 times per 8 MiB span, each time a
         # hand-off with the event loop's thread while producers append.)
         native = gentle and read_pieces is not None
+        # the span and its blocks' CRCs in one call (see get_ranges_crc)
+        whole = not gentle and skip is not None and read_span_crcs is not None
         try:
             while got < a1 - a0:
                 try:
+                    if whole:
+                        got, crcs = read_span_crcs(fd, mv[:a1 - a0], a0,
+                                                   [(p - a0, size) for p, size in blocks], skip)
+                        break                 # all of it, or the end of the file
                     if native:
                         got += read_pieces(fd, mv[got:a1 - a0], a0 + got, piece)
                         break                 # all of it, or the end of the file
@@ -317,6 +355,7 @@ class FileObjectStore(ObjectStore):
                     if not flags & _O_DIRECT:
                         raise
                     fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+                    whole = False             # the loop below, through the page cache
                     continue
                 if r == 0:
                     break
@@ -330,7 +369,7 @@ class FileObjectStore(ObjectStore):
         start = pos - a0
         view = mv[start:max(start, min(got, start + n))]
         mv.release()
-        return view
+        return view, crcs
 
     @contextlib.contextmanager
     def _reading(self, key: str, direct: bool = False) -> Iterator[int]:

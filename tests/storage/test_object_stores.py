@@ -275,6 +275,49 @@ def test_file_store_reads_neighbouring_blocks_together(tmp_path) -> None:
     assert bytes(short[0]) == data[-size:] and all(not bytes(x) for x in short[1:])
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_file_store_checksums_each_block_in_the_spans_read(tmp_path, monkeypatch, direct) -> None:
+    """get_ranges_crc: each range's CRC-32C from its byte ``skip`` on (an object block's body)
+    comes from the same C call as the span's read (storage._copycrc's read_span_crcs: the
+    cold thread takes the interpreter lock back once per span, not once per block); a range
+    the file does not hold whole has None (and comes back short, as from get_ranges)."""
+    import crc32c
+    from storage.objects import store as store_mod
+    if store_mod.read_span_crcs is None:
+        pytest.skip("storage._copycrc not built")
+    calls = []
+    real = store_mod.read_span_crcs
+    monkeypatch.setattr(store_mod, "read_span_crcs",
+                        lambda *a: calls.append(len(a[3])) or real(*a))
+    s = open_object_store(f"file://{tmp_path}/o")
+    s.direct_writes = direct
+    data = os.urandom((12 << 20) + 5555)
+    s.put("big", data)
+    size = (1 << 20) + 333
+    ranges = [(100 + i * size, size) for i in range(11)] + [(len(data) - 10, 20)]
+    got, crcs = s.get_ranges_crc("big", ranges, 14)
+    assert [bytes(g) for g in got] == [data[p:p + n] for p, n in ranges]
+    assert crcs[:11] == [crc32c.crc32c(data[p + 14:p + n]) for p, n in ranges[:11]]
+    assert crcs[11:] == [None]
+    assert len(calls) >= 2 and sum(calls) == len(ranges), "one call per span, every block in one"
+    # what the default (and stores that do not compute them) answer: no CRCs, the same bytes
+    assert s.get_ranges("big", ranges[:3]) == got[:3]
+
+
+def test_file_store_leaves_block_checks_to_the_caller_while_hot(tmp_path) -> None:
+    """While producers append, spans are read in small pieces (read_pieces): no CRC comes back
+    (the caller checks), and the bytes are the same."""
+    s = open_object_store(f"file://{tmp_path}/o")
+    s.direct_writes = True
+    s.gentle = lambda: True
+    data = os.urandom(3 << 20)
+    s.put("big", data)
+    ranges = [(0, 1 << 20), (1 << 20, 1 << 20)]
+    got, crcs = s.get_ranges_crc("big", ranges, 14)
+    assert [bytes(g) for g in got] == [data[p:p + n] for p, n in ranges]
+    assert crcs == [None, None]
+
+
 def test_file_store_reads_small_pieces_one_at_a_time_while_hot(tmp_path, monkeypatch) -> None:
     """While producers append (``gentle``), a span of blocks is read HOT_READ_PIECE per call
     and one call at a time across threads, so a WAL write on the same disk queues behind at
@@ -433,3 +476,48 @@ def test_file_store_reads_spans_into_huge_pages(tmp_path) -> None:
     assert [bytes(g) for g in got] == [data[p:p + n] for p, n in ranges]
     assert len({id(g.obj) for g in got}) == 1
     assert _anon_huge_kib(got[0].obj) >= 2048
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_cold_thread_decodes_blocks_with_the_crcs_of_their_read(tmp_path, monkeypatch,
+                                                                direct) -> None:
+    """ObjectReader's cold-thread fetch decodes each whole block with the CRC the file store
+    computed in the span's read (no CRC call per block, each a hand-off of the interpreter
+    lock); a block whose bytes do not match its header's CRC stays raw bytes, so its reader
+    gets the CorruptObjectError (BlockCache decodes it then)."""
+    from storage.objects import format as fmt
+    from storage.objects import store as store_mod
+    from storage.objects.format import CorruptObjectError, Record, decode_block, encode_object
+    from storage.reader import ObjectReader
+    if store_mod.read_span_crcs is None:
+        pytest.skip("storage._copycrc not built")
+    s = open_object_store(f"file://{tmp_path}/o")
+    s.direct_writes = direct
+    recs = [Record(1, i, 1, os.urandom(300_000 + i)) for i in range(6)]
+    data, index, _ = encode_object(recs, block_size=600_000)
+    data = bytearray(data)
+    blocks = sorted({(e.position, e.size) for e in index})
+    assert len(blocks) >= 3
+    bad_pos, bad_size = blocks[1]
+    data[bad_pos + bad_size - 7] ^= 0x40                 # one flipped byte in block 1's body
+    s.put("obj", bytes(data))
+
+    async def io(fn, *a):
+        return fn(*a)
+    reader = ObjectReader(s, io, 64 << 20, 32 << 20)
+
+    def no_crc(*_a, **_k):
+        raise AssertionError("a block CRC computed apart from its read")
+    monkeypatch.setattr(fmt, "_crc", no_crc)
+    got = reader._get_decoded("obj", blocks)
+    assert [type(g) for g in got] == [list, memoryview] + [list] * (len(blocks) - 2)
+    assert [bytes(r.payload) for g in got if isinstance(g, list) for r in g] == \
+        [r.payload for r in recs if not bad_pos <= _start(index, r) < bad_pos + bad_size]
+    monkeypatch.undo()
+    with pytest.raises(CorruptObjectError):
+        decode_block(got[1])
+
+
+def _start(index, rec) -> int:
+    """Position of the block holding ``rec`` (by its offset)."""
+    return next(e.position for e in index if e.start_offset <= rec.base_offset < e.end_offset)

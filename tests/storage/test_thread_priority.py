@@ -60,6 +60,7 @@ async def test_engine_cold_reads_run_on_low_priority_threads(tmp_path) -> None:
     seen: dict[str, set] = {"get": set(), "put": set()}
     store = eng.store
     real_get, real_ranges, real_put = store.get, store.get_ranges, store.put
+    real_ranges_crc = store.get_ranges_crc
 
     def get(*a, **kw):
         seen["get"].add((threading.current_thread().name,) + _priorities())
@@ -69,11 +70,16 @@ async def test_engine_cold_reads_run_on_low_priority_threads(tmp_path) -> None:
         seen["get"].add((threading.current_thread().name,) + _priorities())
         return real_ranges(*a, **kw)
 
+    def get_ranges_crc(*a, **kw):
+        seen["get"].add((threading.current_thread().name,) + _priorities())
+        return real_ranges_crc(*a, **kw)
+
     def put(*a, **kw):
         seen["put"].add((threading.current_thread().name,) + _priorities())
         return real_put(*a, **kw)
 
     store.get, store.get_ranges, store.put = get, get_ranges, put
+    store.get_ranges_crc = get_ranges_crc
     try:
         s = await eng.create_stream()
         await fill(s, 200)
