@@ -1036,6 +1036,17 @@ PyDoc_STRVAR(read_span_crcs_doc,
 "storage/objects/store.py reads a cold span of object blocks so: one hand-off with the event\n"
 "loop per span instead of one per block CRC and one for the read.");
 
+static PyObject *map_buffer(PyObject *self, PyObject *args);
+PyDoc_STRVAR(map_buffer_doc,
+"map_buffer(size, huge) -> MappedBuffer\n\n"
+"A fresh anonymous private mapping of `size` bytes (page aligned, zero pages until written)\n"
+"as a writable buffer (len() = size; unmapped when the object goes), with MADV_HUGEPAGE\n"
+"when `huge` (best effort). mmap and madvise run with the interpreter lock released: both\n"
+"take the process's mmap lock for writing, which waits behind every other thread's page\n"
+"faults in progress (the cold read threads' O_DIRECT reads into fresh memory), and through\n"
+"Python's mmap module a cold thread waited so holding the interpreter lock, stalling the\n"
+"event loop (storage/objects/buffers.py).");
+
 static PyObject *take_grouped(PyObject *self, PyObject *args);
 PyDoc_STRVAR(take_grouped_doc,
 "take_grouped(pending, max_bytes, max_entries, at_least_one, out, groups, cums) -> int\n\n"
@@ -1049,6 +1060,7 @@ static PyMethodDef methods[] = {
     {"write_pieces", write_pieces, METH_VARARGS, write_pieces_doc},
     {"read_pieces", read_pieces, METH_VARARGS, read_pieces_doc},
     {"read_span_crcs", read_span_crcs, METH_VARARGS, read_span_crcs_doc},
+    {"map_buffer", map_buffer, METH_VARARGS, map_buffer_doc},
     {"encode_blocks", encode_blocks, METH_VARARGS, encode_blocks_doc},
     {"object_size_steps", object_size_steps, METH_VARARGS, object_size_steps_doc},
 #ifdef HAVE_AIO
@@ -1393,4 +1405,93 @@ static PyObject *read_span_crcs(PyObject *self, PyObject *args) {
         return NULL;
     PyObject *res = Py_BuildValue("(nN)", (Py_ssize_t)got, out);
     return res;
+}
+
+/* map_buffer (doc above): the cold read buffer pool's fresh buffers */
+#include <sys/mman.h>
+
+typedef struct {
+    PyObject_HEAD
+    unsigned char *data;
+    size_t maplen;          /* the mapping's length (size rounded up to whole pages) */
+    Py_ssize_t len;
+} MappedBuffer;
+
+static int mapped_getbuffer(PyObject *o, Py_buffer *view, int flags) {
+    MappedBuffer *m = (MappedBuffer *)o;
+    return PyBuffer_FillInfo(view, o, m->data, m->len, 0, flags);
+}
+
+static Py_ssize_t mapped_length(PyObject *o) {
+    return ((MappedBuffer *)o)->len;
+}
+
+static void mapped_dealloc(PyObject *o) {
+    MappedBuffer *m = (MappedBuffer *)o;
+    if (m->data != NULL) {
+        unsigned char *p = m->data;
+        size_t n = m->maplen;
+        m->data = NULL;
+        Py_BEGIN_ALLOW_THREADS          /* munmap takes the mmap lock too */
+        munmap(p, n);
+        Py_END_ALLOW_THREADS
+    }
+    Py_TYPE(o)->tp_free(o);
+}
+
+static PyBufferProcs mapped_as_buffer = {mapped_getbuffer, NULL};
+static PySequenceMethods mapped_as_sequence = {.sq_length = mapped_length};
+
+static PyTypeObject MappedBuffer_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "storage._copycrc.MappedBuffer",
+    .tp_basicsize = sizeof(MappedBuffer),
+    .tp_dealloc = mapped_dealloc,
+    .tp_as_sequence = &mapped_as_sequence,
+    .tp_as_buffer = &mapped_as_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "An anonymous mapping made by map_buffer (a writable buffer; unmapped when freed).",
+};
+static int mapped_ready = 0;
+
+static PyObject *map_buffer(PyObject *self, PyObject *args) {
+    Py_ssize_t size;
+    int huge;
+    if (!PyArg_ParseTuple(args, "np:map_buffer", &size, &huge))
+        return NULL;
+    if (size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "map_buffer: size must be > 0");
+        return NULL;
+    }
+    if (!mapped_ready) {
+        if (PyType_Ready(&MappedBuffer_Type) < 0)
+            return NULL;
+        mapped_ready = 1;
+    }
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    size_t maplen = ((size_t)size + page - 1) / page * page;
+    void *p;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    p = mmap(NULL, maplen, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        err = errno;
+#ifdef MADV_HUGEPAGE
+    else if (huge)
+        (void)madvise(p, maplen, MADV_HUGEPAGE);    /* no huge pages here: 4 KiB ones */
+#endif
+    Py_END_ALLOW_THREADS
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    MappedBuffer *m = PyObject_New(MappedBuffer, &MappedBuffer_Type);
+    if (m == NULL) {
+        munmap(p, maplen);
+        return NULL;
+    }
+    m->data = (unsigned char *)p;
+    m->maplen = maplen;
+    m->len = size;
+    return (PyObject *)m;
 }

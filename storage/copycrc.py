@@ -78,6 +78,11 @@ read_pieces = getattr(_copycrc_module, "read_pieces", None)
 # (storage/objects/store.py: FileObjectStore.get_ranges_crc); None without the extension, a
 # stale build of it, or SSE4.2 (then the blocks are checked by crc above, one call each)
 read_span_crcs = getattr(_copycrc, "read_span_crcs", None) if NATIVE else None
+# the cold read buffer pool's fresh buffers: mmap (+ MADV_HUGEPAGE) with the interpreter lock
+# released (storage/objects/buffers.py); None without the extension or with a stale build of it
+map_buffer = getattr(_copycrc_module, "map_buffer", None)
+# the exact type of what it returns (the pool takes back only its own buffers)
+MappedBuffer = type(map_buffer(4096, False)) if map_buffer is not None else None
 # the O_DIRECT object writes' pieces in one call that releases the interpreter lock once
 # (storage/objects/store.py); None likewise: the store then writes the pieces in Python
 write_pieces = getattr(_copycrc_module, "write_pieces", None)

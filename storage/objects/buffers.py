@@ -6,7 +6,7 @@ memory (``os.pread`` -> a new ``bytes``, or a new mmap) pays a page fault per 4 
 before (bench/HISTORY.md, session 12). So block buffers come from this pool and go back to it
 when the BlockCache drops the block and nothing else still sees it.
 
-A buffer is an anonymous mmap (page aligned, as O_DIRECT wants; no zero-fill with the GIL
+A buffer is an anonymous mapping (storage._copycrc.map_buffer, else an mmap; page aligned, as O_DIRECT wants; no zero-fill with the GIL
 held: the kernel fills pages inside the read call), of huge pages from 2 MiB (see HUGE). Views of it (a block's records, a Fetch
 answer being written) keep a reference to the mmap through their managed buffer, so a buffer
 whose reference count is back to the pool's own is seen by no one and may be written again.
@@ -28,6 +28,16 @@ GRANULE = 64 << 10
 # session 15); pinning the pages for the read also costs a third of the CPU.
 HUGE = 2 << 20
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+# Fresh buffers are mapped by storage._copycrc's map_buffer when built: mmap and madvise with
+# the interpreter lock released. Both take the process's mmap lock for writing, which waits
+# behind every page fault in progress in other threads: in a cold pass after a restart the
+# cold threads' O_DIRECT reads fault in fresh huge pages (~200-300 MiB of them), and a cold
+# thread in Python's mmap()/madvise() waited there holding the interpreter lock, so the event
+# loop waited for it (bench/HISTORY.md, session 24: perf sched of one pass, the loop blocked
+# ~150 ms on the lock while a cold thread sat in mmap/madvise, stalls of 20-85 ms in the
+# pass's first 400 ms). Python's mmap module is the fallback.
+from ..copycrc import MappedBuffer as _MappedBuffer, map_buffer as _map_buffer
+_POOL_TYPES = (mmap.mmap,) if _MappedBuffer is None else (mmap.mmap, _MappedBuffer)
 
 
 class BufferPool:
@@ -47,10 +57,10 @@ class BufferPool:
         self.max_bytes = max_bytes
         self.max_returned = max_returned
         self._lock = threading.Lock()
-        self._free: list[mmap.mmap] = []
+        self._free: list = []
         self._free_bytes = 0
         # by id: a buffer holding several blocks is handed back once per block
-        self._returned: dict[int, mmap.mmap] = {}
+        self._returned: dict[int, object] = {}
         self._returned_bytes = 0
         self.reused = 0
         self.fresh = 0
@@ -62,7 +72,7 @@ class BufferPool:
         """Capacity held by the pool: free buffers plus returned ones."""
         return self._free_bytes + self._returned_bytes
 
-    def take(self, size: int) -> mmap.mmap:
+    def take(self, size: int) -> mmap.mmap | _MappedBuffer:
         """A page-aligned buffer of at least ``size`` bytes (contents undefined)."""
         cap = -(-max(size, 1) // GRANULE) * GRANULE
         with self._lock:
@@ -85,6 +95,8 @@ class BufferPool:
                 return buf
             self.fresh += 1
             self.fresh_bytes += cap
+        if _map_buffer is not None:
+            return _map_buffer(cap, cap >= HUGE and _MADV_HUGEPAGE is not None)
         buf = mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE)
         if cap >= HUGE and _MADV_HUGEPAGE is not None:
             try:
@@ -114,7 +126,7 @@ class BufferPool:
     def give_back(self, buf: object) -> None:
         """A buffer the caller no longer uses (views of it may still live: it is reused only
         once they are gone); ignored when it is not a pool buffer."""
-        if type(buf) is not mmap.mmap:
+        if type(buf) not in _POOL_TYPES:
             return
         n = len(buf)
         limit = self.max_returned if self.max_returned is not None else 2 * self.max_bytes

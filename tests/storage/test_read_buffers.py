@@ -66,3 +66,34 @@ def test_idle_and_returned_buffers_stay_bounded() -> None:
     del b, bufs, v, views
     pool.take(MiB)                    # collects: 2 MiB of free buffers at most are kept
     assert pool.bytes <= 2 * MiB
+
+
+def test_fresh_buffers_are_mapped_without_the_interpreter_lock(monkeypatch) -> None:
+    """A fresh pool buffer comes from storage._copycrc's map_buffer (mmap and MADV_HUGEPAGE
+    with the interpreter lock released: both wait for the process's mmap lock behind other
+    threads' page faults, and through Python's mmap module a cold thread waited so holding
+    the lock the event loop needs, bench/HISTORY.md session 24): a writable, page-aligned
+    buffer of the size asked (rounded to GRANULE), huge pages asked for from HUGE, reused
+    and bounded like any other."""
+    import ctypes
+    from storage.objects import buffers
+    if buffers._map_buffer is None:
+        import pytest
+        pytest.skip("storage._copycrc not built")
+    calls = []
+    real = buffers._map_buffer
+    monkeypatch.setattr(buffers, "_map_buffer", lambda n, huge: calls.append((n, huge)) or real(n, huge))
+    pool = BufferPool(max_bytes=64 * MiB)
+    small, big = pool.take(100_000), pool.take(3 * MiB + 5)
+    assert calls == [(2 * buffers.GRANULE, False), (3 * MiB + buffers.GRANULE, True)]
+    assert (len(small), len(big)) == (2 * buffers.GRANULE, 3 * MiB + buffers.GRANULE)
+    view = memoryview(big)
+    assert not view.readonly and view.format == "B" and view.obj is big
+    view[-1] = 7
+    assert memoryview(big)[-1] == 7 and bytes(memoryview(small)[:3]) == b"\0\0\0"
+    assert ctypes.addressof(ctypes.c_char.from_buffer(view)) % 4096 == 0
+    view.release()
+    seen = id(big)
+    pool.give_back(big)
+    del big
+    assert id(pool.take(3 * MiB)) == seen and pool.reused == 1 and len(calls) == 2
