@@ -14,6 +14,7 @@ import collections
 import ctypes
 import logging
 import os
+import struct
 import sys
 import threading
 from typing import Any
@@ -249,3 +250,72 @@ class _Prefill:
                     if not self._stopped:   # also if the class moved: it may still fit
                         self._ready.append(buf)
                         self._ready_bytes += cls
+
+
+# ---- large Produce frames received in place (storage/wal/placed.py) ----------------------
+_I16 = struct.Struct(">h")
+_I32 = struct.Struct(">i")
+
+
+def _uvarint(buf, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while pos < end and shift <= 28:
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+    raise IndexError
+
+
+def produce_records_at(buf, pos: int, end: int) -> tuple[int, int] | None:
+    """Where the records of a Produce v3-v12 request for one topic and one partition begin in
+    its frame, and their length: (offset from the frame's start, length), read from the
+    frame's first bytes ``buf[pos:end]`` (``pos`` = the frame's start, after its size). None
+    for anything else or when those bytes end before the records do. Only a guess for the
+    WAL's placement (storage/wal/placed.py checks that the payload appended is exactly this)."""
+    try:
+        if end - pos < 10 or buf[pos] or buf[pos + 1]:         # api key 0: Produce
+            return None
+        version = _I16.unpack_from(buf, pos + 2)[0]
+        if not 3 <= version <= 12:
+            return None
+        flexible = version >= 9
+        p = pos + 8
+        n = _I16.unpack_from(buf, p)[0]                          # client id
+        p += 2 + max(n, 0)
+        if flexible:
+            tags, p = _uvarint(buf, p, end)                      # header tagged fields
+            if tags:
+                return None
+            n, p = _uvarint(buf, p, end)                         # transactional id
+            p += max(n - 1, 0)
+        else:
+            n = _I16.unpack_from(buf, p)[0]
+            p += 2 + max(n, 0)
+        p += 6                                                   # acks, timeout
+        if flexible:
+            topics, p = _uvarint(buf, p, end)
+            n, p = _uvarint(buf, p, end)                         # topic name
+            p += n - 1
+            parts, p = _uvarint(buf, p, end)
+            if topics != 2 or parts != 2 or n < 1:
+                return None
+            p += 4                                               # partition index
+            n, p = _uvarint(buf, p, end)
+            n -= 1
+        else:
+            if _I32.unpack_from(buf, p)[0] != 1:                 # one topic
+                return None
+            n = _I16.unpack_from(buf, p + 4)[0]
+            p += 6 + n
+            if n < 0 or _I32.unpack_from(buf, p)[0] != 1:        # one partition
+                return None
+            n = _I32.unpack_from(buf, p + 8)[0]
+            p += 12
+        if n <= 0 or p > end:
+            return None
+        return p - pos, n
+    except (IndexError, struct.error):
+        return None

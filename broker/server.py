@@ -32,11 +32,14 @@ from protocol import (MalformedRequestError, UnknownApiError, UnsupportedVersion
                       api_name, parse_request)
 
 from storage import sqldb
+from storage.engine import WAL_RECORD
+from storage.wal import placed
+from storage.wal.format import RECORD_HEADER_SIZE
 from storage.waits import wait_event
 
 from .config import BrokerConfig
 from .failures import failure_answer, log_failure
-from .frames import FramePool
+from .frames import FramePool, produce_records_at
 from .gc_tuning import FULL_PASS_S, SurvivorFreezer
 from .loop_watch import LoopWatch
 from .handlers import HANDLERS
@@ -68,6 +71,12 @@ DIRECT_FRAME = 64 << 10
 # ...allocated at once up to this size; larger declared frames grow the read buffer step by
 # step, so a client announcing a huge frame and sending nothing pins little memory
 DIRECT_FRAME_MAX = 16 << 20
+# a large Produce frame of one partition is received so that its records sit where the WAL
+# writes them (storage/wal/placed.py): the WAL's and the engine's record headers before them
+PLACED_HEAD = RECORD_HEADER_SIZE + WAL_RECORD.size
+# its frame's extra bytes: the room to move the records onto their place in a page, the
+# headers before them and the rest of the records' last page after the frame
+PLACED_PAD = 3 * 4096
 # at most this many requests in one run (RUN_HANDLERS): a Produce run is one LogCache entry,
 # and a Fetch whose first entry is larger than its max bytes still gets all of it
 RUN_MAX_REQUESTS = 32
@@ -112,6 +121,8 @@ class Connection(asyncio.BufferedProtocol):
             collections.deque()
         self._frame: bytearray | None = None  # large frame being received in place
         self._frame_fill = 0
+        self._frame_at = 0       # the frame's start in it (records received in place)
+        self._frame_end = 0      # and its end
         self._flush_scheduled = False
         self._closing = False
         self._paused_reading = False
@@ -153,13 +164,18 @@ class Connection(asyncio.BufferedProtocol):
         self.broker.connections.discard(self)
         # handler tasks run to completion (an append in flight must finish its bookkeeping);
         # their answers are dropped
+        for _fut, _header, frame in self._queue:
+            if frame is not None:
+                placed.withdraw(frame)
+        if self._frame is not None:
+            placed.withdraw(self._frame)
         self._queue.clear()
         self._unsent.clear()
         log.debug("connection closed peer=%s error=%s", self.peer, exc)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._frame is not None:
-            return memoryview(self._frame)[self._frame_fill:]
+            return memoryview(self._frame)[self._frame_fill:self._frame_end]
         free = len(self._buf) - self._end
         if free < 4096:
             # Never resize in place: the loop may still hold a view of the old buffer.
@@ -175,11 +191,12 @@ class Connection(asyncio.BufferedProtocol):
         try:
             if self._frame is not None:
                 self._frame_fill += nbytes
-                if self._frame_fill < len(self._frame):
+                if self._frame_fill < self._frame_end:
                     return
                 frame, self._frame = self._frame, None
                 if not self._closing:
-                    self._dispatch(frame, pooled=True)
+                    self._dispatch(frame, pooled=True, at=self._frame_at,
+                                   end=self._frame_end)
             else:
                 self._end += nbytes
             self._split_frames()
@@ -224,10 +241,19 @@ class Connection(asyncio.BufferedProtocol):
                 need = 4 + size
                 if DIRECT_FRAME <= size <= DIRECT_FRAME_MAX:
                     # the rest of this frame is read into its own buffer: no copy later
-                    frame = self.broker.frame_pool.take(size)
                     have = avail - 4
-                    frame[:have] = buf[self._start + 4:self._end]
-                    self._frame, self._frame_fill = frame, have
+                    at = produce_records_at(buf, self._start + 4, self._end)
+                    if at is not None and at[1] >= DIRECT_FRAME:
+                        # the records where the WAL writes them: no copy into its block
+                        frame = self.broker.frame_pool.take(size + PLACED_PAD)
+                        start = placed.place(frame, at[0], PLACED_HEAD) - at[0]
+                        placed.offer(frame, start + at[0], at[1])
+                    else:
+                        frame = self.broker.frame_pool.take(size)
+                        start = 0
+                    frame[start:start + have] = memoryview(buf)[self._start + 4:self._end]
+                    self._frame, self._frame_fill = frame, start + have
+                    self._frame_at, self._frame_end = start, start + size
                     self._start = self._end = 0
                     break
                 if len(buf) - self._start < need:
@@ -250,12 +276,16 @@ class Connection(asyncio.BufferedProtocol):
                 self._buf = bytearray(INITIAL_BUFFER)
         self._update_reading()
 
-    def _dispatch(self, frame: bytearray, pooled: bool = False) -> None:
-        """Decode one frame, start its handler and queue the pending response in order."""
+    def _dispatch(self, frame: bytearray, pooled: bool = False, at: int = 0,
+                  end: int = -1) -> None:
+        """Decode one frame, start its handler and queue the pending response in order.
+        ``frame[at:end]``: the request of a pooled frame received in place (records placed
+        for the WAL: storage/wal/placed.py)."""
         received = time.perf_counter()
         stats = self.broker.request_stats
         try:
-            header, request = parse_request(frame)
+            header, request = parse_request(frame if end < 0 or (at == 0 and end == len(frame))
+                                            else memoryview(frame)[at:end])
         except UnsupportedVersionError as exc:
             h = exc.header
             stats.error(h.api_key, h.api_version, "UNSUPPORTED_VERSION")
@@ -474,6 +504,7 @@ class Connection(asyncio.BufferedProtocol):
             fut, header, frame = queue.popleft()
             if frame is not None:
                 self._frame_bytes -= len(frame)
+                placed.withdraw(frame)
             # refcount 2 (this name + the call's argument): the request is gone
             if frame is not None and sys.getrefcount(frame) == 2:
                 self.broker.frame_pool.give(frame)

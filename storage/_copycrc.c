@@ -724,6 +724,39 @@ static PyObject *crc(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(~c);
 }
 
+PyDoc_STRVAR(crc_split_doc,
+"crc_split(src, value, split) -> (crc, tail_crc)\n\n"
+"copy_crc_split without the copy: crc32c(src, value) and crc32c(src[split:]) from one pass\n"
+"over `src` (the WAL's records received in place: the batch check and the record CRC).");
+
+static PyObject *crc_split(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    unsigned long value = 0;
+    Py_ssize_t split;
+    if (!PyArg_ParseTuple(args, "y*kn:crc_split", &buf, &value, &split))
+        return NULL;
+    if (split < 0 || split > buf.len) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_ValueError, "crc_split: split outside the source");
+        return NULL;
+    }
+    const unsigned char *p = (const unsigned char *)buf.buf;
+    size_t n = (size_t)buf.len, k = (size_t)split;
+    uint32_t head, tail;
+    if (n >= NOGIL_FROM) {
+        Py_BEGIN_ALLOW_THREADS
+        head = ~(fold_on ? crc_fold(~(uint32_t)value, p, k) : crc_hw(~(uint32_t)value, p, k));
+        tail = ~(fold_on ? crc_fold(~0u, p + k, n - k) : crc_hw(~0u, p + k, n - k));
+        Py_END_ALLOW_THREADS
+    } else {
+        head = ~(fold_on ? crc_fold(~(uint32_t)value, p, k) : crc_hw(~(uint32_t)value, p, k));
+        tail = ~(fold_on ? crc_fold(~0u, p + k, n - k) : crc_hw(~0u, p + k, n - k));
+    }
+    PyBuffer_Release(&buf);
+    return Py_BuildValue("kk", (unsigned long)crc_combine(head, tail, n - k),
+                         (unsigned long)tail);
+}
+
 /* The end of read_pieces and write_pieces: the buffer released, then OSError for `err` (an
    errno) or the byte count. */
 static PyObject *io_result(Py_buffer *buf, int err, Py_ssize_t n) {
@@ -1057,6 +1090,7 @@ static PyMethodDef methods[] = {
     {"copy_crc", copy_crc, METH_VARARGS, copy_crc_doc},
     {"copy_crc_split", copy_crc_split, METH_VARARGS, copy_crc_split_doc},
     {"crc", crc, METH_VARARGS, crc_doc},
+    {"crc_split", crc_split, METH_VARARGS, crc_split_doc},
     {"write_pieces", write_pieces, METH_VARARGS, write_pieces_doc},
     {"read_pieces", read_pieces, METH_VARARGS, read_pieces_doc},
     {"read_span_crcs", read_span_crcs, METH_VARARGS, read_span_crcs_doc},

@@ -64,6 +64,10 @@ object_size_steps = getattr(_copycrc, "object_size_steps", None)
 # an extension built in place before copy_crc_split existed (a worktree's stale build) lacks
 # it: the split copy then runs as two copy_crc calls and a pass over the tail
 copy_crc_split = getattr(_copycrc, "copy_crc_split", None) or _copy_crc_split_py
+# crc_split(src, value, split) -> (crc32c(src, value), crc32c(src[split:])) in one pass, no
+# copy (the WAL's records received in place); None without the extension (or a stale build):
+# the WAL then copies those records as any other
+crc_split = getattr(_copycrc, "crc_split", None) if NATIVE else None
 
 # CRC-32C alone, crc(data, value=0) as crc32c.crc32c: in C folded with VPCLMULQDQ where the
 # CPU has it (_copycrc.FOLD; 1 MiB 0.018 ms hot / 0.045 cold against the package's 0.037 /

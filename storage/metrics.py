@@ -174,6 +174,8 @@ class StorageCollector(Collector):
         if wal is not None and isinstance(getattr(wal, "stats", None), dict):
             yield _c(p + "wal_device_written_bytes", "Bytes written to the WAL device (aligned "
                      "blocks and headers)", wal.stats.get("bytes_written", 0))
+            yield _c(p + "wal_placed_records", "WAL records written from the buffer they were "
+                     "received into (no copy into a WAL block)", wal.stats.get("placed_records", 0))
         used = max(0, eng._wal_head - eng._wal_trimmed)
         yield _g(p + "wal_used_bytes", "WAL bytes not yet trimmed (appended, not uploaded)",
                  used)

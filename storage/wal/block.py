@@ -12,9 +12,10 @@ Buffer = mmap.mmap | memoryview          # a mapping of its own, or a slice of a
 class Block:
     """Records packed back to back in an aligned buffer; `start` is the logical offset."""
 
-    __slots__ = ("start", "scan_from", "buf", "used", "records", "streams", "done", "sealed")
+    __slots__ = ("start", "scan_from", "buf", "used", "records", "streams", "done", "sealed",
+                 "pooled")
 
-    def __init__(self, start: int, scan_from: int, buf: Buffer) -> None:
+    def __init__(self, start: int, scan_from: int, buf: Buffer, pooled: bool = True) -> None:
         self.start = start
         self.scan_from = scan_from      # end of the previous block: recovery's hole starts here
         self.buf = buf
@@ -23,6 +24,7 @@ class Block:
         self.streams: set[int] = set()
         self.done = False
         self.sealed = False
+        self.pooled = pooled            # False: a buffer received in place (placed.py), not ours
 
     @property
     def capacity(self) -> int:

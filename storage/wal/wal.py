@@ -22,7 +22,9 @@ from typing import Any, Callable, Iterator, Union
 
 import crc32c
 
-from ..copycrc import NATIVE as COPY_CRC_NATIVE, copy_crc, copy_crc_split
+from ..copycrc import NATIVE as COPY_CRC_NATIVE, copy_crc, copy_crc_split, crc_split
+from ..copycrc import crc as crc_only
+from . import placed
 from .block import Block, BufferPool
 from .config import IO_RETRIES, IO_RETRY_DELAY_S, WALConfig
 from .device import BLANK_PROBE_BYTES, Device, aligned_buffer, classify
@@ -101,7 +103,8 @@ class DeltaWAL:
         self._driver: LoopDriver | None = None   # set by attach_loop(): AIO on an event loop
         self._handover = False                   # IO threads exit: the loop driver takes over
         self.direct_io = True
-        self.stats = {"writes": 0, "block_writes": 0, "bytes_written": 0, "header_writes": 0}
+        self.stats = {"writes": 0, "block_writes": 0, "bytes_written": 0, "header_writes": 0,
+                      "placed_records": 0}   # written from their received buffer (placed.py)
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -368,9 +371,15 @@ class DeltaWAL:
             _verify(body, check)
             check = None
         fut = loop.create_future() if then is None else None
+        region = None
+        if placed._offered and crc is None and type(body) is tuple and len(body) == 2:
+            region = placed.take(body[1], RECORD_HEADER_SIZE + len(body[0]))
         with self._lock:
-            offset = self._reserve(body, n, stream_id, (loop, fut if then is None else then),
-                                   crc, check)
+            offset = None if region is None else self._reserve_placed(
+                region, body, n, stream_id, (loop, fut if then is None else then), check)
+            if offset is None:
+                offset = self._reserve(body, n, stream_id,
+                                       (loop, fut if then is None else then), crc, check)
         if driver is not None:
             if self._pending and driver.on_loop():
                 driver.kick()                     # a block sealed by size: write it now
@@ -501,6 +510,69 @@ class DeltaWAL:
                 self._io_cond.notify()
         elif not at and not self._timing:
             self._io_cond.notify()               # someone must seal this block by time
+        return pos
+
+    def _reserve_placed(self, region: memoryview, body: tuple, n: int, stream_id: int, waiter,
+                        check: tuple[int, int] | None) -> int | None:
+        """_reserve for a record whose payload (body[1]) was received in place (placed.py):
+        ``region`` is the payload's own buffer from ``RECORD_HEADER_SIZE + len(body[0])``
+        bytes before it to the end of its last page. The current block is sealed, the headers
+        are written into the region's first bytes, its tail zeroed, and the region becomes a
+        block of its own, sealed at once (written from that buffer, never pooled). One CRC
+        pass over the payload gives the record's CRC and the ``check``. None (nothing done but
+        sealing the current block) where the copy path must place it: the record would cross
+        the ring's end (the copy path jumps), the cursor is not on a page, no fused check."""
+        if self._failed is not None or not self._opened or self._closing:
+            return None                              # _reserve raises the right error
+        head = body[0]
+        h = len(head)
+        size = RECORD_HEADER_SIZE + n
+        ring = self.ring_size
+        if (n > self.config.max_record_size or len(region) != align_up(size)
+                or len(region) > ring or crc_split is None
+                or (check is not None and check[0] < h)):
+            return None
+        blk = self._current
+        if blk is not None:
+            if blk.used:
+                self._seal_locked()
+            else:                                    # an empty block: back to the pool
+                self._pool.put(blk.buf)
+                self._current = None
+        pos = self._cursor
+        if pos & _MASK or pos % ring + size > ring:
+            return None
+        end = pos + size
+        if ((end + _MASK) & _ALIGN_DOWN) - self._trim > ring:       # as in _reserve
+            raise OverCapacityError(
+                f"WAL ring full: {((end + _MASK) & _ALIGN_DOWN) - self._trim} bytes from the "
+                f"trim to this record's last page > {ring}; upload and trim first")
+        payload = body[1]
+        if check is not None:
+            crc, tail = crc_split(payload, crc_only(head), check[0] - h)
+            if tail != check[1]:
+                raise ChecksumMismatchError(
+                    f"CRC-32C of the record's bytes from {check[0]} is {tail:#010x}, "
+                    f"expected {check[1]:#010x}")
+        else:
+            crc = crc_only(payload, crc_only(head))
+        region[RECORD_HEADER_SIZE:RECORD_HEADER_SIZE + h] = head
+        pack_record_header(region, 0, n, pos, crc)
+        blk = Block(pos, pos, region, pooled=False)
+        self.stats["placed_records"] += 1
+        blk.used = size
+        blk.records = 1
+        blk.streams.add(stream_id)
+        self._inflight += size
+        self._end = end
+        q = self._queues.get(stream_id)
+        if q is None:
+            q = self._queues[stream_id] = collections.deque()
+        q.append((blk, pos, waiter))
+        self._current = blk
+        self._seal_locked()                          # zeroes the tail of the last page
+        if self._driver is None and self._may_start_write(False):
+            self._io_cond.notify()
         return pos
 
     def _new_block(self, size: int, start: int | None = None) -> Block:
@@ -718,7 +790,8 @@ class DeltaWAL:
                 if not q:
                     del queues[sid]
             for blk in group:
-                self._pool.put(blk.buf)
+                if blk.pooled:
+                    self._pool.put(blk.buf)
                 blk.buf = None  # type: ignore[assignment]
             waiters = self._window_waiters
             self._window_waiters = []

@@ -1,0 +1,87 @@
+"""Records received in place: buffers laid out so that a record's payload already sits where
+the WAL writes it, and the WAL writes that record's pages straight from the buffer.
+
+The broker receives a large Produce frame of one partition and one record batch into a
+buffer (a bytearray from its frame pool) at an offset chosen so that the batch starts
+``head`` bytes (the WAL's record header and the engine's stream-record header) past a 4 KiB
+page boundary, and ``offer``s it here with the batch's place. When that very payload is then
+appended (``DeltaWAL.append_loop``), the WAL ``take``s the buffer back: it writes the two
+headers into the bytes before the payload (the request's already parsed envelope), zeroes the
+tail up to the next page (bytes after the batch: parsed too) and writes those pages as a block
+of their own - no copy of the payload into a block of its pool (bench/HISTORY.md, session 24).
+
+``offer`` means: the bytes of ``buf`` outside ``[offset, offset + length)`` may be overwritten
+once the payload is appended. A payload that is not exactly the offered one (several batches,
+another partition's bytes), one whose place does not suit the WAL, or a buffer offered and
+never appended simply takes the copy path. The registry holds at most MAX_OFFERED buffers
+(the oldest are dropped: a connection closed with offered frames does not keep them).
+"""
+from __future__ import annotations
+
+import ctypes
+
+from .format import ALIGN, align_up
+
+MAX_OFFERED = 64
+
+# id(buf) -> (buf, payload offset in buf, payload length); the entry's reference keeps the id
+# from being reused while it is here
+_offered: dict[int, tuple[bytearray, int, int]] = {}
+
+
+def address(buf) -> int:
+    """The address of a writable buffer's first byte."""
+    c = ctypes.c_char.from_buffer(buf)
+    try:
+        return ctypes.addressof(c)
+    finally:
+        del c
+
+
+def place(buf: bytearray, start: int, head: int) -> int:
+    """Where in ``buf`` (from ``start`` on) to put a payload so that the ``head`` bytes before
+    it begin on a page: the payload's offset. The caller checks it still fits."""
+    return start + head + (-(address(buf) + start) & (ALIGN - 1))
+
+
+def offer(buf: bytearray, offset: int, length: int) -> None:
+    """``buf[offset:offset + length]`` will be a payload that may be written in place."""
+    if len(_offered) >= MAX_OFFERED:
+        del _offered[next(iter(_offered))]
+    _offered[id(buf)] = (buf, offset, length)
+
+
+def withdraw(buf) -> None:
+    """Forget an offer (its request was answered: appended in place or not)."""
+    if _offered:
+        ent = _offered.get(id(buf))
+        if ent is not None and ent[0] is buf:
+            del _offered[id(buf)]
+
+
+def offered() -> bool:
+    return bool(_offered)
+
+
+def take(payload, head: int):
+    """The writable block (a view of the offered buffer: ``head`` bytes, the payload, the
+    rest of its last page) for ``payload`` if it is exactly an offered payload whose headers
+    begin on a page; the offer is used up. None otherwise (nothing changes)."""
+    if type(payload) is not memoryview:
+        return None
+    buf = payload.obj
+    ent = _offered.get(id(buf))
+    if ent is None or ent[0] is not buf:
+        return None
+    _buf, offset, length = ent
+    del _offered[id(buf)]
+    if len(payload) != length or payload.readonly or not payload.c_contiguous:
+        return None
+    base = address(buf)
+    if address(payload) - base != offset:
+        return None
+    start = offset - head
+    end = start + align_up(head + length)
+    if start < 0 or (base + start) & (ALIGN - 1) or end > len(buf):
+        return None
+    return memoryview(buf)[start:end]
