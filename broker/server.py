@@ -243,7 +243,7 @@ class Connection(asyncio.BufferedProtocol):
                     # the rest of this frame is read into its own buffer: no copy later
                     have = avail - 4
                     at = produce_records_at(buf, self._start + 4, self._end)
-                    if at is not None and at[1] >= DIRECT_FRAME:
+                    if at is not None and at[1] >= DIRECT_FRAME and sum(at) <= size:
                         # the records where the WAL writes them: no copy into its block
                         frame = self.broker.frame_pool.take(size + PLACED_PAD)
                         start = placed.place(frame, at[0], PLACED_HEAD) - at[0]
