@@ -19,6 +19,8 @@ import sys
 import threading
 from typing import Any
 
+from protocol import MalformedRequestError
+from protocol.frames import read_uvarint
 from storage.thread_priority import lower_current_thread
 
 log = logging.getLogger(__name__)
@@ -257,24 +259,13 @@ _I16 = struct.Struct(">h")
 _I32 = struct.Struct(">i")
 
 
-def _uvarint(buf, pos: int, end: int) -> tuple[int, int]:
-    value = shift = 0
-    while pos < end and shift <= 28:
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return value, pos
-        shift += 7
-    raise IndexError
-
-
 def produce_records_at(buf, pos: int, end: int) -> tuple[int, int] | None:
     """Where the records of a Produce v3-v12 request for one topic and one partition begin in
     its frame, and their length: (offset from the frame's start, length), read from the
     frame's first bytes ``buf[pos:end]`` (``pos`` = the frame's start, after its size). None
     for anything else or when those bytes end before the records do. Only a guess for the
     WAL's placement (storage/wal/placed.py checks that the payload appended is exactly this)."""
+    buf = memoryview(buf)[:end]         # varints must not run into stale bytes past ``end``
     try:
         if end - pos < 10 or buf[pos] or buf[pos + 1]:         # api key 0: Produce
             return None
@@ -286,24 +277,24 @@ def produce_records_at(buf, pos: int, end: int) -> tuple[int, int] | None:
         n = _I16.unpack_from(buf, p)[0]                          # client id
         p += 2 + max(n, 0)
         if flexible:
-            tags, p = _uvarint(buf, p, end)                      # header tagged fields
+            tags, p = read_uvarint(buf, p)                       # header tagged fields
             if tags:
                 return None
-            n, p = _uvarint(buf, p, end)                         # transactional id
+            n, p = read_uvarint(buf, p)                          # transactional id
             p += max(n - 1, 0)
         else:
             n = _I16.unpack_from(buf, p)[0]
             p += 2 + max(n, 0)
         p += 6                                                   # acks, timeout
         if flexible:
-            topics, p = _uvarint(buf, p, end)
-            n, p = _uvarint(buf, p, end)                         # topic name
+            topics, p = read_uvarint(buf, p)
+            n, p = read_uvarint(buf, p)                          # topic name
             p += n - 1
-            parts, p = _uvarint(buf, p, end)
+            parts, p = read_uvarint(buf, p)
             if topics != 2 or parts != 2 or n < 1:
                 return None
             p += 4                                               # partition index
-            n, p = _uvarint(buf, p, end)
+            n, p = read_uvarint(buf, p)
             n -= 1
         else:
             if _I32.unpack_from(buf, p)[0] != 1:                 # one topic
@@ -317,5 +308,5 @@ def produce_records_at(buf, pos: int, end: int) -> tuple[int, int] | None:
         if n <= 0 or p > end:
             return None
         return p - pos, n
-    except (IndexError, struct.error):
+    except (IndexError, struct.error, MalformedRequestError):
         return None

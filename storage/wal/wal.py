@@ -493,14 +493,7 @@ class DeltaWAL:
             else:
                 buf[at + RECORD_HEADER_SIZE:at + size] = body
         blk.used = used = at + size
-        blk.records += 1
-        blk.streams.add(stream_id)
-        self._inflight += size
-        self._end = end
-        q = self._queues.get(stream_id)
-        if q is None:
-            q = self._queues[stream_id] = collections.deque()
-        q.append((blk, pos, waiter))
+        self._track(blk, pos, size, end, stream_id, waiter)
         if self._driver is not None:             # the loop writes (no IO threads to wake)
             if used >= self._soft_limit:
                 self._seal_locked()
@@ -511,6 +504,18 @@ class DeltaWAL:
         elif not at and not self._timing:
             self._io_cond.notify()               # someone must seal this block by time
         return pos
+
+    def _track(self, blk: Block, pos: int, size: int, end: int, stream_id: int, waiter) -> None:
+        """Count a record placed in ``blk`` at ``pos`` (``size`` bytes, ending at ``end``)
+        and queue its waiter behind its stream's earlier records; caller holds the lock."""
+        blk.records += 1
+        blk.streams.add(stream_id)
+        self._inflight += size
+        self._end = end
+        q = self._queues.get(stream_id)
+        if q is None:
+            q = self._queues[stream_id] = collections.deque()
+        q.append((blk, pos, waiter))
 
     def _reserve_placed(self, region: memoryview, body: tuple, n: int, stream_id: int, waiter,
                         check: tuple[int, int] | None) -> int | None:
@@ -561,14 +566,7 @@ class DeltaWAL:
         blk = Block(pos, pos, region, pooled=False)
         self.stats["placed_records"] += 1
         blk.used = size
-        blk.records = 1
-        blk.streams.add(stream_id)
-        self._inflight += size
-        self._end = end
-        q = self._queues.get(stream_id)
-        if q is None:
-            q = self._queues[stream_id] = collections.deque()
-        q.append((blk, pos, waiter))
+        self._track(blk, pos, size, end, stream_id, waiter)
         self._current = blk
         self._seal_locked()                          # zeroes the tail of the last page
         if self._driver is None and self._may_start_write(False):

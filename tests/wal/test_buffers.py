@@ -5,7 +5,6 @@ the device's segment limit; from huge pages it is a few contiguous segments (see
 storage/wal/device.py, hugepage_arena)."""
 from __future__ import annotations
 
-import ctypes
 import mmap
 
 import pytest
@@ -13,16 +12,9 @@ import pytest
 from storage.wal import DeltaWAL, WALConfig
 from storage.wal.block import BufferPool
 from storage.wal.device import HUGE_PAGE, aligned_buffer
+from storage.wal.placed import address
 
 BLOCK = 256 << 10
-
-
-def address(buf) -> int:
-    c = ctypes.c_char.from_buffer(buf)
-    try:
-        return ctypes.addressof(c)
-    finally:
-        del c
 
 
 def mapping_of(addr: int) -> dict[str, str]:

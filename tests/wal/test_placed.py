@@ -13,8 +13,9 @@ from storage.wal import placed
 from storage.wal.errors import ChecksumMismatchError
 from storage.wal.format import ALIGN, RECORD_HEADER_SIZE as H, unpack_record_header
 
+from .test_boundaries import small_wal
+
 ENG = struct.Struct(">qqi")          # the engine's stream-record header (storage/engine.py)
-FAR = 1e6
 
 
 def frame_with(payload: bytes, head: int = H + ENG.size, lead: int = 100) -> tuple[bytearray, int]:
@@ -35,11 +36,8 @@ def batch_like(n: int, seed: int = 1) -> bytes:
 
 
 def wal_at(path: str, engine: str, cap: int = 4 << 20) -> DeltaWAL:
-    w = DeltaWAL(WALConfig(path=path, capacity=cap, io_engine=engine, flush_interval_s=FAR))
-    list(w.open())
-    if engine == "aio":
-        assert w.attach_loop()
-    return w
+    """An opened WAL sealed only by size or flush (test_boundaries' small_wal, larger)."""
+    return small_wal(path, engine, cap)
 
 
 @pytest.mark.parametrize("engine", ["threads", "aio"])
