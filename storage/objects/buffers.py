@@ -72,8 +72,11 @@ class BufferPool:
         """Capacity held by the pool: free buffers plus returned ones."""
         return self._free_bytes + self._returned_bytes
 
-    def take(self, size: int) -> mmap.mmap | _MappedBuffer:
-        """A page-aligned buffer of at least ``size`` bytes (contents undefined)."""
+    def take(self, size: int, unlocked: bool = True) -> mmap.mmap | _MappedBuffer:
+        """A page-aligned buffer of at least ``size`` bytes (contents undefined). A fresh one
+        is mapped by map_buffer (without the interpreter lock) when ``unlocked``, else by
+        Python's mmap module: the file store's reads while producers append (the paced
+        catch-up path, issue 20 item 5) keep the buffers they were measured with."""
         cap = -(-max(size, 1) // GRANULE) * GRANULE
         with self._lock:
             self._collect()
@@ -95,7 +98,7 @@ class BufferPool:
                 return buf
             self.fresh += 1
             self.fresh_bytes += cap
-        if _map_buffer is not None:
+        if unlocked and _map_buffer is not None:
             return _map_buffer(cap, cap >= HUGE and _MADV_HUGEPAGE is not None)
         buf = mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE)
         if cap >= HUGE and _MADV_HUGEPAGE is not None:

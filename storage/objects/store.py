@@ -312,7 +312,9 @@ class FileObjectStore(ObjectStore):
             return memoryview(_read_range(fd, pos, n)), crcs   # not a block: no pool buffer
         a0 = pos - pos % PAGE
         a1 = -(-(pos + n) // PAGE) * PAGE
-        buf = self.buffers.take(a1 - a0)
+        gentle = self.gentle is not None and self.gentle()
+        # fresh buffers without the interpreter lock for unpaced reads (BufferPool.take)
+        buf = self.buffers.take(a1 - a0, unlocked=not gentle)
         mv = memoryview(buf)
         got = 0
         # While producers append, a span is read hot_read_piece at a time and one piece at a
@@ -323,7 +325,6 @@ class FileObjectStore(ObjectStore):
         # ~2x (bench/HISTORY.md, session 14). Session 5's design (one 1 MiB piece at a time)
         # had been lost when reads became one O_DIRECT read per span (session 12). What a
         # write waits for is the piece's own device time, so the piece is small (64 KiB).
-        gentle = self.gentle is not None and self.gentle()
         piece = max(PAGE, self.hot_read_piece - self.hot_read_piece % PAGE) if gentle \
             else a1 - a0
         # (In C when built: the piece loop holds the interpreter lock for none of its reads. Per

@@ -306,7 +306,11 @@ def test_file_store_checksums_each_block_in_the_spans_read(tmp_path, monkeypatch
 
 def test_file_store_leaves_block_checks_to_the_caller_while_hot(tmp_path) -> None:
     """While producers append, spans are read in small pieces (read_pieces): no CRC comes back
-    (the caller checks), and the bytes are the same."""
+    (the caller checks), the bytes are the same, and fresh buffers are Python's mmaps as the
+    paced catch-up path was measured with (item 5); unpaced reads map theirs without the
+    interpreter lock (storage._copycrc.map_buffer, when built)."""
+    import mmap
+    from storage.objects import buffers
     s = open_object_store(f"file://{tmp_path}/o")
     s.direct_writes = True
     s.gentle = lambda: True
@@ -316,6 +320,11 @@ def test_file_store_leaves_block_checks_to_the_caller_while_hot(tmp_path) -> Non
     got, crcs = s.get_ranges_crc("big", ranges, 14)
     assert [bytes(g) for g in got] == [data[p:p + n] for p, n in ranges]
     assert crcs == [None, None]
+    assert type(got[0].obj) is mmap.mmap
+    s.gentle = lambda: False
+    s.buffers = buffers.BufferPool()
+    got = s.get_ranges("big", ranges)
+    assert type(got[0].obj) is (buffers._MappedBuffer or mmap.mmap)
 
 
 def test_file_store_reads_small_pieces_one_at_a_time_while_hot(tmp_path, monkeypatch) -> None:
