@@ -324,6 +324,17 @@ static int take_buffers(PyObject *dst_obj, Py_ssize_t offset, PyObject *src_obj,
     return -1;
 }
 
+/* The interpreter lock let go for `n` bytes of work from NOGIL_FROM on (below that the hand-off
+   costs more than it frees): gil_back(nogil_for(n)) around the work. */
+static PyThreadState *nogil_for(size_t n) {
+    return n >= NOGIL_FROM ? PyEval_SaveThread() : NULL;
+}
+
+static void gil_back(PyThreadState *ts) {
+    if (ts != NULL)
+        PyEval_RestoreThread(ts);
+}
+
 PyDoc_STRVAR(copy_crc_doc,
 "copy_crc(dst, offset, src, value=0) -> int\n\n"
 "Copy the bytes of `src` into the writable buffer `dst` at `offset` and return their\n"
@@ -342,13 +353,9 @@ static PyObject *copy_crc(PyObject *self, PyObject *args) {
     unsigned char *d = (unsigned char *)dst.buf + offset;
     const unsigned char *s = (const unsigned char *)src.buf;
     size_t n = (size_t)src.len;
-    if (n >= NOGIL_FROM) {
-        Py_BEGIN_ALLOW_THREADS
-        crc = copy_crc_loop_raw(d, s, n, crc);
-        Py_END_ALLOW_THREADS
-    } else {
-        crc = copy_crc_loop_raw(d, s, n, crc);
-    }
+    PyThreadState *ts = nogil_for(n);
+    crc = copy_crc_loop_raw(d, s, n, crc);
+    gil_back(ts);
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     return PyLong_FromUnsignedLong(~crc);
@@ -406,15 +413,10 @@ static PyObject *copy_crc_split(PyObject *self, PyObject *args) {
     const unsigned char *s = (const unsigned char *)src.buf;
     size_t n = (size_t)src.len, k = (size_t)split;
     uint32_t head, tail;
-    if (n >= NOGIL_FROM) {
-        Py_BEGIN_ALLOW_THREADS
-        head = ~copy_crc_loop_raw(d, s, k, ~(uint32_t)value);
-        tail = ~copy_crc_loop_raw(d + k, s + k, n - k, ~0u);
-        Py_END_ALLOW_THREADS
-    } else {
-        head = ~copy_crc_loop_raw(d, s, k, ~(uint32_t)value);
-        tail = ~copy_crc_loop_raw(d + k, s + k, n - k, ~0u);
-    }
+    PyThreadState *ts = nogil_for(n);
+    head = ~copy_crc_loop_raw(d, s, k, ~(uint32_t)value);
+    tail = ~copy_crc_loop_raw(d + k, s + k, n - k, ~0u);
+    gil_back(ts);
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     return Py_BuildValue("kk", (unsigned long)crc_combine(head, tail, n - k),
@@ -700,6 +702,12 @@ static PyObject *object_size_steps(PyObject *self, PyObject *args) {
     return Py_BuildValue("(LLLO)", total, entries, block, Py_None);
 }
 
+/* CRC-32C of p[0:n) continued from the raw register `c`: folded where the CPU has it, else the
+   crc32 instruction, else the table (crc, crc_split, read_span_crcs) */
+static inline uint32_t crc_any(uint32_t c, const unsigned char *p, size_t n) {
+    return fold_on ? crc_fold(c, p, n) : have_hw ? crc_hw(c, p, n) : crc_soft(c, p, n);
+}
+
 PyDoc_STRVAR(crc_doc,
 "crc(data, value=0) -> int\n\nCRC-32C of `data` continued from `value` (crc32c.crc32c(data, value));\n"
 "folded with VPCLMULQDQ where the copies are (FOLD), ~2x the crc32c package on 1 MiB; the\n"
@@ -713,13 +721,9 @@ static PyObject *crc(PyObject *self, PyObject *args) {
     uint32_t c = ~(uint32_t)value;
     const unsigned char *p = (const unsigned char *)buf.buf;
     size_t n = (size_t)buf.len;
-    if (n >= NOGIL_FROM) {
-        Py_BEGIN_ALLOW_THREADS
-        c = fold_on ? crc_fold(c, p, n) : crc_hw(c, p, n);
-        Py_END_ALLOW_THREADS
-    } else {
-        c = fold_on ? crc_fold(c, p, n) : crc_hw(c, p, n);
-    }
+    PyThreadState *ts = nogil_for(n);
+    c = crc_any(c, p, n);
+    gil_back(ts);
     PyBuffer_Release(&buf);
     return PyLong_FromUnsignedLong(~c);
 }
@@ -743,15 +747,10 @@ static PyObject *crc_split(PyObject *self, PyObject *args) {
     const unsigned char *p = (const unsigned char *)buf.buf;
     size_t n = (size_t)buf.len, k = (size_t)split;
     uint32_t head, tail;
-    if (n >= NOGIL_FROM) {
-        Py_BEGIN_ALLOW_THREADS
-        head = ~(fold_on ? crc_fold(~(uint32_t)value, p, k) : crc_hw(~(uint32_t)value, p, k));
-        tail = ~(fold_on ? crc_fold(~0u, p + k, n - k) : crc_hw(~0u, p + k, n - k));
-        Py_END_ALLOW_THREADS
-    } else {
-        head = ~(fold_on ? crc_fold(~(uint32_t)value, p, k) : crc_hw(~(uint32_t)value, p, k));
-        tail = ~(fold_on ? crc_fold(~0u, p + k, n - k) : crc_hw(~0u, p + k, n - k));
-    }
+    PyThreadState *ts = nogil_for(n);
+    head = ~crc_any(~(uint32_t)value, p, k);
+    tail = ~crc_any(~0u, p + k, n - k);
+    gil_back(ts);
     PyBuffer_Release(&buf);
     return Py_BuildValue("kk", (unsigned long)crc_combine(head, tail, n - k),
                          (unsigned long)tail);
@@ -1339,6 +1338,11 @@ fail:
 
 /* read_span_crcs (doc above): the cold read threads' span read and block CRCs in one call */
 #define SPAN_RANGES_MAX 4096
+
+/* range (a, n) of a span of which `got` bytes were read: whole and at least `skip` long */
+static inline int span_range_read(long long a, long long n, Py_ssize_t skip, size_t got) {
+    return a >= 0 && n >= skip && (unsigned long long)(a + n) <= got;
+}
 static PyObject *read_span_crcs(PyObject *self, PyObject *args) {
     int fd;
     PyObject *obj, *ranges;
@@ -1405,12 +1409,8 @@ static PyObject *read_span_crcs(PyObject *self, PyObject *args) {
     if (!err) {
         for (Py_ssize_t i = 0; i < nr; i++) {
             long long a = st[2 * i], n = st[2 * i + 1];
-            if (a < 0 || n < skip || (unsigned long long)(a + n) > got) continue;
-            uint32_t c = ~0u;
-            const unsigned char *q = p + a + skip;
-            size_t m = (size_t)(n - skip);
-            c = fold_on ? crc_fold(c, q, m) : have_hw ? crc_hw(c, q, m) : crc_soft(c, q, m);
-            crcs[i] = ~c;
+            if (!span_range_read(a, n, skip, got)) continue;
+            crcs[i] = ~crc_any(~0u, p + a + skip, (size_t)(n - skip));
         }
     }
     Py_END_ALLOW_THREADS
@@ -1422,7 +1422,7 @@ static PyObject *read_span_crcs(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = 0; i < nr; i++) {
             long long a = st[2 * i], n = st[2 * i + 1];
             PyObject *v;
-            if (a < 0 || n < skip || (unsigned long long)(a + n) > got) {
+            if (!span_range_read(a, n, skip, got)) {
                 v = Py_None;
                 Py_INCREF(v);
             } else if ((v = PyLong_FromUnsignedLong(crcs[i])) == NULL) {

@@ -10,8 +10,8 @@ from typing import Awaitable, Callable
 
 from .cache.block_cache import BlockCache, Readahead
 from .metastore import ObjectRange
-from .objects.format import (BLOCK_HEADER, FOOTER, CorruptObjectError, IndexEntry, decode_block, decode_footer,
-                             decode_index)
+from .objects.format import (BLOCK_HEADER, FOOTER, CorruptObjectError, IndexEntry, decode_block,
+                             decode_footer, decode_index)
 from .objects.store import ObjectNotFound, ObjectStore, ObjectStoreError
 from .stream import Batch, RetriableStorageError, StorageError
 

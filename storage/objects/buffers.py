@@ -6,10 +6,11 @@ memory (``os.pread`` -> a new ``bytes``, or a new mmap) pays a page fault per 4 
 before (bench/HISTORY.md, session 12). So block buffers come from this pool and go back to it
 when the BlockCache drops the block and nothing else still sees it.
 
-A buffer is an anonymous mapping (storage._copycrc.map_buffer, else an mmap; page aligned, as O_DIRECT wants; no zero-fill with the GIL
-held: the kernel fills pages inside the read call), of huge pages from 2 MiB (see HUGE). Views of it (a block's records, a Fetch
-answer being written) keep a reference to the mmap through their managed buffer, so a buffer
-whose reference count is back to the pool's own is seen by no one and may be written again.
+A buffer is an anonymous mapping (storage._copycrc.map_buffer, else an mmap; page aligned, as
+O_DIRECT wants; no zero-fill with the GIL held: the kernel fills pages inside the read call),
+of huge pages from 2 MiB (see HUGE). Views of it (a block's records, a Fetch answer being
+written) keep a reference to the mapping through their managed buffer, so a buffer whose
+reference count is back to the pool's own is seen by no one and may be written again.
 """
 from __future__ import annotations
 

@@ -371,15 +371,15 @@ class DeltaWAL:
             _verify(body, check)
             check = None
         fut = loop.create_future() if then is None else None
+        waiter = (loop, fut if then is None else then)
         region = None
         if placed._offered and crc is None and type(body) is tuple and len(body) == 2:
             region = placed.take(body[1], RECORD_HEADER_SIZE + len(body[0]))
         with self._lock:
             offset = None if region is None else self._reserve_placed(
-                region, body, n, stream_id, (loop, fut if then is None else then), check)
+                region, body, n, stream_id, waiter, check)
             if offset is None:
-                offset = self._reserve(body, n, stream_id,
-                                       (loop, fut if then is None else then), crc, check)
+                offset = self._reserve(body, n, stream_id, waiter, crc, check)
         if driver is not None:
             if self._pending and driver.on_loop():
                 driver.kick()                     # a block sealed by size: write it now

@@ -82,7 +82,8 @@ def test_fresh_buffers_are_mapped_without_the_interpreter_lock(monkeypatch) -> N
         pytest.skip("storage._copycrc not built")
     calls = []
     real = buffers._map_buffer
-    monkeypatch.setattr(buffers, "_map_buffer", lambda n, huge: calls.append((n, huge)) or real(n, huge))
+    monkeypatch.setattr(buffers, "_map_buffer",
+                        lambda n, huge: calls.append((n, huge)) or real(n, huge))
     pool = BufferPool(max_bytes=64 * MiB)
     small, big = pool.take(100_000), pool.take(3 * MiB + 5)
     assert calls == [(2 * buffers.GRANULE, False), (3 * MiB + buffers.GRANULE, True)]
