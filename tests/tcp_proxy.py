@@ -16,6 +16,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+from urllib.parse import urlsplit, urlunsplit
 
 _RST = struct.pack("ii", 1, 0)      # SO_LINGER on, 0 s: close() sends a reset
 
@@ -155,3 +156,11 @@ def _reset(s: socket.socket) -> None:
         s.close()
     except OSError:
         pass
+
+
+def proxied_url(url: str) -> tuple[TcpProxy, str]:
+    """A TcpProxy in front of a server URL's host and port (a PostgreSQL database), and the same
+    URL pointed at the proxy (the user kept): cut the proxy to cut that server."""
+    u = urlsplit(url)
+    proxy = TcpProxy(u.hostname, u.port)
+    return proxy, urlunsplit(u._replace(netloc=f"{u.username}@127.0.0.1:{proxy.port}"))

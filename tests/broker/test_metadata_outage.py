@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import threading
 import time
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from kafka import KafkaConsumer, TopicPartition
@@ -21,7 +20,7 @@ from kafka.protocol.producer import InitProducerIdRequest, InitProducerIdRespons
 from kafka.structs import OffsetAndMetadata
 
 from datapath.wire import WireClient
-from tcp_proxy import TcpProxy
+from tcp_proxy import TcpProxy, proxied_url
 
 pytestmark = pytest.mark.e2e
 
@@ -30,9 +29,7 @@ ARGS = ["--group-min-session-timeout-ms", "1000", "--group-initial-rebalance-del
 
 
 def _proxied(postgres) -> tuple[TcpProxy, str]:
-    u = urlsplit(postgres.new_database())
-    proxy = TcpProxy(u.hostname, u.port)
-    return proxy, urlunsplit(u._replace(netloc=f"{u.username}@127.0.0.1:{proxy.port}"))
+    return proxied_url(postgres.new_database())
 
 
 def _commit(c: WireClient, group: str, topic: str, offset: int, version: int = 8) -> int:

@@ -40,6 +40,19 @@ class ClusterFactory:
                 for i in range(first_id, first_id + n)]
 
 
+def brokers_behind_proxy(broker_factory: Callable[..., Any], tmp_path: Any, metadata_url: str,
+                         extra: Sequence[str] = (), n: int = 2) -> tuple[Any, list[Any]]:
+    """``n`` brokers (node ids 0.., rack r0..) on one file:// object store and the PostgreSQL
+    database of ``metadata_url`` reached through one TcpProxy: (the proxy, the brokers); cut
+    the proxy to cut the metadata store for all of them."""
+    from tcp_proxy import proxied_url  # noqa: PLC0415 - tests/ is on the path (conftest)
+
+    proxy, url = proxied_url(metadata_url)
+    shared = ["--object-store", f"file://{tmp_path}/objects", "--metadata", url, *extra]
+    return proxy, [broker_factory(["--node-id", str(i), "--rack", f"r{i}", *shared])
+                   for i in range(n)]
+
+
 def bootstrap(brokers: Sequence[Any]) -> str:
     return ",".join(b.bootstrap for b in brokers)
 

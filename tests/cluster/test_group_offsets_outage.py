@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from confluent_kafka import Consumer, Producer
@@ -28,9 +27,8 @@ from kafka.protocol.consumer import OffsetFetchRequest, OffsetFetchResponse
 
 from broker.cluster.coordinators import coordinator_for
 from datapath.wire import WireClient
-from tcp_proxy import TcpProxy
 
-from .kit import wait_for
+from .kit import brokers_behind_proxy, wait_for
 from .timed_load import PARTITIONS, create_topic
 
 pytestmark = pytest.mark.slow
@@ -49,20 +47,10 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _two_brokers(broker_factory, tmp_path, metadata_url) -> tuple[TcpProxy, list]:
-    """Two brokers sharing PostgreSQL through a TcpProxy (cut it to cut the store)."""
-    u = urlsplit(metadata_url)
-    proxy = TcpProxy(u.hostname, u.port)
-    url = urlunsplit(u._replace(netloc=f"{u.username}@127.0.0.1:{proxy.port}"))
-    shared = ["--object-store", f"file://{tmp_path}/objects", "--metadata", url]
-    return proxy, [broker_factory(["--node-id", str(i), "--rack", f"r{i}", *shared])
-                   for i in range(2)]
-
-
 @pytest.mark.parametrize("metadata_url", ["postgresql"], indirect=True)
 def test_member_reads_after_its_offset_fetch_met_a_store_outage(broker_factory, tmp_path,
                                                                  metadata_url):
-    proxy, brokers = _two_brokers(broker_factory, tmp_path, metadata_url)
+    proxy, brokers = brokers_behind_proxy(broker_factory, tmp_path, metadata_url)
     boot = ",".join(b.bootstrap for b in brokers)
     lines = _Lines()
     rdlog = logging.getLogger(f"rdkafka-{tmp_path.name}")
@@ -141,7 +129,7 @@ def _offset_fetch(c: WireClient, group: str, version: int) -> tuple[int, list[tu
 @pytest.mark.parametrize("metadata_url", ["postgresql"], indirect=True)
 def test_offset_fetch_answers_load_in_progress_while_the_store_is_cut(broker_factory, tmp_path,
                                                                       metadata_url):
-    proxy, brokers = _two_brokers(broker_factory, tmp_path, metadata_url)
+    proxy, brokers = brokers_behind_proxy(broker_factory, tmp_path, metadata_url)
     boot = ",".join(b.bootstrap for b in brokers)
     load, none = 14, 0      # COORDINATOR_LOAD_IN_PROGRESS
     try:

@@ -8,13 +8,10 @@ went away); the broker still exits 0 once the store is back, and the other broke
 from __future__ import annotations
 
 import time
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from tcp_proxy import TcpProxy
-
-from .kit import FAILOVER_FLAGS, wait_for
+from .kit import FAILOVER_FLAGS, brokers_behind_proxy, wait_for
 from .timed_load import create_topic
 
 
@@ -23,13 +20,8 @@ def test_sigterm_during_a_metadata_outage_logs_the_outage_not_a_traceback(broker
                                                                           metadata_url):
     if metadata_url.startswith("sqlite"):
         pytest.skip("a database outage through a TCP proxy: PostgreSQL only")
-    u = urlsplit(metadata_url)
-    proxy = TcpProxy(u.hostname, u.port)
-    url = urlunsplit(u._replace(netloc=f"{u.username}@127.0.0.1:{proxy.port}"))
-    shared = ["--object-store", f"file://{tmp_path}/objects", "--metadata", url,
-              *FAILOVER_FLAGS]
-    brokers = [broker_factory(["--node-id", str(i), "--rack", f"r{i}", *shared])
-               for i in range(2)]
+    proxy, brokers = brokers_behind_proxy(broker_factory, tmp_path, metadata_url,
+                                          FAILOVER_FLAGS)
     boot = ",".join(b.bootstrap for b in brokers)
     try:
         create_topic(boot, "so", live=2)

@@ -19,7 +19,6 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from kafka.protocol.consumer import FetchResponse
@@ -27,9 +26,8 @@ from kafka.protocol.producer import ProduceResponse
 
 from datapath.batches import make_batch
 from datapath.wire import WireClient
-from tcp_proxy import TcpProxy
 
-from .kit import FAILOVER_FLAGS, ask, read_all, wait_for
+from .kit import FAILOVER_FLAGS, ask, brokers_behind_proxy, read_all, wait_for
 from .timed_load import PARTITIONS, TimedLoad, check_read_back, create_topic
 
 pytestmark = pytest.mark.slow
@@ -159,12 +157,7 @@ def test_metadata_outage_longer_than_lease_fences_nobody(broker_factory, tmp_pat
     is fenced, both brokers keep running and acknowledging, nothing acknowledged is lost."""
     if metadata_url.startswith("sqlite"):
         pytest.skip("a database outage through a TCP proxy: PostgreSQL only")
-    u = urlsplit(metadata_url)
-    proxy = TcpProxy(u.hostname, u.port)
-    url = urlunsplit(u._replace(netloc=f"{u.username}@127.0.0.1:{proxy.port}"))
-    shared = ["--object-store", f"file://{tmp_path}/objects", "--metadata", url, *FLAGS]
-    brokers = [broker_factory(["--node-id", str(i), "--rack", f"r{i}", *shared])
-               for i in range(2)]
+    proxy, brokers = brokers_behind_proxy(broker_factory, tmp_path, metadata_url, FLAGS)
     boot = ",".join(b.bootstrap for b in brokers)
     create_topic(boot, "pg", live=2)
     load = TimedLoad(boot, "pg")
