@@ -453,9 +453,7 @@ class DeltaWAL:
             # before the block moves to the next lap: an empty block left there would take
             # every later record too, each then needing the trim past that lap's start plus
             # its size (session 21: beyond the last record's end, no append ever again)
-            raise OverCapacityError(
-                f"WAL ring full: {((end + _MASK) & _ALIGN_DOWN) - self._trim} bytes from the "
-                f"trim to this record's last page > {ring}; upload and trim first")
+            raise self._ring_full(end)
         if jump:
             if at:
                 self._seal_locked()
@@ -505,6 +503,13 @@ class DeltaWAL:
             self._io_cond.notify()               # someone must seal this block by time
         return pos
 
+    def _ring_full(self, end: int) -> OverCapacityError:
+        """The error of a record whose last page (ending at ``end``) would reach the page
+        holding the trim offset one lap later: _reserve's and _reserve_placed's one test."""
+        return OverCapacityError(
+            f"WAL ring full: {((end + _MASK) & _ALIGN_DOWN) - self._trim} bytes from the "
+            f"trim to this record's last page > {self.ring_size}; upload and trim first")
+
     def _track(self, blk: Block, pos: int, size: int, end: int, stream_id: int, waiter) -> None:
         """Count a record placed in ``blk`` at ``pos`` (``size`` bytes, ending at ``end``)
         and queue its waiter behind its stream's earlier records; caller holds the lock."""
@@ -549,9 +554,7 @@ class DeltaWAL:
             return None
         end = pos + size
         if ((end + _MASK) & _ALIGN_DOWN) - self._trim > ring:       # as in _reserve
-            raise OverCapacityError(
-                f"WAL ring full: {((end + _MASK) & _ALIGN_DOWN) - self._trim} bytes from the "
-                f"trim to this record's last page > {ring}; upload and trim first")
+            raise self._ring_full(end)
         payload = body[1]
         if check is not None:
             crc, tail = crc_split(payload, crc_only(head), check[0] - h)
