@@ -701,7 +701,7 @@ class Partition:
             self.snapshot()
         res.base_offset = base
         res.log_append_time = append_time
-        res.log_start_offset = self.log_start_offset
+        res.log_start_offset = self.stream.start_offset
         return res
 
     def append_now(self, records: Any, api_version: int,
@@ -721,7 +721,7 @@ class Partition:
         if append_now is None or self._closed or self._offline is not None \
                 or self._admission.held or not records:
             return False
-        res = AppendResult(log_start_offset=self.log_start_offset)
+        res = AppendResult(log_start_offset=self.stream.start_offset)
         stream = self.stream
         stamped = None
         if _stamp_plain is not None and type(records) is memoryview and not records.readonly \

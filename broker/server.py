@@ -509,14 +509,17 @@ class Connection(asyncio.BufferedProtocol):
             if frame is not None and sys.getrefcount(frame) == 2:
                 self.broker.frame_pool.give(frame)
             frame = None
-            if fut.cancelled() or fut.exception() is not None:
+            try:
+                result = fut.result()
+            except BaseException:  # noqa: BLE001 - cancelled or failed (retrieved here)
                 close = True  # a failed handler: the client cannot be answered in order
                 break
-            result = fut.result()
             if header is None:  # pre-encoded answer or the close marker
                 if result is _CLOSE:
                     close = True
                     break
+                out.extend(result)
+            elif type(result) is Framed:  # framed by its handler already (_encode's first case)
                 out.extend(result)
             elif result is not None:  # None: acks=0 produce, nothing to write
                 try:

@@ -128,7 +128,13 @@ def parse_request(frame: memoryview | bytes) -> tuple[RequestHeader, Any]:
         # decoded below as before)
         got = _scan_produce(frame)
         if got is not None and got[0] in _PRODUCE_FLEXIBLE:
-            return _plain_produce(frame, got)
+            # the same header and request objects the Python decoder builds (records: a
+            # view into the frame)
+            version, corr, client_id, acks, timeout_ms, name, index, start, n = got
+            return RequestHeader(PRODUCE_KEY, version, corr, client_id,
+                                 _PRODUCE_FLEXIBLE[version]), FastProduceRequest(
+                version, None, acks, timeout_ms, [TopicProduceData(name, None, [
+                    PartitionProduceData(index, frame[start:start + n])])], True)
     header, pos = parse_header(frame)
     lo, hi = SUPPORTED_APIS[header.api_key]
     if not lo <= header.api_version <= hi:
@@ -326,12 +332,3 @@ except ImportError:  # pragma: no cover - the extension is optional
 _PRODUCE_FLEXIBLE = {v: bool(_SUPPORTED[PRODUCE_KEY][2].flexible_version_q(v))
                      for v in range(max(3, SUPPORTED_APIS[PRODUCE_KEY][0]),
                                     min(12, SUPPORTED_APIS[PRODUCE_KEY][1]) + 1)}
-
-
-def _plain_produce(frame: memoryview, got: tuple) -> tuple[RequestHeader, Any]:
-    """parse_request's result for a frame scan_produce read: the same header and request
-    objects the Python decoder builds (records a view into ``frame``)."""
-    version, corr, client_id, acks, timeout_ms, name, index, start, n = got
-    header = RequestHeader(PRODUCE_KEY, version, corr, client_id, _PRODUCE_FLEXIBLE[version])
-    return header, FastProduceRequest(version, None, acks, timeout_ms, [TopicProduceData(
-        name, None, [PartitionProduceData(index, frame[start:start + n])])])

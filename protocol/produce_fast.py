@@ -59,15 +59,19 @@ class TopicProduceData:
 class FastProduceRequest:
     """A decoded Produce request, shaped like kafka-python's ``ProduceRequest``."""
 
-    __slots__ = ("version", "transactional_id", "acks", "timeout_ms", "topic_data")
+    __slots__ = ("version", "transactional_id", "acks", "timeout_ms", "topic_data", "plain")
 
     def __init__(self, version: int, transactional_id: str | None, acks: int, timeout_ms: int,
-                 topic_data: list[TopicProduceData]) -> None:
+                 topic_data: list[TopicProduceData], plain: bool = False) -> None:
         self.version = version
         self.transactional_id = transactional_id
         self.acks = acks
         self.timeout_ms = timeout_ms
         self.topic_data = topic_data
+        # True when the C envelope scan read it (protocol.frames): one topic by name, one
+        # partition, acks -1 or 1, no transactional id, records of at least 61 bytes that
+        # start with a v2 batch header without a producer id
+        self.plain = plain
 
     def to_codec(self) -> Any:
         """The equivalent kafka-python ``ProduceRequest`` (records copied to bytes)."""

@@ -235,8 +235,10 @@ class EngineStream(OffsetStream):
         stats.wal_append.observe(took)
         if took > stats.wal_append_max:
             stats.wal_append_max = took
-        if ok and entry.next_offset > self._confirmed:
-            self._confirmed = entry.next_offset
+        if ok:
+            nxt = entry.next_offset
+            if nxt > self._confirmed:
+                self._confirmed = nxt
         self._engine._maybe_upload()
 
     checks_payloads = True

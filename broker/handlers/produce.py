@@ -287,6 +287,16 @@ def run_key(req: Any) -> Any:
     RUN_MAX_RECORDS_BYTES (up to LONE_MAX_RECORDS_BYTES) gets a key of its own: a run of one,
     which only the task-less path (``produce_now``) takes (so does the server for a request
     received into a pooled frame, whatever its key)."""
+    if getattr(req, "plain", False):
+        # the C envelope scan checked the shape already (FastProduceRequest.plain): the
+        # records' size is left
+        td = req.topic_data[0]
+        pd = td.partition_data[0]
+        n = len(pd.records)
+        if n > LONE_MAX_RECORDS_BYTES:
+            return None
+        key = (td.name, pd.index, req.acks)
+        return key if n <= RUN_MAX_RECORDS_BYTES else (key, object())
     if req.acks not in (-1, 1) or req.transactional_id is not None:
         return None
     tds = req.topic_data
@@ -444,7 +454,7 @@ def produce_now(items: list[tuple[RequestContext, Any, float]], futs: list[async
         except protocol.CorruptRecordError:
             return False
         records = memoryview(bytearray().join(parts))   # one copy, no zero fill first
-        version = min(ctx.version for ctx in ctxs)
+        version = min([ctx.header.api_version for ctx in ctxs])
     start = time.perf_counter()
 
     def done(r: AppendResult) -> None:

@@ -61,7 +61,7 @@ def run_handler(api_key: int, key: Callable[[Any], Any]) -> Callable[[RunHandler
     return register
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestContext:
     """What a handler may use besides the decoded request."""
 

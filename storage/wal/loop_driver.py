@@ -23,7 +23,10 @@ from typing import TYPE_CHECKING
 
 from .aio import AioContext, TimerFD, yield_cpu
 from .config import IO_RETRIES, IO_RETRY_DELAY_S
-from .format import align_up
+from .format import ALIGN, align_up
+
+_MASK = ALIGN - 1
+_ALIGN_DOWN = ~_MASK
 
 # writes at least this large, of records this large on average, yield the CPU after their
 # submit (see LoopDriver._submit). The record size is above the largest record a produce run
@@ -134,7 +137,8 @@ class LoopDriver:
         wal = self.wal
         assert wal._device is not None
         exports = [ctypes.c_char.from_buffer(b.buf) for b in group]
-        pieces = [(ctypes.addressof(c), align_up(b.used)) for c, b in zip(exports, group)]
+        pieces = [(ctypes.addressof(c), (b.used + _MASK) & _ALIGN_DOWN)
+                  for c, b in zip(exports, group)]
         self._token += 1
         token = self._token
         try:

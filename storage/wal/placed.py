@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ctypes
 
-from .format import ALIGN, align_up
+from .format import ALIGN
 
 MAX_OFFERED = 64
 
@@ -81,7 +81,7 @@ def take(payload, head: int):
     if address(payload) - base != offset:
         return None
     start = offset - head
-    end = start + align_up(head + length)
+    end = start + ((head + length + ALIGN - 1) & -ALIGN)     # align_up, inline
     if start < 0 or (base + start) & (ALIGN - 1) or end > len(buf):
         return None
     return memoryview(buf)[start:end]

@@ -364,8 +364,8 @@ class DeltaWAL:
         driver = self._driver
         # on the driver's thread its loop is the running one; get_running_loop() costs a
         # getpid() syscall per call
-        loop = driver.loop if driver is not None and driver.on_loop() else \
-            asyncio.get_running_loop()
+        on_loop = driver is not None and driver.on_loop()
+        loop = driver.loop if on_loop else asyncio.get_running_loop()
         body, n, crc = _prepare(body)
         if check is not None and crc is not None:     # no fused copy: a pass of its own
             _verify(body, check)
@@ -381,7 +381,7 @@ class DeltaWAL:
             if offset is None:
                 offset = self._reserve(body, n, stream_id, waiter, crc, check)
         if driver is not None:
-            if self._pending and driver.on_loop():
+            if self._pending and on_loop:
                 driver.kick()                     # a block sealed by size: write it now
             else:
                 driver.kick_soon()
@@ -538,7 +538,7 @@ class DeltaWAL:
         h = len(head)
         size = RECORD_HEADER_SIZE + n
         ring = self.ring_size
-        if (n > self.config.max_record_size or len(region) != align_up(size)
+        if (n > self.config.max_record_size or len(region) != (size + _MASK) & _ALIGN_DOWN
                 or len(region) > ring or crc_split is None
                 or (check is not None and check[0] < h)):
             return None
@@ -590,10 +590,11 @@ class DeltaWAL:
             return
         blk.seal()
         self._current = None
-        self._cursor = blk.end
+        self._cursor = end = blk.end
         self._pending.append(blk)
-        self._pending_bytes += blk.end - blk.start
-        if self._pending_bytes >= self._backlog and self._writes >= self.config.eager_writes:
+        self._pending_bytes += end - blk.start
+        if self._pending_bytes >= self._backlog and self._writes >= self.config.eager_writes \
+                and self._spare_cond._waiters:
             self._spare_cond.notify()             # the eager writers fall behind: help
 
     # -- IO threads ----------------------------------------------------------------------
@@ -673,7 +674,7 @@ class DeltaWAL:
         self._writing.append(first)
         self._writes += 1
         group = [first]
-        total = align_up(first.used)
+        total = (first.used + _MASK) & _ALIGN_DOWN
         cfg = self.config
         limit = cfg.backlog_write_bytes if self._pending_bytes >= 2 * cfg.backlog_write_bytes \
             else cfg.max_write_bytes
@@ -681,7 +682,7 @@ class DeltaWAL:
         while self._pending and len(group) < 64:
             nxt = self._pending[0]
             last = group[-1]
-            n = align_up(nxt.used)
+            n = (nxt.used + _MASK) & _ALIGN_DOWN
             if (nxt.start != last.end or nxt.start // ring != first.start // ring
                     or total + n > limit or not self._window_allows(nxt)):
                 break
@@ -765,7 +766,7 @@ class DeltaWAL:
         """Mark a written group durable and pop, per stream, every record whose predecessors
         are all durable; one lock acquisition per group. ``released``: its queue slot was
         already freed by _release_writes()."""
-        with self._cond:
+        with self._lock:                 # the conditions' lock (a C context manager)
             self.stats["writes"] += 1
             if not released:
                 self._writes -= 1
@@ -774,7 +775,7 @@ class DeltaWAL:
             for blk in group:
                 blk.done = True
                 self.stats["block_writes"] += 1
-                self.stats["bytes_written"] += align_up(blk.used)
+                self.stats["bytes_written"] += (blk.used + _MASK) & _ALIGN_DOWN
                 self._writing.remove(blk)
                 self._inflight -= blk.used
                 streams |= blk.streams
@@ -796,8 +797,12 @@ class DeltaWAL:
                 blk.buf = None  # type: ignore[assignment]
             waiters = self._window_waiters
             self._window_waiters = []
-            self._cond.notify_all()
-            if self._pending:
+            # only when a thread waits (_waiters: checked under the lock, which a waiter holds
+            # when it registers): Condition.notify's own checks are a Python call and a lock
+            # probe per call, per completed write of the loop's AIO, where nobody waits
+            if self._cond._waiters:
+                self._cond.notify_all()
+            if self._pending and self._io_cond._waiters:
                 self._io_cond.notify()
         self._drain_completed()
         for loop, fut in waiters:
@@ -980,6 +985,13 @@ def _prepare(body) -> tuple:
     if COPY_CRC_NATIVE:
         if type(body) is bytes:
             return body, len(body), None
+        if type(body) is tuple and len(body) == 2:    # (header, payload): the engine's
+            a, b = body
+            if type(a) is not bytes:
+                a = _as_bytes_view(a)
+            if type(b) is not bytes:
+                b = _as_bytes_view(b)
+            return (a, b), len(a) + len(b), None
         if isinstance(body, (tuple, list)):
             parts = tuple(p if type(p) is bytes else _as_bytes_view(p) for p in body)
             return parts, sum(len(p) for p in parts), None

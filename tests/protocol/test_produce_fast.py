@@ -178,6 +178,61 @@ def test_the_c_envelope_scan_reads_what_the_python_decoder_reads(version: int) -
             assert _decoded(bad, scan) == _decoded(bytearray(bad), None), (i, bit)
 
 
+@pytest.mark.skipif(_scanner() is None, reason="protocol._produce not built")
+@pytest.mark.parametrize("version", range(3, 14))
+def test_the_run_key_of_a_scanned_request_is_the_python_decoded_ones(version: int) -> None:
+    """``run_key`` reads only the records' size of a request the C scan read (``plain``: the
+    scan checked the rest) and gives the key it gives the same request decoded in Python,
+    for every shape, size class (run, lone, too large) and truncation/corruption."""
+    from protocol import frames
+    from broker.handlers import produce as produce_mod
+    scan = _scanner()
+    plain = _plain_batch()
+    big = _plain_batch(200)      # over the run limit below: a run of its own
+    cases = [_produce_frame(version, plain), _produce_frame(version, plain, acks=1),
+             _produce_frame(version, big), _produce_frame(version, plain, acks=0),
+             _produce_frame(version, _plain_batch(pid=5)),
+             _produce_frame(version, plain, txn="tx"), _produce_frame(version, plain, parts=2),
+             _produce_frame(version, None), _produce_frame(version, b"x" * 30)]
+    frame = cases[0]
+    for i in range(min(len(frame), 120)):
+        bad = bytearray(frame)
+        bad[i] ^= 0x80
+        cases.append(bad)
+
+    def shape(key):
+        if type(key) is tuple and len(key) == 2 and type(key[1]) is object:
+            return ("alone", key[0])     # (key, object()): equal to no other key
+        return key
+
+    saved = (produce_mod.RUN_MAX_RECORDS_BYTES, produce_mod.LONE_MAX_RECORDS_BYTES)
+    produce_mod.RUN_MAX_RECORDS_BYTES = len(plain) + 1
+    seen = set()
+    try:
+        for lone_max in (1 << 20, len(plain) + 50):
+            produce_mod.LONE_MAX_RECORDS_BYTES = lone_max
+            for frame in cases:
+                frames._scan_produce = scan
+                try:
+                    try:
+                        _h, fast = parse_request(bytearray(frame))
+                    except Exception:  # noqa: BLE001 - not decodable either way
+                        continue
+                finally:
+                    frames._scan_produce = None
+                try:
+                    _h, slow = parse_request(bytearray(frame))
+                finally:
+                    frames._scan_produce = scan
+                assert not getattr(slow, "plain", False)
+                if getattr(fast, "plain", False):
+                    seen.add(shape(produce_mod.run_key(fast)) is not None)
+                assert shape(produce_mod.run_key(fast)) == shape(produce_mod.run_key(slow)), frame
+    finally:
+        produce_mod.RUN_MAX_RECORDS_BYTES, produce_mod.LONE_MAX_RECORDS_BYTES = saved
+    assert seen == ({True, False} if version <= 12 else set())
+
+
 def _reference_stamp(buf: bytearray, base: int, epoch: int, max_bytes: int, zstd_ok: bool,
                      earliest: int, latest: int, defer_from: int):
     """broker.partition's Python checks and stamping of plain batches (what stamp_plain
