@@ -502,6 +502,17 @@ static uint32_t write_block(unsigned char *out, Py_ssize_t pos, rec_t *recs, Py_
     return crc;
 }
 
+/* With `nogil`, the records of several blocks are gathered (interpreter lock held) before one
+   release writes them all: up to NOGIL_BATCH_RECORDS records, at least one whole block. An
+   object of 1 MiB records (one per 512 KiB block) re-took the lock after each block, ~28 times
+   per 28 MiB object, each a hand-off with the event loop (bench/HISTORY.md, session 25). A
+   batch of small records stays about one block (~0.1 ms of gathering with the lock held). */
+#define NOGIL_BATCH_RECORDS 256
+
+typedef struct {
+    Py_ssize_t pos, first, n, body;
+} blk_t;
+
 PyDoc_STRVAR(encode_blocks_doc,
 "encode_blocks(out, at, records, start, block_size, min_records, nogil) -> (next, at, index)\n\n"
 "Encode records[start:] as whole data blocks into the writable buffer `out` from `at` on (the\n"
@@ -509,9 +520,10 @@ PyDoc_STRVAR(encode_blocks_doc,
 "block_size, and after the last record), stopping after the block in which `min_records`\n"
 "records were reached (0: every record). Records are any objects with integer stream_id,\n"
 "base_offset, count and a bytes-like payload, sorted by (stream_id, base_offset) (ValueError\n"
-"if not). `nogil`: copy and checksum each block with the interpreter lock released (for a\n"
-"worker thread). Returns the next record's index, the next write position and the blocks'\n"
-"index entries as tuples (stream id, start, end, record count, block position, block size).");
+"if not). `nogil`: copy and checksum with the interpreter lock released (for a worker\n"
+"thread), once per batch of blocks gathered (up to 256 records, at least one block).\n"
+"Returns the next record's index, the next write position and the blocks' index entries as\n"
+"tuples (stream id, start, end, record count, block position, block size).");
 
 static PyObject *encode_blocks(PyObject *self, PyObject *args) {
     PyObject *out_obj, *list;
@@ -528,13 +540,14 @@ static PyObject *encode_blocks(PyObject *self, PyObject *args) {
     if (PyObject_GetBuffer(out_obj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
     PyObject *index = PyList_New(0);
-    Py_ssize_t cap = 64, nrec = 0, rcap = 8, nrun = 0;
+    Py_ssize_t cap = 64, nrec = 0, rcap = 8, nrun = 0, bcap = 8, nblk = 0;
     rec_t *recs = PyMem_Malloc(cap * sizeof(rec_t));
     run_t *runs = PyMem_Malloc(rcap * sizeof(run_t));
+    blk_t *blks = PyMem_Malloc(bcap * sizeof(blk_t));
     Py_ssize_t i = start, done = 0;
     int64_t last_sid = 0, last_base = 0;
     int have_last = 0;
-    if (index == NULL || recs == NULL || runs == NULL) {
+    if (index == NULL || recs == NULL || runs == NULL || blks == NULL) {
         if (index != NULL) PyErr_NoMemory();
         goto fail;
     }
@@ -545,108 +558,122 @@ static PyObject *encode_blocks(PyObject *self, PyObject *args) {
     unsigned char *obuf = (unsigned char *)out.buf;
     /* the list's size is read each time: an attribute read may run Python code */
     while (i < PyList_GET_SIZE(list) && (min_records <= 0 || done < min_records)) {
-        Py_ssize_t pos = at, body = 0;
-        if (pos > out.len - BLOCK_HDR) goto too_small;
-        nrec = nrun = 0;
-        while (i < PyList_GET_SIZE(list) && (body < block_size || nrec == 0)) {
-            PyObject *item = PyList_GET_ITEM(list, i);
-            if (nrec == cap) {
-                rec_t *more = PyMem_Realloc(recs, 2 * cap * sizeof(rec_t));
-                if (more == NULL) { PyErr_NoMemory(); goto fail_block; }
-                recs = more;
-                cap *= 2;
-            }
-            rec_t *r = &recs[nrec];
-            Py_INCREF(item);
-            PyObject *payload = NULL;
-            if (record_key(item, &r->sid, &r->base) < 0 || get_i64(item, s_count, &r->count) < 0
-                    || (payload = PyObject_GetAttr(item, s_payload)) == NULL) {
+        nrec = nblk = 0;
+        do {                              /* gather one block (more while nogil: a batch) */
+            Py_ssize_t pos = at, body = 0, first = nrec;
+            if (pos > out.len - BLOCK_HDR) goto too_small;
+            nrun = 0;
+            while (i < PyList_GET_SIZE(list) && (body < block_size || nrec == first)) {
+                PyObject *item = PyList_GET_ITEM(list, i);
+                if (nrec == cap) {
+                    rec_t *more = PyMem_Realloc(recs, 2 * cap * sizeof(rec_t));
+                    if (more == NULL) { PyErr_NoMemory(); goto fail; }
+                    recs = more;
+                    cap *= 2;
+                }
+                rec_t *r = &recs[nrec];
+                Py_INCREF(item);
+                PyObject *payload = NULL;
+                if (record_key(item, &r->sid, &r->base) < 0
+                        || get_i64(item, s_count, &r->count) < 0
+                        || (payload = PyObject_GetAttr(item, s_payload)) == NULL) {
+                    Py_DECREF(item);
+                    goto fail;
+                }
                 Py_DECREF(item);
-                goto fail_block;
-            }
-            Py_DECREF(item);
-            if (have_last && (r->sid < last_sid || (r->sid == last_sid && r->base < last_base))) {
-                PyErr_SetString(PyExc_ValueError, "records must be sorted by stream and offset");
-                Py_DECREF(payload);
-                goto fail_block;
-            }
-            if (r->count - 1 < INT32_MIN || r->count - 1 > INT32_MAX) {
-                PyErr_SetString(PyExc_ValueError, "encode_blocks: record count out of range");
-                Py_DECREF(payload);
-                goto fail_block;
-            }
-            last_sid = r->sid;
-            last_base = r->base;
-            have_last = 1;
-            int got = PyObject_GetBuffer(payload, &r->buf, PyBUF_C_CONTIGUOUS);
-            Py_DECREF(payload);           /* the export keeps its memory alive */
-            if (got < 0) goto fail_block;
-            nrec++;
-            if ((uint64_t)r->buf.len > UINT32_MAX ||
-                    r->buf.len > out.len - pos - BLOCK_HDR - body - RECORD_HDR) {
-                if ((uint64_t)r->buf.len > UINT32_MAX) {
-                    PyErr_SetString(PyExc_ValueError, "encode_blocks: payload over 4 GiB");
-                    goto fail_block;
+                if (have_last && (r->sid < last_sid
+                                  || (r->sid == last_sid && r->base < last_base))) {
+                    PyErr_SetString(PyExc_ValueError,
+                                    "records must be sorted by stream and offset");
+                    Py_DECREF(payload);
+                    goto fail;
                 }
-                goto too_small_block;
-            }
-            body += RECORD_HDR + r->buf.len;
-            if (nrun && runs[nrun - 1].sid == r->sid) {
-                runs[nrun - 1].end = r->base + r->count;
-                runs[nrun - 1].count++;
-            } else {
-                if (nrun == rcap) {
-                    run_t *more = PyMem_Realloc(runs, 2 * rcap * sizeof(run_t));
-                    if (more == NULL) { PyErr_NoMemory(); goto fail_block; }
-                    runs = more;
-                    rcap *= 2;
+                if (r->count - 1 < INT32_MIN || r->count - 1 > INT32_MAX) {
+                    PyErr_SetString(PyExc_ValueError, "encode_blocks: record count out of range");
+                    Py_DECREF(payload);
+                    goto fail;
                 }
-                runs[nrun++] = (run_t){r->sid, r->base, r->base + r->count, 1};
+                last_sid = r->sid;
+                last_base = r->base;
+                have_last = 1;
+                int got = PyObject_GetBuffer(payload, &r->buf, PyBUF_C_CONTIGUOUS);
+                Py_DECREF(payload);           /* the export keeps its memory alive */
+                if (got < 0) goto fail;
+                nrec++;
+                if ((uint64_t)r->buf.len > UINT32_MAX ||
+                        r->buf.len > out.len - pos - BLOCK_HDR - body - RECORD_HDR) {
+                    if ((uint64_t)r->buf.len > UINT32_MAX) {
+                        PyErr_SetString(PyExc_ValueError, "encode_blocks: payload over 4 GiB");
+                        goto fail;
+                    }
+                    goto too_small;
+                }
+                body += RECORD_HDR + r->buf.len;
+                if (nrun && runs[nrun - 1].sid == r->sid) {
+                    runs[nrun - 1].end = r->base + r->count;
+                    runs[nrun - 1].count++;
+                } else {
+                    if (nrun == rcap) {
+                        run_t *more = PyMem_Realloc(runs, 2 * rcap * sizeof(run_t));
+                        if (more == NULL) { PyErr_NoMemory(); goto fail; }
+                        runs = more;
+                        rcap *= 2;
+                    }
+                    runs[nrun++] = (run_t){r->sid, r->base, r->base + r->count, 1};
+                }
+                i++;
+                done++;
             }
-            i++;
-            done++;
-        }
-        if (body > INT32_MAX) {
-            PyErr_SetString(PyExc_ValueError, "encode_blocks: block over 2 GiB");
-            goto fail_block;
-        }
+            if (body > INT32_MAX) {
+                PyErr_SetString(PyExc_ValueError, "encode_blocks: block over 2 GiB");
+                goto fail;
+            }
+            if (nblk == bcap) {
+                blk_t *more = PyMem_Realloc(blks, 2 * bcap * sizeof(blk_t));
+                if (more == NULL) { PyErr_NoMemory(); goto fail; }
+                blks = more;
+                bcap *= 2;
+            }
+            blks[nblk++] = (blk_t){pos, first, nrec - first, body};
+            at = pos + BLOCK_HDR + body;
+            for (Py_ssize_t k = 0; k < nrun; k++) {
+                PyObject *e = Py_BuildValue("(LLLLnn)", (long long)runs[k].sid,
+                                            (long long)runs[k].start, (long long)runs[k].end,
+                                            (long long)runs[k].count, pos, BLOCK_HDR + body);
+                if (e == NULL || PyList_Append(index, e) < 0) {
+                    Py_XDECREF(e);
+                    goto fail;
+                }
+                Py_DECREF(e);
+            }
+        } while (nogil && nrec < NOGIL_BATCH_RECORDS && i < PyList_GET_SIZE(list)
+                 && (min_records <= 0 || done < min_records));
         if (nogil) {
             Py_BEGIN_ALLOW_THREADS
-            write_block(obuf, pos, recs, nrec, body);
+            for (Py_ssize_t b = 0; b < nblk; b++)
+                write_block(obuf, blks[b].pos, recs + blks[b].first, blks[b].n, blks[b].body);
             Py_END_ALLOW_THREADS
         } else {
-            write_block(obuf, pos, recs, nrec, body);
+            for (Py_ssize_t b = 0; b < nblk; b++)
+                write_block(obuf, blks[b].pos, recs + blks[b].first, blks[b].n, blks[b].body);
         }
         release_recs(recs, nrec);
         nrec = 0;
-        at = pos + BLOCK_HDR + body;
-        for (Py_ssize_t k = 0; k < nrun; k++) {
-            PyObject *e = Py_BuildValue("(LLLLnn)", (long long)runs[k].sid,
-                                        (long long)runs[k].start, (long long)runs[k].end,
-                                        (long long)runs[k].count, pos, BLOCK_HDR + body);
-            if (e == NULL || PyList_Append(index, e) < 0) {
-                Py_XDECREF(e);
-                goto fail;
-            }
-            Py_DECREF(e);
-        }
     }
     PyMem_Free(recs);
     PyMem_Free(runs);
+    PyMem_Free(blks);
     PyBuffer_Release(&out);
     PyObject *res = Py_BuildValue("(nnN)", i, at, index);
     return res;
 
-too_small_block:
-    PyErr_SetString(PyExc_ValueError, "encode_blocks: the output buffer is too small");
-fail_block:
-    release_recs(recs, nrec);
-    goto fail;
 too_small:
     PyErr_SetString(PyExc_ValueError, "encode_blocks: the output buffer is too small");
 fail:
+    if (recs != NULL) release_recs(recs, nrec);
     PyMem_Free(recs);
     PyMem_Free(runs);
+    PyMem_Free(blks);
     Py_XDECREF(index);
     PyBuffer_Release(&out);
     return NULL;

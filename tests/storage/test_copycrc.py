@@ -344,3 +344,44 @@ def test_write_pieces_writes_in_pieces_and_stops_where_python_would(tmp_path) ->
     assert e.value.errno == errno.EBADF
     with pytest.raises(ValueError):
         native.write_pieces(1, b"x", 0, 1)
+
+
+def test_c_encoder_gathers_several_blocks_before_it_releases_the_lock(native):
+    """With ``nogil`` the C encoder gathers the records of several blocks (the interpreter lock
+    held) before one release copies them all: an object of 1 MiB records (one record per 512
+    KiB block) took the lock back after every block, a hand-off with the event loop each time.
+    Seen here by reading the output buffer from the records' ``payload`` attribute: when the
+    later records are gathered, no block has been written yet; without ``nogil`` each block is
+    written before the next one is gathered (the sliced encode on the loop). The bytes are the
+    Python encoder's either way."""
+    out = bytearray(8 << 20)
+    seen = []
+
+    class Rec:
+        def __init__(self, i, payload):
+            self.stream_id, self.base_offset, self.count, self._p = 1, i, 1, payload
+
+        @property
+        def payload(self):
+            seen.append(bytes(out[:14]) != bytes(14))     # the first block's header written?
+            return self._p
+
+    payloads = [bytes([i + 1]) * (600 << 10) for i in range(6)]
+    recs = [Rec(i, p) for i, p in enumerate(payloads)]
+    nxt, at, index = native.encode_blocks(out, 0, recs, 0, 512 << 10, 0, True)
+    assert nxt == 6 and len(index) == 6
+    assert seen == [False] * 6, seen
+    want, _, _ = encode_object([Record(1, i, 1, p) for i, p in enumerate(payloads)], 512 << 10)
+    assert bytes(out[:at]) == bytes(want)[:at]
+    out[:] = bytes(len(out))
+    seen.clear()
+    native.encode_blocks(out, 0, recs, 0, 512 << 10, 0, False)
+    assert seen == [False] + [True] * 5, seen
+    assert bytes(out[:at]) == bytes(want)[:at]
+    # a batch ends after 256 records (at the end of the block holding the 256th): small
+    # records are not all gathered with the lock held
+    out[:] = bytes(len(out))
+    seen.clear()
+    small = [Rec(i, b"s" * 100) for i in range(600)]
+    native.encode_blocks(out, 0, small, 0, 1000, 0, True)
+    assert seen.index(True) in range(256, 266), seen.index(True)
