@@ -71,6 +71,7 @@ OBJECT_SPLIT_BYTES = 28 << 20
 PUTS_IN_FLIGHT = 2
 ENCODE_BUFFERS = PUTS_IN_FLIGHT + 1         # kept: those being written, the next encoded
 ENCODE_BUFFER_MAX = 128 << 20              # largest object encode buffer kept for reuse
+ENCODE_BUFFER_MIN = OBJECT_SPLIT_BYTES + (1 << 20)   # smallest one made (see _take_encode_buffer)
 CATCHUP_GAIN = 1.5                          # a paced catch-up reader gets >= this x the append rate
 
 
@@ -1028,8 +1029,13 @@ class Engine(StreamStore):
                 return bufs.pop(i)
         if size > ENCODE_BUFFER_MAX:
             return None
-        buf = mmap.mmap(-1, min(ENCODE_BUFFER_MAX, 1 << (size - 1).bit_length()),
-                        flags=mmap.MAP_PRIVATE)
+        # at least the size an object of OBJECT_SPLIT_BYTES needs: a mapping's pages are
+        # faulted in only as they are written, so the room costs nothing until used, and the
+        # first upload's smaller objects (~16 MiB per stream) no longer make buffers that the
+        # later 28 MiB objects replace with new ones - fresh huge pages cost 2.0-2.3 s of CPU
+        # per GiB on the test VM, 0.1 s per broker for those three (bench/HISTORY.md, session 25)
+        buf = mmap.mmap(-1, min(ENCODE_BUFFER_MAX, 1 << (max(size, ENCODE_BUFFER_MIN) - 1)
+                                .bit_length()), flags=mmap.MAP_PRIVATE)
         # huge pages where the kernel allows (advice only): the put's O_DIRECT writes pin
         # 2 MiB pages instead of 512 small ones each. Writing 28 MiB objects from a reused
         # buffer, 1 MiB O_DIRECT pieces: 0.05-0.08 ms CPU per MiB instead of 0.11-0.14
