@@ -4,10 +4,7 @@ from __future__ import annotations
 import mmap
 
 from .device import aligned_buffer, hugepage_arena
-from .format import ALIGN, align_up
-
-_MASK = ALIGN - 1
-_ALIGN_DOWN = ~_MASK
+from .format import ALIGN_DOWN, ALIGN_MASK, align_up
 
 Buffer = mmap.mmap | memoryview          # a mapping of its own, or a slice of an arena
 
@@ -36,11 +33,11 @@ class Block:
     @property
     def end(self) -> int:
         """Logical end of the aligned write (next block starts here or later)."""
-        return self.start + ((self.used + _MASK) & _ALIGN_DOWN)     # align_up, inline
+        return self.start + ((self.used + ALIGN_MASK) & ALIGN_DOWN)     # align_up, inline
 
     def seal(self) -> None:
         """Zero the padding so a reused buffer never writes stale bytes after the last record."""
-        n = (self.used + _MASK) & _ALIGN_DOWN
+        n = (self.used + ALIGN_MASK) & ALIGN_DOWN
         if n > self.used:
             self.buf[self.used:n] = bytes(n - self.used)
         self.sealed = True

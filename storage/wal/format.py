@@ -50,6 +50,12 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+# align_up(n) spelled inline where a call per block or append is worth avoiding:
+# (n + ALIGN_MASK) & ALIGN_DOWN
+ALIGN_MASK = ALIGN - 1
+ALIGN_DOWN = ~ALIGN_MASK
+
+
 @dataclass
 class WALHeader:
     """The durable facts recovery needs: where live data starts and how far holes may reach."""

@@ -23,10 +23,7 @@ from typing import TYPE_CHECKING
 
 from .aio import AioContext, TimerFD, yield_cpu
 from .config import IO_RETRIES, IO_RETRY_DELAY_S
-from .format import ALIGN, align_up
-
-_MASK = ALIGN - 1
-_ALIGN_DOWN = ~_MASK
+from .format import ALIGN_DOWN, ALIGN_MASK, align_up
 
 # writes at least this large, of records this large on average, yield the CPU after their
 # submit (see LoopDriver._submit). The record size is above the largest record a produce run
@@ -137,7 +134,7 @@ class LoopDriver:
         wal = self.wal
         assert wal._device is not None
         exports = [ctypes.c_char.from_buffer(b.buf) for b in group]
-        pieces = [(ctypes.addressof(c), (b.used + _MASK) & _ALIGN_DOWN)
+        pieces = [(ctypes.addressof(c), (b.used + ALIGN_MASK) & ALIGN_DOWN)
                   for c, b in zip(exports, group)]
         self._token += 1
         token = self._token

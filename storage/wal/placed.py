@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ctypes
 
-from .format import ALIGN
+from .format import ALIGN_DOWN, ALIGN_MASK
 
 MAX_OFFERED = 64
 
@@ -41,7 +41,7 @@ def address(buf) -> int:
 def place(buf: bytearray, start: int, head: int) -> int:
     """Where in ``buf`` (from ``start`` on) to put a payload so that the ``head`` bytes before
     it begin on a page: the payload's offset. The caller checks it still fits."""
-    return start + head + (-(address(buf) + start) & (ALIGN - 1))
+    return start + head + (-(address(buf) + start) & ALIGN_MASK)
 
 
 def offer(buf: bytearray, offset: int, length: int) -> None:
@@ -81,7 +81,7 @@ def take(payload, head: int):
     if address(payload) - base != offset:
         return None
     start = offset - head
-    end = start + ((head + length + ALIGN - 1) & -ALIGN)     # align_up, inline
-    if start < 0 or (base + start) & (ALIGN - 1) or end > len(buf):
+    end = start + ((head + length + ALIGN_MASK) & ALIGN_DOWN)     # align_up, inline
+    if start < 0 or (base + start) & ALIGN_MASK or end > len(buf):
         return None
     return memoryview(buf)[start:end]

@@ -31,7 +31,7 @@ from .device import BLANK_PROBE_BYTES, Device, aligned_buffer, classify
 from .errors import (CapacityMismatchError, ChecksumMismatchError, FencedError, OverCapacityError,
                      RecordTooLargeError, WALClosedError, WALError, WALPathError)
 from .loop_driver import LoopDriver
-from .format import (ALIGN, HEADER_AREA, HEADER_SLOT_SIZE, RECORD_HEADER_SIZE,
+from .format import (ALIGN_DOWN, ALIGN_MASK, HEADER_AREA, HEADER_SLOT_SIZE, RECORD_HEADER_SIZE,
                      SHUTDOWN_CLEAN, SHUTDOWN_UNCLEAN, TAKEOVER_DONE, WALHeader, align_up,
                      body_crc, newest_header, pack_record_header)
 from .recovery import scan
@@ -42,8 +42,6 @@ log = logging.getLogger(__name__)
 Body = Union[bytes, bytearray, memoryview, "tuple[Any, ...]", "list[Any]"]
 
 WINDOW_SCALE_UNIT = 4 << 20
-_MASK = ALIGN - 1
-_ALIGN_DOWN = ~_MASK
 
 
 @dataclass(slots=True)
@@ -425,7 +423,7 @@ class DeltaWAL:
             raise WALClosedError("WAL is not open")
         size = RECORD_HEADER_SIZE + n
         ring = self.ring_size
-        if n > self.config.max_record_size or (size + _MASK) & _ALIGN_DOWN > ring:
+        if n > self.config.max_record_size or (size + ALIGN_MASK) & ALIGN_DOWN > ring:
             raise RecordTooLargeError(f"record of {n} bytes exceeds the WAL limits")
         blk = self._current
         if blk is not None and blk.used + size > blk.capacity:
@@ -449,7 +447,7 @@ class DeltaWAL:
         # the block is written in whole 4 KiB pages: its zero padding must not reach the page
         # holding the (unaligned) trim offset one lap later
         end = pos + size
-        if ((end + _MASK) & _ALIGN_DOWN) - self._trim > ring:
+        if ((end + ALIGN_MASK) & ALIGN_DOWN) - self._trim > ring:
             # before the block moves to the next lap: an empty block left there would take
             # every later record too, each then needing the trim past that lap's start plus
             # its size (session 21: beyond the last record's end, no append ever again)
@@ -507,7 +505,7 @@ class DeltaWAL:
         """The error of a record whose last page (ending at ``end``) would reach the page
         holding the trim offset one lap later: _reserve's and _reserve_placed's one test."""
         return OverCapacityError(
-            f"WAL ring full: {((end + _MASK) & _ALIGN_DOWN) - self._trim} bytes from the "
+            f"WAL ring full: {((end + ALIGN_MASK) & ALIGN_DOWN) - self._trim} bytes from the "
             f"trim to this record's last page > {self.ring_size}; upload and trim first")
 
     def _track(self, blk: Block, pos: int, size: int, end: int, stream_id: int, waiter) -> None:
@@ -538,7 +536,7 @@ class DeltaWAL:
         h = len(head)
         size = RECORD_HEADER_SIZE + n
         ring = self.ring_size
-        if (n > self.config.max_record_size or len(region) != (size + _MASK) & _ALIGN_DOWN
+        if (n > self.config.max_record_size or len(region) != (size + ALIGN_MASK) & ALIGN_DOWN
                 or len(region) > ring or crc_split is None
                 or (check is not None and check[0] < h)):
             return None
@@ -550,10 +548,10 @@ class DeltaWAL:
                 self._pool.put(blk.buf)
                 self._current = None
         pos = self._cursor
-        if pos & _MASK or pos % ring + size > ring:
+        if pos & ALIGN_MASK or pos % ring + size > ring:
             return None
         end = pos + size
-        if ((end + _MASK) & _ALIGN_DOWN) - self._trim > ring:       # as in _reserve
+        if ((end + ALIGN_MASK) & ALIGN_DOWN) - self._trim > ring:       # as in _reserve
             raise self._ring_full(end)
         payload = body[1]
         if check is not None:
@@ -674,7 +672,7 @@ class DeltaWAL:
         self._writing.append(first)
         self._writes += 1
         group = [first]
-        total = (first.used + _MASK) & _ALIGN_DOWN
+        total = (first.used + ALIGN_MASK) & ALIGN_DOWN
         cfg = self.config
         limit = cfg.backlog_write_bytes if self._pending_bytes >= 2 * cfg.backlog_write_bytes \
             else cfg.max_write_bytes
@@ -682,7 +680,7 @@ class DeltaWAL:
         while self._pending and len(group) < 64:
             nxt = self._pending[0]
             last = group[-1]
-            n = (nxt.used + _MASK) & _ALIGN_DOWN
+            n = (nxt.used + ALIGN_MASK) & ALIGN_DOWN
             if (nxt.start != last.end or nxt.start // ring != first.start // ring
                     or total + n > limit or not self._window_allows(nxt)):
                 break
@@ -775,7 +773,7 @@ class DeltaWAL:
             for blk in group:
                 blk.done = True
                 self.stats["block_writes"] += 1
-                self.stats["bytes_written"] += (blk.used + _MASK) & _ALIGN_DOWN
+                self.stats["bytes_written"] += (blk.used + ALIGN_MASK) & ALIGN_DOWN
                 self._writing.remove(blk)
                 self._inflight -= blk.used
                 streams |= blk.streams
