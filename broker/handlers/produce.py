@@ -295,21 +295,21 @@ def run_key(req: Any) -> Any:
         n = len(pd.records)
         if n > LONE_MAX_RECORDS_BYTES:
             return None
-        key = (td.name, pd.index, req.acks)
-        return key if n <= RUN_MAX_RECORDS_BYTES else (key, object())
-    if req.acks not in (-1, 1) or req.transactional_id is not None:
-        return None
-    tds = req.topic_data
-    if len(tds) != 1 or len(tds[0].partition_data) != 1:
-        return None
-    td = tds[0]
-    pd = td.partition_data[0]
-    records = pd.records
-    if records is None or not 61 <= len(records) <= LONE_MAX_RECORDS_BYTES \
-            or records[16] != 2 or records[_PRODUCER_ID:_PRODUCER_ID + 8] != _NO_PID:
-        return None
+    else:
+        if req.acks not in (-1, 1) or req.transactional_id is not None:
+            return None
+        tds = req.topic_data
+        if len(tds) != 1 or len(tds[0].partition_data) != 1:
+            return None
+        td = tds[0]
+        pd = td.partition_data[0]
+        records = pd.records
+        if records is None or not 61 <= len(records) <= LONE_MAX_RECORDS_BYTES \
+                or records[16] != 2 or records[_PRODUCER_ID:_PRODUCER_ID + 8] != _NO_PID:
+            return None
+        n = len(records)
     key = (td.name if td.topic_id is None else td.topic_id, pd.index, req.acks)
-    if len(records) > RUN_MAX_RECORDS_BYTES:
+    if n > RUN_MAX_RECORDS_BYTES:
         return (key, object())     # equal to no other key: a run of its own (no merge copy)
     return key
 
