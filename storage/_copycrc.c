@@ -513,6 +513,20 @@ typedef struct {
     Py_ssize_t pos, first, n, body;
 } blk_t;
 
+/* `arr` (`*cap` elements of `size` bytes) reallocated to twice as many, `*cap` doubled; when
+   out of memory: `arr` itself (still valid, freed by the caller), MemoryError set and
+   `*failed` 1. encode_blocks' three growing arrays. */
+static void *grow(void *arr, Py_ssize_t *cap, size_t size, int *failed) {
+    void *more = PyMem_Realloc(arr, 2 * (size_t)*cap * size);
+    *failed = more == NULL;
+    if (*failed) {
+        PyErr_NoMemory();
+        return arr;
+    }
+    *cap *= 2;
+    return more;
+}
+
 PyDoc_STRVAR(encode_blocks_doc,
 "encode_blocks(out, at, records, start, block_size, min_records, nogil) -> (next, at, index)\n\n"
 "Encode records[start:] as whole data blocks into the writable buffer `out` from `at` on (the\n"
@@ -541,6 +555,7 @@ static PyObject *encode_blocks(PyObject *self, PyObject *args) {
         return NULL;
     PyObject *index = PyList_New(0);
     Py_ssize_t cap = 64, nrec = 0, rcap = 8, nrun = 0, bcap = 8, nblk = 0;
+    int failed = 0;
     rec_t *recs = PyMem_Malloc(cap * sizeof(rec_t));
     run_t *runs = PyMem_Malloc(rcap * sizeof(run_t));
     blk_t *blks = PyMem_Malloc(bcap * sizeof(blk_t));
@@ -566,10 +581,8 @@ static PyObject *encode_blocks(PyObject *self, PyObject *args) {
             while (i < PyList_GET_SIZE(list) && (body < block_size || nrec == first)) {
                 PyObject *item = PyList_GET_ITEM(list, i);
                 if (nrec == cap) {
-                    rec_t *more = PyMem_Realloc(recs, 2 * cap * sizeof(rec_t));
-                    if (more == NULL) { PyErr_NoMemory(); goto fail; }
-                    recs = more;
-                    cap *= 2;
+                    recs = grow(recs, &cap, sizeof *recs, &failed);
+                    if (failed) goto fail;
                 }
                 rec_t *r = &recs[nrec];
                 Py_INCREF(item);
@@ -614,10 +627,8 @@ static PyObject *encode_blocks(PyObject *self, PyObject *args) {
                     runs[nrun - 1].count++;
                 } else {
                     if (nrun == rcap) {
-                        run_t *more = PyMem_Realloc(runs, 2 * rcap * sizeof(run_t));
-                        if (more == NULL) { PyErr_NoMemory(); goto fail; }
-                        runs = more;
-                        rcap *= 2;
+                        runs = grow(runs, &rcap, sizeof *runs, &failed);
+                        if (failed) goto fail;
                     }
                     runs[nrun++] = (run_t){r->sid, r->base, r->base + r->count, 1};
                 }
@@ -629,10 +640,8 @@ static PyObject *encode_blocks(PyObject *self, PyObject *args) {
                 goto fail;
             }
             if (nblk == bcap) {
-                blk_t *more = PyMem_Realloc(blks, 2 * bcap * sizeof(blk_t));
-                if (more == NULL) { PyErr_NoMemory(); goto fail; }
-                blks = more;
-                bcap *= 2;
+                blks = grow(blks, &bcap, sizeof *blks, &failed);
+                if (failed) goto fail;
             }
             blks[nblk++] = (blk_t){pos, first, nrec - first, body};
             at = pos + BLOCK_HDR + body;
@@ -648,15 +657,10 @@ static PyObject *encode_blocks(PyObject *self, PyObject *args) {
             }
         } while (nogil && nrec < NOGIL_BATCH_RECORDS && i < PyList_GET_SIZE(list)
                  && (min_records <= 0 || done < min_records));
-        if (nogil) {
-            Py_BEGIN_ALLOW_THREADS
-            for (Py_ssize_t b = 0; b < nblk; b++)
-                write_block(obuf, blks[b].pos, recs + blks[b].first, blks[b].n, blks[b].body);
-            Py_END_ALLOW_THREADS
-        } else {
-            for (Py_ssize_t b = 0; b < nblk; b++)
-                write_block(obuf, blks[b].pos, recs + blks[b].first, blks[b].n, blks[b].body);
-        }
+        PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
+        for (Py_ssize_t b = 0; b < nblk; b++)
+            write_block(obuf, blks[b].pos, recs + blks[b].first, blks[b].n, blks[b].body);
+        gil_back(ts);
         release_recs(recs, nrec);
         nrec = 0;
     }
