@@ -233,7 +233,7 @@ class ObjectReader:
                     bi = bisect.bisect_left(blocks, (e.position, e.size))
                     self._reads_ahead_of(stream_id, i,
                                          blocks[-1][0] + blocks[-1][1] - blocks[bi][0], ra)
-                    records = await self.block_cache.get(r.key, blocks, bi, ra)
+                    records = await self.block_cache.get(r.key, blocks, bi, ra, max_bytes - size)
                     for rec in records:
                         if rec.stream_id != stream_id or rec.end_offset <= offset:
                             continue

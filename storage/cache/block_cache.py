@@ -179,8 +179,8 @@ class BlockCache:
         self._sizes.clear()
         self.used = 0
 
-    async def get(self, key: str, blocks: list[tuple[int, int]], i: int, ra: Readahead
-                  ) -> list[Record]:
+    async def get(self, key: str, blocks: list[tuple[int, int]], i: int, ra: Readahead,
+                  want: int = 0) -> list[Record]:
         """Records of block ``blocks[i]`` ((position, size), sorted, distinct) of object ``key``.
 
         A fetch may hand back blocks already decoded (ObjectReader decodes them on the cold
@@ -189,7 +189,17 @@ class BlockCache:
         so later hits cost no checksum. When a sequential reader gets into the second half of
         what it read ahead, the next window is fetched in the background (prefetch), so a
         catch-up reader rarely waits for the store. Raises CorruptObjectError (bad bytes) or
-        the fetch's error (store down)."""
+        the fetch's error (store down).
+
+        ``want``: the bytes the reader's request can still take from this block on (its
+        Fetch's budget). A miss that starts a reader's readahead over (a new reader, or a
+        jump) sizes the window to that, up to the readahead's maximum, rather than
+        READAHEAD_INITIAL: a request that takes 8 MiB waits for those 8 MiB either way, and
+        growing from 512 KiB took it ~5 store round trips in a row (one per doubling; the
+        first ~0.25 s of a cold pass after a restart ran at a third to half of its steady
+        rate, bench/HISTORY.md session 26), each into a small fresh read buffer that the
+        8 MiB spans after it could not reuse. A small request (a random reader; a catch-up
+        slice while producers append, cold_read_max_bytes) keeps the small first window."""
         bkey = (key, blocks[i][0])
         hit = self._lru.get(bkey)
         if hit is None:
@@ -212,7 +222,7 @@ class BlockCache:
         if ra.fronts.get(key) == pos0 or (ra.key and ra.key != key and pos0 == 0):
             ra.size = min(max(ra.size * 2, ra.size + READAHEAD_STEP), self.readahead_max)
         else:
-            ra.size = READAHEAD_INITIAL
+            ra.size = max(READAHEAD_INITIAL, min(want, self.readahead_max))
         ra.key = key
         # the reader waits for one piece at most; the rest of its window is prefetched
         # (a 32 MiB window read as one job kept it waiting for all of it)

@@ -544,3 +544,66 @@ async def test_an_object_index_is_read_once_when_the_reader_meets_its_read_ahead
         assert sorted(tails) == sorted({r.key for r in ranges}), tails
     finally:
         await eng.close()
+
+
+async def test_a_new_readers_first_window_is_what_its_request_takes() -> None:
+    """A reader starting (or jumping) with a request that takes more than READAHEAD_INITIAL
+    gets that much (up to the readahead's maximum) in its first store read, not 512 KiB and
+    then a doubling per round trip (a cold pass after a restart spent its first ~0.25 s on
+    that ramp, bench/HISTORY.md session 26); a small request keeps the small first window."""
+    data, blocks = _object(1200)
+    calls: list[int] = []
+
+    async def fetch(key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        calls.append(ranges[-1][0] + ranges[-1][1] - ranges[0][0])
+        return [data[p:p + n] for p, n in ranges]
+
+    bc = BlockCache(64 << 20, fetch)
+    assert sum(n for _, n in blocks) > 3 * READAHEAD_INITIAL
+    await bc.get("o", blocks, 0, Readahead(), 2 * READAHEAD_INITIAL)
+    assert READAHEAD_INITIAL < calls[0] <= 2 * READAHEAD_INITIAL, calls
+    bc.clear()
+    calls.clear()
+    await bc.get("o", blocks, 0, Readahead(), 64 << 10)
+    assert calls[0] <= READAHEAD_INITIAL, calls
+    # capped by the readahead's maximum
+    bc = BlockCache(64 << 20, fetch, readahead_max=256 << 10)
+    calls.clear()
+    await bc.get("o", blocks, 0, Readahead(), 2 * READAHEAD_INITIAL)
+    assert calls[0] <= READAHEAD_INITIAL, calls
+
+
+async def test_an_object_reader_sizes_its_first_window_by_the_reads_budget(tmp_path) -> None:
+    """ObjectReader.read hands its request's budget to the BlockCache: a read of 2 MiB from a
+    cold stream starts with one store read of more than READAHEAD_INITIAL (with no producer
+    appending: while they do, a read takes at most cold_read_max_bytes, which keeps the small
+    first window of the paced catch-up path)."""
+    from storage.engine import open_engine
+    from storage_helpers import fill, small_config
+    eng = open_engine(small_config(tmp_path, block_cache_bytes=64 << 20, **ONLY_FLUSH_UPLOADS))
+    await eng.start()
+    try:
+        s = await eng.create_stream()
+        await fill(s, 120, size=16000)           # ~2 MB in one object
+        await eng.flush()
+        eng.drop_caches()
+        bc = eng.reader.block_cache
+        sizes: list[int] = []
+        inner = bc._fetch
+
+        async def fetch(key: str, ranges: list[tuple[int, int]]) -> list:
+            sizes.append(sum(n for _, n in ranges))
+            return await inner(key, ranges)
+        bc._fetch = fetch
+        eng.cold_pacer._hot_at = float("-inf")     # the fill's appends: not producers now
+        batches = await s.read(0, 2 << 20)
+        assert batches and sizes[0] > READAHEAD_INITIAL, sizes
+        # while producers append: the catch-up slice, the small first window as before
+        eng.drop_caches()
+        sizes.clear()
+        eng.cold_pacer._hot_at = eng.cold_pacer._clock()
+        assert eng.cold_pacer.hot_active()
+        await s.read(0, 2 << 20)
+        assert sizes[0] <= READAHEAD_INITIAL, sizes
+    finally:
+        await eng.close()
