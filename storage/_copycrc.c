@@ -739,6 +739,61 @@ static inline uint32_t crc_any(uint32_t c, const unsigned char *p, size_t n) {
     return fold_on ? crc_fold(c, p, n) : have_hw ? crc_hw(c, p, n) : crc_soft(c, p, n);
 }
 
+PyDoc_STRVAR(copy_record_doc,
+"copy_record(dst, at, pos, head, body) -> None\n\n"
+"One WAL record (storage/wal/format.py) written into the writable buffer `dst` at `at`:\n"
+"its body `head` + `body` copied to `at` + 24 with their CRC-32C taken in the same pass, then\n"
+"the record header before it - pack_record_header(dst, at, len(head) + len(body), pos, crc)\n"
+"(magic, body length, `pos`, body CRC, the CRC of those 20 bytes). What DeltaWAL._reserve\n"
+"did with two copy_crc calls and pack_record_header; ValueError if it does not fit.");
+
+static PyObject *copy_record(PyObject *self, PyObject *args) {
+    PyObject *dst_obj, *head_obj, *body_obj;
+    Py_ssize_t at;
+    unsigned long long pos;
+    Py_buffer dst, head, body;
+    if (!PyArg_ParseTuple(args, "OnKOO:copy_record", &dst_obj, &at, &pos, &head_obj, &body_obj))
+        return NULL;
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(head_obj, &head, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(body_obj, &body, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&head);
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    Py_ssize_t n = head.len + body.len;
+    if (at < 0 || at > dst.len || dst.len - at < 24 || n > dst.len - at - 24) {
+        PyErr_SetString(PyExc_ValueError, "copy_record: record does not fit at that offset");
+    } else if (n > 0xFFFFFFFFLL) {
+        PyErr_SetString(PyExc_ValueError, "copy_record: body longer than 4 GiB");
+    } else {
+        unsigned char *d = (unsigned char *)dst.buf + at;
+        size_t hn = (size_t)head.len, bn = (size_t)body.len;
+        uint32_t crc = ~(uint32_t)0;
+        PyThreadState *ts = nogil_for(bn);
+        crc = copy_crc_loop_raw(d + 24, (const unsigned char *)head.buf, hn, crc);
+        crc = copy_crc_loop_raw(d + 24 + hn, (const unsigned char *)body.buf, bn, crc);
+        gil_back(ts);
+        put_be32(d, 0x52454331u);                     /* format.RECORD_MAGIC, "REC1" */
+        put_be32(d + 4, (uint32_t)n);
+        put_be32(d + 8, (uint32_t)(pos >> 32));
+        put_be32(d + 12, (uint32_t)pos);
+        put_be32(d + 16, ~crc);
+        put_be32(d + 20, ~crc_any(~(uint32_t)0, d, 20));
+        ret = Py_None;
+        Py_INCREF(ret);
+    }
+    PyBuffer_Release(&body);
+    PyBuffer_Release(&head);
+    PyBuffer_Release(&dst);
+    return ret;
+}
+
 PyDoc_STRVAR(crc_doc,
 "crc(data, value=0) -> int\n\nCRC-32C of `data` continued from `value` (crc32c.crc32c(data, value));\n"
 "folded with VPCLMULQDQ where the copies are (FOLD), ~2x the crc32c package on 1 MiB; the\n"
@@ -1119,6 +1174,7 @@ static PyMethodDef methods[] = {
     {"take_grouped", take_grouped, METH_VARARGS, take_grouped_doc},
     {"copy_crc", copy_crc, METH_VARARGS, copy_crc_doc},
     {"copy_crc_split", copy_crc_split, METH_VARARGS, copy_crc_split_doc},
+    {"copy_record", copy_record, METH_VARARGS, copy_record_doc},
     {"crc", crc, METH_VARARGS, crc_doc},
     {"crc_split", crc_split, METH_VARARGS, crc_split_doc},
     {"write_pieces", write_pieces, METH_VARARGS, write_pieces_doc},

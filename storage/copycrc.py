@@ -57,6 +57,23 @@ def _copy_crc_split_py(dst, offset: int, src, value: int, split: int) -> tuple[i
 
 
 copy_crc = _copycrc.copy_crc if NATIVE else _copy_crc_py
+def _copy_record_py(dst, at: int, pos: int, head, body) -> None:
+    """copy_record without the extension: the body (head + body) at ``at`` + 24, then its
+    record header (storage/wal/format.pack_record_header) at ``at``."""
+    from .wal.format import RECORD_HEADER_SIZE, pack_record_header
+    n = len(head) + len(body)
+    if at < 0 or at + RECORD_HEADER_SIZE + n > len(dst):
+        raise ValueError("copy_record: record does not fit at that offset")
+    o = at + RECORD_HEADER_SIZE
+    crc = copy_crc(dst, o, head)
+    crc = copy_crc(dst, o + len(head), body, crc)
+    pack_record_header(dst, at, n, pos, crc)
+
+
+# one WAL record - header + body of (head, body), the CRC in the copy - in one call
+# (DeltaWAL._reserve's common case); a stale in-place build without it runs the Python one
+copy_record = getattr(_copycrc, "copy_record", None) or _copy_record_py
+
 # the object encoder's per-record work in C (storage/objects/format.py uses them when present;
 # None without the extension or with a stale in-place build that predates them)
 encode_blocks = getattr(_copycrc, "encode_blocks", None)

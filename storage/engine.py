@@ -50,6 +50,8 @@ _STREAM_ID = operator.attrgetter("stream_id")
 _SIZE = operator.attrgetter("size")
 _PAYLOAD = operator.attrgetter("payload")
 _BASE_OFFSET = operator.attrgetter("base_offset")
+# the task path's "the write failed" for _note_durable (its error goes to the future's waiter)
+_WRITE_FAILED = StorageError("WAL write failed")
 # a background upload of small records pauses this long after each 0.5 ms encode slice (see
 # _upload_pause): at most about a quarter of the loop while hot requests run (session 14)
 UPLOAD_PAUSE_S = 0.001
@@ -223,11 +225,17 @@ class EngineStream(OffsetStream):
         return self._confirmed
 
     def _durable(self, entry: CacheEntry, t0: float, fut: asyncio.Future) -> None:
-        self._note_durable(entry, t0, not fut.cancelled() and fut.exception() is None)
+        ok = not fut.cancelled() and fut.exception() is None
+        self._note_durable(entry, t0, None, 0, None if ok else _WRITE_FAILED)
 
-    def _note_durable(self, entry: CacheEntry, t0: float, ok: bool) -> None:
+    def _note_durable(self, entry: CacheEntry, t0: float,
+                      then: Callable[[BaseException | None], None] | None, _offset: int,
+                      error: BaseException | None) -> None:
         """The stream's bookkeeping once an append's WAL write completed (both append paths):
-        ``ok`` when it is durable, False when the write failed."""
+        ``error`` None when it is durable, else the write's error; then ``then(error)`` (the
+        task-less path: ``partial(_note_durable, entry, t0, then)`` is append_loop's ``then``,
+        one Python call per append's completion)."""
+        ok = error is None
         entry.durable = True        # even on a WAL error: the bytes still go to the object store
         # the hot path's latency as the loop sees it: what cold reads must not stretch
         took = time.perf_counter() - t0
@@ -241,6 +249,8 @@ class EngineStream(OffsetStream):
             if nxt > self._confirmed:
                 self._confirmed = nxt
         self._engine._maybe_upload()
+        if then is not None:
+            then(error)
 
     checks_payloads = True
 
@@ -265,7 +275,9 @@ class EngineStream(OffsetStream):
         eng.cache.add(entry)
         eng.stats.wal_appended_bytes += size
         self._end = entry.base_offset + entry.count
-        eng.note_wal(entry.wal_next)
+        if entry.wal_next > eng._wal_head:      # eng.note_wal(entry.wal_next), spelled out
+            eng._wal_head = entry.wal_next
+        eng._maybe_upload()
 
     def append_now(self, payload: bytes | memoryview, base_offset: int, count: int,
                    then: Callable[[BaseException | None], None],
@@ -280,7 +292,8 @@ class EngineStream(OffsetStream):
         ``check`` (as ``append``'s: the payload's CRC-32C from an offset, checked in the WAL's
         copy) does not match. The task-less Produce path."""
         eng = self._engine
-        self._check_writable()
+        if self.deleted or not self.owned:
+            self._check_writable()
         if base_offset != self._end or count <= 0:
             raise ValueError(f"append of {count} at {base_offset}, expected {self._end}")
         payload = payload if type(payload) is bytes else memoryview(payload).cast("B")
@@ -291,12 +304,8 @@ class EngineStream(OffsetStream):
             check = (WAL_RECORD.size + check[0], check[1])
         t0 = time.perf_counter()
         entry = CacheEntry(self.stream_id, base_offset, count, payload, added=t0)
-
-        def durable(_offset: int, error: BaseException | None) -> None:
-            # the stream's bookkeeping, then the caller's continuation: one call per append
-            self._note_durable(entry, t0, error is None)
-            then(error)
-
+        # the stream's bookkeeping, then the caller's continuation: one call per append
+        durable = functools.partial(self._note_durable, entry, t0, then)
         try:
             res = eng.wal.append_loop((WAL_RECORD.pack(self.stream_id, base_offset, count),
                                        payload), self.stream_id, check, durable)
@@ -906,9 +915,10 @@ class Engine(StreamStore):
 
     def _maybe_upload(self) -> None:
         c = self.config
-        if self.cache.pending_bytes >= c.upload_threshold_bytes or \
+        pending = self.cache.pending_bytes
+        if pending >= c.upload_threshold_bytes or \
                 self._wal_head - self._wal_trimmed > c.wal_capacity // 2 or \
-                self._cache_pressure():
+                pending > c.log_cache_bytes // 2:        # _cache_pressure(), twice per append
             self._upload_wakeup.set()
 
     def _upload_pause(self) -> float:

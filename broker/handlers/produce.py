@@ -394,22 +394,6 @@ def _run_answers(broker: Any, ctxs: list[RequestContext], counts: list[int], td:
     return out
 
 
-def _ok_frames(ctxs: list[RequestContext], counts: list[int], td: Any, index: int,
-               r: AppendResult) -> list[Any]:
-    """``_run_answers`` of a run appended without error, each answer framed whole in one
-    piece (``frame_produce_ok``): what the server writes as it is."""
-    key = td.name if td.topic_id is None else td.topic_id
-    base = r.base_offset
-    append_time, start = r.log_append_time, r.log_start_offset
-    out = []
-    for ctx, n in zip(ctxs, counts):
-        h = ctx.header
-        out.append(Framed((frame_produce_ok(h.api_version, h.correlation_id, key, index, base,
-                                            append_time, start),)))
-        base += n
-    return out
-
-
 async def _one_by_one(ctxs: list[RequestContext], reqs: list[Any]) -> list[Any]:
     """The requests of a run handled as if they had come alone: each one's first step (its
     offsets) runs in request order, then all are awaited."""
@@ -469,17 +453,37 @@ def produce_now(items: list[tuple[RequestContext, Any, float]], futs: list[async
             _settle_later(_after_renewal(broker, ctxs, counts, td, index, r, req0, lease),
                           futs, conn)
             return
-        try:
-            bodies = _run_answers(broker, ctxs, counts, td, index, r) if r.error else \
-                _ok_frames(ctxs, counts, td, index, r)
-        except Exception as exc:  # noqa: BLE001 - each request still gets its answer
-            bodies = [exc] * len(futs)
-        end = time.perf_counter()
         stats = broker.request_stats
         stats.direct_requests += len(items)
         if len(items) > 1:
             stats.runs += 1
             stats.run_requests += len(items)
+        if not r.error:
+            # _run_answers of an append without error, each answer framed whole in one
+            # piece (frame_produce_ok: what the server writes as it is), in the stats' loop
+            end = time.perf_counter()
+            key = td.name if td.topic_id is None else td.topic_id
+            base = r.base_offset
+            append_time, log_start = r.log_append_time, r.log_start_offset
+            observe = stats.observe
+            for (ctx, _req, received), fut, n in zip(items, futs, counts):
+                h = ctx.header
+                observe(PRODUCE, h.api_version, start - received, end - start)
+                if not fut.done():
+                    try:
+                        fut.set_result(Framed((frame_produce_ok(
+                            h.api_version, h.correlation_id, key, index, base, append_time,
+                            log_start),)))
+                    except Exception as exc:  # noqa: BLE001 - it still gets an answer
+                        fut.set_exception(exc)
+                base += n
+            conn.answered()
+            return
+        try:
+            bodies = _run_answers(broker, ctxs, counts, td, index, r)
+        except Exception as exc:  # noqa: BLE001 - each request still gets its answer
+            bodies = [exc] * len(futs)
+        end = time.perf_counter()
         for (ctx, _req, received), fut, body in zip(items, futs, bodies):
             h = ctx.header
             stats.observe(h.api_key, h.api_version, start - received, end - start)

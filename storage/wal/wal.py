@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterator, Union
 
 import crc32c
 
-from ..copycrc import NATIVE as COPY_CRC_NATIVE, copy_crc, copy_crc_split, crc_split
+from ..copycrc import NATIVE as COPY_CRC_NATIVE, copy_crc, copy_crc_split, copy_record, \
+    crc_split
 from ..copycrc import crc as crc_only
 from . import placed
 from .block import Block, BufferPool
@@ -37,6 +38,7 @@ from .format import (ALIGN_DOWN, ALIGN_MASK, HEADER_AREA, HEADER_SLOT_SIZE, RECO
 from .recovery import scan
 
 log = logging.getLogger(__name__)
+_get_ident = threading.get_ident
 
 # a record body: one buffer, or a tuple/list of buffers whose concatenation is the body
 Body = Union[bytes, bytearray, memoryview, "tuple[Any, ...]", "list[Any]"]
@@ -362,7 +364,7 @@ class DeltaWAL:
         driver = self._driver
         # on the driver's thread its loop is the running one; get_running_loop() costs a
         # getpid() syscall per call
-        on_loop = driver is not None and driver.on_loop()
+        on_loop = driver is not None and _get_ident() == driver._thread_id   # driver.on_loop()
         loop = driver.loop if on_loop else asyncio.get_running_loop()
         body, n, crc = _prepare(body)
         if check is not None and crc is not None:     # no fused copy: a pass of its own
@@ -391,8 +393,9 @@ class DeltaWAL:
         return await self.append_loop(body, stream_id).future
 
     def has_room(self, size: int) -> bool:
-        """True when a record of `size` bytes (header included) fits under max_buffered_bytes."""
-        return self._window_room(size)
+        """True when a record of `size` bytes (header included) fits under max_buffered_bytes
+        (``_window_room``, spelled out: a call less per task-less append)."""
+        return self._inflight == 0 or self._inflight + size <= self._buffer_limit
 
     async def wait_for_room(self, size: int) -> None:
         """Wait (without blocking the loop) until fewer than max_buffered_bytes are waiting to
@@ -469,15 +472,17 @@ class DeltaWAL:
                 raise
             pack_record_header(buf, at, n, pos, crc)
         elif crc is None:       # storage._copycrc: copy and checksum the body in one pass
-            if type(body) is tuple:
+            if type(body) is not tuple:
+                copy_record(buf, at, pos, b"", body)     # the record header too, one call
+            elif len(body) == 2:                         # the engine's (header, payload)
+                copy_record(buf, at, pos, body[0], body[1])
+            else:
                 o = at + RECORD_HEADER_SIZE
                 crc = 0
                 for part in body:
                     crc = copy_crc(buf, o, part, crc)
                     o += len(part)
-            else:
-                crc = copy_crc(buf, at + RECORD_HEADER_SIZE, body)
-            pack_record_header(buf, at, n, pos, crc)
+                pack_record_header(buf, at, n, pos, crc)
         else:
             pack_record_header(buf, at, n, pos, crc)
             if type(body) is tuple:
@@ -987,9 +992,10 @@ def _prepare(body) -> tuple:
             a, b = body
             if type(a) is not bytes:
                 a = _as_bytes_view(a)
-            if type(b) is not bytes:
+            if type(b) is not bytes and (type(b) is not memoryview or b.ndim != 1
+                                         or b.format != "B"):     # the engine's is flat
                 b = _as_bytes_view(b)
-            return (a, b), len(a) + len(b), None
+            return body if a is body[0] and b is body[1] else (a, b), len(a) + len(b), None
         if isinstance(body, (tuple, list)):
             parts = tuple(p if type(p) is bytes else _as_bytes_view(p) for p in body)
             return parts, sum(len(p) for p in parts), None

@@ -139,6 +139,41 @@ def test_copy_crc_refuses_what_does_not_fit(native):
         native.copy_crc(b"read-only", 0, b"x")
 
 
+@pytest.mark.parametrize("impl", ["native", "python"])
+def test_copy_record_writes_the_record_the_two_copies_and_pack_record_header_wrote(impl, native):
+    """copy_record (DeltaWAL._reserve's one call per engine record): the same bytes as
+    copy_crc of each part and pack_record_header (the path it replaced), nothing else
+    touched; a record that does not fit is refused before anything is written."""
+    from storage.wal.format import RECORD_HEADER_SIZE, pack_record_header, unpack_record_header
+    fn = native.copy_record if impl == "native" else copycrc._copy_record_py
+    rnd = random.Random(11)
+    for n in SIZES:
+        for head in (b"", rnd.randbytes(20), rnd.randbytes(3)):
+            body = memoryview(bytearray(rnd.randbytes(n)))
+            pos = rnd.getrandbits(63)
+            for at in (0, 5, 4096):
+                size = at + RECORD_HEADER_SIZE + len(head) + n
+                got = bytearray(b"\xaa" * (size + 7))
+                want = bytearray(got)
+                assert fn(got, at, pos, head, body) is None
+                o = at + RECORD_HEADER_SIZE
+                crc = copycrc._copy_crc_py(want, o, head)
+                crc = copycrc._copy_crc_py(want, o + len(head), body, crc)
+                pack_record_header(want, at, len(head) + n, pos, crc)
+                assert got == want, (n, len(head), at)
+                assert unpack_record_header(got, at) == (len(head) + n, pos, crc)
+    for bad in ((bytearray(30), 0, 0, b"", b"1234567"), (bytearray(30), 7, 0, b"", b""),
+                (bytearray(30), -1, 0, b"", b""), (bytearray(30), 31, 0, b"", b"")):
+        before = bytes(bad[0])
+        with pytest.raises(ValueError, match="does not fit"):
+            fn(*bad)
+        assert bytes(bad[0]) == before
+    fn(bytearray(30), 6, 0, b"", b"")      # exactly fits
+    if impl == "native":
+        with pytest.raises(BufferError):
+            fn(b"read-only" * 9, 0, 0, b"", b"x")
+
+
 def test_a_large_copy_lets_other_threads_run(native):
     """The interpreter lock is released during large copies (the loop's WAL copy, an IO
     thread's object encode): a counting thread advances while copies run."""
