@@ -691,10 +691,15 @@ class Partition:
             self._indexed(base, 0, -1, end)  # offsets consumed: keep the chain
             res.error, res.message = ErrorCode.KAFKA_STORAGE_ERROR, self._offline
             return res
-        self._indexed(base, size, payload_max_ts, end)
+        idx = self.log_index
+        if base == idx.end_offset and not self._index_pending:
+            idx.add(base, size, payload_max_ts, end)    # _indexed's common case, a call less
+        else:
+            self._indexed(base, size, payload_max_ts, end)
         self.bytes_in += size
         self.records_in += end - base
-        self._wake()
+        if self._waiters:               # fetches waiting for data (none: no call, no new set)
+            self._wake()
         self._batches_since_snapshot += batches
         self._dirty = True
         if self._batches_since_snapshot >= SNAPSHOT_EVERY_BATCHES:
@@ -775,24 +780,12 @@ class Partition:
             append_time = now if log_append else -1
             size, batches = len(buf), len(views)
 
-        def answer(ok: bool) -> None:
-            done(self._finished(res, ok, base, end, size, batches, payload_max_ts,
-                                append_time))
-
-        def after_prev(prev_ok: bool) -> tuple:
-            return outcome, prev_ok, "an earlier append of this partition failed", answer
-
         def durable(error: BaseException | None) -> None:
             # run by the stream in the WAL's completion of this append's write
-            if error is not None:
-                self._settle(outcome, False, f"WAL write failed: {error!r}", answer)
-            elif prev is not None and not prev.done():
-                self._then[prev] = after_prev         # settled right after prev, same call
-            elif prev is None or prev.result():
-                if self._then:     # appends chained behind this one: _settle takes them too
-                    self._settle(outcome, True, "", answer)
-                    return
-                # nothing chained: _settle's one step spelled out (two Python calls less)
+            if error is None and not self._then and (prev is None or (prev.done()
+                                                                       and prev.result())):
+                # durable with every earlier append and nothing chained behind it:
+                # _settle's one step spelled out (no _settle/answer frames, no closures)
                 if not outcome.done():
                     outcome.set_result(True)
                 try:
@@ -801,6 +794,20 @@ class Partition:
                 except Exception:  # noqa: BLE001 - as _settle
                     log.exception("answering an append failed topic=%s partition=%d",
                                   self.topic, self.index)
+                return
+
+            def answer(ok: bool) -> None:
+                done(self._finished(res, ok, base, end, size, batches, payload_max_ts,
+                                    append_time))
+
+            if error is not None:
+                self._settle(outcome, False, f"WAL write failed: {error!r}", answer)
+            elif prev is not None and not prev.done():
+                # settled right after prev, in the same call
+                self._then[prev] = lambda prev_ok: (
+                    outcome, prev_ok, "an earlier append of this partition failed", answer)
+            elif prev is None or prev.result():
+                self._settle(outcome, True, "", answer)     # with the appends chained behind
             else:
                 self._settle(outcome, False, "an earlier append of this partition failed",
                              answer)

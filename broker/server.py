@@ -382,7 +382,9 @@ class Connection(asyncio.BufferedProtocol):
             self._frame_bytes += len(frame)
         now = NOW_HANDLERS.get(api_key)
         if now is not None and not self._slow:
-            futs = [self._loop.create_future() for _ in items]
+            loop = self._loop
+            futs = [loop.create_future()] if len(items) == 1 else \
+                [loop.create_future() for _ in items]    # (a comprehension is a call)
             try:
                 taken = now(items, futs, self)
             except Exception:  # noqa: BLE001 - the task path answers them instead
@@ -421,9 +423,11 @@ class Connection(asyncio.BufferedProtocol):
         self._slow -= 1
 
     def answered(self) -> None:
-        """A task-less handler answered requests of the queue: write them out."""
-        if not self._closing:
-            self._schedule_flush()
+        """A task-less handler answered requests of the queue: write them out (at the end of
+        this loop turn: ``_schedule_flush``, spelled out - a call less per append)."""
+        if not self._closing and not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
 
     async def _run_task(self, items: list[tuple[RequestContext, Any, float]],
                         futs: list[asyncio.Future]) -> None:

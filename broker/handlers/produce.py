@@ -424,7 +424,7 @@ def produce_now(items: list[tuple[RequestContext, Any, float]], futs: list[async
     if partition is None or getattr(topic, "is_internal", False) or td.name in INTERNAL_TOPICS \
             or "compact" in (getattr(topic, "configs", None) or {}).get("cleanup.policy", ""):
         return False
-    ctxs = [it[0] for it in items]
+    ctxs = [ctx0] if len(items) == 1 else [it[0] for it in items]
     if len(items) == 1:
         records = td.partition_data[0].records
         if not isinstance(records, memoryview) or records.readonly:

@@ -122,7 +122,9 @@ class LogCache:
 
     def add(self, entry: CacheEntry) -> None:
         """Insert an appended entry (the caller checked has_room; the bound is soft by one)."""
-        sc = self._stream(entry.stream_id)
+        sc = self._streams.get(entry.stream_id)
+        if sc is None:
+            sc = self._stream(entry.stream_id)
         sc.entries.append(entry)
         sc.bases.append(entry.base_offset)
         self._fifo.append(entry)
