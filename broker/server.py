@@ -345,7 +345,8 @@ class Connection(asyncio.BufferedProtocol):
                                         received)], frame)
                     return
                 if key != self._run_key or len(self._run) >= RUN_MAX_REQUESTS:
-                    self._start_run()
+                    if self._run:
+                        self._start_run()
                     self._run_key = key
                 # queued when the run starts: nothing else is queued before that
                 self._run.append((RequestContext(self.broker, header, self), request, received))
@@ -548,7 +549,7 @@ class Connection(asyncio.BufferedProtocol):
     def _write(self, out: list[Any]) -> None:
         """Hand responses to the transport in order: at once when small, else WRITE_SLICE
         bytes per loop turn (hot requests and WAL completions run in between)."""
-        if not self._unsent and (sum(len(b) for b in out) <= WRITE_SLICE
+        if not self._unsent and (sum(map(len, out)) <= WRITE_SLICE
                                  or not self.broker.hot_traffic()):
             self.transport.writelines(out)  # type: ignore[union-attr]
             return

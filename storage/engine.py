@@ -245,7 +245,7 @@ class EngineStream(OffsetStream):
         if took > stats.wal_append_max:
             stats.wal_append_max = took
         if ok:
-            nxt = entry.next_offset
+            nxt = entry.base_offset + entry.count      # entry.next_offset
             if nxt > self._confirmed:
                 self._confirmed = nxt
         self._engine._maybe_upload()

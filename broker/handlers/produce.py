@@ -430,7 +430,7 @@ def produce_now(items: list[tuple[RequestContext, Any, float]], futs: list[async
         if not isinstance(records, memoryview) or records.readonly:
             return False
         counts = [0]                    # the run's answer needs no per-request count
-        version = ctx0.version
+        version = ctx0.header.api_version
     else:
         parts = [req.topic_data[0].partition_data[0].records for _ctx, req, _r in items]
         try:
