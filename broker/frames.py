@@ -31,8 +31,8 @@ FRAME_POOL_BYTES = 32 << 20
 FRAME_POOL_MAX_FRAME = 4 << 20
 # frames from this size on are faulted in ahead of need by the prefill thread...
 PREFILL_FROM = 256 << 10
-# ...in size classes of this granularity (a frame may carry up to this many bytes the LogCache
-# does not count: <= 6 % at PREFILL_FROM, 1.5 % at 1 MiB)
+# ...in size classes: eight per doubling of the size, at least this far apart (a frame may
+# carry up to an eighth more bytes than its request, which the LogCache does not count)
 PREFILL_CLASS = 16 << 10
 # ...at most this many bytes ahead (and at most a quarter of the pool's bound)
 PREFILL_AHEAD = 32 << 20
@@ -79,7 +79,10 @@ def populate(buf: bytearray) -> bool:
 
 
 def size_class(size: int) -> int:
-    return (size + PREFILL_CLASS - 1) // PREFILL_CLASS * PREFILL_CLASS
+    """``size`` rounded up to its class: a step of at most an eighth of it (at least
+    PREFILL_CLASS), so a frame of a request's class always fits it (``_Prefill._fits``)."""
+    step = max(PREFILL_CLASS, 1 << max(size.bit_length() - 4, 0))
+    return (size + step - 1) // step * step
 
 
 class FramePool:
@@ -165,14 +168,19 @@ class _Prefill:
     """Frames of the recent size classes, faulted in by a thread before the loop needs them.
 
     The loop takes one (``take``) whenever the pool had nothing to recycle and wakes the
-    thread, which refills up to ``ahead`` bytes (frames of the largest class among the last
-    RECENT requests) and sleeps: once the LogCache is full the pool serves every frame and the
-    thread stays asleep. A ready frame serves a request it fits closely (at most an eighth
-    plus a class larger: memory the LogCache does not count), or one at most half its size
-    (trimmed: the allocation shrinks to the request). Requests of varying sizes (linger-5
-    clients: every request another class) used to empty the whole ready queue at each class
-    change, so the thread faulted in ~32 MiB per request (0.84 s of CPU in an 8 s 100 B
-    confluent-kafka run, a third of the broker's); now a miss drops one frame."""
+    thread, which refills up to ``ahead`` bytes and sleeps: once the LogCache is full the pool
+    serves every frame and the thread stays asleep. The thread first replaces each frame taken
+    (or missed) by one of its request's class, then makes frames of the classes of the last
+    RECENT requests in turn: the ready frames follow the mix of request sizes. A
+    ready frame serves a request it fits closely (at most an eighth plus a class larger:
+    memory the LogCache does not count), or one at most half its size (trimmed: the
+    allocation shrinks to the request). Requests of varying sizes (linger-5 clients: every
+    request another class) used to empty the whole ready queue at each class change (~32 MiB
+    faulted in per request); then the thread made frames of the largest recent class only, so
+    that a confluent-kafka 100 B run (requests of 0.26-1 MB, p10 547 KB, p90 907 KB) had half
+    of its frames missed (faulted in on the loop) and 41 % of the frames made dropped at those
+    misses (bench/HISTORY.md, session 26). A miss drops the oldest ready frame only when the
+    ready frames are at ``ahead`` (to make room for the current mix)."""
 
     RECENT = 32
 
@@ -181,8 +189,11 @@ class _Prefill:
         self._lock = threading.Lock()
         self._ready: collections.deque[bytearray] = collections.deque()
         self._ready_bytes = 0
-        self._cls = 0
         self._recent: collections.deque[int] = collections.deque(maxlen=self.RECENT)
+        self._turn = 0           # the next of _recent the thread makes a frame of
+        # the classes of the requests taken since: each is made again first (a frame taken is
+        # replaced by one of its class, so the ready mix follows the requests' mix)
+        self._wanted: collections.deque[int] = collections.deque(maxlen=2 * self.RECENT)
         self._wake = threading.Event()
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -197,18 +208,22 @@ class _Prefill:
         if not self._ok:
             return None
         buf = None
+        cls = size_class(size)
         with self._lock:
-            self._recent.append(size_class(size))
-            self._cls = max(self._recent)
+            self._recent.append(cls)
+            self._wanted.append(cls)
             ready = self._ready
+            best = -1               # the smallest that fits: larger ones stay for larger requests
             for i, b in enumerate(ready):
-                if self._fits(len(b), size):
-                    buf = b
-                    del ready[i]
-                    break
+                n = len(b)
+                if self._fits(n, size) and (best < 0 or n < len(ready[best])):
+                    best = i
+            if best >= 0:
+                buf = ready[best]
+                del ready[best]
             else:
-                if ready:                   # none fits: make room for the current class
-                    b = ready.popleft()
+                if ready and self._ready_bytes + cls > self.ahead:
+                    b = ready.popleft()     # none fits and no room: make room for the mix
                     self._ready_bytes -= len(b)
             if buf is not None:
                 self._ready_bytes -= len(buf)
@@ -240,9 +255,18 @@ class _Prefill:
             self._wake.clear()
             while not self._stopped:
                 with self._lock:
-                    cls = self._cls
+                    wanted = self._wanted
+                    if wanted:
+                        cls = wanted[0]
+                    elif self._recent:          # ahead of need: the recent mix in turn
+                        self._turn = (self._turn + 1) % len(self._recent)
+                        cls = self._recent[self._turn]
+                    else:
+                        break
                     if self._ready_bytes + cls > self.ahead:
                         break
+                    if wanted:
+                        wanted.popleft()
                 buf = _alloc_frame(cls)
                 if not populate(buf):
                     log.info("frame prefill off: madvise(MADV_POPULATE_WRITE) not available")
