@@ -735,7 +735,7 @@ class Partition:
             if not log_append:
                 # the checks of _prepare and _header_checks and _stamp in one C call when all
                 # pass; None (nothing changed): the Python path below, which answers errors
-                now = int(time.time() * 1000)    # _now_ms()
+                now = _now_ms()
                 base = stream.end_offset
                 stamped = _stamp_plain(records, base, self.leader_epoch, max_bytes,
                                        api_version >= 7, max(now - before, _I64_MIN),

@@ -424,11 +424,9 @@ class Connection(asyncio.BufferedProtocol):
         self._slow -= 1
 
     def answered(self) -> None:
-        """A task-less handler answered requests of the queue: write them out (at the end of
-        this loop turn: ``_schedule_flush``, spelled out - a call less per append)."""
-        if not self._closing and not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
+        """A task-less handler answered requests of the queue: write them out."""
+        if not self._closing:
+            self._schedule_flush()
 
     async def _run_task(self, items: list[tuple[RequestContext, Any, float]],
                         futs: list[asyncio.Future]) -> None:

@@ -57,6 +57,8 @@ def _copy_crc_split_py(dst, offset: int, src, value: int, split: int) -> tuple[i
 
 
 copy_crc = _copycrc.copy_crc if NATIVE else _copy_crc_py
+
+
 def _copy_record_py(dst, at: int, pos: int, head, body) -> None:
     """copy_record without the extension: the body (head + body) at ``at`` + 24, then its
     record header (storage/wal/format.pack_record_header) at ``at``."""

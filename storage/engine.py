@@ -275,7 +275,7 @@ class EngineStream(OffsetStream):
         eng.cache.add(entry)
         eng.stats.wal_appended_bytes += size
         self._end = entry.base_offset + entry.count
-        if entry.wal_next > eng._wal_head:      # eng.note_wal(entry.wal_next), spelled out
+        if entry.wal_next > eng._wal_head:      # the WAL's use: nearing capacity forces an upload
             eng._wal_head = entry.wal_next
         eng._maybe_upload()
 
@@ -292,8 +292,7 @@ class EngineStream(OffsetStream):
         ``check`` (as ``append``'s: the payload's CRC-32C from an offset, checked in the WAL's
         copy) does not match. The task-less Produce path."""
         eng = self._engine
-        if self.deleted or not self.owned:
-            self._check_writable()
+        self._check_writable()
         if base_offset != self._end or count <= 0:
             raise ValueError(f"append of {count} at {base_offset}, expected {self._end}")
         payload = payload if type(payload) is bytes else memoryview(payload).cast("B")
@@ -908,17 +907,11 @@ class Engine(StreamStore):
             s.owned = False
 
     # -- upload -----------------------------------------------------------------------------
-    def note_wal(self, wal_next: int) -> None:
-        """Track WAL usage; nearing capacity forces an upload."""
-        self._wal_head = max(self._wal_head, wal_next)
-        self._maybe_upload()
-
     def _maybe_upload(self) -> None:
         c = self.config
-        pending = self.cache.pending_bytes
-        if pending >= c.upload_threshold_bytes or \
+        if self.cache.pending_bytes >= c.upload_threshold_bytes or \
                 self._wal_head - self._wal_trimmed > c.wal_capacity // 2 or \
-                pending > c.log_cache_bytes // 2:        # _cache_pressure(), twice per append
+                self._cache_pressure():
             self._upload_wakeup.set()
 
     def _upload_pause(self) -> float:

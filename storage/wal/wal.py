@@ -38,7 +38,6 @@ from .format import (ALIGN_DOWN, ALIGN_MASK, HEADER_AREA, HEADER_SLOT_SIZE, RECO
 from .recovery import scan
 
 log = logging.getLogger(__name__)
-_get_ident = threading.get_ident
 
 # a record body: one buffer, or a tuple/list of buffers whose concatenation is the body
 Body = Union[bytes, bytearray, memoryview, "tuple[Any, ...]", "list[Any]"]
@@ -328,7 +327,7 @@ class DeltaWAL:
         # (append_async enforces it by awaiting); the ring capacity still bounds everything
         on_loop = asyncio._get_running_loop() is not None
         with self._cond:
-            while not on_loop and not self._window_room(size):
+            while not on_loop and not self.has_room(size):
                 if deadline is None:
                     deadline = time.monotonic() + self.config.append_timeout_s
                 left = deadline - time.monotonic()
@@ -364,7 +363,7 @@ class DeltaWAL:
         driver = self._driver
         # on the driver's thread its loop is the running one; get_running_loop() costs a
         # getpid() syscall per call
-        on_loop = driver is not None and _get_ident() == driver._thread_id   # driver.on_loop()
+        on_loop = driver is not None and driver.on_loop()
         loop = driver.loop if on_loop else asyncio.get_running_loop()
         body, n, crc = _prepare(body)
         if check is not None and crc is not None:     # no fused copy: a pass of its own
@@ -393,8 +392,9 @@ class DeltaWAL:
         return await self.append_loop(body, stream_id).future
 
     def has_room(self, size: int) -> bool:
-        """True when a record of `size` bytes (header included) fits under max_buffered_bytes
-        (``_window_room``, spelled out: a call less per task-less append)."""
+        """True when a record of `size` bytes (header included) fits under max_buffered_bytes:
+        buffered, not yet durable bytes are bounded - more does not speed up the device, it
+        only adds latency and memory (and fresh buffers cost page faults)."""
         return self._inflight == 0 or self._inflight + size <= self._buffer_limit
 
     async def wait_for_room(self, size: int) -> None:
@@ -403,16 +403,11 @@ class DeltaWAL:
         loop = asyncio.get_running_loop()
         while True:
             with self._lock:
-                if self._failed is not None or self._window_room(size):
+                if self._failed is not None or self.has_room(size):
                     return
                 room = loop.create_future()
                 self._window_waiters.append((loop, room))
             await room
-
-    def _window_room(self, size: int) -> bool:
-        """Bound buffered, not yet durable bytes: more does not speed up the device, it only
-        adds latency and memory (and fresh buffers cost page faults)."""
-        return self._inflight == 0 or self._inflight + size <= self._buffer_limit
 
     def _reserve(self, body, n: int, stream_id: int, waiter, crc: int | None,
                  check: tuple[int, int] | None = None) -> int:
