@@ -238,8 +238,9 @@ class Partition:
         if broker is not None:
             try:
                 store = producer_store_for(broker)
-            except Exception:  # noqa: BLE001 - state then lives in memory only, say so
-                log.exception("producer state store unavailable; idempotence not durable")
+            except Exception as exc:  # noqa: BLE001 - state then lives in memory only, say so
+                # a metadata outage: the store's one-line episode (a bug: the traceback)
+                log_failure(log, exc, "producer state store unavailable; idempotence not durable")
         p = cls(broker, topic, topic_id, index, stream, configs, store)
         await p._restore()
         if broker is not None and getattr(broker, "meta", None) is not None:

@@ -11,6 +11,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from .failures import log_failure
+
 
 class Periodic:
     """Run ``step`` every ``interval_s`` seconds (the first run after one interval, or at once
@@ -45,8 +47,9 @@ class Periodic:
                 await self._step()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - keep the duty alive; the next pass retries
-                self._log.exception("%s: pass failed", self.name)
+            except Exception as exc:  # noqa: BLE001 - keep the duty alive; the next pass retries
+                # a metadata outage is the store's one-line episode, not a traceback per pass
+                log_failure(self._log, exc, "%s: pass failed", self.name)
 
     async def stop(self) -> None:
         """Cancel the task and wait until it has ended (idempotent)."""

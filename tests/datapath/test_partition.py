@@ -410,3 +410,27 @@ async def test_owned_corrupt_batch_is_rejected(tmp_path):
     r = await p.append(memoryview(frame), owned=True)
     assert r.error == ErrorCode.CORRUPT_MESSAGE
     assert p.high_watermark == 0
+
+
+async def test_a_partition_opened_during_a_metadata_outage_logs_the_episode_not_a_traceback(
+        tmp_path, monkeypatch, caplog):
+    """The producer state store out of reach when a partition opens (a PostgreSQL cut while a
+    topic is created) is the store's one-line episode; idempotence state then lives in memory
+    (session 26: it logged ERROR with a traceback, which test_stop_in_outage caught)."""
+    import logging
+
+    import broker.partition as partition_mod
+    from storage import sqldb
+
+    def unreachable(_broker):
+        raise sqldb.MetadataUnreachable("cannot reach PostgreSQL metadata")
+    noted: list[str] = []
+    monkeypatch.setattr(partition_mod, "producer_store_for", unreachable)
+    monkeypatch.setattr(sqldb, "note_unreachable", noted.append)
+    with caplog.at_level(logging.DEBUG, logger="broker.partition"):
+        p, *_ = await open_partition(tmp_path)
+    assert (await p.append(make_batch([b"a"]))).error == 0
+    bad = [r for r in caplog.records if r.name == "broker.partition"
+           and (r.levelno >= logging.WARNING or r.exc_info)]
+    assert not bad, [(r.levelname, r.getMessage()) for r in bad]
+    assert noted and "cannot reach PostgreSQL" in noted[0], noted
