@@ -13,7 +13,9 @@ import fcntl
 import mmap
 import os
 import threading
+import time
 import uuid
+from dataclasses import dataclass
 from typing import Callable, Iterator
 from urllib.parse import urlsplit
 
@@ -123,6 +125,24 @@ FILE_READ_SPAN = 8 << 20       # = the BlockCache's PREFETCH_PIECE
 # alone still read ~500-700 MB/s, ten times the paced catch-up rate (bench/HISTORY.md, session 16)
 HOT_READ_PIECE = 64 << 10
 
+# Deleted objects' files kept for later puts to overwrite (FileObjectStore.delete / put): on a
+# thin-provisioned virtual disk mounted with ``discard`` (the test VM) every new file's blocks
+# cost the device a fresh allocation and every unlink a discard, while overwriting blocks that
+# were written before is the device's cheapest write (bench/HISTORY.md, session 27 objfile:
+# object-like writers beside a WAL-like one 2.1-3.0 GB/s in total with new files and unlinks,
+# 3.1-4.0 GB/s overwriting recycled files). The pool is a hidden directory under the root
+# that list() and the keys never reach.
+RECYCLE_DIR = ".recycle"
+# most bytes of deleted objects the pool holds (disk space not given back until reused)
+RECYCLE_BYTES = 1 << 30
+# smaller deleted objects are unlinked: a few blocks are not worth a pool entry
+RECYCLE_MIN = 1 << 20
+# a pooled file is overwritten only this long after its delete: a read that opened the
+# object just before (this process's cold threads, or another broker sharing the directory)
+# holds its descriptor for one span read, never this long; with unlink it would read the old
+# inode, with recycling the new object's bytes
+RECYCLE_QUARANTINE_S = 0.5
+
 
 def _read_range(fd: int, start: int, n: int) -> bytes | memoryview:
     """Bytes [start, start + n) of an open file: one pread up to FILE_READ_CHUNK, else an
@@ -139,10 +159,19 @@ def _read_range(fd: int, start: int, n: int) -> bytes | memoryview:
     return buf[:got] if got < n else buf
 
 
+@dataclass
+class _Pooled:
+    """A deleted object's file in the recycle pool."""
+    path: str
+    size: int
+    since: float                  # time.time() of its delete (its ctime after a restart)
+
+
 class FileObjectStore(ObjectStore):
     """Objects as files under a directory; put writes a temp file durably, then renames."""
 
-    def __init__(self, root: str, direct_writes: bool = False) -> None:
+    def __init__(self, root: str, direct_writes: bool = False,
+                 recycle_bytes: int = RECYCLE_BYTES) -> None:
         self.root = os.path.abspath(root)
         self.url = "file://" + self.root
         # page-aligned objects bypass the page cache (see put), and so do block reads (see
@@ -160,11 +189,98 @@ class FileObjectStore(ObjectStore):
         # bytes per device read while ``gentle()`` (see HOT_READ_PIECE)
         self.hot_read_piece = HOT_READ_PIECE
         os.makedirs(self.root, exist_ok=True)
+        # the recycle pool (see RECYCLE_DIR): deleted objects' files, oldest first
+        self.recycle_bytes = recycle_bytes
+        self._pool_dir = os.path.join(self.root, RECYCLE_DIR)
+        self._pool: list[_Pooled] = []
+        self._pool_size = 0            # bytes in _pool plus renames into it under way
+        self._pool_lock = threading.Lock()
+        self._adopt_pool()
 
     def _path(self, key: str) -> str:
-        if key.startswith("/") or ".." in key.split("/"):
+        parts = key.split("/")
+        if key.startswith("/") or ".." in parts or parts[0] == RECYCLE_DIR:
             raise ObjectStoreError(f"bad key {key!r}")
         return os.path.join(self.root, key)
+
+    def _adopt_pool(self) -> None:
+        """Take over the pool a previous run left (deleted objects: content irrelevant, every
+        byte is overwritten or cut before a put publishes it), up to ``recycle_bytes``; the
+        rest is unlinked. A file with a second link (a rename whose two directory updates a
+        crash split, as e2fsck repairs it on ext4 without a journal) is only unlinked there:
+        its other name is an object."""
+        try:
+            names = sorted(os.listdir(self._pool_dir))
+        except FileNotFoundError:
+            return
+        for name in names:
+            path = os.path.join(self._pool_dir, name)
+            try:
+                st = os.lstat(path)
+                if st.st_nlink == 1 and st.st_size >= RECYCLE_MIN and \
+                        self._pool_size + st.st_size <= self.recycle_bytes:
+                    self._pool.append(_Pooled(path, st.st_size, st.st_ctime))
+                    self._pool_size += st.st_size
+                else:
+                    os.unlink(path)
+            except OSError:
+                continue                      # another broker sharing the directory took it
+
+    def _take_pooled(self, size: int) -> _Pooled | None:
+        """The pooled file to overwrite with an object of ``size`` bytes (out of the pool),
+        or None: the one closest in size among those at least as large, else the largest;
+        only files deleted RECYCLE_QUARANTINE_S ago or more."""
+        ready = time.time() - RECYCLE_QUARANTINE_S
+        with self._pool_lock:
+            # (too small, size difference): a large enough file first, the closest one
+            best = min((p for p in self._pool if p.since <= ready), default=None,
+                       key=lambda p: (p.size < size, abs(p.size - size)))
+            if best is not None:
+                self._pool.remove(best)
+                self._pool_size -= best.size
+            return best
+
+    def _open_new(self, tmp: str, size: int) -> tuple[int, int]:
+        """An fd for writing a put's temp file and the size the file already has: a pooled
+        file renamed to ``tmp`` (its blocks overwritten in place: see RECYCLE_DIR), else a
+        new empty file (0)."""
+        while (pooled := self._take_pooled(size)) is not None:
+            try:
+                os.rename(pooled.path, tmp)
+            except FileNotFoundError:
+                continue                      # another broker sharing the directory took it
+            try:
+                return os.open(tmp, os.O_WRONLY | os.O_CLOEXEC), pooled.size
+            except OSError:
+                os.unlink(tmp)
+                raise
+        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), 0
+
+    def _recycle(self, path: str) -> bool:
+        """Move a deleted object's file into the pool if it is large enough and the pool has
+        room (False: the caller unlinks it). Like an unlink, the rename is not synced: the
+        metadata already forgot the object."""
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            return True                       # already gone: nothing to unlink either
+        if size < RECYCLE_MIN:
+            return False
+        with self._pool_lock:
+            if self._pool_size + size > self.recycle_bytes:
+                return False
+            self._pool_size += size           # reserved while renaming
+        dest = os.path.join(self._pool_dir, uuid.uuid4().hex)
+        try:
+            os.makedirs(self._pool_dir, exist_ok=True)
+            os.rename(path, dest)
+        except OSError as e:
+            with self._pool_lock:
+                self._pool_size -= size
+            return isinstance(e, FileNotFoundError)
+        with self._pool_lock:
+            self._pool.append(_Pooled(dest, size, time.time()))
+        return True
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         """Write ``data`` under a temp name, make it durable, rename it into place and make the
@@ -192,7 +308,13 @@ class FileObjectStore(ObjectStore):
         waits for the upload) the pieces are GENTLE_WRITE_CHUNK: with 1 MiB pieces a 4 KiB
         O_DSYNC write beside two puts waited p50 2.8-3.5 ms instead of 0.4 (256 KiB: 0.8-0.9
         ms; put bandwidth ~25 % lower, far more than such an upload needs; 64 KiB since
-        session 17, see GENTLE_WRITE_CHUNK)."""
+        session 17, see GENTLE_WRITE_CHUNK).
+
+        The temp file is a deleted object's file from the recycle pool when one is ready
+        (see RECYCLE_DIR): renamed to the temp name first (so no other put or store takes
+        it), every byte of the new object written over the old ones, the old object's
+        longer tail cut before the fdatasync; only then the rename publishes it, exactly as
+        a new file. A crash in between leaves a temp file no key names, as before."""
         chunk = GENTLE_WRITE_CHUNK if self.gentle_writes is not None and \
             self.gentle_writes() else FILE_WRITE_CHUNK
         path = self._path(key)
@@ -201,9 +323,11 @@ class FileObjectStore(ObjectStore):
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         view = memoryview(data).cast("B")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd, old = self._open_new(tmp, len(view))
             try:
                 direct = _write_direct(fd, view, chunk) if self.direct_writes else 0
+                if old > len(view):
+                    os.ftruncate(fd, len(view))   # a recycled file's longer tail: cut
                 for at in range(direct, len(view), chunk):
                     _write_all(fd, view[at:at + chunk])
                     os.fdatasync(fd)         # the size too: fdatasync covers what reads need
@@ -404,15 +528,22 @@ class FileObjectStore(ObjectStore):
             raise ObjectNotFound(key) from e
 
     def delete(self, keys: list[str]) -> None:
+        """Unlink the objects' files, or move them into the recycle pool (see RECYCLE_DIR)
+        while it has room."""
         for key in keys:
+            path = self._path(key)
+            if self.recycle_bytes > 0 and self._recycle(path):
+                continue
             try:
-                os.unlink(self._path(key))
+                os.unlink(path)
             except FileNotFoundError:
                 pass
 
     def list(self, prefix: str = "") -> list[str]:
         out = []
-        for dirpath, _dirs, files in os.walk(self.root):
+        for dirpath, dirs, files in os.walk(self.root):
+            if dirpath == self.root and RECYCLE_DIR in dirs:
+                dirs.remove(RECYCLE_DIR)          # deleted objects kept for reuse
             for name in files:
                 if ".tmp-" in name:
                     continue
