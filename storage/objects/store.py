@@ -229,12 +229,16 @@ class FileObjectStore(ObjectStore):
     def _take_pooled(self, size: int) -> _Pooled | None:
         """The pooled file to overwrite with an object of ``size`` bytes (out of the pool),
         or None: the one closest in size among those at least as large, else the largest;
-        only files deleted RECYCLE_QUARANTINE_S ago or more."""
+        only files deleted RECYCLE_QUARANTINE_S ago or more, and none more than twice the
+        size (most of its blocks would be freed, and discarded, by the put's ftruncate). A
+        small object (below RECYCLE_MIN) takes none."""
+        if size < RECYCLE_MIN:
+            return None
         ready = time.time() - RECYCLE_QUARANTINE_S
         with self._pool_lock:
             # (too small, size difference): a large enough file first, the closest one
-            best = min((p for p in self._pool if p.since <= ready), default=None,
-                       key=lambda p: (p.size < size, abs(p.size - size)))
+            best = min((p for p in self._pool if p.since <= ready and p.size <= 2 * size),
+                       default=None, key=lambda p: (p.size < size, abs(p.size - size)))
             if best is not None:
                 self._pool.remove(best)
                 self._pool_size -= best.size

@@ -59,7 +59,7 @@ def test_a_deleted_object_is_hidden_in_the_pool_and_never_a_key(tmp_path) -> Non
 
 
 @pytest.mark.parametrize("direct", [True, False])
-@pytest.mark.parametrize("new_size", [2 * MIB + 100, MIB + 5, 4 * MIB + 4096 + 7])
+@pytest.mark.parametrize("new_size", [2 * MIB + 100, 2 * MIB - 5, 4 * MIB + 4096 + 7])
 def test_a_put_overwrites_a_pooled_file_with_exactly_the_new_bytes(tmp_path, direct,
                                                                    new_size) -> None:
     """Shorter, aligned-tail and longer than the recycled object: the same inode (its blocks
@@ -76,6 +76,19 @@ def test_a_put_overwrites_a_pooled_file_with_exactly_the_new_bytes(tmp_path, dir
     assert bytes(s.get("so/0/2")) == new
     assert _pool(tmp_path) == []
     assert s.list() == ["so/0/2"]
+
+
+def test_a_small_object_never_takes_a_large_pooled_file(tmp_path) -> None:
+    """A put of less than half a pooled file's size (or below RECYCLE_MIN) makes a new file:
+    its ftruncate would free, and discard, most of the pooled blocks."""
+    s = _store(tmp_path)
+    s.put("so/0/1", _aligned(os.urandom(5 * MIB)))
+    s.delete(["so/0/1"])
+    s.put("so/0/2", _aligned(os.urandom(2 * MIB)))
+    s.put("so/0/3", b"tiny")
+    assert len(_pool(tmp_path)) == 1
+    s.put("so/0/4", _aligned(os.urandom(3 * MIB)))
+    assert _pool(tmp_path) == []
 
 
 def test_a_pooled_file_waits_out_its_quarantine(tmp_path, monkeypatch) -> None:
