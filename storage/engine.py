@@ -234,7 +234,9 @@ class EngineStream(OffsetStream):
         """The stream's bookkeeping once an append's WAL write completed (both append paths):
         ``error`` None when it is durable, else the write's error; then ``then(error)`` (the
         task-less path: ``partial(_note_durable, entry, t0, then)`` is append_loop's ``then``,
-        one Python call per append's completion)."""
+        one Python call per append's completion). No upload test here: what starts an upload
+        (pending bytes, the WAL head) only grows at an append, whose ``_took`` tests it; the
+        upload loop waits for the durability of what it takes on its own."""
         ok = error is None
         entry.durable = True        # even on a WAL error: the bytes still go to the object store
         # the hot path's latency as the loop sees it: what cold reads must not stretch
@@ -248,7 +250,6 @@ class EngineStream(OffsetStream):
             nxt = entry.base_offset + entry.count      # entry.next_offset
             if nxt > self._confirmed:
                 self._confirmed = nxt
-        self._engine._maybe_upload()
         if then is not None:
             then(error)
 
@@ -307,7 +308,7 @@ class EngineStream(OffsetStream):
         durable = functools.partial(self._note_durable, entry, t0, then)
         try:
             res = eng.wal.append_loop((WAL_RECORD.pack(self.stream_id, base_offset, count),
-                                       payload), self.stream_id, check, durable)
+                                       payload), self.stream_id, check, durable, True)
         except eng.checksum_error as e:
             raise PayloadChecksumError(str(e)) from None
         except eng.fenced_error as e:   # another node took this WAL over
@@ -355,7 +356,8 @@ class EngineStream(OffsetStream):
                     # an asyncio future completed in batches by the WAL: no cross-thread
                     # wake-up per record (append() would cost one self-pipe write each)
                     t0 = time.perf_counter()
-                    res = eng.wal.append_loop((header, payload), self.stream_id, check)
+                    res = eng.wal.append_loop((header, payload), self.stream_id, check,
+                                              flat=True)
                     break
                 except eng.checksum_error as e:
                     raise PayloadChecksumError(str(e)) from None
@@ -576,6 +578,9 @@ class Engine(StreamStore):
         self.backpressure = Episode(log, "producers_backpressured")
         self.store_failing = Episode(log, "object_store_failing", quiet_s=float("inf"))
         c = self.config
+        # _maybe_upload's pending bytes test in one comparison, made once: the upload
+        # threshold, or over half the LogCache (_cache_pressure)
+        self._upload_at = min(c.upload_threshold_bytes, c.log_cache_bytes // 2 + 1)
         self._encode_bufs: list[Any] = []   # reused object encode buffers (see _upload)
         self.cold_pacer = ColdReadPacer(c.cold_read_bytes_per_s, c.cold_read_min_bytes_per_s,
                                         c.cold_read_lag_target_ms / 1000,
@@ -908,10 +913,10 @@ class Engine(StreamStore):
 
     # -- upload -----------------------------------------------------------------------------
     def _maybe_upload(self) -> None:
-        c = self.config
-        if self.cache.pending_bytes >= c.upload_threshold_bytes or \
-                self._wal_head - self._wal_trimmed > c.wal_capacity // 2 or \
-                self._cache_pressure():
+        """Wake the upload loop at an append that brought the pending bytes to the upload
+        threshold or to cache pressure (``_upload_at``), or the WAL past half its capacity."""
+        if self.cache.pending_bytes >= self._upload_at or \
+                self._wal_head - self._wal_trimmed > self.config.wal_capacity // 2:
             self._upload_wakeup.set()
 
     def _upload_pause(self) -> float:

@@ -341,8 +341,8 @@ class DeltaWAL:
 
     def append_loop(self, body: Body, stream_id: int = 0,
                     check: tuple[int, int] | None = None,
-                    then: "Callable[[int, BaseException | None], None] | None" = None
-                    ) -> AppendResult:
+                    then: "Callable[[int, BaseException | None], None] | None" = None,
+                    flat: bool = False) -> AppendResult:
         """append() for code on a running event loop: the result's future is an asyncio.Future
         of that loop, completed in batches (one cross-thread wake-up per drained batch rather than
         one per record, and no concurrent.futures.Future to build). Never blocks; the caller
@@ -359,13 +359,20 @@ class DeltaWAL:
         would complete, with the other records completed by the same write, and in the call
         that completes the write when the loop's own AIO did it (no future, no done-callback,
         no loop iteration per record). It must not raise (an exception is logged) nor complete
-        WAL writes itself; it runs in the loop's completion path, so it should be short."""
+        WAL writes itself; it runs in the loop's completion path, so it should be short.
+
+        ``flat``: ``body`` is a (bytes, bytes or flat byte view) pair - the engine's record
+        header and payload - which ``_prepare`` would pass through unchanged when the copy
+        computes the CRC (storage._copycrc): its call is skipped (the engine's every append)."""
         driver = self._driver
         # on the driver's thread its loop is the running one; get_running_loop() costs a
         # getpid() syscall per call
         on_loop = driver is not None and driver.on_loop()
         loop = driver.loop if on_loop else asyncio.get_running_loop()
-        body, n, crc = _prepare(body)
+        if flat and COPY_CRC_NATIVE:
+            n, crc = len(body[0]) + len(body[1]), None
+        else:
+            body, n, crc = _prepare(body)
         if check is not None and crc is not None:     # no fused copy: a pass of its own
             _verify(body, check)
             check = None
@@ -424,7 +431,7 @@ class DeltaWAL:
         if n > self.config.max_record_size or (size + ALIGN_MASK) & ALIGN_DOWN > ring:
             raise RecordTooLargeError(f"record of {n} bytes exceeds the WAL limits")
         blk = self._current
-        if blk is not None and blk.used + size > blk.capacity:
+        if blk is not None and blk.used + size > len(blk.buf):    # blk.capacity, no call
             if blk.used:
                 self._seal_locked()
             else:                                   # empty leftover block, buffer too small
