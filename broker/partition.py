@@ -12,6 +12,7 @@ import asyncio
 import bisect
 import collections
 import concurrent.futures
+import functools
 import json
 import logging
 import time
@@ -49,6 +50,7 @@ CHUNK_BYTES = 1 << 20
 LONG_MAX = 2**63 - 1
 LEADER_EPOCH = 0  # a single broker's, and the first leader's, epoch
 TXN_ATTRS = protocol.batches.TRANSACTIONAL_MASK | protocol.batches.CONTROL_MASK
+_EARLIER_FAILED = "an earlier append of this partition failed"
 DEFAULT_ADMISSION_TIMEOUT_S = 5.0  # the engine's default backpressure_timeout_s
 REPLAY_FOREGROUND_S = 0.5  # open() waits this long for the log-tail replay, then it goes on
                            # in the background (the object store may be down)
@@ -210,7 +212,7 @@ class Partition:
         # outcome -> the settling step of the task-less append taken right after it, run by
         # _settle in the same call (a future's callbacks would each wait a loop iteration: a
         # chain of N pipelined appends was answered over N iterations)
-        self._then: dict[asyncio.Future[bool], Callable[[bool], tuple]] = {}
+        self._then: dict[asyncio.Future[bool], tuple] = {}   # (outcome, done, taken)
         self._offline: str | None = None     # why appends are refused until restart
         # (the raw config values _header_checks reads, what it made of them): re-parsed only
         # when a value changed (configs is updated in place by AlterConfigs)
@@ -663,9 +665,9 @@ class Partition:
                 except BaseException:
                     self._settle(outcome, False, "append cancelled")
                     raise
-            ok, why = prev.result(), "an earlier append of this partition failed"
+            ok, why = prev.result(), _EARLIER_FAILED
         self._settle(outcome, ok, why)
-        return self._finished(res, ok, base, end, len(buf), len(views), payload_max_ts,
+        return self._finished(ok, res, base, end, len(buf), len(views), payload_max_ts,
                               now if log_append else -1)
 
     def _stamp(self, buf: Any, views: list[tuple[int, Any]], base: int, max_ts_of: list[int],
@@ -684,13 +686,15 @@ class Partition:
             next_offset += view.last_offset_delta + 1
         return payload_max_ts
 
-    def _finished(self, res: AppendResult, ok: bool, base: int, end: int, size: int,
+    def _finished(self, ok: bool, res: AppendResult, base: int, end: int, size: int,
                   batches: int, payload_max_ts: int, append_time: int) -> AppendResult:
         """Bookkeeping of a taken append whose outcome is settled (durable with every
-        earlier one, or failed): log index, counters, waiters, snapshots; the answer."""
+        earlier one, or failed): log index, counters, waiters, snapshots; the answer (its
+        log start offset read here, once, for an answer with or without an error)."""
         if not ok:
             self._indexed(base, 0, -1, end)  # offsets consumed: keep the chain
             res.error, res.message = ErrorCode.KAFKA_STORAGE_ERROR, self._offline
+            res.log_start_offset = self.stream.start_offset
             return res
         idx = self.log_index
         if base == idx.end_offset and not self._index_pending:
@@ -727,7 +731,7 @@ class Partition:
         if append_now is None or self._closed or self._offline is not None \
                 or self._admission.held or not records:
             return False
-        res = AppendResult(log_start_offset=self.stream.start_offset)
+        res = AppendResult()            # its log start offset: read where it is answered
         stream = self.stream
         stamped = None
         if _stamp_plain is not None and type(records) is memoryview and not records.readonly \
@@ -746,18 +750,12 @@ class Partition:
             buf, check, append_time = records, None, -1
             end = base + count
             size = len(buf)
-            loop = self._loop
-            if loop is None:
-                loop = self._loop = asyncio.get_running_loop()
-            outcome = loop.create_future()
-            prev = self._tail
         else:
             try:
                 buf, views, check = self._prepare(records, True)
             except protocol.CorruptRecordError as e:
                 res.error, res.message = ErrorCode.CORRUPT_MESSAGE, str(e)
-                done(res)
-                return True
+                return self._refused_now(res, done)
             if not views:
                 return False
             for _pos, view in views:
@@ -767,52 +765,23 @@ class Partition:
             if checked is None:
                 if check is not None:   # a large lone batch whose CRC the stream checks
                     self._corrupt_first(res, views)
-                done(res)
-                return True
+                return self._refused_now(res, done)
             count, max_ts_of, log_append, now, _txn = checked
             base = stream.end_offset
             end = base + count
             payload_max_ts = self._stamp(buf, views, base, max_ts_of, log_append, now)
-            loop = self._loop
-            if loop is None:    # looked up once: each lookup is a getpid() syscall
-                loop = self._loop = asyncio.get_running_loop()
-            outcome = loop.create_future()
-            prev = self._tail
             append_time = now if log_append else -1
             size, batches = len(buf), len(views)
-
-        def durable(error: BaseException | None) -> None:
-            # run by the stream in the WAL's completion of this append's write
-            if error is None and not self._then and (prev is None or (prev.done()
-                                                                       and prev.result())):
-                # durable with every earlier append and nothing chained behind it:
-                # _settle's one step spelled out (no _settle/answer frames, no closures)
-                if not outcome.done():
-                    outcome.set_result(True)
-                try:
-                    done(self._finished(res, True, base, end, size, batches, payload_max_ts,
-                                        append_time))
-                except Exception:  # noqa: BLE001 - as _settle
-                    log.exception("answering an append failed topic=%s partition=%d",
-                                  self.topic, self.index)
-                return
-
-            def answer(ok: bool) -> None:
-                done(self._finished(res, ok, base, end, size, batches, payload_max_ts,
-                                    append_time))
-
-            if error is not None:
-                self._settle(outcome, False, f"WAL write failed: {error!r}", answer)
-            elif prev is not None and not prev.done():
-                # settled right after prev, in the same call
-                self._then[prev] = lambda prev_ok: (
-                    outcome, prev_ok, "an earlier append of this partition failed", answer)
-            elif prev is None or prev.result():
-                self._settle(outcome, True, "", answer)     # with the appends chained behind
-            else:
-                self._settle(outcome, False, "an earlier append of this partition failed",
-                             answer)
-
+        loop = self._loop
+        if loop is None:    # looked up once: each lookup is a getpid() syscall
+            loop = self._loop = asyncio.get_running_loop()
+        outcome = loop.create_future()
+        prev = self._tail
+        # the stream calls it in the WAL's completion of this append's write (with the write's
+        # error, None when durable): one call, no closure (its cells) built per append
+        durable = functools.partial(self._settle, outcome, True, "", done,
+                                    (res, base, end, size, batches, payload_max_ts, append_time),
+                                    prev)
         try:
             # a large lone batch (``check``): its CRC-32C is checked in the WAL's copy
             if not (append_now(buf, base, count, durable) if check is None
@@ -821,11 +790,17 @@ class Partition:
         except PayloadChecksumError as e:     # nothing appended
             res.error, res.message = ErrorCode.CORRUPT_MESSAGE, \
                 f"record batch CRC-32C mismatch ({e})"
-            done(res)
-            return True
+            return self._refused_now(res, done)
         except StorageError:
             return False                      # deleted, released, fenced: append() answers
         self._tail = outcome
+        return True
+
+    def _refused_now(self, res: AppendResult, done: Callable[[AppendResult], None]) -> bool:
+        """append_now's answer to a payload refused before anything was taken (its error set
+        in ``res``): with the log start offset, as ``append`` answers it."""
+        res.log_start_offset = self.stream.start_offset
+        done(res)
         return True
 
     def _header_checks(self, buf: bytearray | memoryview, views: list[tuple[int, Any]],
@@ -923,26 +898,44 @@ class Partition:
         return res
 
     def _settle(self, outcome: "asyncio.Future[bool]", ok: bool, why: str,
-                after: Callable[[bool], None] | None = None) -> None:
-        """Resolve a taken append's outcome (duplicates and later appends wait on it), then
-        ``after(ok)``; then the same for the task-less appends waiting on it in a chain
-        (``_then``), in this call and in order (a loop, not recursion: a chain can be long)."""
+                done: Callable[[AppendResult], None] | None = None,
+                taken: tuple | None = None, prev: "asyncio.Future[bool] | None" = None,
+                error: BaseException | None = None) -> None:
+        """Resolve a taken append's outcome (duplicates and later appends wait on it); a
+        task-less one (``append_now``) is then accounted and answered,
+        ``done(_finished(ok, *taken))``; then the same for the task-less appends chained
+        behind it (``_then``: their ``ok`` is this one's), in this call and in order (a
+        loop, not recursion: a chain can be long).
+
+        A task-less append's WAL completion is a partial of this call (``append_now``: the
+        stream adds the write's ``error``, None when durable): it settles with every earlier
+        append of the partition (``prev``: the one taken before it), or, while ``prev`` is
+        not settled yet, is chained behind it, settled in the call that settles ``prev``."""
+        if error is not None:
+            ok, why = False, f"WAL write failed: {error!r}"
+        elif prev is not None:
+            if not prev.done():
+                self._then[prev] = (outcome, done, taken)
+                return
+            ok, why = prev.result(), _EARLIER_FAILED
         while True:
             if not ok:
                 self._go_offline(why)
             if not outcome.done():
                 outcome.set_result(ok)
-            if after is not None:
+            if done is not None:
                 try:
-                    after(ok)
+                    done(self._finished(ok, *taken))
                 except Exception:  # noqa: BLE001 - the appends chained behind still settle
                     log.exception("answering an append failed topic=%s partition=%d",
                                   self.topic, self.index)
-            step = self._then.pop(outcome, None) if self._then else None
+            if not self._then:
+                return
+            step = self._then.pop(outcome, None)
             if step is None:
                 return
-            outcome, prev_ok, why, after = step(ok)
-            ok = prev_ok
+            outcome, done, taken = step
+            why = _EARLIER_FAILED
 
     def _go_offline(self, why: str) -> None:
         """An append the stream had taken failed: whether its bytes survive is unknown until

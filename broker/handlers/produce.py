@@ -20,6 +20,7 @@ so a retry of an append that did reach the WAL is answered as a duplicate at its
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any, Callable
@@ -375,23 +376,29 @@ def _run_answers(broker: Any, ctxs: list[RequestContext], counts: list[int], td:
     """The answer of each request of a run appended as one payload (``r``): its own base
     offset (the run's, plus the records of the requests before it), or the run's error."""
     stats = stats_of(broker)
+    key = td.name if td.topic_id is None else td.topic_id
     out = []
     base = r.base_offset
     for ctx, n in zip(ctxs, counts):
-        key = td.name if td.topic_id is None else td.topic_id
-        if r.error:
-            stats.error(PRODUCE, ctx.version, int(r.error))
-            part = (index, int(r.error), -1, r.log_append_time, r.log_start_offset, r.message)
-        else:
-            part = (index, 0, base, r.log_append_time, r.log_start_offset, None)
-            base += n
-        if r.error == ErrorCode.NOT_LEADER_OR_FOLLOWER and ctx.version >= 10:
-            moved = _with_current_leaders(ctx, ctx.version, [(key, [part])])
-            if moved is not None:
-                out.append(moved)
-                continue
-        out.append(encode_produce_response(ctx.version, [(key, [part])]))
+        out.append(_run_answer(stats, ctx, key, index, r, base))
+        base += n
     return out
+
+
+def _run_answer(stats: Any, ctx: RequestContext, key: Any, index: int, r: AppendResult,
+                base: int) -> Any:
+    """One request's answer (``_run_answers``): offsets from ``base``, or the run's error
+    (counted; NOT_LEADER_OR_FOLLOWER with the current leader from v10)."""
+    if not r.error:
+        return encode_produce_response(ctx.version, [(key, [(
+            index, 0, base, r.log_append_time, r.log_start_offset, None)])])
+    stats.error(PRODUCE, ctx.version, int(r.error))
+    part = (index, int(r.error), -1, r.log_append_time, r.log_start_offset, r.message)
+    if r.error == ErrorCode.NOT_LEADER_OR_FOLLOWER and ctx.version >= 10:
+        moved = _with_current_leaders(ctx, ctx.version, [(key, [part])])
+        if moved is not None:
+            return moved
+    return encode_produce_response(ctx.version, [(key, [part])])
 
 
 async def _one_by_one(ctxs: list[RequestContext], reqs: list[Any]) -> list[Any]:
@@ -424,7 +431,6 @@ def produce_now(items: list[tuple[RequestContext, Any, float]], futs: list[async
     if partition is None or getattr(topic, "is_internal", False) or td.name in INTERNAL_TOPICS \
             or "compact" in (getattr(topic, "configs", None) or {}).get("cleanup.policy", ""):
         return False
-    ctxs = [ctx0] if len(items) == 1 else [it[0] for it in items]
     if len(items) == 1:
         records = td.partition_data[0].records
         if not isinstance(records, memoryview) or records.readonly:
@@ -438,64 +444,57 @@ def produce_now(items: list[tuple[RequestContext, Any, float]], futs: list[async
         except protocol.CorruptRecordError:
             return False
         records = memoryview(bytearray().join(parts))   # one copy, no zero fill first
-        version = min([ctx.header.api_version for ctx in ctxs])
-    start = time.perf_counter()
+        version = min([ctx.header.api_version for ctx, _req, _r in items])
+    # Partition.append_now calls it with the result (in the WAL's completion of the write)
+    return partition.append_now(records, version, functools.partial(
+        _answer_now, items, futs, conn, lease, counts, td, index, time.perf_counter()))
 
-    def done(r: AppendResult) -> None:
-        # the partition's completion of the append (in the WAL's completion of its write)
-        if r.error:
-            if r.error in _OWN_FAULTS and len(items) > 1:
-                # nothing appended: find the request at fault, one at a time (later requests
-                # of the connection wait for this task: conn.track_slow)
-                _settle_later(_one_by_one(ctxs, [it[1] for it in items]), futs, conn)
-                return
-        elif lease is not None and not lease.valid():
-            _settle_later(_after_renewal(broker, ctxs, counts, td, index, r, req0, lease),
+
+def _answer_now(items: list[tuple[RequestContext, Any, float]], futs: list[asyncio.Future],
+                conn: Any, lease: Any, counts: list[int], td: Any, index: int, start: float,
+                r: AppendResult) -> None:
+    """produce_now's completion: each request's future gets its answer (framed whole by
+    ``frame_produce_ok`` when appended, ``_run_answer`` for an error), in order, then
+    ``conn.answered()``. A run refused for one request's own fault is appended again one
+    request at a time, and an append that outlived the lease waits for its renewal: both
+    in a task (``_settle_later``)."""
+    ctx0, req0, _received = items[0]
+    broker = ctx0.broker
+    if r.error:
+        if r.error in _OWN_FAULTS and len(items) > 1:
+            # nothing appended: find the request at fault, one at a time (later requests
+            # of the connection wait for this task: conn.track_slow)
+            _settle_later(_one_by_one([it[0] for it in items], [it[1] for it in items]),
                           futs, conn)
             return
-        stats = broker.request_stats
-        stats.direct_requests += len(items)
-        if len(items) > 1:
-            stats.runs += 1
-            stats.run_requests += len(items)
-        if not r.error:
-            # _run_answers of an append without error, each answer framed whole in one
-            # piece (frame_produce_ok: what the server writes as it is), in the stats' loop
-            end = time.perf_counter()
-            key = td.name if td.topic_id is None else td.topic_id
-            base = r.base_offset
-            append_time, log_start = r.log_append_time, r.log_start_offset
-            observe = stats.observe
-            for (ctx, _req, received), fut, n in zip(items, futs, counts):
-                h = ctx.header
-                observe(PRODUCE, h.api_version, start - received, end - start)
-                if not fut.done():
-                    try:
-                        fut.set_result(Framed((frame_produce_ok(
-                            h.api_version, h.correlation_id, key, index, base, append_time,
-                            log_start),)))
-                    except Exception as exc:  # noqa: BLE001 - it still gets an answer
-                        fut.set_exception(exc)
-                base += n
-            conn.answered()
-            return
-        try:
-            bodies = _run_answers(broker, ctxs, counts, td, index, r)
-        except Exception as exc:  # noqa: BLE001 - each request still gets its answer
-            bodies = [exc] * len(futs)
-        end = time.perf_counter()
-        for (ctx, _req, received), fut, body in zip(items, futs, bodies):
-            h = ctx.header
-            stats.observe(h.api_key, h.api_version, start - received, end - start)
-            if fut.done():
-                continue
-            if isinstance(body, Exception):
-                fut.set_exception(body)
-            else:
-                fut.set_result(body)
-        conn.answered()
-
-    return partition.append_now(records, version, done)
+    elif lease is not None and not lease.valid():
+        _settle_later(_after_renewal(broker, [it[0] for it in items], counts, td, index, r,
+                                     req0, lease), futs, conn)
+        return
+    stats = broker.request_stats
+    stats.direct_requests += len(items)
+    if len(items) > 1:
+        stats.runs += 1
+        stats.run_requests += len(items)
+    end = time.perf_counter()
+    key = td.name if td.topic_id is None else td.topic_id
+    ok = not r.error
+    base = r.base_offset
+    append_time, log_start = r.log_append_time, r.log_start_offset
+    observe = stats.observe
+    for (ctx, _req, received), fut, n in zip(items, futs, counts):
+        h = ctx.header
+        observe(PRODUCE, h.api_version, start - received, end - start)
+        if not fut.done():
+            try:
+                # appended: framed whole in one piece (what the server writes as it is)
+                fut.set_result(Framed((frame_produce_ok(
+                    h.api_version, h.correlation_id, key, index, base, append_time,
+                    log_start),)) if ok else _run_answer(stats, ctx, key, index, r, base))
+            except Exception as exc:  # noqa: BLE001 - it still gets an answer
+                fut.set_exception(exc)
+        base += n
+    conn.answered()
 
 
 async def _after_renewal(broker: Any, ctxs: list[RequestContext], counts: list[int], td: Any,
