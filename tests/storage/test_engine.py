@@ -1049,3 +1049,31 @@ def test_an_encode_buffer_made_for_a_small_object_serves_a_full_size_one_later(t
     finally:
         for buf in first:
             buf.close()
+
+
+@pytest.mark.parametrize("threshold, cache, bound", [
+    (1 << 30, 1 << 20, (512 << 10) + 1),     # cache pressure: over half the LogCache
+    (64 << 10, 1 << 20, 64 << 10),           # the upload threshold
+], ids=["cache-pressure", "threshold"])
+async def test_an_append_wakes_the_upload_at_the_first_of_its_two_bounds(
+        tmp_path, threshold, cache, bound) -> None:
+    """The append (task-less, as a Produce request's) that brings the bytes waiting for upload
+    to the upload threshold or over half the LogCache wakes the upload loop in its own call,
+    before its write is durable; none before it does (the two bounds are one comparison)."""
+    eng = open_engine(small_config(tmp_path, upload_threshold_bytes=threshold,
+                                   log_cache_bytes=cache, upload_interval_s=3600))
+    await eng.start()
+    try:
+        s = await eng.create_stream()
+        durable: list[object] = []
+        eng._upload_wakeup.clear()
+        woken_at = None
+        for i in range(10_000):          # entries of 1 KiB (payload + 64): the bounds are hit
+            assert s.append_now(payload(s.stream_id, i, 960), i, 1, durable.append)
+            if eng._upload_wakeup.is_set():
+                woken_at = eng.cache.pending_bytes
+                break
+        assert woken_at == -(-bound // 1024) * 1024
+        assert durable == []                 # no completion ran yet: woken by the append
+    finally:
+        await eng.close()

@@ -142,3 +142,27 @@ async def test_completions_on_the_drivers_loop_ask_asyncio_for_no_running_loop(m
     asked.clear()                               # the append itself may look it up
     await _until(lambda: bool(done))
     assert asked == []
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["copycrc", "python-copy"])
+async def test_a_flat_engine_body_is_the_record_prepare_made_of_it(make_wal, wal_path,
+                                                                    monkeypatch, native):
+    """append_loop(flat=True): the engine's (header, payload) pair - bytes header, bytes or
+    flat byte-view payload - placed without DeltaWAL._prepare, is the record the pair makes
+    through _prepare (recovery reads the same bodies, their CRCs check); without the fused
+    copy-and-CRC (pure-Python copy) flat changes nothing: _prepare computes the CRC."""
+    if not native:
+        monkeypatch.setattr("storage.wal.wal.COPY_CRC_NATIVE", False)
+    w, _ = make_wal(capacity=16 << 20)
+    assert w.attach_loop()
+    pairs = []
+    for i in range(40):
+        payload = body(0, i, 50 + 397 * i)
+        pairs.append((b"head%03d" % i, payload if i % 2 else memoryview(bytearray(payload))))
+    done: list[object] = []
+    for i, pair in enumerate(pairs):
+        w.append_loop(pair, then=lambda off, exc: done.append(exc), flat=i % 3 != 0)
+    await _until(lambda: len(done) == len(pairs))
+    assert done == [None] * len(pairs)
+    w.close()
+    assert [b for _o, b in reopen(wal_path, 16 << 20)] == [h + bytes(p) for h, p in pairs]
