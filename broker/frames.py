@@ -283,15 +283,23 @@ _I16 = struct.Struct(">h")
 _I32 = struct.Struct(">i")
 
 
+# produce_records_at's answer when the frame's first bytes end before its records begin
+NEED_MORE: tuple[int, int] = (-1, -1)
+
+
 def produce_records_at(buf, pos: int, end: int) -> tuple[int, int] | None:
     """Where the records of a Produce v3-v12 request for one topic and one partition begin in
     its frame, and their length: (offset from the frame's start, length), read from the
     frame's first bytes ``buf[pos:end]`` (``pos`` = the frame's start, after its size). None
-    for anything else or when those bytes end before the records do. Only a guess for the
-    WAL's placement (storage/wal/placed.py checks that the payload appended is exactly this)."""
+    for anything else; NEED_MORE when those bytes end before the records do (the caller may
+    read on: a frame's first read is only a header's worth, see broker/server.py HEAD_READ).
+    Only a guess for the WAL's placement (storage/wal/placed.py checks that the payload
+    appended is exactly this)."""
     buf = memoryview(buf)[:end]         # varints must not run into stale bytes past ``end``
     try:
-        if end - pos < 10 or buf[pos] or buf[pos + 1]:         # api key 0: Produce
+        if end - pos < 10:
+            return NEED_MORE
+        if buf[pos] or buf[pos + 1]:                             # api key 0: Produce
             return None
         version = _I16.unpack_from(buf, pos + 2)[0]
         if not 3 <= version <= 12:
@@ -329,8 +337,12 @@ def produce_records_at(buf, pos: int, end: int) -> tuple[int, int] | None:
                 return None
             n = _I32.unpack_from(buf, p + 8)[0]
             p += 12
-        if n <= 0 or p > end:
+        if n <= 0:
             return None
+        if p > end:
+            return NEED_MORE
         return p - pos, n
     except (IndexError, struct.error, MalformedRequestError):
-        return None
+        # a read past ``end`` (the slice): the bytes end early (or a varint is malformed,
+        # which the caller's bound on reading on for the place ends as well)
+        return NEED_MORE

@@ -6,7 +6,7 @@ from __future__ import annotations
 import struct
 import urllib.request
 
-from broker.frames import produce_records_at
+from broker.frames import NEED_MORE, produce_records_at
 from protocol.frames import parse_response
 
 from broker_wire import Wire
@@ -61,7 +61,8 @@ def test_produce_records_at_reads_the_place_from_the_first_bytes():
     f9 = produce_v9(6, "tp", 1, rec)[4:]
     at = produce_records_at(f9, 0, 200)
     assert at is not None and f9[at[0]:at[0] + at[1]] == rec
-    assert produce_records_at(f3, 0, 40) is None                   # the prefix ends early
+    assert produce_records_at(f3, 0, 40) is NEED_MORE              # the prefix ends early
+    assert produce_records_at(f9, 0, 8) is NEED_MORE
     two = produce_v3(7, "tp", [(0, rec), (1, rec)])[4:]
     assert produce_records_at(two, 0, 200) is None                 # two partitions
     fetch = _I16.pack(1) + f3[2:]
