@@ -133,8 +133,6 @@ class Connection(asyncio.BufferedProtocol):
         self._frame_at = 0       # the frame's start in it (records received in place)
         self._frame_end = 0      # and its end
         self._head = False       # the next read is HEAD_READ bytes (a large frame just ended)
-        # bytes of large frames received into the read buffer, then copied into their frame
-        self.copied_twice = 0
         self._flush_scheduled = False
         self._closing = False
         self._paused_reading = False
@@ -270,7 +268,6 @@ class Connection(asyncio.BufferedProtocol):
                         frame = self.broker.frame_pool.take(size)
                         start = 0
                     frame[start:start + have] = memoryview(buf)[self._start + 4:self._end]
-                    self.copied_twice += have
                     self._frame, self._frame_fill = frame, start + have
                     self._frame_at, self._frame_end = start, start + size
                     self._start = self._end = 0
