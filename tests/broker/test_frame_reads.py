@@ -22,10 +22,9 @@ from broker.frames import FramePool
 from broker.metrics import RequestStats
 from broker.server import DIRECT_FRAME, HEAD_READ, INITIAL_BUFFER, Connection
 
-from broker_wire import Wire, md_topic
-from conftest import free_port
+from broker_wire import Wire
 from protocol.frames import parse_response
-from test_placed_produce import batch, produce_v3, produce_v9
+from test_placed_produce import batch, broker_with_topic, produce_v3, produce_v9
 
 API = 9999
 
@@ -176,12 +175,8 @@ def _answered(w: Wire, corr: int, version: int) -> None:
 
 
 def test_a_produce_whose_header_arrives_in_pieces_is_still_placed(broker_factory):
-    mport = free_port()
-    b = broker_factory(["--metrics-listen", f"127.0.0.1:{mport}"])
-    w = Wire(b.host, b.port)
     topic = "pieces"
-    w.call(3, 12, 1, topics=[md_topic(topic)], allow_auto_topic_creation=True,
-           include_topic_authorized_operations=False)
+    _b, w, mport = broker_with_topic(broker_factory, topic)
     frames = [produce_v3(10, topic, [(0, batch(300, 1000))]),
               produce_v9(11, topic, 0, batch(200, 1500))]
     for corr, frame in enumerate(frames, 10):

@@ -9,7 +9,7 @@ import urllib.request
 from broker.frames import NEED_MORE, produce_records_at
 from protocol.frames import parse_response
 
-from broker_wire import Wire
+from broker_wire import Wire, md_topic
 from conftest import free_port
 
 _I16, _I32 = struct.Struct(">h"), struct.Struct(">i")
@@ -100,14 +100,20 @@ def _produce(w: Wire, frame: bytes, corr: int, missing: tuple[int, ...] = ()) ->
             assert p.error_code == (3 if p.index in missing else 0), resp
 
 
-def test_large_produce_is_written_from_its_frame_and_served_after_a_kill(broker_factory):
+def broker_with_topic(broker_factory, topic: str) -> tuple[object, Wire, int]:
+    """A broker with its metrics listener (the metrics port) and ``topic`` created through
+    Metadata's auto-creation, and a Wire to it."""
     mport = free_port()
     b = broker_factory(["--metrics-listen", f"127.0.0.1:{mport}"])
     w = Wire(b.host, b.port)
-    topic = "placed"
-    from broker_wire import md_topic
     w.call(3, 12, 1, topics=[md_topic(topic)], allow_auto_topic_creation=True,
            include_topic_authorized_operations=False)
+    return b, w, mport
+
+
+def test_large_produce_is_written_from_its_frame_and_served_after_a_kill(broker_factory):
+    topic = "placed"
+    b, w, mport = broker_with_topic(broker_factory, topic)
     big1, big2, small = batch(300, 1000), batch(200, 1500), batch(3, 100)
     _produce(w, produce_v3(10, topic, [(0, big1)]), 10)       # placed
     _produce(w, produce_v9(11, topic, 0, big2), 11)           # placed (flexible)
