@@ -12,7 +12,6 @@ import socket
 import struct
 import threading
 import time
-import urllib.request
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +23,7 @@ from broker.server import DIRECT_FRAME, HEAD_READ, INITIAL_BUFFER, Connection
 
 from broker_wire import Wire
 from protocol.frames import parse_response
-from test_placed_produce import batch, broker_with_topic, produce_v3, produce_v9
+from test_placed_produce import _metric, batch, broker_with_topic, produce_v3, produce_v9
 
 API = 9999
 
@@ -158,14 +157,6 @@ def test_large_frames_over_a_socket(monkeypatch, loop_kind):
     finally:
         loop.close()
     assert got == [f[4:] for f in frames]
-
-
-def _metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not exposed")
 
 
 def _answered(w: Wire, corr: int, version: int) -> None:
