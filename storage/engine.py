@@ -578,9 +578,11 @@ class Engine(StreamStore):
         self.backpressure = Episode(log, "producers_backpressured")
         self.store_failing = Episode(log, "object_store_failing", quiet_s=float("inf"))
         c = self.config
-        # _maybe_upload's pending bytes test in one comparison, made once: the upload
-        # threshold, or over half the LogCache (_cache_pressure)
-        self._upload_at = min(c.upload_threshold_bytes, c.log_cache_bytes // 2 + 1)
+        # pending bytes from which half the LogCache holds unuploaded data (_cache_pressure)
+        self._pressure_at = c.log_cache_bytes // 2 + 1
+        # _maybe_upload's pending bytes test in one comparison: the upload threshold, or
+        # cache pressure
+        self._upload_at = min(c.upload_threshold_bytes, self._pressure_at)
         self._encode_bufs: list[Any] = []   # reused object encode buffers (see _upload)
         self.cold_pacer = ColdReadPacer(c.cold_read_bytes_per_s, c.cold_read_min_bytes_per_s,
                                         c.cold_read_lag_target_ms / 1000,
@@ -934,7 +936,7 @@ class Engine(StreamStore):
         """Half the LogCache holds unuploaded data: upload before appends hit back-pressure.
         (Counting evictable, already uploaded entries would keep a warm cache - which stays
         ~90 % full - uploading a tiny object after every append.)"""
-        return self.cache.pending_bytes > self.config.log_cache_bytes // 2
+        return self.cache.pending_bytes >= self._pressure_at
 
     def request_upload(self, why: str) -> None:
         """Upload whatever is pending now (cache/WAL pressure, shutdown, tests)."""
