@@ -23,6 +23,7 @@ from broker.server import DIRECT_FRAME, HEAD_READ, INITIAL_BUFFER, Connection
 
 from broker_wire import Wire
 from protocol.frames import parse_response
+from test_inflight_bytes import Transport
 from test_placed_produce import _metric, batch, broker_with_topic, produce_v3, produce_v9
 
 API = 9999
@@ -56,20 +57,6 @@ def _connection(monkeypatch) -> tuple[Connection, list[bytes]]:
     return Connection(broker), got  # type: ignore[arg-type]
 
 
-class _Transport:
-    def is_closing(self) -> bool:
-        return False
-
-    def writelines(self, bufs) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
 def _receive(conn: Connection, bursts: list[bytes]) -> tuple[int, int]:
     """Hand ``bursts`` to the connection as libuv reads a socket they arrive on one by one:
     each read gets what the buffer offered holds (or the rest of the burst); after a read that
@@ -96,7 +83,7 @@ def _receive(conn: Connection, bursts: list[bytes]) -> tuple[int, int]:
 
 async def test_back_to_back_large_frames_are_copied_once(monkeypatch):
     conn, got = _connection(monkeypatch)
-    conn.transport = _Transport()  # type: ignore[assignment]
+    conn.transport = Transport()  # type: ignore[assignment]
     sizes = [3 * DIRECT_FRAME + 17 * i for i in range(6)]
     frames = [_frame(size, i + 1) for i, size in enumerate(sizes)]
     # all in one burst, and then each frame alone (the loop faster than the client)
@@ -113,7 +100,7 @@ async def test_back_to_back_large_frames_are_copied_once(monkeypatch):
 async def test_small_frames_after_a_large_one_are_all_read(monkeypatch):
     """The short read after a large frame may hold several small frames, or a part of one."""
     conn, got = _connection(monkeypatch)
-    conn.transport = _Transport()  # type: ignore[assignment]
+    conn.transport = Transport()  # type: ignore[assignment]
     frames = [_frame(2 * DIRECT_FRAME, 1)] + [_frame(300 + i, i + 2) for i in range(40)] \
         + [_frame(2 * DIRECT_FRAME, 99), _frame(5000, 100)]
     _receive(conn, [b"".join(frames)])
