@@ -21,6 +21,7 @@ import asyncio
 import collections
 import faulthandler
 import logging
+import os
 import signal
 import struct
 import sys
@@ -45,6 +46,7 @@ from .loop_watch import LoopWatch
 from .handlers import HANDLERS
 from .handlers.registry import NOW_HANDLERS, RUN_HANDLERS, Framed, RequestContext
 from .metrics import RequestStats, start_metrics, timed
+from .sender import OFFLOAD_MIN, byte_views, send_some, sender_pool
 from .metastore import MetadataStore, open_metadata_store
 from .cluster import ClusterError, ClusterRoom
 from .topics import Topic, TopicManager
@@ -143,6 +145,11 @@ class Connection(asyncio.BufferedProtocol):
         self._unsent: collections.deque[memoryview] = collections.deque()
         self._slice_scheduled = False
         self._close_when_sent = False
+        # large answers go out on a sender thread (broker/sender.py): while one does, later
+        # answers wait in _unsent; the thread writes to this dup of the socket's descriptor
+        self._sending = False
+        self._send_fd = -1
+        self._lost = False
         # requests of the current read that may be handled as one run (RUN_HANDLERS): their
         # run key and (context, request, time received), not queued yet
         self._run_key: Any = None
@@ -171,6 +178,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
+        self._lost = True
         self.broker.connections.discard(self)
         # handler tasks run to completion (an append in flight must finish its bookkeeping);
         # their answers are dropped
@@ -181,6 +189,8 @@ class Connection(asyncio.BufferedProtocol):
             placed.withdraw(self._frame)
         self._queue.clear()
         self._unsent.clear()
+        if not self._sending:
+            self._close_send_fd()
         log.debug("connection closed peer=%s error=%s", self.peer, exc)
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -552,7 +562,7 @@ class Connection(asyncio.BufferedProtocol):
             if out:
                 self._write(out)
             if close or (self._eof and not queue):
-                if self._unsent:
+                if self._unsent or self._sending:
                     self._close_when_sent = True      # after the answers already queued
                 else:
                     self.close()
@@ -561,17 +571,73 @@ class Connection(asyncio.BufferedProtocol):
             self.broker._connection_idle()
 
     def _write(self, out: list[Any]) -> None:
-        """Hand responses to the transport in order: at once when small, else WRITE_SLICE
-        bytes per loop turn (hot requests and WAL completions run in between)."""
-        if not self._unsent and (sum(map(len, out)) <= WRITE_SLICE
-                                 or not self.broker.hot_traffic()):
-            self.transport.writelines(out)  # type: ignore[union-attr]
-            return
-        for b in out:
-            mv = memoryview(b)
-            self._unsent.append(mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))
-        if not self._slice_scheduled:
+        """Hand responses to the socket in order: large ones to a sender thread, else to the
+        transport, at once when small, else WRITE_SLICE bytes per loop turn (hot requests
+        and WAL completions run in between)."""
+        if not self._unsent and not self._sending:
+            size = sum(map(len, out))
+            if size >= OFFLOAD_MIN and self._offload(out):
+                return
+            if size <= WRITE_SLICE or not self.broker.hot_traffic():
+                self.transport.writelines(out)  # type: ignore[union-attr]
+                return
+        self._unsent.extend(byte_views(out))
+        if not self._slice_scheduled and not self._sending:
             self._write_slice()
+
+    def _offload(self, out: list[Any]) -> bool:
+        """Start writing ``out`` on a sender thread (broker/sender.py); False when this
+        connection cannot: no pool, TLS, or bytes still buffered in the transport."""
+        pool = getattr(self.broker, "sender", None)    # stand-in brokers of tests have none
+        t = self.transport
+        if pool is None or t is None or t.is_closing() or t.get_write_buffer_size():
+            return False
+        if self._send_fd < 0:
+            sock = t.get_extra_info("socket")
+            if sock is None or t.get_extra_info("sslcontext") is not None:
+                return False
+            try:
+                self._send_fd = os.dup(sock.fileno())
+            except (OSError, ValueError):
+                return False
+        self._sending = True
+        fut = self._loop.run_in_executor(pool, send_some, self._send_fd, byte_views(out))
+        fut.add_done_callback(self._sent)
+        return True
+
+    def _sent(self, fut: asyncio.Future) -> None:
+        """A sender thread is done: the answers queued meanwhile go out next; what a
+        stalled socket did not take goes to the transport (it waits for room on the loop)."""
+        self._sending = False
+        t = self.transport
+        if self._lost:
+            self._close_send_fd()
+            return
+        if self._closing or t is None or t.is_closing():
+            return              # connection_lost closes the descriptor
+        exc = None if fut.cancelled() else fut.exception()
+        if fut.cancelled() or exc is not None:
+            log.debug("send failed peer=%s error=%r", self.peer, exc)
+            self.close()
+            return
+        rest = fut.result()
+        stalled = bool(rest)
+        pending = [*rest, *self._unsent]
+        rest.clear()          # the executor's future keeps the list: no views of frames in it
+        self._unsent.clear()
+        if stalled:
+            t.writelines(pending)
+        elif pending:
+            self._write(pending)
+        if self._close_when_sent and not self._unsent and not self._sending:
+            self.close()
+        elif self.idle:
+            self.broker._connection_idle()
+
+    def _close_send_fd(self) -> None:
+        if self._send_fd >= 0:
+            fd, self._send_fd = self._send_fd, -1
+            os.close(fd)
 
     def _write_slice(self) -> None:
         """Write the next WRITE_SLICE bytes of unsent response data; reschedule while more is
@@ -581,7 +647,7 @@ class Connection(asyncio.BufferedProtocol):
         if t is None or t.is_closing():
             self._unsent.clear()
             return
-        if self._write_paused:
+        if self._write_paused or self._sending:
             return
         unsent = self._unsent
         chunk: list[memoryview] = []
@@ -630,7 +696,7 @@ class Connection(asyncio.BufferedProtocol):
 
     @property
     def idle(self) -> bool:
-        return not self._queue and not self._unsent
+        return not self._queue and not self._unsent and not self._sending
 
 
 class Broker:
@@ -656,6 +722,7 @@ class Broker:
         self._idle = asyncio.Event()
         self.started_at = time.time()
         self.frame_pool = FramePool()
+        self.sender = sender_pool()          # large answers' sender threads (None: 1 CPU)
         self.request_stats = RequestStats()   # read by broker.metrics at scrape time
         self.metrics_server: Any = None
 
@@ -849,6 +916,8 @@ class Broker:
         if self.metrics_server is not None:
             await self.metrics_server.stop()
         self.frame_pool.close()
+        if self.sender is not None:
+            self.sender.shutdown(wait=False)
         log.info("broker stopped")
 
     def _requests_flowing(self) -> bool:
