@@ -22,6 +22,17 @@ during which no cold byte was served. A span with cold reads whose p90 passes th
 pauses cold reads for one short span now and then (``CLEAN_EVERY_S``) so that the baseline
 follows the hot load instead of going stale. With no hot traffic there is no signal and catch-up
 runs at the cap.
+
+Bulk answers wait for the WAL (``hold_bulk``). A catch-up consumer's answers are written in
+256 KiB slices, one per loop turn (broker/server.py), ~0.4-0.5 ms of consecutive loop turns
+per 1 MiB answer. A hot append whose WAL write was in flight meanwhile became durable only
+after the last slice (session 28: in the catch-up bench 81 % of the appends that took 0.5-1 ms
+overlapped such slices, against 0 % of those under 0.3 ms; the append -> durable p99 rose
+0.35 -> 0.80 ms while the catch-up reader ran, and the client produce p99 with it; reads of the
+same bytes from the same disk by another process, with no answers to write, moved neither).
+So a slice is not written while a hot append waits for its WAL write: the engine counts
+appends in flight (``note_append`` / ``note_hot``), and a slice asked for meanwhile runs once
+they are durable (after their acknowledgements are queued), or after HOLD_MAX_S at the most.
 """
 from __future__ import annotations
 
@@ -51,6 +62,7 @@ class ColdReadPacer:
     RATE_WINDOW_S = 1.0       # the append rate is measured over windows this long
     IDLE_PROBE_S = 0.05       # probe interval while no paced cold read ran for COLD_RECENT_S
     COLD_RECENT_S = 1.0
+    HOLD_MAX_S = 0.002        # longest a bulk write waits for hot appends (hold_bulk)
 
     def __init__(self, max_rate: float, min_rate: float = 0.0, lag_target_s: float = 0.0,
                  probe_interval_s: float = 0.005,
@@ -90,6 +102,10 @@ class ColdReadPacer:
         self.hot_rate = 0.0                        # append bytes/s over the last window
         self._rate_bytes = 0
         self._rate_start = clock()
+        self.appends_in_flight = 0                 # hot appends not yet durable (hold_bulk)
+        self._held: list[Callable[[], None]] = []  # bulk writes waiting for them
+        self._hold_timer: asyncio.TimerHandle | None = None
+        self.holds = 0                             # bulk writes held (for tests, logs)
 
     @property
     def adaptive(self) -> bool:
@@ -100,9 +116,21 @@ class ColdReadPacer:
         """Median hot p90 of recent spans without cold reads; None before the first."""
         return statistics.median(self._clean) if self._clean else None
 
+    def note_append(self) -> None:
+        """A hot append was handed to the WAL (``note_hot`` follows once it is durable):
+        bulk writes wait for it (``hold_bulk``)."""
+        if self.max_rate > 0:
+            self.appends_in_flight += 1
+
     def note_hot(self, latency_s: float, nbytes: int = 0) -> None:
         """One hot request's latency (the engine: append -> durable, seen on the loop) and its
         size: the append rate is the floor of paced catch-up reads from the LogCache."""
+        if self.appends_in_flight > 0:
+            self.appends_in_flight -= 1
+            if not self.appends_in_flight and self._held:
+                # after this completion's own callbacks (the acknowledgements' flushes are
+                # queued by them): one more turn of the ready queue before the bulk writes
+                asyncio.get_running_loop().call_soon(self._release_soon)
         if self._hot_on:
             self._hot.append(latency_s)
         if self.max_rate > 0:
@@ -116,6 +144,32 @@ class ColdReadPacer:
                 self.hot_rate = self._rate_bytes / elapsed
                 self._rate_bytes = 0
                 self._rate_start = now
+
+    def hold_bulk(self, resume: Callable[[], None]) -> bool:
+        """Whether a bulk write (a slice of a large answer, on the loop) should wait now
+        because hot appends are in flight; if so ``resume()`` is called on the loop once they
+        are durable, or after HOLD_MAX_S (a slow device must not stall catch-up readers). A
+        write resumed so goes out without asking again (the caller's part)."""
+        if not self.appends_in_flight or not self.hot_active():
+            return False
+        self._held.append(resume)
+        self.holds += 1
+        if self._hold_timer is None:
+            self._hold_timer = asyncio.get_running_loop().call_later(self.HOLD_MAX_S,
+                                                                     self._release)
+        return True
+
+    def _release_soon(self) -> None:
+        asyncio.get_running_loop().call_soon(self._release)
+
+    def _release(self) -> None:
+        """Resume every held bulk write (in the order they were held)."""
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        held, self._held = self._held, []
+        for resume in held:
+            resume()
 
     def hot_active(self) -> bool:
         """Hot appends happened within the last HOT_ACTIVE_S (something to protect)."""
