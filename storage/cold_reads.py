@@ -154,8 +154,9 @@ class ColdReadPacer:
 
     def hold_bulk(self, resume: Callable[[], None]) -> bool:
         """Whether a bulk write (a slice of a large answer, on the loop) should wait now
-        because hot appends are in flight; if so ``resume()`` is called on the loop once they
-        are durable, or after HOLD_MAX_S (a slow device must not stall catch-up readers). A
+        because hot appends are in flight or the last of them became durable less than
+        HOLD_GAP_S ago; if so ``resume()`` is called on the loop HOLD_GAP_S after they are
+        durable, or after HOLD_MAX_S (a slow device must not stall catch-up readers). A
         write resumed so goes out without asking again (the caller's part)."""
         if not self.hot_active() or (not self.appends_in_flight and
                                      time.perf_counter() - self._durable_at >= self.HOLD_GAP_S):
