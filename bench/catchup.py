@@ -61,6 +61,30 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return read(f"/proc/{pid}/task/{pid}/stat"), read(f"/proc/{pid}/stat")
 
 
+def run_queue_seconds(pid: int) -> tuple[float, float, int, int]:
+    """(main thread, all threads) seconds spent runnable but waiting for a CPU, and (main
+    thread, all threads) times scheduled in, from /proc/<pid>/task/*/schedstat: how
+    long a process's wake-ups wait for a core (on 2 cores, a busy neighbour shows here, not
+    in the process's own CPU time)."""
+    main = total = 0.0
+    main_n = slices = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0, 0.0, 0, 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                _run, wait, n = (int(x) for x in f.read().split())
+        except (OSError, ValueError):
+            continue
+        total += wait / 1e9
+        slices += n
+        if tid == str(pid):
+            main, main_n = wait / 1e9, n
+    return main, total, main_n, slices
+
+
 def machine_busy_seconds() -> float:
     """CPU seconds all processes of the machine used so far (every core), from /proc/stat."""
     with open("/proc/stat") as f:
@@ -363,11 +387,18 @@ def run_interleaved(b: Broker, args) -> dict:
         out = {}
         for k, pid in pids.items():
             main_s, all_s = cpu_seconds(pid)
+            rq_main, rq_all, n_main, slices = run_queue_seconds(pid)
             if k == "broker loop":
                 out[k] = main_s
                 out["broker other"] = all_s - main_s
+                out["rq broker loop"] = rq_main
+                out["rq broker other"] = rq_all - rq_main
+                out["rn broker loop"] = n_main
+                out["rn broker other"] = slices - n_main
             else:
                 out[k] = all_s
+                out["rq " + k] = rq_all
+                out["rn " + k] = slices
         out["whole machine"] = machine_busy_seconds()
         out["uploads"] = float(count_objects(b.objects_dir))
         out.update(disk_counters(dev))
@@ -411,6 +442,8 @@ def run_interleaved(b: Broker, args) -> dict:
     out["uploads"] = {st: int(d.pop("uploads", 0)) for st, d in per_state.items()}
     out["disk"] = {st: {k: d.pop(k) for k in list(d) if k.startswith("disk ")}
                    for st, d in per_state.items()}
+    out["run_queue"] = {st: {k: d.pop(k) for k in list(d) if k.startswith(("rq ", "rn "))}
+                        for st, d in per_state.items()}
     out["disk_name"] = dev
     out["t0"] = t0
     out["cpu_windows"] = {st: {n: 100 * v / on_time for n, v in d.items()}
@@ -485,6 +518,16 @@ def report_interleaved(res: dict, args) -> None:
                   f"{100 * d['disk busy ms'] / 1000 / secs:3.0f} % (whole device, all processes)")
     n, mbps = res["catchup"]
     print(f"catch-up reader while on: {mbps:.1f} MB/s ({n} records)")
+    rq = res.get("run_queue", {})
+    for st, label in (("off", "reader paused"), ("on", "with catch-up")):
+        d = rq.get(st, {})
+        if d:
+            secs = args.window * (args.windows // 2)
+            print(f"run-queue wait ms/s (per wake-up us), {label:<13}: " + ", ".join(
+                f"{n[3:]} {1e3 * v / secs:.1f}"
+                + (f" ({1e6 * v / max(d.get('rn ' + n[3:]) or 1, 1):.0f})"
+                   if "rn " + n[3:] in d else "")
+                for n, v in d.items() if n.startswith("rq ")))
     cw = res.get("cpu_windows", {})
     for st, label in (("off", "reader paused"), ("on", "with catch-up")):
         d = cw.get(st, {})

@@ -279,6 +279,7 @@ class EngineStream(OffsetStream):
         if entry.wal_next > eng._wal_head:      # the WAL's use: nearing capacity forces an upload
             eng._wal_head = entry.wal_next
         eng._maybe_upload()
+        eng.cold_pacer.note_append()            # durable later: _note_durable's note_hot
 
     def append_now(self, payload: bytes | memoryview, base_offset: int, count: int,
                    then: Callable[[BaseException | None], None],

@@ -41,9 +41,10 @@ class RecordingTransport:
         return b"".join(self.calls)
 
 
-def _connection(hot: bool = True) -> tuple[Connection, RecordingTransport]:
+def _connection(hot: bool = True, hold_bulk=None) -> tuple[Connection, RecordingTransport]:
     broker = SimpleNamespace(_connection_idle=lambda: None, hot_traffic=lambda: hot,
-                             config=SimpleNamespace(max_inflight_requests=100))
+                             config=SimpleNamespace(max_inflight_requests=100),
+                             hold_bulk=hold_bulk)
     conn = Connection(broker)  # type: ignore[arg-type]
     t = RecordingTransport()
     conn.transport = t  # type: ignore[assignment]
@@ -89,6 +90,32 @@ async def test_with_nothing_hot_a_large_answer_is_written_whole() -> None:
     conn._write([b"next answer"])
     assert t.calls == [b"head" + big, b"next answer"]
     assert conn.idle
+
+
+async def test_slices_wait_for_hot_appends_in_flight() -> None:
+    """While a hot append waits for its WAL write (the engine's pacer counts them), the next
+    slice of a large answer waits until it is durable (and the pacer's gap after it), then
+    goes out; the answer stays whole and in order."""
+    from storage.cold_reads import ColdReadPacer
+    pacer = ColdReadPacer(64 << 20, 16 << 20)
+    pacer.note_hot(0.0002, 1000)                          # producers are active
+    conn, t = _connection(hold_bulk=pacer.hold_bulk)
+    big = bytes(range(256)) * (3 * WRITE_SLICE // 256 + 17)
+    conn._write([memoryview(big)])
+    assert len(t.calls) == 1                              # nothing in flight: at once
+    pacer.note_append()
+    await _turns(t, 5)
+    assert len(t.calls) == 1 and pacer.holds == 1         # held while the append is in flight
+    pacer.note_append()                                   # another one, before the release
+    pacer.note_hot(0.0002, 1000)
+    await _turns(t, 5)
+    assert len(t.calls) == 1                              # one is still in flight
+    pacer.note_hot(0.0002, 1000)
+    for _ in range(10000):                                # resumed once both were durable
+        if conn.idle:
+            break
+        await asyncio.sleep(0.001)
+    assert t.data == big and conn.idle
 
 
 async def test_slices_wait_while_the_transport_is_over_its_high_water_mark() -> None:
