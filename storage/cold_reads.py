@@ -157,9 +157,12 @@ class ColdReadPacer:
         because hot appends are in flight or the last of them became durable less than
         HOLD_GAP_S ago; if so ``resume()`` is called on the loop HOLD_GAP_S after they are
         durable, or after HOLD_MAX_S (a slow device must not stall catch-up readers). A
-        write resumed so goes out without asking again (the caller's part)."""
-        if not self.hot_active() or (not self.appends_in_flight and
-                                     time.perf_counter() - self._durable_at >= self.HOLD_GAP_S):
+        write resumed so goes out without asking again (the caller's part). Only while
+        paced catch-up reads ran within COLD_RECENT_S: a hot consumer's large answers beside
+        busy producers (appends always in flight) would otherwise wait HOLD_MAX_S per slice."""
+        if not self.hot_active() or not self.catching_up() \
+                or (not self.appends_in_flight
+                    and time.perf_counter() - self._durable_at >= self.HOLD_GAP_S):
             return False
         if not self.appends_in_flight:
             self._arm_gap()
@@ -199,6 +202,10 @@ class ColdReadPacer:
         held, self._held = self._held, []
         for resume in held:
             resume()
+
+    def catching_up(self) -> bool:
+        """Paced catch-up reads were served within the last COLD_RECENT_S."""
+        return self._clock() - self._cold_at < self.COLD_RECENT_S
 
     def hot_active(self) -> bool:
         """Hot appends happened within the last HOT_ACTIVE_S (something to protect)."""

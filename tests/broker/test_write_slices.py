@@ -99,6 +99,7 @@ async def test_slices_wait_for_hot_appends_in_flight() -> None:
     from storage.cold_reads import ColdReadPacer
     pacer = ColdReadPacer(64 << 20, 16 << 20)
     pacer.note_hot(0.0002, 1000)                          # producers are active
+    pacer.delay_for(256 << 10)                            # ... and a catch-up reader
     conn, t = _connection(hold_bulk=pacer.hold_bulk)
     big = bytes(range(256)) * (3 * WRITE_SLICE // 256 + 17)
     conn._write([memoryview(big)])

@@ -314,6 +314,7 @@ async def test_bulk_writes_wait_for_hot_appends_in_flight() -> None:
     delivery instead; session 28)."""
     p = ColdReadPacer(64 * MiB, 16 * MiB)
     p.note_hot(0.0002, 1000)                  # producers are active
+    p.delay_for(256 << 10)                    # ... and a catch-up reader
     resumed: list[str] = []
     done = asyncio.Event()
     assert not p.hold_bulk(lambda: resumed.append("early"))   # nothing in flight: no wait
@@ -339,6 +340,7 @@ async def test_held_bulk_write_goes_out_after_hold_max_without_a_completion() ->
     p = ColdReadPacer(64 * MiB, 16 * MiB)
     p.HOLD_MAX_S = 0.001
     p.note_hot(0.0002, 1000)
+    p.delay_for(256 << 10)
     p.note_append()
     done = asyncio.Event()
     assert p.hold_bulk(done.set)
@@ -361,6 +363,7 @@ async def test_bulk_writes_wait_a_gap_after_the_last_durability() -> None:
     p.HOLD_GAP_S = 60.0                       # the gap outlasts the test: HOLD_MAX_S ends it
     p.HOLD_MAX_S = 0.01
     p.note_hot(0.0002, 1000)
+    p.delay_for(256 << 10)
     done = asyncio.Event()
     p.note_append()
     assert p.hold_bulk(done.set)
@@ -371,3 +374,16 @@ async def test_bulk_writes_wait_a_gap_after_the_last_durability() -> None:
     late = asyncio.Event()
     assert p.hold_bulk(late.set)              # still within the gap: held
     await asyncio.wait_for(late.wait(), 10)
+
+
+async def test_no_hold_without_a_catch_up_reader() -> None:
+    """Bulk writes are held only while paced catch-up reads run: a hot consumer's large
+    answers beside producers whose appends are always in flight go out at once."""
+    p = ColdReadPacer(64 * MiB, 16 * MiB)
+    p.note_hot(0.0002, 1000)                  # producers are active, an append in flight
+    p.note_append()
+    assert not p.hold_bulk(lambda: None)      # no catch-up reader: nothing held
+    p.delay_for(256 << 10)                    # a paced catch-up read
+    assert p.hold_bulk(lambda: None)
+    p._cold_at -= p.COLD_RECENT_S             # ... that was a while ago
+    assert not p.hold_bulk(lambda: None)
