@@ -7,6 +7,7 @@ socket takes them at once, stalls (the peer stops reading), or the connection go
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -93,6 +94,19 @@ async def _connection(pool: CountingPool | None) -> tuple[Connection, socket.soc
     return conn, peer
 
 
+@contextlib.asynccontextmanager
+async def _counted_connection():
+    """``_connection`` with a CountingPool, closed and shut down afterwards."""
+    pool = CountingPool()
+    conn, peer = await _connection(pool)
+    try:
+        yield conn, peer, pool
+    finally:
+        conn.close()
+        peer.close()
+        pool.shutdown()
+
+
 async def _read(peer: socket.socket, n: int) -> bytes:
     loop = asyncio.get_running_loop()
     peer.setblocking(False)
@@ -108,10 +122,8 @@ async def _until_idle(conn: Connection) -> None:
 
 
 async def test_a_large_answer_goes_out_on_a_sender_thread_and_the_next_waits_for_it() -> None:
-    pool = CountingPool()
-    conn, peer = await _connection(pool)
     big = bytes(range(256)) * (OFFLOAD_MIN // 128)          # 2 MiB
-    try:
+    async with _counted_connection() as (conn, peer, pool):
         conn._write([b"head", memoryview(big)])
         conn._write([b"small answer"])                      # queued behind the big one
         conn._write([memoryview(big), b"tail"])             # and a second large one
@@ -119,19 +131,13 @@ async def test_a_large_answer_goes_out_on_a_sender_thread_and_the_next_waits_for
         assert await _read(peer, len(want)) == want
         await _until_idle(conn)
         assert pool.sends == 2
-    finally:
-        conn.close()
-        peer.close()
-        pool.shutdown()
 
 
 async def test_what_a_stalled_peer_did_not_take_goes_through_the_transport_in_order() -> None:
     """A consumer that stops reading does not hold a sender thread: the rest of its answer
     (and what queued behind it) goes to the transport, which waits for room on the loop."""
-    pool = CountingPool()
-    conn, peer = await _connection(pool)
     big = bytes(range(256)) * (32 << 12)                    # 8 MiB: more than the socket holds
-    try:
+    async with _counted_connection() as (conn, peer, pool):
         conn._write([memoryview(big)])
         conn._write([b"after"])
         while conn._sending:
@@ -140,10 +146,6 @@ async def test_what_a_stalled_peer_did_not_take_goes_through_the_transport_in_or
         assert await _read(peer, len(big) + 5) == big + b"after"
         await _until_idle(conn)
         assert pool.sends == 1
-    finally:
-        conn.close()
-        peer.close()
-        pool.shutdown()
 
 
 async def test_a_connection_lost_during_a_send_closes_the_thread_s_descriptor_after_it() -> None:
