@@ -75,11 +75,15 @@ _DEFS = [
               "log.flush.interval.messages", _int_at_least(1)),
     ConfigDef("flush.ms", LONG_MAX, LONG, "accepted; every batch is made durable in the WAL",
               "log.flush.interval.ms", _int_at_least(0)),
-    ConfigDef("follower.replication.throttled.replicas", "", LIST, "accepted (single node)",
+    ConfigDef("follower.replication.throttled.replicas", "", LIST,
+              "accepted; replicas copy nothing (they read the object store), so there is "
+              "nothing to throttle",
               "follower.replication.throttled.replicas"),
     ConfigDef("index.interval.bytes", "4096", INT, "accepted for compatibility",
               "log.index.interval.bytes", _int_at_least(0)),
-    ConfigDef("leader.replication.throttled.replicas", "", LIST, "accepted (single node)",
+    ConfigDef("leader.replication.throttled.replicas", "", LIST,
+              "accepted; replicas copy nothing (they read the object store), so there is "
+              "nothing to throttle",
               "leader.replication.throttled.replicas"),
     ConfigDef("local.retention.bytes", "-2", LONG, "accepted for compatibility",
               "log.local.retention.bytes", _int_at_least(-2)),
@@ -115,7 +119,9 @@ _DEFS = [
               "log.cleaner.min.cleanable.ratio", _ratio),
     ConfigDef("min.compaction.lag.ms", "0", LONG, "batches newer than this are not compacted yet",
               "log.cleaner.min.compaction.lag.ms", _int_at_least(0)),
-    ConfigDef("min.insync.replicas", "1", INT, "single node: 1 is the only meaningful value",
+    ConfigDef("min.insync.replicas", "1", INT,
+              "accepted, not enforced: a record has one copy (its leader's WAL, then the "
+              "object store), acks=all waits for that copy to be durable",
               "min.insync.replicas", _int_at_least(1)),
     ConfigDef("preallocate", "false", BOOLEAN, "accepted for compatibility", "log.preallocate"),
     ConfigDef("remote.log.copy.disable", "false", BOOLEAN, "accepted for compatibility", None),
@@ -135,7 +141,9 @@ _DEFS = [
               "log.roll.jitter.ms", _int_at_least(0)),
     ConfigDef("segment.ms", "604800000", LONG, "accepted for compatibility", "log.roll.ms",
               _int_at_least(1)),
-    ConfigDef("unclean.leader.election.enable", "false", BOOLEAN, "accepted (single node)",
+    ConfigDef("unclean.leader.election.enable", "false", BOOLEAN,
+              "accepted; a new leader takes over the old one's WAL, so no election loses "
+              "acknowledged records",
               "unclean.leader.election.enable"),
 ]
 TOPIC_CONFIGS: dict[str, ConfigDef] = {d.name: d for d in _DEFS}
@@ -146,7 +154,8 @@ TOPIC_CONFIGS: dict[str, ConfigDef] = {d.name: d for d in _DEFS}
 # see nothing) that Metadata lists with is_internal=true (listTopics() and pattern
 # subscriptions of Java and kafka-python leave it out). Creating it answers
 # TOPIC_ALREADY_EXISTS, producing to it INVALID_TOPIC_EXCEPTION, as Kafka does;
-# __transaction_state (no transactions here) and __cluster_metadata cannot be created either.
+# __transaction_state (transaction state lives in the metadata database) and
+# __cluster_metadata cannot be created either.
 CONSUMER_OFFSETS = "__consumer_offsets"
 INTERNAL_TOPICS = frozenset({CONSUMER_OFFSETS, "__transaction_state", "__cluster_metadata"})
 INTERNAL_TOPIC_PARTITIONS = 1
