@@ -1159,7 +1159,8 @@ PyDoc_STRVAR(map_buffer_doc,
 "map_buffer(size, huge) -> MappedBuffer\n\n"
 "A fresh anonymous private mapping of `size` bytes (page aligned, zero pages until written)\n"
 "as a writable buffer (len() = size; unmapped when the object goes), with MADV_HUGEPAGE\n"
-"when `huge` (best effort). mmap and madvise run with the interpreter lock released: both\n"
+"when `huge` (best effort; from 2 MiB on the mapping then starts on a 2 MiB boundary, so\n"
+"O_DIRECT reads into it go to the device in large requests). mmap and madvise run with the interpreter lock released: both\n"
 "take the process's mmap lock for writing, which waits behind every other thread's page\n"
 "faults in progress (the cold read threads' O_DIRECT reads into fresh memory), and through\n"
 "Python's mmap module a cold thread waited so holding the interpreter lock, stalling the\n"
@@ -1575,6 +1576,29 @@ static PyTypeObject MappedBuffer_Type = {
 };
 static int mapped_ready = 0;
 
+/* Huge-page buffers start on a 2 MiB boundary: an O_DIRECT read is one device request per
+   physically contiguous run of its buffer, at most max_segments (254 on the test VM's virtio
+   disk) runs per request, and mmap placed a buffer whose length is not a multiple of 2 MiB
+   (a cold span: 8 MiB and a granule) anywhere, with 4 KiB pages before its first 2 MiB
+   boundary. Only the start is aligned: the length stays the page-rounded size asked for
+   (rounding it up to whole huge pages cost ~30 % more fresh memory per cold pass, each huge
+   page first-touched at ~2 s of CPU per GiB on the test VM; bench/HISTORY.md, session 29). */
+#define HUGE_ALIGN ((size_t)2 << 20)
+
+static void *map_huge_aligned(size_t maplen) {
+    size_t over = maplen + HUGE_ALIGN;
+    unsigned char *raw = mmap(NULL, over, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                              -1, 0);
+    if (raw == MAP_FAILED)
+        return MAP_FAILED;
+    size_t head = (HUGE_ALIGN - (uintptr_t)raw % HUGE_ALIGN) % HUGE_ALIGN;
+    if (head)
+        munmap(raw, head);
+    if (over - head - maplen)
+        munmap(raw + head + maplen, over - head - maplen);
+    return raw + head;
+}
+
 static PyObject *map_buffer(PyObject *self, PyObject *args) {
     Py_ssize_t size;
     int huge;
@@ -1594,7 +1618,12 @@ static PyObject *map_buffer(PyObject *self, PyObject *args) {
     void *p;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
-    p = mmap(NULL, maplen, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+#ifdef MADV_HUGEPAGE
+    if (huge && maplen >= HUGE_ALIGN)
+        p = map_huge_aligned(maplen);
+    else
+#endif
+        p = mmap(NULL, maplen, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
         err = errno;
 #ifdef MADV_HUGEPAGE
