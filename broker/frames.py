@@ -104,20 +104,29 @@ class FramePool:
         self.prefilled = 0       # frames served from the prefill thread (tests, bench)
 
     def take(self, size: int) -> bytearray:
-        """A bytearray of exactly ``size`` bytes (contents undefined)."""
+        """A bytearray of exactly ``size`` bytes (contents undefined).
+
+        A pooled frame is taken when ``size`` fits its allocation (resized within it: no
+        realloc, no copy), else the largest pooled frame of at least half of ``size``, grown
+        to it: only the added tail is fresh memory (a realloc of a large block remaps its
+        pages). Without growing, a request larger than every pooled frame faulted in a whole
+        new frame while the pool kept the smaller ones: after make bench's 100 B row (requests
+        of ~0.95 MB) the 1 KiB row (~1.05 MB) faulted in ~0.9 GB of new frames (223k faults,
+        the prefill thread 0.9 s of CPU in 8 s) while the evicted 100 B frames went unused.
+        Growing a 0.99 MB frame to 1.05 MB: ~14 faults and ~28 us; a new 1.05 MB frame
+        faulted in: ~257 faults and ~330 us (this VM, bench/HISTORY.md session 29)."""
         free = self._free
+        smaller = -1                    # the largest frame below ``size``, at least half of it
         for i in range(len(free) - 1, -1, -1):
             buf = free[i]
             cap = buf.__alloc__()
             if cap // 2 <= size < cap:  # resized within its allocation: no realloc, no copy
-                del free[i]
-                self.bytes -= len(buf)
-                n = len(buf)
-                if n > size:
-                    del buf[size:]
-                elif n < size:
-                    buf.extend(bytes(size - n))
-                return buf
+                return self._reuse(i, size)
+            n = len(buf)
+            if size // 2 <= n < size and (smaller < 0 or n > len(free[smaller])):
+                smaller = i
+        if smaller >= 0:
+            return self._reuse(smaller, size)
         if size >= PREFILL_FROM:
             pre = self._prefill
             if pre is None:
@@ -129,6 +138,17 @@ class FramePool:
         # exact size: the LogCache may keep the frame (it holds the payload view), and
         # headroom would be memory it does not account for
         return _alloc_frame(size)
+
+    def _reuse(self, i: int, size: int) -> bytearray:
+        """Pooled frame ``i`` out of the pool, resized to ``size`` (nothing sees it: ``give``)."""
+        buf = self._free.pop(i)
+        n = len(buf)
+        self.bytes -= n
+        if n > size:
+            del buf[size:]
+        elif n < size:
+            buf.extend(bytes(size - n))
+        return buf
 
     def recycle(self, box: list[Any]) -> None:
         """An evicted LogCache payload (``[payload]``, whose list is the only reference to it):

@@ -260,6 +260,36 @@ def test_frame_pool_takes_back_only_unshared_frames():
     assert id(again) == ident and len(again) == 199_000
 
 
+def test_frame_pool_grows_a_smaller_pooled_frame_instead_of_faulting_in_a_new_one():
+    """A request larger than every pooled frame takes the largest pooled frame of at least
+    half its size, grown to it (only the added tail is new memory): the frames an earlier
+    mix of smaller requests left (make bench's 100 B row, ~0.95 MB) serve the next, larger
+    ones (its 1 KiB row, ~1.05 MB). They used to sit in the pool while every request faulted
+    in a new frame (~0.9 GB in that row)."""
+    from broker.frames import FramePool, _alloc_frame
+
+    pool = FramePool(max_bytes=8 << 20)
+    try:
+        frames = {n: _alloc_frame(n) for n in (400_000, 600_000, 990_000)}
+        for n, frame in frames.items():
+            frame[:4] = n.to_bytes(4, "big")
+            pool.give(frame)
+        ids = {n: id(frame) for n, frame in frames.items()}
+        del frames, frame
+        assert pool.bytes == 1_990_000
+        first = pool.take(1_050_000)                 # the largest below it, grown
+        assert (id(first), len(first)) == (ids[990_000], 1_050_000)
+        assert bytes(first[:4]) == (990_000).to_bytes(4, "big")   # the same buffer
+        second = pool.take(1_050_000)                # 600,000: still at least half of it
+        assert (id(second), len(second)) == (ids[600_000], 1_050_000)
+        third = pool.take(1_050_000)                 # 400,000 is less than half: a new frame
+        assert id(third) != ids[400_000] and len(third) == 1_050_000
+        assert pool.bytes == 400_000
+        assert pool.take(390_000) is not None and pool.bytes == 0   # fits its allocation
+    finally:
+        pool.close()
+
+
 def test_frame_prefill_of_varying_request_sizes_faults_in_about_what_is_taken(monkeypatch):
     """Requests of varying sizes (a linger-5 client: each one another size class) are served
     from frames of recent classes; the thread faults in about what is taken. It used to empty
