@@ -71,7 +71,13 @@ WAL_RECORD_HEADER = 24                      # the WAL's own per-record header (o
 # every producer once the LogCache was full (bench/HISTORY.md, session 14).
 OBJECT_SPLIT_BYTES = 28 << 20
 PUTS_IN_FLIGHT = 2
-ENCODE_BUFFERS = PUTS_IN_FLIGHT + 1         # kept: those being written, the next encoded
+# ... and this many while appends wait on the upload (Engine._upload_urgent: a forced upload,
+# cache pressure, the WAL past half its capacity). Under raw 1 MiB produce the LogCache is full
+# of unuploaded data from the second second on and appends wait for cache room ~70 % of the
+# time; the upload, two puts in flight 80 % of it, is then what producers wait on (session 29).
+# Outside such pressure PUTS_IN_FLIGHT stays: fewer object pieces in front of each WAL write.
+URGENT_PUTS_IN_FLIGHT = 4
+ENCODE_BUFFERS = URGENT_PUTS_IN_FLIGHT + 1  # kept: those being written, the next encoded
 ENCODE_BUFFER_MAX = 128 << 20              # largest object encode buffer kept for reuse
 ENCODE_BUFFER_MIN = OBJECT_SPLIT_BYTES + (1 << 20)   # smallest one made (see _take_encode_buffer)
 CATCHUP_GAIN = 1.5                          # a paced catch-up reader gets >= this x the append rate
@@ -933,6 +939,23 @@ class Engine(StreamStore):
             return 0.0
         return UPLOAD_PAUSE_S
 
+    def _upload_urgent(self) -> bool:
+        """Appends wait on the upload now or are about to: a forced upload (the cache or the
+        WAL was full: producers back-pressured; recovery), half the LogCache unuploaded, or the
+        WAL past half its capacity. Its puts then run URGENT_PUTS_IN_FLIGHT at a time. The
+        cache's room counts what uploads in flight took (not evictable before their commit),
+        so the backlog does, not only the pending queue a round's take just emptied."""
+        return (self._force_upload or self._backlog_bytes() >= self._pressure_at
+                or self._wal_head - self._wal_trimmed > self.config.wal_capacity // 2)
+
+    def _puts_in_flight(self, gentle: bool) -> int:
+        """How many puts an upload keeps in flight before it waits for the oldest: one for a
+        gentle one (see _gentle_writes), more while appends wait on it (_upload_urgent), else
+        PUTS_IN_FLIGHT."""
+        if gentle:
+            return 1
+        return URGENT_PUTS_IN_FLIGHT if self._upload_urgent() else PUTS_IN_FLIGHT
+
     def _cache_pressure(self) -> bool:
         """Half the LogCache holds unuploaded data: upload before appends hit back-pressure.
         (Counting evictable, already uploaded entries would keep a warm cache - which stays
@@ -1157,11 +1180,14 @@ class Engine(StreamStore):
         """Bytes appended and not uploaded yet: the cache's pending queue and what uploads in
         flight took from it (during an object store outage the upload being retried holds
         all of it, and pending alone read 0); and the oldest entry of each of those."""
-        uploading = list(self._upload_takes.values())
-        firsts = [first for _, first in uploading]
+        firsts = [first for _, first in self._upload_takes.values()]
         if self.cache.pending:
             firsts.append(self.cache.pending[0])
-        return self.cache.pending_bytes + sum(n for n, _ in uploading), firsts
+        return self._backlog_bytes(), firsts
+
+    def _backlog_bytes(self) -> int:
+        """upload_backlog's bytes: the pending queue and what uploads in flight took."""
+        return self.cache.pending_bytes + sum(n for n, _ in self._upload_takes.values())
 
     async def _commit_outcome(self, exc: BaseException, object_ids: list[int]) -> str:
         """"committed", "failed" or "unknown" for a commit that raised. One whose COMMIT was
@@ -1322,11 +1348,11 @@ class Engine(StreamStore):
                         pause=pause)
                 size = len(data)
                 new.append((NewObject(oid, size, ranges), key, kind))
-                # written while the next ones are encoded, PUTS_IN_FLIGHT at a time (one
+                # written while the next ones are encoded, _puts_in_flight at a time (one
                 # at a time for a background upload of small records: the WAL writes of the
                 # small appends beside it queue behind one put's piece, not two)
                 gentle = background and small and self._upload_pause() > 0
-                while len(writing) >= (1 if gentle else PUTS_IN_FLIGHT):
+                while len(writing) >= self._puts_in_flight(gentle):
                     await writing.pop(0)
                 writing.append(asyncio.ensure_future(
                     self._put_object(key, data, into, kind, gentle)))
