@@ -37,7 +37,7 @@ from .loop_slices import (NATIVE_ENCODE, SLICE_S, encode_object_in_slices, encod
                           no_pause, object_size_in_slices)
 from .metrics import MeasuredStore, StorageStats
 from .objects.format import NOGIL_COPY_FROM
-from .objects.store import ObjectStore, open_object_store
+from .objects.store import RECYCLE_BYTES, ObjectStore, open_object_store
 from .reader import ObjectReader
 from .thread_priority import background_executor, in_io_class
 from .stream import (Batch, OffsetOutOfRange, OffsetStream, PayloadChecksumError,
@@ -110,6 +110,9 @@ class EngineConfig:
     # file:// objects written and their blocks read with O_DIRECT (no page-cache copy either
     # way: less CPU per uploaded and per cold-read MiB); docs/storage.md
     object_direct_writes: bool = True
+    # most bytes of deleted objects' files a file:// store keeps for later puts to overwrite
+    # (0: unlink every one); docs/storage.md "Recycled object files"
+    object_recycle_bytes: int = RECYCLE_BYTES
     compaction_interval_s: float = 300.0
     compaction_min_objects: int = 4          # compact when this many small objects exist
     compaction_max_bytes: int = 256 << 20    # most bytes one compaction round reads
@@ -622,7 +625,8 @@ class Engine(StreamStore):
         self.fenced_error = FencedError
         self.checksum_error = ChecksumMismatchError
         self.meta = await self.io(open_metastore, c.metadata_url)
-        inner = await self.io(open_object_store, c.object_store)
+        inner = await self.io(open_object_store, c.object_store, False,
+                              c.object_recycle_bytes)
         if hasattr(inner, "direct_writes"):
             inner.direct_writes = c.object_direct_writes
         if hasattr(inner, "gentle"):       # small device reads while producers append
