@@ -1,6 +1,6 @@
 """The upload's per-object chain (prepare the metadata row, encode, put) keeps the puts busy:
-the next object's row is prepared while this one is encoded, and a put that ends frees its
-slot for the next object whichever put started first (real files, a real SQLite metastore)."""
+while appends wait on the upload the next object's row is prepared while this one is encoded,
+and a put that ends frees its slot for the next object whichever put started first (real files, a real SQLite metastore)."""
 from __future__ import annotations
 
 import threading
@@ -13,9 +13,9 @@ from storage_helpers import fill, read_all, small_config
 MIB = 1 << 20
 
 
-def _config(tmp_path):
+def _config(tmp_path, log_cache_bytes: int = 64 << 20):
     # large records (encoded on an IO thread), a background upload of several 1 MiB objects
-    return small_config(tmp_path, wal_capacity=64 << 20, log_cache_bytes=64 << 20,
+    return small_config(tmp_path, wal_capacity=64 << 20, log_cache_bytes=log_cache_bytes,
                         upload_threshold_bytes=6 << 20, upload_interval_s=3600,
                         object_block_bytes=64 << 10)
 
@@ -55,9 +55,11 @@ async def _upload_some(eng) -> None:
 
 async def test_the_next_row_is_prepared_while_an_object_is_encoded(tmp_path,
                                                                    monkeypatch) -> None:
+    """... while appends wait on the upload: its 7 MiB taken fill over half of a 12 MiB
+    LogCache (Engine._upload_urgent)."""
     import storage.engine as engine_mod
     monkeypatch.setattr(engine_mod, "OBJECT_SPLIT_BYTES", 1 << 20)
-    eng = open_engine(_config(tmp_path))
+    eng = open_engine(_config(tmp_path, log_cache_bytes=12 << 20))
     await eng.start()
     try:
         spans = _Spans()
