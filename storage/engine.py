@@ -37,7 +37,7 @@ from .loop_slices import (NATIVE_ENCODE, SLICE_S, encode_object_in_slices, encod
                           no_pause, object_size_in_slices)
 from .metrics import MeasuredStore, StorageStats
 from .objects.format import NOGIL_COPY_FROM
-from .objects.store import ObjectStore, open_object_store
+from .objects.store import RECYCLE_BYTES, ObjectStore, open_object_store
 from .reader import ObjectReader
 from .thread_priority import background_executor, in_io_class
 from .stream import (Batch, OffsetOutOfRange, OffsetStream, PayloadChecksumError,
@@ -71,7 +71,13 @@ WAL_RECORD_HEADER = 24                      # the WAL's own per-record header (o
 # every producer once the LogCache was full (bench/HISTORY.md, session 14).
 OBJECT_SPLIT_BYTES = 28 << 20
 PUTS_IN_FLIGHT = 2
-ENCODE_BUFFERS = PUTS_IN_FLIGHT + 1         # kept: those being written, the next encoded
+# ... and this many while appends wait on the upload (Engine._upload_urgent: a forced upload,
+# cache pressure, the WAL past half its capacity). Under raw 1 MiB produce the LogCache is full
+# of unuploaded data from the second second on and appends wait for cache room ~70 % of the
+# time; the upload, two puts in flight 80 % of it, is then what producers wait on (session 29).
+# Outside such pressure PUTS_IN_FLIGHT stays: fewer object pieces in front of each WAL write.
+URGENT_PUTS_IN_FLIGHT = 4
+ENCODE_BUFFERS = URGENT_PUTS_IN_FLIGHT + 1  # kept: those being written, the next encoded
 ENCODE_BUFFER_MAX = 128 << 20              # largest object encode buffer kept for reuse
 ENCODE_BUFFER_MIN = OBJECT_SPLIT_BYTES + (1 << 20)   # smallest one made (see _take_encode_buffer)
 CATCHUP_GAIN = 1.5                          # a paced catch-up reader gets >= this x the append rate
@@ -104,6 +110,9 @@ class EngineConfig:
     # file:// objects written and their blocks read with O_DIRECT (no page-cache copy either
     # way: less CPU per uploaded and per cold-read MiB); docs/storage.md
     object_direct_writes: bool = True
+    # most bytes of deleted objects' files a file:// store keeps for later puts to overwrite
+    # (0: unlink every one); docs/storage.md "Recycled object files"
+    object_recycle_bytes: int = RECYCLE_BYTES
     compaction_interval_s: float = 300.0
     compaction_min_objects: int = 4          # compact when this many small objects exist
     compaction_max_bytes: int = 256 << 20    # most bytes one compaction round reads
@@ -198,6 +207,17 @@ async def _payload_cumsum(recs: list[Any], pause: Callable[[], float] = no_pause
             await asyncio.sleep(pause())
             until = clock() + SLICE_S
     return cum
+
+
+async def _put_ended(writing: set[asyncio.Future]) -> None:
+    """Wait until one of the puts in flight ends - any of them, not the oldest: puts of one
+    round take 30-70 ms each on a busy disk, and waiting for the oldest left a slot that a
+    later put freed idle meanwhile - and drop the ended ones from ``writing`` (raises a failed
+    one's error)."""
+    done, _ = await asyncio.wait(writing, return_when=asyncio.FIRST_COMPLETED)
+    writing.difference_update(done)
+    for f in done:
+        f.result()
 
 
 def open_engine(config: EngineConfig) -> "Engine":
@@ -616,7 +636,8 @@ class Engine(StreamStore):
         self.fenced_error = FencedError
         self.checksum_error = ChecksumMismatchError
         self.meta = await self.io(open_metastore, c.metadata_url)
-        inner = await self.io(open_object_store, c.object_store)
+        inner = await self.io(open_object_store, c.object_store, False,
+                              c.object_recycle_bytes)
         if hasattr(inner, "direct_writes"):
             inner.direct_writes = c.object_direct_writes
         if hasattr(inner, "gentle"):       # small device reads while producers append
@@ -933,6 +954,23 @@ class Engine(StreamStore):
             return 0.0
         return UPLOAD_PAUSE_S
 
+    def _upload_urgent(self) -> bool:
+        """Appends wait on the upload now or are about to: a forced upload (the cache or the
+        WAL was full: producers back-pressured; recovery), half the LogCache unuploaded, or the
+        WAL past half its capacity. Its puts then run URGENT_PUTS_IN_FLIGHT at a time. The
+        cache's room counts what uploads in flight took (not evictable before their commit),
+        so the backlog does, not only the pending queue a round's take just emptied."""
+        return (self._force_upload or self._backlog_bytes() >= self._pressure_at
+                or self._wal_head - self._wal_trimmed > self.config.wal_capacity // 2)
+
+    def _puts_in_flight(self, gentle: bool) -> int:
+        """How many puts an upload keeps in flight before it waits for the oldest: one for a
+        gentle one (see _gentle_writes), more while appends wait on it (_upload_urgent), else
+        PUTS_IN_FLIGHT."""
+        if gentle:
+            return 1
+        return URGENT_PUTS_IN_FLIGHT if self._upload_urgent() else PUTS_IN_FLIGHT
+
     def _cache_pressure(self) -> bool:
         """Half the LogCache holds unuploaded data: upload before appends hit back-pressure.
         (Counting evictable, already uploaded entries would keep a warm cache - which stays
@@ -1157,11 +1195,14 @@ class Engine(StreamStore):
         """Bytes appended and not uploaded yet: the cache's pending queue and what uploads in
         flight took from it (during an object store outage the upload being retried holds
         all of it, and pending alone read 0); and the oldest entry of each of those."""
-        uploading = list(self._upload_takes.values())
-        firsts = [first for _, first in uploading]
+        firsts = [first for _, first in self._upload_takes.values()]
         if self.cache.pending:
             firsts.append(self.cache.pending[0])
-        return self.cache.pending_bytes + sum(n for n, _ in uploading), firsts
+        return self._backlog_bytes(), firsts
+
+    def _backlog_bytes(self) -> int:
+        """upload_backlog's bytes: the pending queue and what uploads in flight took."""
+        return self.cache.pending_bytes + sum(n for n, _ in self._upload_takes.values())
 
     async def _commit_outcome(self, exc: BaseException, object_ids: list[int]) -> str:
         """"committed", "failed" or "unknown" for a commit that raised. One whose COMMIT was
@@ -1295,11 +1336,21 @@ class Engine(StreamStore):
         new: list[tuple[NewObject, str, str]] = []
         prepared: list[tuple[int, str]] = []
         unknown = False          # a commit whose outcome could not be read back
-        writing: list[asyncio.Future] = []        # puts in flight, oldest first
+        writing: set[asyncio.Future] = set()      # puts in flight
+        # the next object's metadata row, prepared while this one is encoded and written, while
+        # appends wait on this upload (_upload_urgent): a prepare is a durable SQLite commit on
+        # the disk the puts keep busy (median 5 ms, p90 10 ms under raw produce), which held
+        # every object's encode and put behind it. Otherwise one at a time, as before: nothing
+        # waits, and the small-record uploads beside latency-sensitive appends stay unchanged
+        ahead: asyncio.Future | None = None
         try:
-            for kind, recs, payload in groups:
-                oid, key = await self.io(self.meta.prepare_object, kind, c.node_id)
+            for i, (kind, recs, payload) in enumerate(groups):
+                this, ahead = ahead, None
+                oid, key = await (this or self.io(self.meta.prepare_object, kind, c.node_id))
                 prepared.append((oid, key))
+                if i + 1 < len(groups) and self._upload_urgent():
+                    ahead = asyncio.ensure_future(
+                        self.io(self.meta.prepare_object, groups[i + 1][0], c.node_id))
                 # encode buffers reused across uploads (taken while in use: the previous
                 # objects are written meanwhile, a drain may upload beside the loop): fresh
                 # memory faults a page per 4 KiB
@@ -1322,17 +1373,17 @@ class Engine(StreamStore):
                         pause=pause)
                 size = len(data)
                 new.append((NewObject(oid, size, ranges), key, kind))
-                # written while the next ones are encoded, PUTS_IN_FLIGHT at a time (one
+                # written while the next ones are encoded, _puts_in_flight at a time (one
                 # at a time for a background upload of small records: the WAL writes of the
                 # small appends beside it queue behind one put's piece, not two)
                 gentle = background and small and self._upload_pause() > 0
-                while len(writing) >= (1 if gentle else PUTS_IN_FLIGHT):
-                    await writing.pop(0)
-                writing.append(asyncio.ensure_future(
+                while len(writing) >= self._puts_in_flight(gentle):
+                    await _put_ended(writing)
+                writing.add(asyncio.ensure_future(
                     self._put_object(key, data, into, kind, gentle)))
                 data = None
             while writing:
-                await writing.pop(0)
+                await _put_ended(writing)
             if before_commit is not None:
                 await before_commit()
             crash_point("before_commit")
@@ -1354,6 +1405,11 @@ class Engine(StreamStore):
                 for w in writing:
                     if not w.cancelled():
                         w.exception()        # retrieved: this upload fails with ``exc``
+            if ahead is not None:            # a row prepared for an object never written
+                try:
+                    prepared.append(await ahead)
+                except Exception:  # noqa: BLE001 - not prepared: nothing to forget
+                    pass
             if unknown:
                 # the commit may have landed and could not be read back: never delete what
                 # the store's metadata may point to (still prepared ones are removed at the

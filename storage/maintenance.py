@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 log = logging.getLogger(__name__)
+# the object store's temp files of interrupted puts are swept at start-up and this often
+TEMP_SWEEP_INTERVAL_S = 600.0
 
 # keep(base_offset, count, payload, must_keep) -> replacement payload, or None to drop it.
 # ``must_keep`` marks the last payload of the rewritten range: it pins the range's end offset
@@ -84,6 +86,7 @@ class Maintenance:
         # compaction and rewrites both replace objects: never at the same time
         self.lock = asyncio.Lock()
         self._leftovers: list[tuple[int, str]] = []  # (object id, key) a crash left behind
+        self._last_sweep = 0.0                         # (monotonic) see sweep_temp_files
 
     def forget_later(self, objects: list[tuple[int, str]]) -> None:
         """Objects of a failed upload: delete their keys and rows on the next cleanup pass."""
@@ -110,8 +113,27 @@ class Maintenance:
             log.info("deleted %d leftover objects", len(left))
         self._leftovers = []
 
+    async def sweep_temp_files(self) -> None:
+        """Remove the temp files of puts a crash interrupted (a file:// store's
+        ``sweep_temp_files``; other stores have none). Never fails the caller."""
+        e = self.engine
+        sweep = getattr(e.store, "sweep_temp_files", None)
+        if sweep is None:
+            return
+        self._last_sweep = time.monotonic()
+        try:
+            n = await e.io(sweep)
+        except Exception as ex:  # noqa: BLE001 - a directory that cannot be read: next time
+            log.warning("could not sweep the object store's temp files: %s", ex)
+            return
+        if n:
+            log.info("swept %d temp files of interrupted object puts", n)
+
     async def run(self) -> None:
         c = self.engine.config
+        # in the background (start-up never waits on the store), then once in a while: a
+        # temp file must be TEMP_SWEEP_AGE_S old to go, so one a crash just left waits
+        await self.sweep_temp_files()
         while self._leftovers:          # first, in the background: the store may be down
             try:
                 await self.delete_leftovers()
@@ -124,6 +146,8 @@ class Maintenance:
             await asyncio.sleep(min(c.cleanup_interval_s, c.compaction_interval_s))
             try:
                 await self.cleanup()
+                if time.monotonic() - self._last_sweep >= TEMP_SWEEP_INTERVAL_S:
+                    await self.sweep_temp_files()
                 if time.monotonic() - self._last_compaction >= c.compaction_interval_s:
                     self._last_compaction = time.monotonic()
                     await self.compact()

@@ -142,6 +142,14 @@ RECYCLE_MIN = 1 << 20
 # holds its descriptor for one span read, never this long; with unlink it would read the old
 # inode, with recycling the new object's bytes
 RECYCLE_QUARANTINE_S = 0.5
+# Temp files of puts that died mid-way (kill -9 between the temp file's creation and its rename)
+# are swept (FileObjectStore.sweep_temp_files): a put holds an exclusive flock on its temp file
+# from right after creating (or renaming) it until it is published, and the kernel drops the
+# lock with the process, so a temp file whose lock can be had belongs to no live put - in this
+# process or another broker sharing the directory. The age (since its last change: creation,
+# rename, write) covers the moment between a put's create and its flock.
+TEMP_MARK = ".tmp-"
+TEMP_SWEEP_AGE_S = 60.0
 
 
 def _read_range(fd: int, start: int, n: int) -> bytes | memoryview:
@@ -245,20 +253,61 @@ class FileObjectStore(ObjectStore):
             return best
 
     def _open_new(self, tmp: str, size: int) -> tuple[int, int]:
-        """An fd for writing a put's temp file and the size the file already has: a pooled
-        file renamed to ``tmp`` (its blocks overwritten in place: see RECYCLE_DIR), else a
-        new empty file (0)."""
+        """An fd for writing a put's temp file, locked (see TEMP_SWEEP_AGE_S), and the size
+        the file already has: a pooled file renamed to ``tmp`` (its blocks overwritten in
+        place: see RECYCLE_DIR), else a new empty file (0)."""
         while (pooled := self._take_pooled(size)) is not None:
             try:
                 os.rename(pooled.path, tmp)
             except FileNotFoundError:
                 continue                      # another broker sharing the directory took it
             try:
-                return os.open(tmp, os.O_WRONLY | os.O_CLOEXEC), pooled.size
+                return _locked(os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)), pooled.size
             except OSError:
                 os.unlink(tmp)
                 raise
-        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), 0
+        return _locked(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                               0o644)), 0
+
+    def sweep_temp_files(self, min_age_s: float | None = None) -> int:
+        """Remove the temp files of puts that died before their rename (a kill -9 mid-put):
+        into the recycle pool when large enough and it has room, else unlinked. Only names
+        this store's puts make (TEMP_MARK) that no live put holds (its flock) and that
+        nothing changed for ``min_age_s`` (default TEMP_SWEEP_AGE_S); returns how many went.
+        The engine runs it in the background at start-up (and now and then: Maintenance)."""
+        min_age_s = TEMP_SWEEP_AGE_S if min_age_s is None else min_age_s
+        swept = 0
+        for dirpath, dirs, files in os.walk(self.root):
+            if dirpath == self.root and RECYCLE_DIR in dirs:
+                dirs.remove(RECYCLE_DIR)
+            for name in files:
+                if TEMP_MARK in name:
+                    swept += self._sweep_temp(os.path.join(dirpath, name), min_age_s)
+        return swept
+
+    def _sweep_temp(self, path: str, min_age_s: float) -> bool:
+        """One temp file of sweep_temp_files: recycled or unlinked while holding its lock,
+        by name (a sweeper racing another one finds the name gone)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False                      # gone meanwhile (published, or swept)
+        try:
+            if time.time() - os.fstat(fd).st_ctime < min_age_s:
+                return False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False                  # a live put's
+            if self.recycle_bytes > 0 and self._recycle(path):
+                return True
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                return False
+            return True
+        finally:
+            os.close(fd)
 
     def _recycle(self, path: str) -> bool:
         """Move a deleted object's file into the pool if it is large enough and the pool has
@@ -324,7 +373,7 @@ class FileObjectStore(ObjectStore):
         path = self._path(key)
         parent = os.path.dirname(path)
         os.makedirs(parent, exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        tmp = f"{path}{TEMP_MARK}{uuid.uuid4().hex}"
         view = memoryview(data).cast("B")
         try:
             fd, old = self._open_new(tmp, len(view))
@@ -549,7 +598,7 @@ class FileObjectStore(ObjectStore):
             if dirpath == self.root and RECYCLE_DIR in dirs:
                 dirs.remove(RECYCLE_DIR)          # deleted objects kept for reuse
             for name in files:
-                if ".tmp-" in name:
+                if TEMP_MARK in name:
                     continue
                 key = os.path.relpath(os.path.join(dirpath, name), self.root).replace(os.sep, "/")
                 if key.startswith(prefix):
@@ -613,6 +662,17 @@ def _write_direct(fd: int, view: memoryview, chunk: int = FILE_WRITE_CHUNK) -> i
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
+def _locked(fd: int) -> int:
+    """``fd`` with an exclusive flock held (a put's temp file: see TEMP_SWEEP_AGE_S); closed
+    if the lock cannot be had (another process swept it between open and lock)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _write_all(fd: int, view: memoryview) -> None:
     """os.write until every byte is written (a write may be short)."""
     while len(view):
@@ -668,18 +728,20 @@ class MemObjectStore(ObjectStore):
             return sorted(k for k in self.objects if k.startswith(prefix))
 
 
-def open_object_store(url: str, probe: bool = False) -> ObjectStore:
+def open_object_store(url: str, probe: bool = False,
+                      recycle_bytes: int = RECYCLE_BYTES) -> ObjectStore:
     """Build a store from ``file://DIR``, ``mem://[name]`` or ``s3://bucket/prefix?...``.
-    ``probe``: short timeouts and few retries (the start-up check must not hang)."""
+    ``probe``: short timeouts and few retries (the start-up check must not hang);
+    ``recycle_bytes``: a file store's recycle pool bound (see RECYCLE_DIR)."""
     parts = urlsplit(url)
     if parts.scheme == "file":
         return FileObjectStore(parts.netloc + parts.path if parts.netloc not in ("", "localhost")
-                               else parts.path)
+                               else parts.path, recycle_bytes=recycle_bytes)
     if parts.scheme == "mem":
         return MemObjectStore(parts.netloc + parts.path)
     if parts.scheme == "s3":
         from .s3 import S3ObjectStore
         return S3ObjectStore(url, probe=probe)
     if parts.scheme == "" and url:
-        return FileObjectStore(url)
+        return FileObjectStore(url, recycle_bytes=recycle_bytes)
     raise ValueError(f"unsupported object store URL {url!r}")

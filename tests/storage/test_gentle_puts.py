@@ -15,8 +15,9 @@ from storage.engine import open_engine
 from storage_helpers import fill, read_all, small_config
 
 
-def _watch_puts(eng, monkeypatch):
-    """(sizes of the object-store file writes, most puts seen in flight at once)."""
+def _watch_puts(eng, monkeypatch, delay: float = 0.05):
+    """(sizes of the object-store file writes, most puts seen in flight at once); each put
+    takes ``delay`` longer (a slower store: the next put starts meanwhile)."""
     from storage.objects import store as store_mod
     writes: list[int] = []
     real_write = store_mod.os.write
@@ -44,7 +45,7 @@ def _watch_puts(eng, monkeypatch):
             state["most"] = max(state["most"], state["now"])
         try:
             real_put(key, data)
-            time.sleep(0.05)                 # a slower store: the next put starts meanwhile
+            time.sleep(delay)
         finally:
             with lock:
                 state["now"] -= 1
@@ -89,6 +90,30 @@ async def test_background_uploads_of_small_records_write_gently(tmp_path, monkey
         else:
             assert max(big) == store_mod.FILE_WRITE_CHUNK
             assert puts["most"] == 2
+        assert len(await read_all(s, max_bytes=1 << 20)) == s.confirmed_offset
+    finally:
+        await eng.close()
+
+
+async def test_uploads_that_appends_wait_on_write_more_puts_at_once(tmp_path,
+                                                                     monkeypatch) -> None:
+    """Appends waiting for cache room (producers back-pressured): the upload is what they wait
+    on, so it keeps URGENT_PUTS_IN_FLIGHT puts in flight, not PUTS_IN_FLIGHT."""
+    import storage.engine as engine_mod
+    monkeypatch.setattr(engine_mod, "OBJECT_SPLIT_BYTES", 1 << 20)   # several objects
+    assert engine_mod.URGENT_PUTS_IN_FLIGHT > engine_mod.PUTS_IN_FLIGHT
+    cfg = small_config(tmp_path, wal_capacity=128 << 20, log_cache_bytes=16 << 20,
+                       upload_threshold_bytes=64 << 20, upload_interval_s=3600,
+                       object_block_bytes=64 << 10, backpressure_timeout_s=30)
+    eng = open_engine(cfg)
+    await eng.start()
+    try:
+        writes, puts = _watch_puts(eng, monkeypatch, delay=0.2)   # appends outrun uploads
+        s = await eng.create_stream()
+        await fill(s, 192, count=1, size=128 << 10)    # 24 MiB through a 16 MiB cache
+        assert eng.stats.backpressure_waits["cache_full"] > 0
+        await eng.flush()
+        assert puts["most"] == engine_mod.URGENT_PUTS_IN_FLIGHT
         assert len(await read_all(s, max_bytes=1 << 20)) == s.confirmed_offset
     finally:
         await eng.close()
