@@ -23,6 +23,8 @@ import select
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
+from storage.wal.wal import as_bytes_view
+
 # answers from this size on are sent by a sender thread (a thread hop costs ~20-50 us; the
 # kernel's send of 1 MiB on loopback ~0.2 ms)
 OFFLOAD_MIN = 1 << 20
@@ -41,11 +43,7 @@ def sender_pool(cpus: int | None = None) -> ThreadPoolExecutor | None:
 
 def byte_views(buffers: Sequence[Any]) -> list[memoryview]:
     """Flat byte views of ``buffers`` (the encoders' bytes, bytearrays and memoryviews)."""
-    out = []
-    for b in buffers:
-        mv = memoryview(b)
-        out.append(mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))
-    return out
+    return [as_bytes_view(b) for b in buffers]
 
 
 def send_some(fd: int, views: list[memoryview]) -> list[memoryview]:

@@ -993,25 +993,25 @@ def _prepare(body) -> tuple:
         if type(body) is tuple and len(body) == 2:    # (header, payload): the engine's
             a, b = body
             if type(a) is not bytes:
-                a = _as_bytes_view(a)
+                a = as_bytes_view(a)
             if type(b) is not bytes and (type(b) is not memoryview or b.ndim != 1
                                          or b.format != "B"):     # the engine's is flat
-                b = _as_bytes_view(b)
+                b = as_bytes_view(b)
             return body if a is body[0] and b is body[1] else (a, b), len(a) + len(b), None
         if isinstance(body, (tuple, list)):
-            parts = tuple(p if type(p) is bytes else _as_bytes_view(p) for p in body)
+            parts = tuple(p if type(p) is bytes else as_bytes_view(p) for p in body)
             return parts, sum(len(p) for p in parts), None
-        body = _as_bytes_view(body)
+        body = as_bytes_view(body)
         return body, len(body), None
     if type(body) is bytes:
         return body, len(body), body_crc(body)
     if isinstance(body, (tuple, list)):
-        parts = tuple(p if type(p) is bytes else _as_bytes_view(p) for p in body)
+        parts = tuple(p if type(p) is bytes else as_bytes_view(p) for p in body)
         crc = 0
         for p in parts:
             crc = crc32c.crc32c(p, crc)
         return parts, sum(len(p) for p in parts), crc
-    body = _as_bytes_view(body)
+    body = as_bytes_view(body)
     return body, len(body), body_crc(body)
 
 
@@ -1061,11 +1061,11 @@ def _length(body) -> int:
     if type(body) is bytes:
         return len(body)
     if isinstance(body, (tuple, list)):
-        return sum(len(p) if type(p) is bytes else len(_as_bytes_view(p)) for p in body)
-    return len(_as_bytes_view(body))
+        return sum(len(p) if type(p) is bytes else len(as_bytes_view(p)) for p in body)
+    return len(as_bytes_view(body))
 
 
-def _as_bytes_view(body) -> memoryview:
+def as_bytes_view(body) -> memoryview:
     """A flat byte view, so len() counts bytes even for typed or multi-dimensional buffers."""
     view = memoryview(body)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
