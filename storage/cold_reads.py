@@ -322,10 +322,9 @@ class ColdReadPacer:
         IDLE_PROBE_S while producers append (windows close, hot spans feed the baseline);
         None when neither: lag is no signal then (nothing is paced), the probe sleeps until
         an append or a paced read wakes it."""
-        now = self._clock()
-        if now - self._cold_at < self.COLD_RECENT_S:
+        if self.catching_up():
             return self.probe_interval_s
-        if now - self._hot_at < self.HOT_ACTIVE_S:
+        if self._clock() - self._hot_at < self.HOT_ACTIVE_S:
             return max(self.probe_interval_s, self.IDLE_PROBE_S)
         return None
 
