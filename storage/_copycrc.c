@@ -1160,11 +1160,11 @@ PyDoc_STRVAR(map_buffer_doc,
 "A fresh anonymous private mapping of `size` bytes (page aligned, zero pages until written)\n"
 "as a writable buffer (len() = size; unmapped when the object goes), with MADV_HUGEPAGE\n"
 "when `huge` (best effort; from 2 MiB on the mapping then starts on a 2 MiB boundary, so\n"
-"O_DIRECT reads into it go to the device in large requests). mmap and madvise run with the interpreter lock released: both\n"
-"take the process's mmap lock for writing, which waits behind every other thread's page\n"
-"faults in progress (the cold read threads' O_DIRECT reads into fresh memory), and through\n"
-"Python's mmap module a cold thread waited so holding the interpreter lock, stalling the\n"
-"event loop (storage/objects/buffers.py).");
+"O_DIRECT reads into it go to the device in large requests). mmap and madvise run with the\n"
+"interpreter lock released: both take the process's mmap lock for writing, which waits\n"
+"behind every other thread's page faults in progress (the cold read threads' O_DIRECT\n"
+"reads into fresh memory), and through Python's mmap module a cold thread waited so holding\n"
+"the interpreter lock, stalling the event loop (storage/objects/buffers.py).");
 
 static PyObject *take_grouped(PyObject *self, PyObject *args);
 PyDoc_STRVAR(take_grouped_doc,
