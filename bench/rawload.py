@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import os
 import struct
+import threading
 import time
 from typing import Any
 
@@ -34,6 +35,10 @@ CLIENT_ID = b"rawload"
 # NOT_ENOUGH_REPLICAS (storage back-pressure), REQUEST_TIMED_OUT: clients retry these
 RETRIABLE = frozenset({19, 7})
 HOT_FETCH_BYTES = 256 << 20   # well inside the default 1 GiB LogCache
+# the produce run's CPU per MiB is also reported from this many seconds on: a fresh broker's
+# first second fills its 1 GiB LogCache with fresh memory (~1.0 ms/MiB while it faults in,
+# ~0.45 after; bench/HISTORY.md session 30), which the whole-run figure includes
+STEADY_FROM_S = 3.0
 
 
 def batch_records(batch: bytes) -> int:
@@ -299,6 +304,22 @@ def process_cpu_s(pid: int | None) -> float:
         return float("nan")
 
 
+class _LaterSample(threading.Thread):
+    """Process ``pid``'s CPU seconds (``cpu``) and the perf_counter time (``at``) ``delay``
+    seconds from now, read on a thread while the produce run holds the main one."""
+
+    def __init__(self, pid: int | None, delay: float) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.delay = pid, delay
+        self.at: float | None = None
+        self.cpu = float("nan")
+        self.start()
+
+    def run(self) -> None:
+        time.sleep(self.delay)
+        self.cpu, self.at = process_cpu_s(self.pid), time.perf_counter()
+
+
 def wait_quiet(pid: int | None, timeout: float = 30.0, busy: float = 0.15) -> float:
     """Wait until process ``pid`` uses under ``busy`` of a core over half a second (the
     uploads of what was just produced are done), at most ``timeout`` s; returns the wait."""
@@ -358,8 +379,10 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
         p.list_topics(topic, timeout=10)
     cpu0 = process_cpu_s(pid)
     dev0, w0 = device.disk_counters(disk), time.monotonic()
+    mark = _LaterSample(pid, STEADY_FROM_S) if seconds >= STEADY_FROM_S + 2 else None
     st = _run(_produce, host, int(port), topic, conns, depth, seconds, batch)
-    cpu = process_cpu_s(pid) - cpu0
+    cpu_end = process_cpu_s(pid)
+    cpu = cpu_end - cpu0
     dev1, wall = device.disk_counters(disk), time.monotonic() - w0
     ms = [x * 1000 for x in st["lat"]]
     mib = st["bytes"] / (1 << 20)
@@ -370,6 +393,12 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
            "errors": st["errors"], "error_codes": st.get("error_codes", {}),
            "retries": st.get("retries", 0), "p50": pct(ms, 0.5), "p99": pct(ms, 0.99),
            "p999": pct(ms, 0.999), "series": series_of(st["ts"], st["t0"])}
+    if mark is not None:
+        mark.join()
+        if mark.at is not None:
+            steady = sum(b for t, b in st["ts"] if t >= mark.at) / (1 << 20)
+            out["cpu_ms_mib_steady"] = (cpu_end - mark.cpu) * 1e3 / steady if steady else \
+                float("nan")
     written = device.disk_writes(dev0, dev1, wall)
     if written is not None and st["bytes"]:
         # the device's own account of the window: bytes it wrote per byte produced (WAL +
@@ -446,6 +475,12 @@ def run(seconds: float = 10, conns: int = 4, depth: int = 8, batch_bytes: int = 
                            "client retries them (latency counted from the first send)")
     r.notes.append("broker CPU: the s3kafka process (all threads, /proc); for the mock, its "
                    "cluster thread (rdk:mock) in the bench process")
+    steady = [f"{name} {d['cpu_ms_mib_steady']:.3f}" for name, d in (("s3kafka", ours),
+              ("mock", theirs)) if d is not None and "cpu_ms_mib_steady" in d]
+    if steady:
+        r.notes.append(f"broker CPU ms per MiB acknowledged from {STEADY_FROM_S:.0f} s into the "
+                       f"run on (a fresh broker's first ~1 GiB fills its LogCache with fresh "
+                       f"memory): {', '.join(steady)}")
     if ours.get("disk_mb_s") is not None:
         r.notes.append(f"the device under s3kafka's WAL and objects ({ours['disk']}) during its "
                        f"produce run: {ours['disk_mb_s']:,.0f} MB/s written "
