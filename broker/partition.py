@@ -742,12 +742,17 @@ class Partition:
                 # pass; None (nothing changed): the Python path below, which answers errors
                 now = _now_ms()
                 base = stream.end_offset
+                # a lone large batch comes back with its CRC for the WAL's copy to check,
+                # when the stream checks payloads (else stamp_plain checks it)
                 stamped = _stamp_plain(records, base, self.leader_epoch, max_bytes,
                                        api_version >= 7, max(now - before, _I64_MIN),
-                                       min(now + after, _I64_MAX), STREAM_CHECKS_CRC_FROM)
+                                       min(now + after, _I64_MAX),
+                                       STREAM_CHECKS_CRC_FROM if stream.checks_payloads
+                                       else _I64_MAX)
         if stamped is not None:
-            count, batches, payload_max_ts = stamped
-            buf, check, append_time = records, None, -1
+            count, batches, payload_max_ts, crc = stamped
+            buf, append_time = records, -1
+            check = None if crc is None else (protocol.CRC_START, crc)
             end = base + count
             size = len(buf)
         else:

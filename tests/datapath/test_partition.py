@@ -5,12 +5,13 @@ import asyncio
 import types
 import uuid
 
+import crc32c
 import pytest
 
 from broker.partition import Partition
 from protocol import ErrorCode
-from storage.memory import MemoryStreamStore
-from storage.stream import RetriableStorageError
+from storage.memory import MemoryStream, MemoryStreamStore
+from storage.stream import Batch, PayloadChecksumError, RetriableStorageError
 
 from .batches import CODECS, batch_headers, make_batch, read_records
 
@@ -434,3 +435,61 @@ async def test_a_partition_opened_during_a_metadata_outage_logs_the_episode_not_
            and (r.levelno >= logging.WARNING or r.exc_info)]
     assert not bad, [(r.levelname, r.getMessage()) for r in bad]
     assert noted and "cannot reach PostgreSQL" in noted[0], noted
+
+
+class _CheckingDirectStream(MemoryStream):
+    """A MemoryStream with the engine's task-less ``append_now``: the payload's CRC checked
+    against ``check`` as the WAL's copy does (PayloadChecksumError, nothing taken), durable at
+    once; each call's ``check`` kept."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.checks: list = []
+
+    def append_now(self, payload, base_offset, count, then, check=None) -> bool:
+        self.checks.append(check)
+        if check is not None and crc32c.crc32c(memoryview(payload)[check[0]:]) != check[1]:
+            raise PayloadChecksumError("payload CRC-32C mismatch")
+        self._batches.append(Batch(base_offset, count, bytes(payload)))
+        self._bases.append(base_offset)
+        self._end = base_offset + count
+        asyncio.get_running_loop().call_soon(then, None)
+        return True
+
+
+async def test_a_lone_large_batch_is_checked_and_stamped_in_c_its_crc_left_to_the_stream(
+        tmp_path, monkeypatch):
+    """Partition.append_now of a lone plain batch of STREAM_CHECKS_CRC_FROM bytes or more (a
+    raw 1 MiB Produce request): stamp_plain checks and stamps it without reading it for its
+    CRC, which goes to the stream's copy (``check``) - the Python checks (_prepare,
+    _header_checks, _stamp) never run. A corrupt one is refused CORRUPT_MESSAGE by the stream
+    with nothing appended, and the next batch takes the next offsets."""
+    import protocol
+    from broker import partition as partition_mod
+    if partition_mod._stamp_plain is None:
+        pytest.skip("protocol._produce not built")
+    stream = _CheckingDirectStream()
+    p, *_ = await open_partition(tmp_path, stream=stream)
+
+    def python_path(*_a, **_k):
+        raise AssertionError("the Python checks ran")
+    for name in ("_prepare", "_header_checks", "_stamp"):
+        monkeypatch.setattr(Partition, name, python_path)
+    answers: list = []
+    big = [bytearray(make_batch([f"{i}-{j}".encode() * 100 for j in range(400)]))
+           for i in range(2)]
+    assert all(len(b) >= partition_mod.STREAM_CHECKS_CRC_FROM for b in big)
+    bad = bytearray(big[1])
+    bad[len(bad) // 2] ^= 0x55                      # inside the records: the CRC fails
+    for buf in (big[0], bad, big[1]):
+        assert p.append_now(memoryview(buf), 9, answers.append)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+    assert [(r.error, r.base_offset) for r in answers] == [
+        (0, 0), (ErrorCode.CORRUPT_MESSAGE, -1), (0, 400)]
+    assert stream.checks == [(protocol.CRC_START, int.from_bytes(b[17:21], "big"))
+                             for b in (big[0], bad, big[1])]
+    monkeypatch.undo()
+    assert p.high_watermark == 800
+    assert [v for _, _, v in await read_all(p)] == [f"{i}-{j}".encode() * 100 for i in range(2)
+                                                    for j in range(400)]

@@ -236,15 +236,18 @@ def test_the_run_key_of_a_scanned_request_is_the_python_decoded_ones(version: in
 def _reference_stamp(buf: bytearray, base: int, epoch: int, max_bytes: int, zstd_ok: bool,
                      earliest: int, latest: int, defer_from: int):
     """broker.partition's Python checks and stamping of plain batches (what stamp_plain
-    must match): (records, batches, max timestamp) after stamping ``buf``, or None."""
+    must match): (records, batches, max timestamp, deferred CRC) after stamping ``buf``, or
+    None. A lone batch of ``defer_from`` bytes or more is checked without its CRC, which is
+    returned (the WAL's copy checks it)."""
     import protocol
     try:
         views = list(protocol.iter_batches(buf))
+        deferred = len(views) == 1 and views[0].size >= defer_from
         for v in views:
-            protocol.validate_batch(v)
+            protocol.validate_batch(v, crc=not deferred)
     except protocol.CorruptRecordError:
         return None
-    if not views or (len(views) == 1 and views[0].size >= defer_from):
+    if not views:
         return None
     for v in views:
         if v.producer_id != -1 or v.attributes & 0x30 or v.size > max_bytes \
@@ -258,14 +261,15 @@ def _reference_stamp(buf: bytearray, base: int, epoch: int, max_bytes: int, zstd
         protocol.set_partition_leader_epoch(buf, v.pos, epoch)
         nxt += v.last_offset_delta + 1
         top = max(top, v.max_timestamp)
-    return nxt - base, len(views), top
+    return nxt - base, len(views), top, views[0].crc if deferred else None
 
 
 @pytest.mark.skipif(_scanner() is None, reason="protocol._produce not built")
 def test_stamp_plain_checks_and_stamps_as_the_python_path():
     """protocol._produce.stamp_plain (Partition.append_now's C path) stamps exactly the
     payloads the Python checks pass, as they would be stamped, and leaves every other payload
-    untouched (None): the Python path then answers it."""
+    untouched (None): the Python path then answers it. A lone batch from ``defer_from`` bytes
+    is stamped without its CRC checked - also a corrupt one - and its CRC returned."""
     from protocol import build_batch, rewrite_crc
     from protocol._produce import stamp_plain
 
@@ -305,5 +309,12 @@ def test_stamp_plain_checks_and_stamps_as_the_python_path():
                     assert got_buf == (want_buf if want is not None else payload)
     # extreme bounds (the partition clamps LONG_MAX sums to 64 bits) and a read-only buffer
     assert stamp_plain(memoryview(bytearray(ok)), 0, 0, 1 << 20, True, -(1 << 63),
-                       (1 << 63) - 1, 1 << 16) == (3, 1, 1_700_000_000_000)
+                       (1 << 63) - 1, 1 << 16) == (3, 1, 1_700_000_000_000, None)
+    # a lone batch from defer_from: stamped, its CRC returned unchecked (bad_crc's is wrong)
+    for payload in (ok, bytes(bad_crc)):
+        buf = bytearray(payload)
+        got = stamp_plain(memoryview(buf), 9, 4, 1 << 20, True, 0, 1 << 62, len(payload))
+        assert got == (3, 1, 1_700_000_000_000, int.from_bytes(payload[17:21], "big"))
+        assert buf[:8] == (9).to_bytes(8, "big") and buf[12:16] == (4).to_bytes(4, "big")
+        assert buf[8:12] == payload[8:12] and buf[16:] == payload[16:]
     assert stamp_plain(memoryview(ok), 0, 0, 1 << 20, True, 0, 1 << 62, 1 << 16) is None
