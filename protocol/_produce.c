@@ -239,5 +239,12 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "protocol._produce", 
 PyMODINIT_FUNC PyInit__produce(void) {
     crc32c_init();
     have_sse42 = cpu_has_sse42();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    /* stamp_plain answers 4-tuples, a lone large batch's CRC deferred: a stale in-place build
+       (3-tuples) lacks it, and broker.partition then keeps to its Python path */
+    if (m != NULL && PyModule_AddIntConstant(m, "STAMP_PLAIN_DEFERS_CRC", 1) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

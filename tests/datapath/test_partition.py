@@ -466,8 +466,12 @@ async def test_a_lone_large_batch_is_checked_and_stamped_in_c_its_crc_left_to_th
     with nothing appended, and the next batch takes the next offsets."""
     import protocol
     from broker import partition as partition_mod
-    if partition_mod._stamp_plain is None:
+    try:
+        from protocol import _produce
+    except ImportError:
         pytest.skip("protocol._produce not built")
+    # a stale in-place build (stamp_plain without the deferred CRC) is not used: rebuild it
+    assert partition_mod._stamp_plain is _produce.stamp_plain
     stream = _CheckingDirectStream()
     p, *_ = await open_partition(tmp_path, stream=stream)
 
@@ -493,3 +497,29 @@ async def test_a_lone_large_batch_is_checked_and_stamped_in_c_its_crc_left_to_th
     assert p.high_watermark == 800
     assert [v for _, _, v in await read_all(p)] == [f"{i}-{j}".encode() * 100 for i in range(2)
                                                     for j in range(400)]
+
+
+class _TrustingDirectStream(_CheckingDirectStream):
+    """A stream that checks no payload CRC (Stream.checks_payloads False): takes what it gets."""
+
+    checks_payloads = False
+
+    def append_now(self, payload, base_offset, count, then, check=None) -> bool:
+        assert check is None, "a CRC handed to a stream that does not check payloads"
+        return super().append_now(payload, base_offset, count, then)
+
+
+async def test_a_lone_large_corrupt_batch_for_a_stream_without_checks_is_refused_here(tmp_path):
+    """A stream that checks no payloads gets no deferred CRC: the partition checks a lone large
+    batch's CRC itself, so a corrupt one is refused CORRUPT_MESSAGE before the stream sees it."""
+    stream = _TrustingDirectStream()
+    p, *_ = await open_partition(tmp_path, stream=stream)
+    answers: list = []
+    bad = bytearray(make_batch([b"c" * 100_000]))
+    bad[len(bad) // 2] ^= 0x55
+    assert p.append_now(memoryview(bad), 9, answers.append)
+    assert p.append_now(memoryview(bytearray(make_batch([b"d" * 100_000]))), 9, answers.append)
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert [(r.error, r.base_offset) for r in answers] == [(ErrorCode.CORRUPT_MESSAGE, -1), (0, 0)]
+    assert stream.checks == [None]
