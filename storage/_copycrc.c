@@ -528,7 +528,8 @@ static void *grow(void *arr, Py_ssize_t *cap, size_t size, int *failed) {
 }
 
 PyDoc_STRVAR(encode_blocks_doc,
-"encode_blocks(out, at, records, start, block_size, min_records, nogil) -> (next, at, index)\n\n"
+"encode_blocks(out, at, records, start, block_size, min_records, nogil, fit=False, base=0)\n"
+"    -> (next, at, index)\n\n"
 "Encode records[start:] as whole data blocks into the writable buffer `out` from `at` on (the\n"
 "byte layout of storage.objects.format.ObjectEncoder: a block closes once its body reaches\n"
 "block_size, and after the last record), stopping after the block in which `min_records`\n"
@@ -536,15 +537,19 @@ PyDoc_STRVAR(encode_blocks_doc,
 "base_offset, count and a bytes-like payload, sorted by (stream_id, base_offset) (ValueError\n"
 "if not). `nogil`: copy and checksum with the interpreter lock released (for a worker\n"
 "thread), once per batch of blocks gathered (up to 256 records, at least one block).\n"
+"`fit`: stop before the first block that does not fit in `out` (return without it; none\n"
+"written: `next` is `start`) instead of raising ValueError: a streamed put encodes an object\n"
+"a window at a time (storage.objects.format.StreamEncoder). `base`: the object position of\n"
+"out[0], added to the index entries' block positions (the window's place in the object).\n"
 "Returns the next record's index, the next write position and the blocks' index entries as\n"
 "tuples (stream id, start, end, record count, block position, block size).");
 
 static PyObject *encode_blocks(PyObject *self, PyObject *args) {
     PyObject *out_obj, *list;
-    Py_ssize_t at, start, block_size, min_records;
-    int nogil;
-    if (!PyArg_ParseTuple(args, "OnO!nnnp:encode_blocks", &out_obj, &at, &PyList_Type, &list,
-                          &start, &block_size, &min_records, &nogil))
+    Py_ssize_t at, start, block_size, min_records, base = 0;
+    int nogil, fit = 0, full = 0;         /* full: (fit) the next block does not fit */
+    if (!PyArg_ParseTuple(args, "OnO!nnnp|pn:encode_blocks", &out_obj, &at, &PyList_Type, &list,
+                          &start, &block_size, &min_records, &nogil, &fit, &base))
         return NULL;
     if (start < 0 || start > PyList_GET_SIZE(list) || at < 0) {
         PyErr_SetString(PyExc_ValueError, "encode_blocks: start or at out of range");
@@ -572,11 +577,15 @@ static PyObject *encode_blocks(PyObject *self, PyObject *args) {
     }
     unsigned char *obuf = (unsigned char *)out.buf;
     /* the list's size is read each time: an attribute read may run Python code */
-    while (i < PyList_GET_SIZE(list) && (min_records <= 0 || done < min_records)) {
+    while (!full && i < PyList_GET_SIZE(list) && (min_records <= 0 || done < min_records)) {
         nrec = nblk = 0;
         do {                              /* gather one block (more while nogil: a batch) */
-            Py_ssize_t pos = at, body = 0, first = nrec;
-            if (pos > out.len - BLOCK_HDR) goto too_small;
+            Py_ssize_t pos = at, body = 0, first = nrec, first_i = i, first_done = done;
+            if (pos > out.len - BLOCK_HDR) {
+                if (!fit) goto too_small;
+                full = 1;
+                break;
+            }
             nrun = 0;
             while (i < PyList_GET_SIZE(list) && (body < block_size || nrec == first)) {
                 PyObject *item = PyList_GET_ITEM(list, i);
@@ -619,7 +628,15 @@ static PyObject *encode_blocks(PyObject *self, PyObject *args) {
                         PyErr_SetString(PyExc_ValueError, "encode_blocks: payload over 4 GiB");
                         goto fail;
                     }
-                    goto too_small;
+                    if (!fit) goto too_small;
+                    /* this block does not fit: left for the next window, its records
+                       gathered so far let go (no index entry was made for it yet) */
+                    release_recs(recs + first, nrec - first);
+                    nrec = first;
+                    i = first_i;
+                    done = first_done;
+                    full = 1;
+                    break;
                 }
                 body += RECORD_HDR + r->buf.len;
                 if (nrun && runs[nrun - 1].sid == r->sid) {
@@ -635,6 +652,7 @@ static PyObject *encode_blocks(PyObject *self, PyObject *args) {
                 i++;
                 done++;
             }
+            if (full) break;
             if (body > INT32_MAX) {
                 PyErr_SetString(PyExc_ValueError, "encode_blocks: block over 2 GiB");
                 goto fail;
@@ -648,14 +666,15 @@ static PyObject *encode_blocks(PyObject *self, PyObject *args) {
             for (Py_ssize_t k = 0; k < nrun; k++) {
                 PyObject *e = Py_BuildValue("(LLLLnn)", (long long)runs[k].sid,
                                             (long long)runs[k].start, (long long)runs[k].end,
-                                            (long long)runs[k].count, pos, BLOCK_HDR + body);
+                                            (long long)runs[k].count, base + pos,
+                                            BLOCK_HDR + body);
                 if (e == NULL || PyList_Append(index, e) < 0) {
                     Py_XDECREF(e);
                     goto fail;
                 }
                 Py_DECREF(e);
             }
-        } while (nogil && nrec < NOGIL_BATCH_RECORDS && i < PyList_GET_SIZE(list)
+        } while (!full && nogil && nrec < NOGIL_BATCH_RECORDS && i < PyList_GET_SIZE(list)
                  && (min_records <= 0 || done < min_records));
         PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
         for (Py_ssize_t b = 0; b < nblk; b++)

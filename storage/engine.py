@@ -36,7 +36,7 @@ from .metastore import (MetaStore, NewObject, ObjectRange, StreamFenced, StreamM
 from .loop_slices import (NATIVE_ENCODE, SLICE_S, encode_object_in_slices, encode_object_into,
                           no_pause, object_size_in_slices)
 from .metrics import MeasuredStore, StorageStats
-from .objects.format import NOGIL_COPY_FROM
+from .objects.format import NOGIL_COPY_FROM, STREAM_ENCODE, StreamEncoder
 from .objects.store import RECYCLE_BYTES, ObjectStore, open_object_store
 from .reader import ObjectReader
 from .thread_priority import background_executor, in_io_class
@@ -1130,6 +1130,25 @@ class Engine(StreamStore):
             data = None
             self._give_encode_buffer(into)
 
+    async def _encode_whole(self, recs: list[Any], into: Any, size: int, small: bool,
+                            pause: Callable[[], float]) -> tuple[Any, list[Any]]:
+        """Encode one object whole into ``into`` (a store that takes no PutSource, or no C
+        encoder): (the object's bytes, its ranges)."""
+        block = self.config.object_block_bytes
+        if not small or NATIVE_ENCODE:
+            # large records, or any with the C encoder: the copies run with the GIL released,
+            # so the IO thread encodes without holding the loop (the C encoder holds it only
+            # to gather each block's records; loop_slices.py: without it, small records'
+            # Python work per record would hold it)
+            data, _index, ranges = await self.io(encode_object_into, recs, block, into, size)
+        else:
+            # small records (per-record Python work on the loop): while nothing waits for this
+            # upload, a pause after each slice keeps its share of the loop to about a
+            # quarter, so hot requests are not starved meanwhile
+            data, _index, ranges = await encode_object_in_slices(
+                recs, block, into=into, size=size, pause=pause)
+        return data, ranges
+
     async def _take_for_upload(self, max_bytes: int) -> tuple[list[CacheEntry], int]:
         """``cache.take_pending(max_bytes)`` in chunks of TAKE_SLICE entries with a yield in
         between (an upload of small produce requests takes tens of thousands: one step was a
@@ -1343,6 +1362,9 @@ class Engine(StreamStore):
         # every object's encode and put behind it. Otherwise one at a time, as before: nothing
         # waits, and the small-record uploads beside latency-sensitive appends stay unchanged
         ahead: asyncio.Future | None = None
+        # objects produced while they are written (a few MiB of buffer per put: see
+        # StreamEncoder), where the store takes that and the C encoder is built
+        stream = STREAM_ENCODE and getattr(self.store, "streams_puts", False)
         try:
             for i, (kind, recs, payload) in enumerate(groups):
                 this, ahead = ahead, None
@@ -1355,22 +1377,17 @@ class Engine(StreamStore):
                 # objects are written meanwhile, a drain may upload beside the loop): fresh
                 # memory faults a page per 4 KiB
                 size = await object_size_in_slices(recs, c.object_block_bytes, pause=pause)
-                into = self._take_encode_buffer(size)
                 small = payload < NOGIL_COPY_FROM * len(recs)
-                if not small or NATIVE_ENCODE:
-                    # large records, or any with the C encoder: the copies run with the GIL
-                    # released, so the IO thread encodes without holding the loop (the C
-                    # encoder holds it only to gather each block's records; loop_slices.py:
-                    # without it, small records' Python work per record would hold it)
-                    data, _index, ranges = await self.io(encode_object_into, recs,
-                                                         c.object_block_bytes, into, size)
+                into = None
+                if stream:
+                    # encoded a window at a time by the put itself (FileObjectStore.put of a
+                    # StreamEncoder): a few MiB of buffer per put in flight, not the object;
+                    # its ranges list fills as it is encoded, complete once the put returned
+                    data = StreamEncoder(recs, c.object_block_bytes, size)
+                    ranges = data.ranges
                 else:
-                    # small records (per-record Python work on the loop): while nothing waits
-                    # for this upload, a pause after each slice keeps its share of the loop
-                    # to about a quarter, so hot requests are not starved meanwhile
-                    data, _index, ranges = await encode_object_in_slices(
-                        recs, c.object_block_bytes, into=into, size=size,
-                        pause=pause)
+                    into = self._take_encode_buffer(size)
+                    data, ranges = await self._encode_whole(recs, into, size, small, pause)
                 size = len(data)
                 new.append((NewObject(oid, size, ranges), key, kind))
                 # written while the next ones are encoded, _puts_in_flight at a time (one

@@ -95,7 +95,41 @@ class StreamRange:
     end_offset: int
 
 
-class ObjectEncoder:
+class _IndexBuilder:
+    """The index entries and per-stream ranges of an object being encoded (both encoders)."""
+
+    def __init__(self) -> None:
+        self.index: list[IndexEntry] = []
+        # the object's ranges in stream order, filled as blocks close: a streamed put's list is
+        # complete once the put returns (the engine's NewObject holds this very list)
+        self.ranges: list[StreamRange] = []
+        self._ranges: dict[int, StreamRange] = {}
+
+    def _index_entry(self, e: IndexEntry) -> None:
+        """Note a closed block's run of one stream (the index and the object's ranges)."""
+        self.index.append(e)
+        self._range(e.stream_id, e.start_offset, e.end_offset)
+
+    def _range(self, stream_id: int, start: int, end: int) -> None:
+        """Extend the object's range of ``stream_id`` to ``end`` (a new one from ``start``)."""
+        rng = self._ranges.get(stream_id)
+        if rng is None:
+            rng = self._ranges[stream_id] = StreamRange(stream_id, start, end)
+            self.ranges.append(rng)
+        else:
+            rng.end_offset = end
+
+
+def _index_tail(index: list[IndexEntry], index_pos: int) -> bytes:
+    """The index block and the footer that end an object whose index starts at ``index_pos``."""
+    index_bytes = b"".join(INDEX_ENTRY.pack(e.stream_id, e.start_offset,
+                                            e.end_offset - e.start_offset, e.record_count,
+                                            e.position, e.size) for e in index)
+    return index_bytes + FOOTER.pack(index_pos, len(index_bytes), _crc(index_bytes), bytes(24),
+                                     FOOTER_MAGIC)
+
+
+class ObjectEncoder(_IndexBuilder):
     """Serialises records (sorted by stream, offset) into one object, in steps (encode()).
 
     The object's exact size is computed from the payload lengths before anything is copied,
@@ -116,6 +150,7 @@ class ObjectEncoder:
         be any objects with Record's fields (the engine passes its cache entries).
         ``release_gil``: the C encoder copies each block with the interpreter lock released
         (an encode on a worker thread; on the event loop that would only add hand-offs)."""
+        super().__init__()
         self.block_size = block_size
         if size is None:
             size = object_size(records, block_size)
@@ -131,8 +166,6 @@ class ObjectEncoder:
         self._native = _native.encode_blocks
         self._release_gil = release_gil
         self._next = 0                      # records[_next:] are still to be added
-        self.index: list[IndexEntry] = []
-        self._ranges: dict[int, StreamRange] = {}
         self._at = 0                        # write cursor in ``out``
         self._block_pos = -1                # where the open block's header sits
         self._block_records = 0
@@ -195,22 +228,9 @@ class ObjectEncoder:
             runs[-1][3] += 1
         else:
             runs.append([r.stream_id, r.base_offset, r.end_offset, 1])
-        rng = self._ranges.get(r.stream_id)
-        if rng is None:
-            self._ranges[r.stream_id] = StreamRange(r.stream_id, r.base_offset, r.end_offset)
-        else:
-            rng.end_offset = r.end_offset
+        self._range(r.stream_id, r.base_offset, r.end_offset)
         if self._at - self._block_pos - BLOCK_HEADER.size >= self.block_size:
             self._close_block()
-
-    def _index_entry(self, e: IndexEntry) -> None:
-        """Note a closed block's run of one stream (the index and the object's ranges)."""
-        self.index.append(e)
-        rng = self._ranges.get(e.stream_id)
-        if rng is None:
-            self._ranges[e.stream_id] = StreamRange(e.stream_id, e.start_offset, e.end_offset)
-        else:
-            rng.end_offset = e.end_offset
 
     def _close_block(self) -> None:
         if not self._block_records:
@@ -233,18 +253,86 @@ class ObjectEncoder:
         if self._next < len(self._records):
             raise AssertionError("finish() before encode() added every record")
         self._close_block()
-        index_pos = self._at
-        index_bytes = b"".join(INDEX_ENTRY.pack(e.stream_id, e.start_offset,
-                                                e.end_offset - e.start_offset, e.record_count,
-                                                e.position, e.size) for e in self.index)
-        end = index_pos + len(index_bytes)
+        tail = _index_tail(self.index, self._at)
         out = self.out
-        if end + FOOTER.size != len(out):
-            raise AssertionError(f"object size {end + FOOTER.size} != precomputed {len(out)}")
-        out[index_pos:end] = index_bytes
-        FOOTER.pack_into(out, end, index_pos, len(index_bytes), _crc(index_bytes),
-                         bytes(24), FOOTER_MAGIC)
-        return out, self.index, list(self._ranges.values())
+        if self._at + len(tail) != len(out):
+            raise AssertionError(f"object size {self._at + len(tail)} != precomputed {len(out)}")
+        out[self._at:] = tail
+        return out, self.index, self.ranges
+
+
+# the C encoder takes ``fit`` and ``base`` (stops before a block that does not fit: needed by
+# StreamEncoder); False without the extension or with a build older than these arguments
+STREAM_ENCODE = _native.encode_blocks is not None and \
+    "fit=False" in (_native.encode_blocks.__doc__ or "")
+
+
+class StreamEncoder(_IndexBuilder):
+    """One object encoded a window at a time (whole data blocks, then the index and footer)
+    into a small buffer that a streamed put writes out and refills (FileObjectStore.put with
+    a source): each put in flight then needs a few MiB of buffer instead of the whole object
+    (28 MiB). Fresh huge pages cost ~2.3 s of CPU per GiB on the test VM: five 32 MiB encode
+    buffers were ~0.36 s of every fresh broker's CPU (bench/HISTORY.md, session 30).
+
+    The bytes are exactly ObjectEncoder's (the same C encoder, storage._copycrc.encode_blocks,
+    block by block: a block's header carries its data's CRC, so a window holds whole blocks
+    only). Needs the C encoder with ``fit`` (STREAM_ENCODE); the engine encodes whole objects
+    otherwise. ``len()`` is the object's size; ``ranges`` fills as blocks are encoded and is
+    complete once ``done``."""
+
+    def __init__(self, records: list[Record], block_size: int = DEFAULT_BLOCK_SIZE,
+                 size: int | None = None, release_gil: bool = True) -> None:
+        """``size``: object_size(records, block_size) when the caller has it; ``release_gil``:
+        copy with the interpreter lock released (a put on a worker thread)."""
+        if not STREAM_ENCODE:
+            raise RuntimeError("StreamEncoder needs storage._copycrc with encode_blocks' fit")
+        super().__init__()
+        if not isinstance(records, list):
+            records = list(records)
+        self.block_size = block_size
+        self.size = object_size(records, block_size) if size is None else size
+        self._records = records
+        self._release_gil = release_gil
+        self._next = 0                  # records[_next:] are still to be encoded
+        self._pos = 0                   # object bytes produced so far
+        self._tail: bytes | None = None     # the index and footer, once every block is in
+        self._tail_at = 0               # ... of which this much is produced
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def done(self) -> bool:
+        """Every byte of the object is produced."""
+        return self._tail is not None and self._tail_at == len(self._tail)
+
+    def fill(self, out: Buffer | memoryview, at: int) -> int:
+        """Produce the object's next bytes into ``out[at:]`` - whole blocks (as many as fit),
+        then the index and footer (as much as fits) - and return where they end. ``at``:
+        bytes already in ``out`` before this window (produced, not yet written: the bytes
+        right before ``out[at]`` in the object). Returns ``at`` when nothing fit (the next
+        block is larger than ``len(out) - at``: the caller needs a larger buffer)."""
+        records = self._records
+        end = at
+        if self._next < len(records):
+            self._next, end, entries = _native.encode_blocks(
+                out, at, records, self._next, self.block_size, 0, self._release_gil, True,
+                self._pos - at)
+            for entry in entries:
+                self._index_entry(IndexEntry(*entry))
+            self._pos += end - at
+            if self._next < len(records):
+                return end
+        if self._tail is None:
+            self._tail = _index_tail(self.index, self._pos)
+            if self._pos + len(self._tail) != self.size:
+                raise AssertionError(f"object size {self._pos + len(self._tail)} != "
+                                     f"precomputed {self.size}")
+        n = min(len(self._tail) - self._tail_at, len(out) - end)
+        out[end:end + n] = self._tail[self._tail_at:self._tail_at + n]
+        self._tail_at += n
+        self._pos += n
+        return end + n
 
 
 def _copy_nogil(out: Buffer | memoryview, at: int, payload: bytes | memoryview, n: int) -> bool:

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 from urllib.parse import urlsplit
 
 from ..copycrc import read_pieces
@@ -32,6 +32,22 @@ from ..copycrc import read_span_crcs
 # C; bench/HISTORY.md, session 17). None when the extension is not built (or built before it).
 from ..copycrc import write_pieces as _write_pieces
 from .buffers import PAGE, BufferPool
+
+
+class PutSource(Protocol):
+    """An object produced a window at a time while it is written (storage.objects.format's
+    StreamEncoder): what FileObjectStore.put takes besides a buffer (``streams_puts``)."""
+
+    def __len__(self) -> int:
+        """The object's size in bytes (known before any is produced)."""
+
+    @property
+    def done(self) -> bool:
+        """Every byte has been produced."""
+
+    def fill(self, out: mmap.mmap, at: int) -> int:
+        """Produce the next bytes into ``out[at:]`` (whole units: as many as fit); return
+        where they end, ``at`` when the next unit does not fit."""
 
 
 class ObjectStoreError(Exception):
@@ -112,6 +128,15 @@ FILE_WRITE_CHUNK = 1 << 20
 # piece in flight took p50 0.24-1.1 ms, p90 1.7-27 ms; one that met a 64 KiB piece p50
 # 0.14-0.22, p90 0.5-2.5 ms, `python -m bench.collide --write`; a piece ~0.09 ms, ~700 MB/s)
 GENTLE_WRITE_CHUNK = 64 << 10
+# A streamed put (FileObjectStore.put of a PutSource) produces its object into a buffer of this
+# size, writes the whole DIRECT_ALIGN units of it (FILE_WRITE_CHUNK pieces) and moves the rest
+# (< 4 KiB) to its start: a few object blocks (512 KiB-1 MiB each) per window, in two 2 MiB
+# huge pages. An object block larger than that (a record of several MiB) gets a buffer twice
+# as large, for that put only.
+PUT_RING_BYTES = 4 << 20
+# streamed puts' buffers kept for reuse (fresh huge pages cost ~2.3 s of CPU per GiB on the
+# test VM: bench/HISTORY.md, session 28): the engine's puts in flight, plus drains beside them
+PUT_RINGS_KEPT = 6
 # ... and read in pieces of this size (see FileObjectStore.get).
 FILE_READ_CHUNK = 1 << 20
 # most bytes of neighbouring blocks get_ranges reads at once, into one pool buffer
@@ -178,6 +203,9 @@ class _Pooled:
 class FileObjectStore(ObjectStore):
     """Objects as files under a directory; put writes a temp file durably, then renames."""
 
+    # put() takes a PutSource: the object is produced while it is written (see PUT_RING_BYTES)
+    streams_puts = True
+
     def __init__(self, root: str, direct_writes: bool = False,
                  recycle_bytes: int = RECYCLE_BYTES) -> None:
         self.root = os.path.abspath(root)
@@ -204,6 +232,8 @@ class FileObjectStore(ObjectStore):
         self._pool_size = 0            # bytes in _pool plus renames into it under way
         self._pool_lock = threading.Lock()
         self._adopt_pool()
+        self._rings: list[mmap.mmap] = []       # streamed puts' buffers (PUT_RING_BYTES)
+        self._rings_lock = threading.Lock()
 
     def _path(self, key: str) -> str:
         parts = key.split("/")
@@ -335,7 +365,7 @@ class FileObjectStore(ObjectStore):
             self._pool.append(_Pooled(dest, size, time.time()))
         return True
 
-    def put(self, key: str, data: bytes | memoryview) -> None:
+    def put(self, key: str, data: bytes | memoryview | PutSource) -> None:
         """Write ``data`` under a temp name, make it durable, rename it into place and make the
         rename durable (the engine trims the WAL once the object's commit returns).
 
@@ -367,37 +397,99 @@ class FileObjectStore(ObjectStore):
         (see RECYCLE_DIR): renamed to the temp name first (so no other put or store takes
         it), every byte of the new object written over the old ones, the old object's
         longer tail cut before the fdatasync; only then the rename publishes it, exactly as
-        a new file. A crash in between leaves a temp file no key names, as before."""
+        a new file. A crash in between leaves a temp file no key names, as before.
+
+        ``data`` may be a PutSource (``streams_puts``): the object is then produced a window
+        at a time into a PUT_RING_BYTES buffer and each window written as above (O_DIRECT
+        pieces of its whole 4 KiB units, the rest carried into the next window) - the same
+        pieces on the device, a few MiB of memory per put instead of the whole object. A put
+        that fails (the store, or the source raising) leaves no object and no temp file."""
         chunk = GENTLE_WRITE_CHUNK if self.gentle_writes is not None and \
             self.gentle_writes() else FILE_WRITE_CHUNK
         path = self._path(key)
         parent = os.path.dirname(path)
         os.makedirs(parent, exist_ok=True)
         tmp = f"{path}{TEMP_MARK}{uuid.uuid4().hex}"
-        view = memoryview(data).cast("B")
+        size = len(data)
         try:
-            fd, old = self._open_new(tmp, len(view))
+            fd, old = self._open_new(tmp, size)
             try:
-                direct = _write_direct(fd, view, chunk) if self.direct_writes else 0
-                if old > len(view):
-                    os.ftruncate(fd, len(view))   # a recycled file's longer tail: cut
-                for at in range(direct, len(view), chunk):
-                    _write_all(fd, view[at:at + chunk])
-                    os.fdatasync(fd)         # the size too: fdatasync covers what reads need
-                if direct == len(view):
-                    os.fdatasync(fd)         # all written directly (or empty)
+                if old > size:
+                    os.ftruncate(fd, size)   # a recycled file's longer tail: cut
+                if hasattr(data, "fill"):
+                    unsynced = self._write_source(fd, data, chunk)
+                else:
+                    with memoryview(data) as mv, mv.cast("B") as view:
+                        unsynced = self._write_window(fd, view, chunk)
+                if unsynced or not size:
+                    os.fdatasync(fd)         # the last bytes were written directly (or none)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
             _fsync_dir(parent)
-        except OSError as e:
+        except BaseException as e:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
-            raise ObjectStoreError(str(e)) from e
+            if isinstance(e, OSError):
+                raise ObjectStoreError(str(e)) from e
+            raise
+
+    def _write_window(self, fd: int, view: memoryview, chunk: int) -> bool:
+        """Write ``view`` at the fd's position, ``chunk`` bytes at a time: its whole 4 KiB units
+        with O_DIRECT (``direct_writes``), the rest through the page cache, each such piece
+        followed by fdatasync. True when bytes were written after the last fdatasync (direct
+        ones: the caller syncs once at the end)."""
+        direct = _write_direct(fd, view, chunk) if self.direct_writes else 0
+        for at in range(direct, len(view), chunk):
+            _write_all(fd, view[at:at + chunk])
+            os.fdatasync(fd)                 # the size too: fdatasync covers what reads need
+        return direct == len(view) > 0
+
+    def _write_source(self, fd: int, source: PutSource, chunk: int) -> bool:
+        """Produce and write ``source`` a window at a time (see put) through a ring buffer;
+        True when the last bytes were written directly (not yet synced)."""
+        ring = pooled = self._take_ring()
+        at = 0                               # bytes carried over from the previous window
+        unsynced = False
+        try:
+            while True:
+                end = source.fill(ring, at)
+                done = source.done
+                if end == at and not done:   # the next block is larger than the ring
+                    bigger = _grown(ring, at)
+                    if ring is not pooled:
+                        ring.close()
+                    ring = bigger
+                    continue
+                n = end if done else end - end % DIRECT_ALIGN
+                if n:
+                    with memoryview(ring) as mv, mv[:n] as view:
+                        unsynced = self._write_window(fd, view, chunk)
+                if done:
+                    return unsynced
+                ring.move(0, n, end - n)
+                at = end - n
         finally:
-            view.release()
+            if ring is not pooled:
+                ring.close()
+            self._give_ring(pooled)
+
+    def _take_ring(self) -> mmap.mmap:
+        """A streamed put's buffer: a kept one, else a new one (huge pages: see _ring)."""
+        with self._rings_lock:
+            if self._rings:
+                return self._rings.pop()
+        return _ring(PUT_RING_BYTES)
+
+    def _give_ring(self, ring: mmap.mmap) -> None:
+        """Keep ``ring`` for the next streamed put (at most PUT_RINGS_KEPT)."""
+        with self._rings_lock:
+            if len(self._rings) < PUT_RINGS_KEPT:
+                self._rings.append(ring)
+                return
+        ring.close()
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | memoryview:
         """Bytes [start, end) of the object: ``bytes`` up to FILE_READ_CHUNK, beyond that a
@@ -660,6 +752,27 @@ def _write_direct(fd: int, view: memoryview, chunk: int = FILE_WRITE_CHUNK) -> i
 
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _ring(size: int) -> mmap.mmap:
+    """An anonymous mapping for a streamed put, with huge pages where the kernel allows (advice
+    only): its O_DIRECT writes then pin 2 MiB pages instead of 512 small ones each (writing
+    from 4 KiB pages cost ~+0.05 ms of CPU per MiB, bench/HISTORY.md, session 15)."""
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return buf
+
+
+def _grown(ring: mmap.mmap, keep: int) -> mmap.mmap:
+    """A ring twice the size of ``ring`` holding its first ``keep`` bytes (a streamed put's
+    block larger than its ring: rare, so not kept after the put)."""
+    bigger = _ring(2 * len(ring))
+    bigger[:keep] = ring[:keep]
+    return bigger
 
 
 def _locked(fd: int) -> int:

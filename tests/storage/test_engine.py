@@ -716,13 +716,16 @@ async def test_an_upload_of_small_records_is_encoded_off_the_loop_with_the_c_enc
     if copycrc.encode_blocks is None:
         pytest.skip("the C encoder is not built: the loop encodes in slices")
     threads: list[int] = []
-    real = fmt.ObjectEncoder.encode
 
-    def encode(self, *a, **kw):
-        threads.append(threading.get_ident())
-        return real(self, *a, **kw)
+    def on_thread(real):
+        def encode(self, *a, **kw):
+            threads.append(threading.get_ident())
+            return real(self, *a, **kw)
+        return encode
 
-    monkeypatch.setattr(fmt.ObjectEncoder, "encode", encode)
+    # whole objects (ObjectEncoder), or a window at a time by a file:// put (StreamEncoder)
+    monkeypatch.setattr(fmt.ObjectEncoder, "encode", on_thread(fmt.ObjectEncoder.encode))
+    monkeypatch.setattr(fmt.StreamEncoder, "fill", on_thread(fmt.StreamEncoder.fill))
     cfg = small_config(tmp_path, upload_threshold_bytes=256 << 10, upload_interval_s=3600)
     eng = open_engine(cfg)
     await eng.start()

@@ -66,6 +66,8 @@ async def test_the_next_row_is_prepared_while_an_object_is_encoded(tmp_path,
         eng.meta.prepare_object = spans.wrap("prepare", eng.meta.prepare_object, 0.05)
         monkeypatch.setattr(engine_mod, "encode_object_into",
                             spans.wrap("encode", engine_mod.encode_object_into, 0.05))
+        # a file:// put of a StreamEncoder encodes the object while it writes it
+        eng.store.put = spans.wrap("encode", eng.store.put, 0.05)
         await _upload_some(eng)
         prepares, encodes = spans.of("prepare"), spans.of("encode")
         assert len(encodes) >= 6
