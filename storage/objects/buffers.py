@@ -99,15 +99,7 @@ class BufferPool:
                 return buf
             self.fresh += 1
             self.fresh_bytes += cap
-        if unlocked and _map_buffer is not None:
-            return _map_buffer(cap, cap >= HUGE and _MADV_HUGEPAGE is not None)
-        buf = mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE)
-        if cap >= HUGE and _MADV_HUGEPAGE is not None:
-            try:
-                buf.madvise(_MADV_HUGEPAGE)
-            except OSError:
-                pass                      # no transparent huge pages here: 4 KiB pages
-        return buf
+        return fresh_buffer(cap, unlocked)
 
     def _collect(self) -> None:
         """Move returned buffers nobody sees any more to the free list while it has room
@@ -151,3 +143,19 @@ class BufferPool:
                     return
             returned[id(buf)] = buf
             self._returned_bytes += n
+
+
+def fresh_buffer(size: int, unlocked: bool = True) -> mmap.mmap | _MappedBuffer:
+    """A fresh anonymous mapping of ``size`` bytes (page aligned), of huge pages from HUGE on
+    where the kernel allows (advice only); mapped without the interpreter lock when
+    ``unlocked`` and map_buffer is built (see above), else by Python's mmap module. Also the
+    file store's streamed-put rings (store.py)."""
+    if unlocked and _map_buffer is not None:
+        return _map_buffer(size, size >= HUGE and _MADV_HUGEPAGE is not None)
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+    if size >= HUGE and _MADV_HUGEPAGE is not None:
+        try:
+            buf.madvise(_MADV_HUGEPAGE)
+        except OSError:
+            pass                          # no transparent huge pages here: 4 KiB pages
+    return buf

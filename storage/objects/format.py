@@ -329,7 +329,8 @@ class StreamEncoder(_IndexBuilder):
                 raise AssertionError(f"object size {self._pos + len(self._tail)} != "
                                      f"precomputed {self.size}")
         n = min(len(self._tail) - self._tail_at, len(out) - end)
-        out[end:end + n] = self._tail[self._tail_at:self._tail_at + n]
+        with memoryview(out) as mv:
+            mv[end:end + n] = self._tail[self._tail_at:self._tail_at + n]
         self._tail_at += n
         self._pos += n
         return end + n

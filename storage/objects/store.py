@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 from urllib.parse import urlsplit
 
 from ..copycrc import read_pieces
@@ -31,7 +31,10 @@ from ..copycrc import read_span_crcs
 # shared VM: 10.8-17.1 s and 0.38-0.94 s of writer CPU in Python, 2.2-3.1 s and 0.14-0.30 s in
 # C; bench/HISTORY.md, session 17). None when the extension is not built (or built before it).
 from ..copycrc import write_pieces as _write_pieces
-from .buffers import PAGE, BufferPool
+from .buffers import PAGE, BufferPool, fresh_buffer
+
+
+Buffer = Any          # a writable buffer: mmap.mmap, or storage._copycrc's MappedBuffer
 
 
 class PutSource(Protocol):
@@ -45,7 +48,7 @@ class PutSource(Protocol):
     def done(self) -> bool:
         """Every byte has been produced."""
 
-    def fill(self, out: mmap.mmap, at: int) -> int:
+    def fill(self, out: Buffer, at: int) -> int:
         """Produce the next bytes into ``out[at:]`` (whole units: as many as fit); return
         where they end, ``at`` when the next unit does not fit."""
 
@@ -232,7 +235,7 @@ class FileObjectStore(ObjectStore):
         self._pool_size = 0            # bytes in _pool plus renames into it under way
         self._pool_lock = threading.Lock()
         self._adopt_pool()
-        self._rings: list[mmap.mmap] = []       # streamed puts' buffers (PUT_RING_BYTES)
+        self._rings: list[Buffer] = []          # streamed puts' buffers (PUT_RING_BYTES)
         self._rings_lock = threading.Lock()
 
     def _path(self, key: str) -> str:
@@ -458,38 +461,36 @@ class FileObjectStore(ObjectStore):
                 end = source.fill(ring, at)
                 done = source.done
                 if end == at and not done:   # the next block is larger than the ring
-                    bigger = _grown(ring, at)
-                    if ring is not pooled:
-                        ring.close()
-                    ring = bigger
+                    ring = _grown(ring, at)
                     continue
                 n = end if done else end - end % DIRECT_ALIGN
-                if n:
-                    with memoryview(ring) as mv, mv[:n] as view:
-                        unsynced = self._write_window(fd, view, chunk)
-                if done:
-                    return unsynced
-                ring.move(0, n, end - n)
+                with memoryview(ring) as mv:
+                    if n:
+                        with mv[:n] as view:
+                            unsynced = self._write_window(fd, view, chunk)
+                    if done:
+                        return unsynced
+                    mv[:end - n] = mv[n:end]     # < 4 KiB: whole pages were written
                 at = end - n
         finally:
-            if ring is not pooled:
-                ring.close()
             self._give_ring(pooled)
 
-    def _take_ring(self) -> mmap.mmap:
-        """A streamed put's buffer: a kept one, else a new one (huge pages: see _ring)."""
+    def _take_ring(self) -> Buffer:
+        """A streamed put's buffer: a kept one, else a fresh one (buffers.fresh_buffer: huge
+        pages, its O_DIRECT writes then pin 2 MiB pages instead of 512 small ones each -
+        writing from 4 KiB pages cost ~+0.05 ms of CPU per MiB, bench/HISTORY.md, session
+        15 - mapped without the interpreter lock)."""
         with self._rings_lock:
             if self._rings:
                 return self._rings.pop()
-        return _ring(PUT_RING_BYTES)
+        return fresh_buffer(PUT_RING_BYTES)
 
-    def _give_ring(self, ring: mmap.mmap) -> None:
-        """Keep ``ring`` for the next streamed put (at most PUT_RINGS_KEPT)."""
+    def _give_ring(self, ring: Buffer) -> None:
+        """Keep ``ring`` for the next streamed put (at most PUT_RINGS_KEPT; the others are
+        unmapped as they go)."""
         with self._rings_lock:
             if len(self._rings) < PUT_RINGS_KEPT:
                 self._rings.append(ring)
-                return
-        ring.close()
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | memoryview:
         """Bytes [start, end) of the object: ``bytes`` up to FILE_READ_CHUNK, beyond that a
@@ -754,24 +755,12 @@ def _write_direct(fd: int, view: memoryview, chunk: int = FILE_WRITE_CHUNK) -> i
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-def _ring(size: int) -> mmap.mmap:
-    """An anonymous mapping for a streamed put, with huge pages where the kernel allows (advice
-    only): its O_DIRECT writes then pin 2 MiB pages instead of 512 small ones each (writing
-    from 4 KiB pages cost ~+0.05 ms of CPU per MiB, bench/HISTORY.md, session 15)."""
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    return buf
-
-
-def _grown(ring: mmap.mmap, keep: int) -> mmap.mmap:
+def _grown(ring: Buffer, keep: int) -> Buffer:
     """A ring twice the size of ``ring`` holding its first ``keep`` bytes (a streamed put's
     block larger than its ring: rare, so not kept after the put)."""
-    bigger = _ring(2 * len(ring))
-    bigger[:keep] = ring[:keep]
+    bigger = fresh_buffer(2 * len(ring))
+    with memoryview(bigger) as dst, memoryview(ring) as src:
+        dst[:keep] = src[:keep]
     return bigger
 
 

@@ -81,8 +81,17 @@ def test_windows_hold_whole_blocks_and_write_whole_4k_units(tmp_path, monkeypatc
         windows.append(len(view))
         return real(fd, view, chunk)
     monkeypatch.setattr(st, "_write_window", window)
+    direct: list[int] = []
+    real_direct = store_mod._write_direct
+
+    def write_direct(fd, view, chunk):
+        direct.append(real_direct(fd, view, chunk))
+        return direct[-1]
+    monkeypatch.setattr(store_mod, "_write_direct", write_direct)
     st.put("obj", fmt.StreamEncoder(recs))
     assert len(windows) > 5
+    if store_mod._O_DIRECT and direct[0]:         # (a file system that takes O_DIRECT)
+        assert direct[:-1] == windows[:-1]        # every whole window went O_DIRECT
     assert all(n % store_mod.DIRECT_ALIGN == 0 for n in windows[:-1])
     assert max(windows) <= store_mod.PUT_RING_BYTES
     assert sum(windows) == os.path.getsize(tmp_path / "obj")
