@@ -19,6 +19,7 @@ from storage_helpers import fill, read_all, small_config
 pytestmark = pytest.mark.skipif(not fmt.STREAM_ENCODE,
                                 reason="the C encoder (with fit) is not built")
 MIB = 1 << 20
+RING = store_mod.PUT_RING_BYTES
 
 
 def _records(streams: int, per_stream: int, sizes: list[int], seed: int = 1) -> list[Record]:
@@ -36,8 +37,8 @@ CASES = {
     "small records": lambda: _records(1, 6000, [10, 100, 1000]),
     "many streams": lambda: _records(60, 150, [50, 5000]),
     "1 MiB records": lambda: _records(1, 30, [MIB]),
-    "a record larger than the ring": lambda: _records(1, 3, [100, 9 * MIB]),
-    "blocks of records just under the ring": lambda: _records(2, 4, [4 * MIB - 200]),
+    "a record larger than the ring": lambda: _records(1, 3, [100, RING + MIB]),
+    "blocks of records just under the ring": lambda: _records(2, 3, [RING - 200]),
     "empty": lambda: [],
     "one empty payload": lambda: [Record(5, 0, 1, b"")],
 }
@@ -89,21 +90,21 @@ def test_windows_hold_whole_blocks_and_write_whole_4k_units(tmp_path, monkeypatc
         return direct[-1]
     monkeypatch.setattr(store_mod, "_write_direct", write_direct)
     st.put("obj", fmt.StreamEncoder(recs))
-    assert len(windows) > 5
+    assert len(windows) >= 30 * MIB // RING
     if store_mod._O_DIRECT and direct[0]:         # (a file system that takes O_DIRECT)
         assert direct[:-1] == windows[:-1]        # every whole window went O_DIRECT
     assert all(n % store_mod.DIRECT_ALIGN == 0 for n in windows[:-1])
     assert max(windows) <= store_mod.PUT_RING_BYTES
     assert sum(windows) == os.path.getsize(tmp_path / "obj")
     assert [len(r) for r in st._rings] == [store_mod.PUT_RING_BYTES]
-    st.put("obj2", fmt.StreamEncoder(_records(1, 2, [9 * MIB])))   # grows for itself only
+    st.put("obj2", fmt.StreamEncoder(_records(1, 2, [RING + MIB])))   # grows for itself only
     assert [len(r) for r in st._rings] == [store_mod.PUT_RING_BYTES]
 
 
 def test_a_put_whose_source_fails_leaves_nothing(tmp_path) -> None:
     """Unsorted records: the encoder raises mid-object (after windows were written); no
     object and no temp file remain, and the ring goes back for the next put."""
-    recs = _records(1, 12, [MIB]) + [Record(0, 0, 1, b"x")]
+    recs = _records(1, RING // MIB + 4, [MIB]) + [Record(0, 0, 1, b"x")]
     st = FileObjectStore(str(tmp_path), direct_writes=True)
     with pytest.raises(ValueError):
         st.put("obj", fmt.StreamEncoder(recs, size=fmt.object_size(recs, 512 << 10)))
@@ -122,7 +123,7 @@ def test_a_put_that_fails_writing_leaves_nothing(tmp_path, monkeypatch) -> None:
         return store_mod.FileObjectStore._write_window(st, fd, view, chunk)
     monkeypatch.setattr(st, "_write_window", failing)
     with pytest.raises(ObjectStoreError):
-        st.put("obj", fmt.StreamEncoder(_records(1, 12, [MIB])))
+        st.put("obj", fmt.StreamEncoder(_records(1, RING // MIB + 4, [MIB])))
     assert os.listdir(tmp_path) == []
 
 
