@@ -143,7 +143,8 @@ GENTLE_WRITE_CHUNK = 64 << 10
 # put only.
 PUT_RING_BYTES = 8 << 20
 # streamed puts' buffers kept for reuse (fresh huge pages cost ~2.3 s of CPU per GiB on the
-# test VM: bench/HISTORY.md, session 28): the engine's puts in flight, plus drains beside them
+# test VM: bench/HISTORY.md, session 25 hugeframes): the engine's puts in flight, plus drains
+# beside them
 PUT_RINGS_KEPT = 6
 # ... and read in pieces of this size (see FileObjectStore.get).
 FILE_READ_CHUNK = 1 << 20
