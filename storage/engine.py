@@ -80,6 +80,9 @@ URGENT_PUTS_IN_FLIGHT = 4
 ENCODE_BUFFERS = URGENT_PUTS_IN_FLIGHT + 1  # kept: those being written, the next encoded
 ENCODE_BUFFER_MAX = 128 << 20              # largest object encode buffer kept for reuse
 ENCODE_BUFFER_MIN = OBJECT_SPLIT_BYTES + (1 << 20)   # smallest one made (see _take_encode_buffer)
+# longest a stream's delete waits for the uploads in flight that hold its entries (one put
+# round: ~0.1-0.3 s under load; see Engine.delete_stream)
+DELETE_WAIT_S = 10.0
 CATCHUP_GAIN = 1.5                          # a paced catch-up reader gets >= this x the append rate
 
 
@@ -825,7 +828,15 @@ class Engine(StreamStore):
         s = self.streams.get(stream_id)
         if s is None:
             return
-        s.deleted = True
+        s.deleted = True                 # from here on no upload groups its entries
+        # ...but one in flight may have grouped them already: a streamed put reads its
+        # object's payloads while it writes (StreamEncoder), and dropping the stream releases
+        # them (the frame pool reuses the memory), which failed that upload or could encode
+        # another request's bytes in their place. So they are dropped once no upload holds
+        # the stream (each attempt of a failing upload ends, so an outage does not hold this)
+        deadline = time.monotonic() + DELETE_WAIT_S
+        while self._inflight_streams[stream_id] > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
         self.cache.drop_stream(stream_id)
         await self.io(self.meta.delete_stream, stream_id)
 
