@@ -834,11 +834,16 @@ class Engine(StreamStore):
         # them (the frame pool reuses the memory), which failed that upload or could encode
         # another request's bytes in their place. So they are dropped once no upload holds
         # the stream (each attempt of a failing upload ends, so an outage does not hold this)
-        deadline = time.monotonic() + DELETE_WAIT_S
-        while self._inflight_streams[stream_id] > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
+        await self._until_uploads_hold(stream_id, 0, time.monotonic() + DELETE_WAIT_S, 0.005)
         self.cache.drop_stream(stream_id)
         await self.io(self.meta.delete_stream, stream_id)
+
+    async def _until_uploads_hold(self, stream_id: int, at_most: int, deadline: float,
+                                  poll_s: float) -> None:
+        """Wait until at most ``at_most`` uploads in flight hold entries of ``stream_id``
+        (``_inflight_streams``), or until ``deadline`` (monotonic), polling every ``poll_s``."""
+        while self._inflight_streams[stream_id] > at_most and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
 
     # -- handing streams between nodes (a cluster sharing one object store) ----------------
     async def release_stream(self, stream_id: int, upload: bool = True) -> int:
@@ -868,8 +873,8 @@ class Engine(StreamStore):
             async def after_earlier(first: int) -> None:
                 nonlocal waited
                 t = time.monotonic()
-                while self._inflight_streams[stream_id] > 1 and time.monotonic() < deadline:
-                    await asyncio.sleep(0.002)          # the uploader commits them first
+                # the uploader commits them first
+                await self._until_uploads_hold(stream_id, 1, deadline, 0.002)
                 waited += time.monotonic() - t
                 if s.committed < first:                 # its upload failed: ours waits too
                     raise _EarlierNotCommitted(f"stream {stream_id}: offsets {s.committed}.."
@@ -975,7 +980,7 @@ class Engine(StreamStore):
                 or self._wal_head - self._wal_trimmed > self.config.wal_capacity // 2)
 
     def _puts_in_flight(self, gentle: bool) -> int:
-        """How many puts an upload keeps in flight before it waits for the oldest: one for a
+        """How many puts an upload keeps in flight before it waits for one to end: one for a
         gentle one (see _gentle_writes), more while appends wait on it (_upload_urgent), else
         PUTS_IN_FLIGHT."""
         if gentle:
@@ -1384,9 +1389,6 @@ class Engine(StreamStore):
                 if i + 1 < len(groups) and self._upload_urgent():
                     ahead = asyncio.ensure_future(
                         self.io(self.meta.prepare_object, groups[i + 1][0], c.node_id))
-                # encode buffers reused across uploads (taken while in use: the previous
-                # objects are written meanwhile, a drain may upload beside the loop): fresh
-                # memory faults a page per 4 KiB
                 size = await object_size_in_slices(recs, c.object_block_bytes, pause=pause)
                 small = payload < NOGIL_COPY_FROM * len(recs)
                 into = None
@@ -1397,6 +1399,9 @@ class Engine(StreamStore):
                     data = StreamEncoder(recs, c.object_block_bytes, size)
                     ranges = data.ranges
                 else:
+                    # encode buffers reused across uploads (taken while in use: the previous
+                    # objects are written meanwhile, a drain may upload beside the loop):
+                    # fresh memory faults a page per 4 KiB
                     into = self._take_encode_buffer(size)
                     data, ranges = await self._encode_whole(recs, into, size, small, pause)
                 size = len(data)
