@@ -136,7 +136,17 @@ class _Blocker:
         if self.url.startswith("sqlite"):
             path = self.url.split("sqlite:///", 1)[1]
             self.conn = sqlite3.connect(path, timeout=30, isolation_level=None)
-            self.conn.execute("BEGIN EXCLUSIVE")
+            # SQLite can answer "database is locked" at once, without its busy timeout (WAL
+            # mode, a broker's write or checkpoint in progress): try again until it is ours
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    self.conn.execute("BEGIN EXCLUSIVE")
+                    break
+                except sqlite3.OperationalError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.01)
         else:
             import psycopg  # noqa: PLC0415
             self.conn = psycopg.connect(self.url)
@@ -144,7 +154,9 @@ class _Blocker:
 
     def release(self) -> None:
         if self.conn is not None:
-            self.conn.rollback() if not self.url.startswith("sqlite") else \
+            if not self.url.startswith("sqlite"):
+                self.conn.rollback()
+            elif self.conn.in_transaction:
                 self.conn.execute("ROLLBACK")
             self.conn.close()
             self.conn = None
