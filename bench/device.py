@@ -13,7 +13,9 @@ wrote and how long it was busy (/proc/diskstats): bench.rawload and bench.client
 against the bytes produced over the same window, bench.catchup and bench.coldpass against their
 reads. With the embedded defaults every produced byte reaches this one device twice (the WAL,
 then the file:// object), so the device's write rate, not the broker's CPU, can be what holds a
-durable produce rate.
+durable produce rate. ``write_rates`` measures how fast: on a thin-provisioned virtual disk
+(and on SSDs after a discard) writing blocks no file has held costs more than overwriting
+written ones, and the WAL overwrites its preallocated ring while every object is a new file.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import argparse
 import mmap
 import os
 import tempfile
+import threading
 import time
 
 from .common import pct
@@ -74,6 +77,67 @@ def write_latency(directory: str | None = None, rate: float = 1000, seconds: flo
             "n": len(lat), "mode": mode, "dir": directory}
 
 
+def _direct_or_not(path: str, flags: int) -> int:
+    """``flags`` with O_DIRECT where the filesystem under ``path`` takes it (not tmpfs)."""
+    try:
+        os.close(os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600))
+        return flags | getattr(os, "O_DIRECT", 0)
+    except OSError:
+        return flags
+
+
+def write_rates(directory: str | None = None, file_bytes: int = 1 << 30, writers: int = 2,
+                overwrite_passes: int = 2, piece: int = 1 << 20) -> dict[str, float | str]:
+    """MB/s of ``writers`` threads writing ``piece``-sized O_DIRECT pieces, each into its own
+    file of ``file_bytes``: first into new files (blocks no file held: as each object put),
+    then ``overwrite_passes`` times over the same, now written, blocks (as the WAL's
+    preallocated ring), each file fdatasync'ed at the end of a pass.
+
+    ``produce_ceiling`` is the durable produce rate the two allow when every produced byte is
+    written once into the WAL and once into a new object and the device does one at a time:
+    1 / (1/overwrite + 1/fresh). Writes that overlap can beat it a little; it is a bound of
+    the device, not of the broker."""
+    directory = directory or tempfile.gettempdir()
+    paths = [tempfile.mktemp(prefix=f"s3kbench-rate{i}-", dir=directory) for i in range(writers)]
+    buf = mmap.mmap(-1, piece)          # page aligned, as O_DIRECT needs
+    buf.write(os.urandom(piece))
+    flags = _direct_or_not(paths[0], os.O_WRONLY | os.O_CREAT)
+
+    def one_pass(passes: int) -> float:
+        """Seconds for every writer to write its whole file ``passes`` times."""
+        def write(path: str) -> None:
+            fd = os.open(path, flags, 0o600)
+            try:
+                for _ in range(passes):
+                    for at in range(0, file_bytes, piece):
+                        os.pwrite(fd, buf, at)
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        threads = [threading.Thread(target=write, args=(p,)) for p in paths]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - t0
+
+    try:
+        fresh_s = one_pass(1)
+        over_s = one_pass(overwrite_passes)
+    finally:
+        for p in paths:
+            if os.path.exists(p):
+                os.unlink(p)
+        buf.close()
+    total = writers * file_bytes
+    fresh = total / fresh_s / 1e6
+    over = total * overwrite_passes / over_s / 1e6
+    return {"fresh_mb_s": fresh, "overwrite_mb_s": over,
+            "produce_ceiling_mb_s": 1 / (1 / over + 1 / fresh),
+            "writers": float(writers), "file_bytes": float(file_bytes), "dir": directory}
+
+
 def device_of(path: str) -> str | None:
     """Name of the block device (as /proc/diskstats names it) holding ``path``; None when it
     is not a plain disk (tmpfs, overlay without a device of its own)."""
@@ -124,10 +188,17 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--rate", type=float, default=1000)
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--rates", action="store_true",
+                    help="also the 1 MiB write rates into new files and over written blocks")
     a = ap.parse_args()
     r = write_latency(a.dir, a.rate, a.seconds)
     print(f"4 KiB {r['mode']} writes at {a.rate:.0f}/s in {r['dir']}: p50 {r['p50']:.3f} ms, "
           f"p99 {r['p99']:.3f} ms, p999 {r['p999']:.3f} ms ({r['n']} writes)")
+    if a.rates:
+        w = write_rates(a.dir)
+        print(f"1 MiB O_DIRECT writes, {w['writers']:.0f} writers: new files "
+              f"{w['fresh_mb_s']:,.0f} MB/s, over written blocks {w['overwrite_mb_s']:,.0f} MB/s; "
+              f"WAL + objects allow at most {w['produce_ceiling_mb_s']:,.0f} MB/s of produce")
 
 
 if __name__ == "__main__":

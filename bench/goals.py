@@ -81,6 +81,13 @@ def evaluate(by_name: dict[str, Result], device: dict[str, Any] | None,
             ours.get("disk_per_byte", NAN), "")
         add(1, "(info) device busy during raw produce, share of the time",
             ours.get("disk_busy", NAN), "")
+        # the device measured alone (bench.device.write_rates): how far its double write lets
+        # the MB/s ratio go in this run
+        ceiling = ((device or {}).get("rates") or {}).get("produce_ceiling_mb_s", NAN)
+        add(1, "(info) device's produce ceiling alone (WAL overwrite + new object files), MB/s",
+            ceiling, "")
+        add(1, "(info) that ceiling / mock MB/s: the most this device lets the ratio reach",
+            _ratio(ceiling, (mock or {}).get("mb_s")), "")
     else:
         add(1, "raw 1 MiB produce MB/s, s3kafka/mock", NAN, ">= 0.5")
     prod = by_name.get("produce")

@@ -320,6 +320,15 @@ class _LaterSample(threading.Thread):
         self.cpu, self.at = process_cpu_s(self.pid), time.perf_counter()
 
 
+def cpu_ms_per_mib_after(acks: list[tuple[float, int]], at: float, cpu_at: float,
+                         cpu_end: float) -> float:
+    """CPU ms per MiB acknowledged from ``at`` on: ``acks`` are (perf_counter time, bytes)
+    of each acknowledgement, ``cpu_at`` / ``cpu_end`` the process's CPU seconds at ``at`` and
+    at the end of the run; NaN when nothing was acknowledged after ``at``."""
+    mib = sum(b for t, b in acks if t >= at) / (1 << 20)
+    return (cpu_end - cpu_at) * 1e3 / mib if mib else float("nan")
+
+
 def wait_quiet(pid: int | None, timeout: float = 30.0, busy: float = 0.15) -> float:
     """Wait until process ``pid`` uses under ``busy`` of a core over half a second (the
     uploads of what was just produced are done), at most ``timeout`` s; returns the wait."""
@@ -396,9 +405,8 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
     if mark is not None:
         mark.join()
         if mark.at is not None:
-            steady = sum(b for t, b in st["ts"] if t >= mark.at) / (1 << 20)
-            out["cpu_ms_mib_steady"] = (cpu_end - mark.cpu) * 1e3 / steady if steady else \
-                float("nan")
+            out["cpu_ms_mib_steady"] = cpu_ms_per_mib_after(st["ts"], mark.at, mark.cpu,
+                                                            cpu_end)
     written = device.disk_writes(dev0, dev1, wall)
     if written is not None and st["bytes"]:
         # the device's own account of the window: bytes it wrote per byte produced (WAL +

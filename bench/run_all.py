@@ -116,6 +116,18 @@ def main(argv: list[str] | None = None) -> int:
                        "dsync on the same filesystem (bench/device.py)")
         r.print()
         results.append(r)
+        dev["rates"] = rates = device.write_rates(file_bytes=(64 << 20) if q else (1 << 30))
+        r = Result("Device write rates (1 MiB O_DIRECT pieces, 2 writers, a file each)",
+                   ["into new files MB/s", "over written blocks MB/s",
+                    "produce ceiling MB/s (WAL + objects)"])
+        r.rows.append([rates["fresh_mb_s"], rates["overwrite_mb_s"],
+                       rates["produce_ceiling_mb_s"]])
+        r.notes.append("each produced byte is written twice on this device: into the WAL's "
+                       "preallocated ring (over written blocks) and into a new object file; "
+                       "one after the other they allow 1 / (1/overwrite + 1/new) MB/s of "
+                       "produce, a bound of the device measured alone (bench/device.py)")
+        r.print()
+        results.append(r)
     if "wal" not in skip:
         args = ["--bytes", str(8 << 20), "--sizes", "65536", "--capacity", str(256 << 20),
                 "--rounds", "1", "--half-seconds", "0.5"] if q \

@@ -32,7 +32,7 @@ def test_run_all_quick_writes_results_with_figures(tmp_path) -> None:
     assert run_all.main(["--quick", "--out", str(out)]) == 0
     text = out.read_text()
     for title in ("Produce throughput, confluent-kafka", "Consume throughput", "Produce latency",
-                  "Raw-protocol produce", "Delta WAL", "Catch-up reads"):
+                  "Raw-protocol produce", "Device write rates", "Delta WAL", "Catch-up reads"):
         assert title in text
     assert "Traceback" not in text
     # s3kafka rows carry real, positive numbers (the raw loadgen got acks without errors)

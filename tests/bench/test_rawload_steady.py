@@ -1,0 +1,29 @@
+"""bench.rawload's steady figure: broker CPU per MiB acknowledged from STEADY_FROM_S on (a
+fresh broker's first GiB fills its LogCache with fresh memory), beside the whole run's."""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+from bench import rawload
+
+
+def test_cpu_per_mib_counts_only_what_was_acknowledged_from_the_mark() -> None:
+    mib = 1 << 20
+    acks = [(1.0, 4 * mib), (2.0, 4 * mib), (3.0, 2 * mib), (4.0, 2 * mib)]
+    # 0.8 s of CPU from t=3 on, over the 4 MiB acknowledged from then: 200 ms per MiB
+    assert math.isclose(rawload.cpu_ms_per_mib_after(acks, 3.0, 10.0, 10.8), 200.0)
+    assert math.isnan(rawload.cpu_ms_per_mib_after(acks, 5.0, 10.0, 10.8))
+
+
+def test_the_later_sample_reads_the_process_cpu_after_its_delay() -> None:
+    t0 = time.perf_counter()
+    before = rawload.process_cpu_s(os.getpid())
+    mark = rawload._LaterSample(os.getpid(), 0.2)
+    end = time.process_time() + 0.3
+    while time.process_time() < end:       # burn CPU across the mark
+        pass
+    mark.join()
+    assert mark.at is not None and mark.at - t0 >= 0.2
+    assert before <= mark.cpu <= rawload.process_cpu_s(os.getpid())
