@@ -513,6 +513,29 @@ typedef struct {
     Py_ssize_t pos, first, n, body;
 } blk_t;
 
+/* Write p[0:n] to `fd` at its position, `chunk` bytes per write(), without the interpreter
+   lock (the caller released it): write_pieces and encode_write's windows. Returns the bytes
+   written; stops early at EINVAL (O_DIRECT refused: `*err` stays 0) and after a write whose
+   length is not a multiple of `align` (the rest would be unaligned); another error sets
+   `*err` to its errno. EINTR is retried. */
+static Py_ssize_t write_loop(int fd, const char *p, Py_ssize_t n, Py_ssize_t chunk,
+                             Py_ssize_t align, int *err) {
+    Py_ssize_t done = 0;
+    *err = 0;
+    while (done < n) {
+        Py_ssize_t want = n - done < chunk ? n - done : chunk;
+        ssize_t w = write(fd, p + done, (size_t)want);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            if (errno != EINVAL) *err = errno;
+            break;
+        }
+        done += w;
+        if (w == 0 || w % align) break;
+    }
+    return done;
+}
+
 /* `arr` (`*cap` elements of `size` bytes) reallocated to twice as many, `*cap` doubled; when
    out of memory: `arr` itself (still valid, freed by the caller), MemoryError set and
    `*failed` 1. encode_blocks' three growing arrays. */
@@ -544,13 +567,14 @@ PyDoc_STRVAR(encode_blocks_doc,
 "Returns the next record's index, the next write position and the blocks' index entries as\n"
 "tuples (stream id, start, end, record count, block position, block size).");
 
-static PyObject *encode_blocks(PyObject *self, PyObject *args) {
-    PyObject *out_obj, *list;
-    Py_ssize_t at, start, block_size, min_records, base = 0;
-    int nogil, fit = 0, full = 0;         /* full: (fit) the next block does not fit */
-    if (!PyArg_ParseTuple(args, "OnO!nnnp|pn:encode_blocks", &out_obj, &at, &PyList_Type, &list,
-                          &start, &block_size, &min_records, &nogil, &fit, &base))
-        return NULL;
+/* encode_blocks, and with `fd` >= 0 encode_write (see their docs): `written` counts the bytes
+   encode_write wrote to `fd`; its windows' writes run in the same release of the interpreter
+   lock as their last blocks' copies. */
+static PyObject *encode_impl(PyObject *out_obj, Py_ssize_t at, PyObject *list, Py_ssize_t start,
+                             Py_ssize_t block_size, Py_ssize_t min_records, int nogil, int fit,
+                             Py_ssize_t base, int fd, Py_ssize_t chunk, Py_ssize_t align) {
+    int full = 0;                         /* full: (fit) the next block does not fit */
+    Py_ssize_t written = 0;
     if (start < 0 || start > PyList_GET_SIZE(list) || at < 0) {
         PyErr_SetString(PyExc_ValueError, "encode_blocks: start or at out of range");
         return NULL;
@@ -581,6 +605,8 @@ static PyObject *encode_blocks(PyObject *self, PyObject *args) {
         nrec = nblk = 0;
         do {                              /* gather one block (more while nogil: a batch) */
             Py_ssize_t pos = at, body = 0, first = nrec, first_i = i, first_done = done;
+            int64_t first_sid = last_sid, first_base = last_base;   /* (the sort check's) */
+            int first_have = have_last;
             if (pos > out.len - BLOCK_HDR) {
                 if (!fit) goto too_small;
                 full = 1;
@@ -635,6 +661,9 @@ static PyObject *encode_blocks(PyObject *self, PyObject *args) {
                     nrec = first;
                     i = first_i;
                     done = first_done;
+                    last_sid = first_sid;      /* encode_write gathers them again */
+                    last_base = first_base;
+                    have_last = first_have;
                     full = 1;
                     break;
                 }
@@ -676,19 +705,38 @@ static PyObject *encode_blocks(PyObject *self, PyObject *args) {
             }
         } while (!full && nogil && nrec < NOGIL_BATCH_RECORDS && i < PyList_GET_SIZE(list)
                  && (min_records <= 0 || done < min_records));
-        PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
+        /* encode_write: the window is full, its whole `align` units go to `fd` (none: the
+           next block is larger than the window, the caller grows it) */
+        Py_ssize_t flush = full && fd >= 0 ? at - at % align : 0, wrote = 0;
+        int err = 0;
+        PyThreadState *ts = nogil || flush ? PyEval_SaveThread() : NULL;
         for (Py_ssize_t b = 0; b < nblk; b++)
             write_block(obuf, blks[b].pos, recs + blks[b].first, blks[b].n, blks[b].body);
+        if (flush) {
+            wrote = write_loop(fd, (const char *)obuf, flush, chunk, align, &err);
+            memmove(obuf, obuf + wrote, (size_t)(at - wrote));   /* the rest to the start */
+        }
         gil_back(ts);
         release_recs(recs, nrec);
         nrec = 0;
+        at -= wrote;
+        base += wrote;
+        written += wrote;
+        if (err) {
+            errno = err;
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto fail;
+        }
+        if (flush && wrote == flush)
+            full = 0;                     /* room again: the next window */
     }
     PyMem_Free(recs);
     PyMem_Free(runs);
     PyMem_Free(blks);
     PyBuffer_Release(&out);
-    PyObject *res = Py_BuildValue("(nnN)", i, at, index);
-    return res;
+    if (fd >= 0)
+        return Py_BuildValue("(nnNn)", i, at, index, written);
+    return Py_BuildValue("(nnN)", i, at, index);
 
 too_small:
     PyErr_SetString(PyExc_ValueError, "encode_blocks: the output buffer is too small");
@@ -700,6 +748,48 @@ fail:
     Py_XDECREF(index);
     PyBuffer_Release(&out);
     return NULL;
+}
+
+static PyObject *encode_blocks(PyObject *self, PyObject *args) {
+    PyObject *out_obj, *list;
+    Py_ssize_t at, start, block_size, min_records, base = 0;
+    int nogil, fit = 0;
+    if (!PyArg_ParseTuple(args, "OnO!nnnp|pn:encode_blocks", &out_obj, &at, &PyList_Type, &list,
+                          &start, &block_size, &min_records, &nogil, &fit, &base))
+        return NULL;
+    return encode_impl(out_obj, at, list, start, block_size, min_records, nogil, fit, base,
+                       -1, 0, 1);
+}
+
+PyDoc_STRVAR(encode_write_doc,
+"encode_write(out, at, records, start, block_size, base, fd, chunk, align)\n"
+"    -> (next, at, index, written)\n\n"
+"encode_blocks(out, at, records, start, block_size, 0, True, fit=True, base=base) that also\n"
+"writes its windows: each time the next block does not fit in `out`, the whole `align`\n"
+"units of out[:at] are written to `fd` at its position (an O_DIRECT file: `out` aligned),\n"
+"`chunk` bytes per write, the rest (< align) moved to out[0] and `base` advanced, and the\n"
+"encoding goes on - the writes in the same release of the interpreter lock as the window's\n"
+"last copies. Returns once every record is encoded (the last window's blocks left in\n"
+"out[:at], not written) or when the next block is larger than the window (nothing to\n"
+"write: the caller grows `out`), or early after a short write (EINVAL: O_DIRECT refused,\n"
+"or a length not a multiple of `align`: the caller writes out[:at] itself); other write\n"
+"errors raise OSError. `written`: the bytes written to `fd`.\n"
+"Why: a streamed put (storage/objects/store.py) encoded a window, took the interpreter lock\n"
+"back, ran Python, released it to write the window and took it back again: two hand-offs\n"
+"with the event loop and the Python of a window each time, now one per window.");
+
+static PyObject *encode_write(PyObject *self, PyObject *args) {
+    PyObject *out_obj, *list;
+    Py_ssize_t at, start, block_size, base, chunk, align;
+    int fd;
+    if (!PyArg_ParseTuple(args, "OnO!nnninn:encode_write", &out_obj, &at, &PyList_Type, &list,
+                          &start, &block_size, &base, &fd, &chunk, &align))
+        return NULL;
+    if (fd < 0 || chunk <= 0 || align <= 0) {
+        PyErr_SetString(PyExc_ValueError, "encode_write: fd, chunk and align must be positive");
+        return NULL;
+    }
+    return encode_impl(out_obj, at, list, start, block_size, 0, 1, 1, base, fd, chunk, align);
 }
 
 PyDoc_STRVAR(object_size_steps_doc,
@@ -943,21 +1033,10 @@ static PyObject *write_pieces(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "write_pieces: chunk and align must be positive");
         return NULL;
     }
-    const char *p = (const char *)buf.buf;
-    Py_ssize_t n = buf.len, done = 0;
-    int err = 0;
+    Py_ssize_t done;
+    int err;
     Py_BEGIN_ALLOW_THREADS
-    while (done < n) {
-        Py_ssize_t want = n - done < chunk ? n - done : chunk;
-        ssize_t w = write(fd, p + done, (size_t)want);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            if (errno != EINVAL) err = errno;
-            break;
-        }
-        done += w;
-        if (w == 0 || w % align) break;
-    }
+    done = write_loop(fd, (const char *)buf.buf, buf.len, chunk, align, &err);
     Py_END_ALLOW_THREADS
     return io_result(&buf, err, done);
 }
@@ -1202,6 +1281,7 @@ static PyMethodDef methods[] = {
     {"read_span_crcs", read_span_crcs, METH_VARARGS, read_span_crcs_doc},
     {"map_buffer", map_buffer, METH_VARARGS, map_buffer_doc},
     {"encode_blocks", encode_blocks, METH_VARARGS, encode_blocks_doc},
+    {"encode_write", encode_write, METH_VARARGS, encode_write_doc},
     {"object_size_steps", object_size_steps, METH_VARARGS, object_size_steps_doc},
 #ifdef HAVE_AIO
     {"aio_submit", aio_submit, METH_VARARGS, aio_submit_doc},

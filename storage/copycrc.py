@@ -79,6 +79,10 @@ copy_record = getattr(_copycrc, "copy_record", None) or _copy_record_py
 # the object encoder's per-record work in C (storage/objects/format.py uses them when present;
 # None without the extension or with a stale in-place build that predates them)
 encode_blocks = getattr(_copycrc, "encode_blocks", None)
+# encode_blocks for a streamed put that also writes each full window to the object's O_DIRECT
+# file, in the same release of the interpreter lock (StreamEncoder.fill_writing); None without
+# the extension or with a stale build
+encode_write = getattr(_copycrc, "encode_write", None)
 object_size_steps = getattr(_copycrc, "object_size_steps", None)
 # an extension built in place before copy_crc_split existed (a worktree's stale build) lacks
 # it: the split copy then runs as two copy_crc calls and a pass over the tail

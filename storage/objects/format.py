@@ -265,6 +265,8 @@ class ObjectEncoder(_IndexBuilder):
 # StreamEncoder); False without the extension or with a build older than these arguments
 STREAM_ENCODE = _native.encode_blocks is not None and \
     "fit=False" in (_native.encode_blocks.__doc__ or "")
+# ... and encode_write (StreamEncoder.fill_writing); False without it (a stale build)
+STREAM_WRITE = STREAM_ENCODE and _native.encode_write is not None
 
 
 class StreamEncoder(_IndexBuilder):
@@ -279,6 +281,9 @@ class StreamEncoder(_IndexBuilder):
     only). Needs the C encoder with ``fit`` (STREAM_ENCODE); the engine encodes whole objects
     otherwise. ``len()`` is the object's size; ``ranges`` fills as blocks are encoded and is
     complete once ``done``."""
+
+    # fill_writing works (the C encoder with encode_write): the store's put then lets it write
+    writes_windows = STREAM_WRITE
 
     def __init__(self, records: list[Record], block_size: int = DEFAULT_BLOCK_SIZE,
                  size: int | None = None, release_gil: bool = True) -> None:
@@ -312,17 +317,41 @@ class StreamEncoder(_IndexBuilder):
         bytes already in ``out`` before this window (produced, not yet written: the bytes
         right before ``out[at]`` in the object). Returns ``at`` when nothing fit (the next
         block is larger than ``len(out) - at``: the caller needs a larger buffer)."""
+        return self._fill(out, at, -1, 0, 1)[0]
+
+    def fill_writing(self, out: Buffer | memoryview, at: int, fd: int, chunk: int,
+                     align: int) -> tuple[int, int]:
+        """fill() that writes as it goes (needs STREAM_WRITE): each time ``out`` is full, its
+        whole ``align`` units go to ``fd`` (an O_DIRECT file, ``out`` aligned) in ``chunk``
+        pieces and the rest moves to its start - in C, in the same release of the
+        interpreter lock as the window's copies (storage._copycrc.encode_write), no Python
+        between windows. Returns (where the unwritten bytes in ``out`` end - they start at
+        ``out[0]`` once something was written -, bytes written to ``fd``). It stops with the
+        last window unwritten once every block is in (the index and footer then follow as
+        in fill), when the next block is larger than ``out`` (nothing written for it: the
+        caller needs a larger buffer), or after a short write (O_DIRECT refused: the
+        unwritten window is the caller's to write)."""
+        return self._fill(out, at, fd, chunk, align)
+
+    def _fill(self, out: Buffer | memoryview, at: int, fd: int, chunk: int, align: int
+              ) -> tuple[int, int]:
+        """fill (``fd`` < 0) or fill_writing: (end, bytes written to ``fd``)."""
         records = self._records
-        end = at
+        end, written = at, 0
         if self._next < len(records):
-            self._next, end, entries = _native.encode_blocks(
-                out, at, records, self._next, self.block_size, 0, self._release_gil, True,
-                self._pos - at)
+            base = self._pos - at               # the object position of out[0]
+            if fd < 0:
+                self._next, end, entries = _native.encode_blocks(
+                    out, at, records, self._next, self.block_size, 0, self._release_gil, True,
+                    base)
+            else:
+                self._next, end, entries, written = _native.encode_write(
+                    out, at, records, self._next, self.block_size, base, fd, chunk, align)
             for entry in entries:
                 self._index_entry(IndexEntry(*entry))
-            self._pos += end - at
+            self._pos = base + written + end
             if self._next < len(records):
-                return end
+                return end, written
         if self._tail is None:
             self._tail = _index_tail(self.index, self._pos)
             if self._pos + len(self._tail) != self.size:
@@ -333,7 +362,7 @@ class StreamEncoder(_IndexBuilder):
             mv[end:end + n] = self._tail[self._tail_at:self._tail_at + n]
         self._tail_at += n
         self._pos += n
-        return end + n
+        return end + n, written
 
 
 def _copy_nogil(out: Buffer | memoryview, at: int, payload: bytes | memoryview, n: int) -> bool:

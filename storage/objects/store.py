@@ -52,6 +52,10 @@ class PutSource(Protocol):
         """Produce the next bytes into ``out[at:]`` (whole units: as many as fit); return
         where they end, ``at`` when the next unit does not fit."""
 
+    # Optional (StreamEncoder): ``writes_windows`` True and
+    # ``fill_writing(out, at, fd, chunk, align) -> (end, written)``, a fill that writes each
+    # full window's whole ``align`` units to the O_DIRECT ``fd`` itself (see _write_source).
+
 
 class ObjectStoreError(Exception):
     """The store failed an operation (network, throttling, missing object...)."""
@@ -458,17 +462,34 @@ class FileObjectStore(ObjectStore):
 
     def _write_source(self, fd: int, source: PutSource, chunk: int) -> bool:
         """Produce and write ``source`` a window at a time (see put) through a ring buffer;
-        True when the last bytes were written directly (not yet synced)."""
+        True when the last bytes were written directly (not yet synced).
+
+        With ``direct_writes`` and a source that can (``writes_windows``: StreamEncoder with
+        the C encoder's encode_write) the source writes every full window itself, the same
+        O_DIRECT pieces, in the C call that encodes it: one take of the interpreter lock per
+        window instead of two, and no Python between windows. Here only the last window
+        (index and footer) is written, the other windows only when a write of the source's
+        came back short (O_DIRECT refused: then the source stops writing)."""
         ring = pooled = self._take_ring()
         at = 0                               # bytes carried over from the previous window
         unsynced = False
+        native = self.direct_writes and _O_DIRECT and getattr(source, "writes_windows", False)
         try:
             while True:
-                end = source.fill(ring, at)
+                wrote = 0
+                if native and _set_direct(fd, True):
+                    try:
+                        end, wrote = source.fill_writing(ring, at, fd, chunk, DIRECT_ALIGN)
+                    finally:
+                        _set_direct(fd, False)
+                else:
+                    end = source.fill(ring, at)
                 done = source.done
-                if end == at and not done:   # the next block is larger than the ring
+                if end == at and not wrote and not done:   # the next block is larger than the ring
                     ring = _grown(ring, at)
                     continue
+                if not done and end >= DIRECT_ALIGN:
+                    native = False    # a window the source left unwritten (a write refused)
                 n = end if done else end - end % DIRECT_ALIGN
                 with memoryview(ring) as mv:
                     if n:
@@ -768,6 +789,16 @@ def _grown(ring: Buffer, keep: int) -> Buffer:
     with memoryview(bigger) as dst, memoryview(ring) as src:
         dst[:keep] = src[:keep]
     return bigger
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn O_DIRECT on or off for ``fd``; False when the file system refuses it."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT if on else flags & ~_O_DIRECT)
+    except OSError:
+        return False
+    return True
 
 
 def _locked(fd: int) -> int:

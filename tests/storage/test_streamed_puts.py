@@ -72,7 +72,8 @@ def test_a_streamed_object_is_the_whole_encoders_bytes(tmp_path, case, block_siz
 def test_windows_hold_whole_blocks_and_write_whole_4k_units(tmp_path, monkeypatch) -> None:
     """Each window is written up to its last whole 4 KiB (O_DIRECT pieces), the rest carried
     over; the ring is PUT_RING_BYTES and is kept for the next put, so a put needs a few MiB,
-    not the object's size."""
+    not the object's size. (The store writing the windows: a source that does not.)"""
+    monkeypatch.setattr(fmt.StreamEncoder, "writes_windows", False)
     recs = _records(1, 30, [MIB])                 # ~30 MiB object
     st = FileObjectStore(str(tmp_path), direct_writes=True)
     windows: list[int] = []
@@ -113,6 +114,7 @@ def test_a_put_whose_source_fails_leaves_nothing(tmp_path) -> None:
 
 
 def test_a_put_that_fails_writing_leaves_nothing(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(fmt.StreamEncoder, "writes_windows", False)   # the store writes
     st = FileObjectStore(str(tmp_path), direct_writes=True)
     calls = []
 
@@ -139,6 +141,102 @@ def test_encode_blocks_fit_stops_before_a_block_that_does_not_fit() -> None:
     assert copycrc.encode_blocks(out, at, recs, nxt, 1000, 0, False, True, 0)[:2] == (2, at)
     with pytest.raises(ValueError):
         copycrc.encode_blocks(out, at, recs, nxt, 1000, 0, False)
+
+
+needs_write = pytest.mark.skipif(not fmt.STREAM_WRITE or not store_mod._O_DIRECT,
+                                 reason="encode_write not built, or no O_DIRECT")
+
+
+@needs_write
+def test_the_encoder_writes_every_window_but_the_last_itself(tmp_path, monkeypatch) -> None:
+    """With direct writes the StreamEncoder writes each full window in the C call that
+    encodes it (encode_write: one take of the interpreter lock per window): the store's own
+    window writes are the last window only, the file is still encode_object's bytes."""
+    recs = _records(3, 12, [MIB, 700 << 10, 5000])
+    st = FileObjectStore(str(tmp_path), direct_writes=True)
+    windows: list[int] = []
+    real = st._write_window
+
+    def window(fd, view, chunk):
+        windows.append(len(view))
+        return real(fd, view, chunk)
+    monkeypatch.setattr(st, "_write_window", window)
+    enc = fmt.StreamEncoder(recs)
+    fills: list[tuple[int, int]] = []
+    real_fill = enc.fill_writing
+
+    def fill_writing(out, at, fd, chunk, align):
+        fills.append(real_fill(out, at, fd, chunk, align))
+        return fills[-1]
+    enc.fill_writing = fill_writing
+    st.put("obj", enc)
+    ref, index, _ = encode_object(recs)
+    assert (tmp_path / "obj").read_bytes() == bytes(ref)
+    assert enc.index == index
+    wrote = sum(w for _, w in fills)
+    assert len(windows) == 1 and wrote + windows[0] == len(ref)
+    assert wrote >= len(ref) - RING and wrote % store_mod.DIRECT_ALIGN == 0
+    assert len(fills) == 1                        # no Python between the windows
+
+
+def _aligned_buffer(n: int) -> memoryview:
+    import mmap
+    return memoryview(mmap.mmap(-1, n))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_encode_write_writes_whole_units_of_full_windows_and_carries_the_rest(
+        tmp_path, direct) -> None:
+    """encode_write with a small window and many streams (blocks that do not fit are gathered
+    again after the window is written): the file plus the unwritten rest plus the index and
+    footer are encode_object's bytes; the index's positions are the object's; a block larger
+    than the window stops it once the window before it is written, nothing of it begun."""
+    from storage import copycrc
+    block = 16 << 10
+    recs = _records(7, 40, [10, 900, 3000, 9000])
+    ref, index, _ = encode_object(recs, block)
+    out = _aligned_buffer(64 << 10)
+    flags = os.O_WRONLY | os.O_CREAT | (store_mod._O_DIRECT if direct else 0)
+    fd = os.open(tmp_path / "f", flags, 0o644)
+    try:
+        nxt, at, entries, written = copycrc.encode_write(out, 0, recs, 0, block, 0, fd,
+                                                         8 << 10, 4096)
+    finally:
+        os.close(fd)
+    assert nxt == len(recs) and written % 4096 == 0 and written > 3 * len(out) // 2
+    data = (tmp_path / "f").read_bytes() + bytes(out[:at])
+    tail = fmt._index_tail([fmt.IndexEntry(*e) for e in entries], len(data))
+    assert data + tail == bytes(ref)
+    assert [fmt.IndexEntry(*e) for e in entries] == index
+    big = [Record(1, 0, 1, b"x" * block), Record(1, 1, 1, b"y" * (80 << 10))]
+    fd = os.open(tmp_path / "g", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        nxt, at, entries, written = copycrc.encode_write(out, 0, big, 0, block, 0, fd,
+                                                         8 << 10, 4096)
+    finally:
+        os.close(fd)
+    first = 14 + 33 + block           # its window written, the larger block's not begun
+    assert (nxt, at, written, len(entries)) == (1, first % 4096, first - first % 4096, 1)
+
+
+@needs_write
+def test_a_put_whose_window_write_fails_in_c_leaves_nothing(tmp_path) -> None:
+    """A write error inside encode_write (the file size limit: EFBIG) fails the put as an
+    ObjectStoreError with no temp file left, and the ring goes back."""
+    import resource
+    import signal
+    st = FileObjectStore(str(tmp_path), direct_writes=True)
+    old_sig = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (12 * MIB, old[1]))
+    try:
+        with pytest.raises(ObjectStoreError):
+            st.put("obj", fmt.StreamEncoder(_records(1, 30, [MIB])))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, old_sig)
+    assert os.listdir(tmp_path) == []
+    assert len(st._rings) == 1
 
 
 async def test_the_engine_streams_its_puts_to_a_file_store(tmp_path, monkeypatch) -> None:
