@@ -477,7 +477,8 @@ class FileObjectStore(ObjectStore):
         try:
             while True:
                 wrote = 0
-                if native and _set_direct(fd, True):
+                native = native and _set_direct(fd, True)
+                if native:
                     try:
                         end, wrote = source.fill_writing(ring, at, fd, chunk, DIRECT_ALIGN)
                     finally:
@@ -485,11 +486,13 @@ class FileObjectStore(ObjectStore):
                 else:
                     end = source.fill(ring, at)
                 done = source.done
-                if end == at and not wrote and not done:   # the next block is larger than the ring
-                    ring = _grown(ring, at)
+                if end == at and not wrote and not done:   # the next block is larger than
+                    ring = _grown(ring, at)                # the ring
                     continue
                 if not done and end >= DIRECT_ALIGN:
-                    native = False    # a window the source left unwritten (a write refused)
+                    # a full window the source left unwritten (a write refused, or the index
+                    # and footer did not fit): written below, the rest through fill
+                    native = False
                 n = end if done else end - end % DIRECT_ALIGN
                 with memoryview(ring) as mv:
                     if n:
@@ -795,7 +798,7 @@ def _set_direct(fd: int, on: bool) -> bool:
     """Turn O_DIRECT on or off for ``fd``; False when the file system refuses it."""
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT if on else flags & ~_O_DIRECT)
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | _O_DIRECT) if on else (flags & ~_O_DIRECT))
     except OSError:
         return False
     return True

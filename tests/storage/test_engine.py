@@ -723,9 +723,10 @@ async def test_an_upload_of_small_records_is_encoded_off_the_loop_with_the_c_enc
             return real(self, *a, **kw)
         return encode
 
-    # whole objects (ObjectEncoder), or a window at a time by a file:// put (StreamEncoder)
+    # whole objects (ObjectEncoder), or a window at a time by a file:// put (StreamEncoder:
+    # fill, or fill_writing where it writes its windows itself; both run _fill)
     monkeypatch.setattr(fmt.ObjectEncoder, "encode", on_thread(fmt.ObjectEncoder.encode))
-    monkeypatch.setattr(fmt.StreamEncoder, "fill", on_thread(fmt.StreamEncoder.fill))
+    monkeypatch.setattr(fmt.StreamEncoder, "_fill", on_thread(fmt.StreamEncoder._fill))
     cfg = small_config(tmp_path, upload_threshold_bytes=256 << 10, upload_interval_s=3600)
     eng = open_engine(cfg)
     await eng.start()

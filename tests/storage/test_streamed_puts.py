@@ -179,6 +179,25 @@ def test_the_encoder_writes_every_window_but_the_last_itself(tmp_path, monkeypat
     assert len(fills) == 1                        # no Python between the windows
 
 
+@needs_write
+def test_a_window_the_source_leaves_unwritten_is_written_by_the_store(tmp_path) -> None:
+    """A source whose window write came back short (O_DIRECT refused) returns the window
+    unwritten: the store writes it and produces the rest through fill(); the file is still
+    encode_object's bytes."""
+    recs = _records(1, 30, [MIB])
+    st = FileObjectStore(str(tmp_path), direct_writes=True)
+    enc = fmt.StreamEncoder(recs)
+    calls: list[int] = []
+
+    def refused(out, at, fd, chunk, align):
+        calls.append(at)
+        return enc.fill(out, at), 0               # as if its first write were refused
+    enc.fill_writing = refused
+    st.put("obj", enc)
+    assert (tmp_path / "obj").read_bytes() == bytes(encode_object(recs)[0])
+    assert calls == [0]
+
+
 def _aligned_buffer(n: int) -> memoryview:
     import mmap
     return memoryview(mmap.mmap(-1, n))
