@@ -598,6 +598,11 @@ static PyObject *encode_impl(PyObject *out_obj, Py_ssize_t at, PyObject *list, P
     Py_buffer out;
     if (PyObject_GetBuffer(out_obj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
+    if (at > out.len) {              /* encode_write would write and move out[:at] */
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "encode_blocks: at is past the end of out");
+        return NULL;
+    }
     PyObject *index = PyList_New(0);
     Py_ssize_t cap = 64, nrec = 0, rcap = 8, nrun = 0, bcap = 8, nblk = 0;
     int failed = 0;
@@ -801,8 +806,9 @@ static PyObject *encode_write(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OnO!nnninn:encode_write", &out_obj, &at, &PyList_Type, &list,
                           &start, &block_size, &base, &fd, &chunk, &align))
         return NULL;
-    if (fd < 0 || chunk <= 0 || align <= 0) {
-        PyErr_SetString(PyExc_ValueError, "encode_write: fd, chunk and align must be positive");
+    if (fd < 0 || chunk <= 0 || align <= 0 || chunk % align) {
+        PyErr_SetString(PyExc_ValueError, "encode_write: fd, chunk and align must be positive "
+                        "and chunk whole align units");
         return NULL;
     }
     return encode_impl(out_obj, at, list, start, block_size, 0, 1, 1, base, fd, chunk, align);

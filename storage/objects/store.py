@@ -137,14 +137,14 @@ FILE_WRITE_CHUNK = 1 << 20
 GENTLE_WRITE_CHUNK = 64 << 10
 # A streamed put (FileObjectStore.put of a PutSource) produces its object into a buffer of this
 # size, writes the whole DIRECT_ALIGN units of it (FILE_WRITE_CHUNK pieces) and moves the rest
-# (< 4 KiB) to its start: several object blocks (512 KiB-1 MiB each) per window, in four 2 MiB
-# huge pages. Each window costs the put thread two takes of the interpreter lock (after the
-# encode, after the writes), each a wait for a busy event loop, and leaves this put's device
-# queue empty while it encodes: under raw 1 MiB produce (4 puts in flight) 2 MiB rings (one
-# 1 MiB block per window) ran 1,250-1,299 MB/s at 0.56-0.62 ms CPU/MiB, 4 MiB 1,297-1,380 /
-# 0.48-0.53, 8 MiB 1,359-1,396 / 0.49-0.51 (bench/HISTORY.md, session 30 stream). An object
-# block larger than the ring (a record of several MiB) gets a buffer twice as large, for that
-# put only.
+# (< 4 KiB) to its start: several object blocks (512 KiB-1 MiB each) per window, in four 2 MiB huge
+# pages. Each window cost the put thread two takes of the interpreter lock (after the encode, after
+# the writes; one since encode_write writes a window in the call that encodes it: the figures below
+# are from before that), each a wait for a busy event loop, and leaves this put's device queue empty
+# while it encodes: under raw 1 MiB produce (4 puts in flight) 2 MiB rings (one 1 MiB block per
+# window) ran 1,250-1,299 MB/s at 0.56-0.62 ms CPU/MiB, 4 MiB 1,297-1,380 / 0.48-0.53, 8 MiB
+# 1,359-1,396 / 0.49-0.51 (bench/HISTORY.md, session 30 stream). An object block larger than the
+# ring (a record of several MiB) gets a buffer twice as large, for that put only.
 PUT_RING_BYTES = 8 << 20
 # streamed puts' buffers kept for reuse (fresh huge pages cost ~2.3 s of CPU per GiB on the
 # test VM: bench/HISTORY.md, session 25 hugeframes): the engine's puts in flight, plus drains

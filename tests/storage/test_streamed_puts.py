@@ -69,13 +69,8 @@ def test_a_streamed_object_is_the_whole_encoders_bytes(tmp_path, case, block_siz
     assert st.list() == ["obj"]
 
 
-def test_windows_hold_whole_blocks_and_write_whole_4k_units(tmp_path, monkeypatch) -> None:
-    """Each window is written up to its last whole 4 KiB (O_DIRECT pieces), the rest carried
-    over; the ring is PUT_RING_BYTES and is kept for the next put, so a put needs a few MiB,
-    not the object's size. (The store writing the windows: a source that does not.)"""
-    monkeypatch.setattr(fmt.StreamEncoder, "writes_windows", False)
-    recs = _records(1, 30, [MIB])                 # ~30 MiB object
-    st = FileObjectStore(str(tmp_path), direct_writes=True)
+def _window_lengths(st: FileObjectStore, monkeypatch) -> list[int]:
+    """The lengths of the windows the store writes itself (``_write_window``), as they come."""
     windows: list[int] = []
     real = st._write_window
 
@@ -83,6 +78,17 @@ def test_windows_hold_whole_blocks_and_write_whole_4k_units(tmp_path, monkeypatc
         windows.append(len(view))
         return real(fd, view, chunk)
     monkeypatch.setattr(st, "_write_window", window)
+    return windows
+
+
+def test_windows_hold_whole_blocks_and_write_whole_4k_units(tmp_path, monkeypatch) -> None:
+    """Each window is written up to its last whole 4 KiB (O_DIRECT pieces), the rest carried
+    over; the ring is PUT_RING_BYTES and is kept for the next put, so a put needs a few MiB,
+    not the object's size. (The store writing the windows: a source that does not.)"""
+    monkeypatch.setattr(fmt.StreamEncoder, "writes_windows", False)
+    recs = _records(1, 30, [MIB])                 # ~30 MiB object
+    st = FileObjectStore(str(tmp_path), direct_writes=True)
+    windows = _window_lengths(st, monkeypatch)
     direct: list[int] = []
     real_direct = store_mod._write_direct
 
@@ -154,13 +160,7 @@ def test_the_encoder_writes_every_window_but_the_last_itself(tmp_path, monkeypat
     window writes are the last window only, the file is still encode_object's bytes."""
     recs = _records(3, 12, [MIB, 700 << 10, 5000])
     st = FileObjectStore(str(tmp_path), direct_writes=True)
-    windows: list[int] = []
-    real = st._write_window
-
-    def window(fd, view, chunk):
-        windows.append(len(view))
-        return real(fd, view, chunk)
-    monkeypatch.setattr(st, "_write_window", window)
+    windows = _window_lengths(st, monkeypatch)
     enc = fmt.StreamEncoder(recs)
     fills: list[tuple[int, int]] = []
     real_fill = enc.fill_writing
@@ -293,3 +293,22 @@ async def test_the_engine_streams_its_puts_to_a_file_store(tmp_path, monkeypatch
         assert len(await read_all(small)) == 3000
     finally:
         await eng.close()
+
+
+@pytest.mark.skipif(not fmt.STREAM_WRITE, reason="encode_write not built")
+def test_encode_write_refuses_a_position_past_the_end_of_its_buffer(tmp_path) -> None:
+    """``at`` beyond ``out`` is a ValueError (the window write would read past the buffer), and
+    so are pieces that are not whole ``align`` units (each O_DIRECT write would be refused)."""
+    from storage import copycrc
+    out = bytearray(8192)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        with pytest.raises(ValueError):
+            copycrc.encode_write(out, 20000, [Record(1, 0, 1, b"x" * 100)], 0, 4096, 0, fd,
+                                 1 << 20, 4096)
+        with pytest.raises(ValueError):     # pieces that are not whole units: refused
+            copycrc.encode_write(out, 0, [Record(1, 0, 1, b"x" * 100)], 0, 4096, 0, fd,
+                                 (1 << 20) + 512, 4096)
+    finally:
+        os.close(fd)
+    assert os.path.getsize(tmp_path / "f") == 0
