@@ -58,6 +58,7 @@ class Writes:
         self.real_active = 0              # real writes in progress (threads engine)
         self.real_tokens: set[int] = set()
         self.release = threading.Event()  # frees IO threads parked by a crash
+        self.parked: set[int] = set()     # idents of IO threads parked by a crash
         self.count = 0
         self.merged = 0
         self.errors: list[str] = []
@@ -138,6 +139,8 @@ class Writes:
                     self.real_active += 1
             if crashed:
                 self.tear(raw_fd, position, b"".join(datas))
+                with self.lock:              # torn: crash() may reopen the file now
+                    self.parked.add(threading.get_ident())
                 self.release.wait()          # never completes (the WAL is abandoned)
                 return
             try:
@@ -376,6 +379,7 @@ class Walk:
             w._spare_cond.notify_all()
         if w._driver is not None:
             w._driver.detach()
+        await self.quiesce(w, writes)
         for _ in range(3):
             await asyncio.sleep(0)           # acknowledgements already on their way
         acked = {o for o, _b, f in self.records if f is None or (f.done() and not f.cancelled()
@@ -383,6 +387,20 @@ class Walk:
         self.abandoned.append((w, writes))
         self.stats["crashes"] += 1
         await self.reopen(acked)
+
+    @staticmethod
+    async def quiesce(w: DeltaWAL, writes: Writes) -> None:
+        """Wait until every IO thread of the abandoned WAL has left or is parked after its
+        torn write: a thread that took a block before the crash may reach writev (and tear)
+        only later. Its pages landing while (or after) the reopen's recovery reads the file
+        made a record that recovery did not return appear at the next restart (seen under
+        CPU load: "recovered record ... was never appended"); a real crash leaves no write
+        in flight once recovery starts."""
+        def busy() -> bool:
+            with writes.lock:
+                return any(t.is_alive() and t.ident not in writes.parked for t in w._threads)
+        while busy():
+            await asyncio.sleep(0.0005)
 
     async def restart(self) -> None:
         """Clean close, reopen: everything untrimmed comes back."""
