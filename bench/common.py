@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def threads_seconds(target: Any, args: list[Any]) -> float:
+    """Seconds from starting one thread per item of ``args`` (``target(item)``) to the last
+    one's end: the device probes' writers."""
+    threads = [threading.Thread(target=target, args=(a,)) for a in args]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
 
 
 def pct(values: list[float], p: float) -> float:

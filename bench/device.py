@@ -23,10 +23,9 @@ import argparse
 import mmap
 import os
 import tempfile
-import threading
 import time
 
-from .common import pct
+from .common import pct, threads_seconds
 
 BLOCK = 4096
 
@@ -114,13 +113,7 @@ def write_rates(directory: str | None = None, file_bytes: int = 1 << 30, writers
                     os.fdatasync(fd)
             finally:
                 os.close(fd)
-        threads = [threading.Thread(target=write, args=(p,)) for p in paths]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return time.perf_counter() - t0
+        return threads_seconds(write, paths)
 
     try:
         fresh_s = one_pass(1)

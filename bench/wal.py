@@ -53,7 +53,7 @@ from storage.wal import DeltaWAL, OverCapacityError, WALConfig  # noqa: E402
 from storage.wal.block import BufferPool  # noqa: E402
 from storage.wal.device import Device  # noqa: E402
 from storage.wal.format import HEADER_AREA, RECORD_HEADER_SIZE, align_up  # noqa: E402
-from bench.common import pct  # noqa: E402
+from bench.common import pct, threads_seconds  # noqa: E402
 
 SIZES = [1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
 PACE_TICK_S = 0.0002          # the paced loop caller's arrival granularity
@@ -78,13 +78,7 @@ def raw_write_mbps(path: str, capacity: int, sync_mode: str, write_size: int, th
             pos = HEADER_AREA + (i * write_size) % (ring - ring % write_size)
             dev.write(buf, pos)
 
-    ts = [threading.Thread(target=worker, args=(b,)) for b in bufs]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    dt = time.perf_counter() - t0
+    dt = threads_seconds(worker, bufs)
     dev.close()
     for b in bufs:
         b.release()
