@@ -756,12 +756,7 @@ def _write_direct(fd: int, view: memoryview, chunk: int = FILE_WRITE_CHUNK) -> i
     refused by the file system - the caller writes the rest through the page cache). The
     fd is left without O_DIRECT, at the returned position."""
     n = len(view) // DIRECT_ALIGN * DIRECT_ALIGN
-    if not _O_DIRECT or n < DIRECT_MIN or not _aligned(view):
-        return 0
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
-    except OSError:
+    if not _O_DIRECT or n < DIRECT_MIN or not _aligned(view) or not _set_direct(fd, True):
         return 0
     done = 0
     try:
@@ -778,7 +773,7 @@ def _write_direct(fd: int, view: memoryview, chunk: int = FILE_WRITE_CHUNK) -> i
             if w % DIRECT_ALIGN:
                 break                        # a short write left the rest unaligned
     finally:
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        _set_direct(fd, False)
     return done
 
 
