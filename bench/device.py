@@ -37,13 +37,9 @@ def write_latency(directory: str | None = None, rate: float = 1000, seconds: flo
     filesystem refuses O_DIRECT (tmpfs); ``mode`` says which was used."""
     directory = directory or tempfile.gettempdir()
     fd_path = tempfile.mktemp(prefix="s3kbench-dev-", dir=directory)
-    mode = "O_DIRECT|O_DSYNC"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_DSYNC
-    try:
-        fd = os.open(fd_path, flags | getattr(os, "O_DIRECT", 0), 0o600)
-    except OSError:
-        fd = os.open(fd_path, flags, 0o600)
-        mode = "O_DSYNC"
+    flags = _direct_or_not(fd_path, os.O_WRONLY | os.O_CREAT | os.O_DSYNC)
+    mode = "O_DIRECT|O_DSYNC" if flags & getattr(os, "O_DIRECT", 0) else "O_DSYNC"
+    fd = os.open(fd_path, flags, 0o600)
     buf = mmap.mmap(-1, BLOCK)          # page aligned, as O_DIRECT needs
     buf.write(b"\xa5" * BLOCK)
     lat: list[float] = []
