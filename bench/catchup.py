@@ -61,28 +61,53 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return read(f"/proc/{pid}/task/{pid}/stat"), read(f"/proc/{pid}/stat")
 
 
-def run_queue_seconds(pid: int) -> tuple[float, float, int, int]:
-    """(main thread, all threads) seconds spent runnable but waiting for a CPU, and (main
-    thread, all threads) times scheduled in, from /proc/<pid>/task/*/schedstat: how
-    long a process's wake-ups wait for a core (on 2 cores, a busy neighbour shows here, not
-    in the process's own CPU time)."""
-    main = total = 0.0
-    main_n = slices = 0
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0.0, 0.0, 0, 0
-    for tid in tids:
+class RunQueue:
+    """Run-queue waits of one process's threads, from /proc/<pid>/task/*/schedstat: (main
+    thread, all threads) seconds spent runnable but waiting for a CPU, and (main thread, all
+    threads) times scheduled in - how long a process's wake-ups wait for a core (on 2 cores, a
+    busy neighbour shows here, not in the process's own CPU time).
+
+    The figures only grow between samples: schedstat is per thread, so a thread that exits (a
+    client's librdkafka threads, when it closes before the last window ends; the whole
+    process, once reaped) would take its waits out of the sum, and a window's difference
+    came out negative ("producer -44.2 (-2651954)" in a make bench run). A thread keeps the
+    figures it was last seen with, and a thread id seen again with smaller figures is a new
+    thread (the id was reused): the old one's are kept beside it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.last: dict[str, tuple[int, int]] = {}      # tid -> (wait ns, schedule-ins)
+        self.retired = [0, 0]                           # threads that exited or were replaced
+
+    def _read(self) -> dict[str, tuple[int, int]]:
+        now: dict[str, tuple[int, int]] = {}
         try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                _run, wait, n = (int(x) for x in f.read().split())
-        except (OSError, ValueError):
-            continue
-        total += wait / 1e9
-        slices += n
-        if tid == str(pid):
-            main, main_n = wait / 1e9, n
-    return main, total, main_n, slices
+            tids = os.listdir(f"/proc/{self.pid}/task")
+        except OSError:
+            return now
+        for tid in tids:
+            try:
+                with open(f"/proc/{self.pid}/task/{tid}/schedstat") as f:
+                    _run, wait, n = (int(x) for x in f.read().split())
+            except (OSError, ValueError):
+                continue
+            now[tid] = (wait, n)
+        return now
+
+    def sample(self) -> tuple[float, float, int, int]:
+        now = self._read()
+        for tid, (wait, n) in self.last.items():
+            cur = now.get(tid)
+            if cur is None:
+                now[tid] = (wait, n)                    # exited: keeps what it waited
+            elif cur[0] < wait or cur[1] < n:           # a new thread under a reused id
+                self.retired[0] += wait
+                self.retired[1] += n
+        self.last = now
+        main_wait, main_n = now.get(str(self.pid), (0, 0))
+        total = self.retired[0] + sum(w for w, _ in now.values())
+        slices = self.retired[1] + sum(n for _, n in now.values())
+        return main_wait / 1e9, total / 1e9, main_n, slices
 
 
 def machine_busy_seconds() -> float:
@@ -382,12 +407,16 @@ def run_interleaved(b: Broker, args) -> dict:
             "catch-up": procs[2].pid}
     snaps: list[dict[str, float]] = []
     dev = device_of(b.objects_dir)
+    queues = {k: RunQueue(pid) for k, pid in pids.items()}
+    cpu_last = {k: (0.0, 0.0) for k in pids}
 
     def snap() -> dict[str, float]:
         out = {}
         for k, pid in pids.items():
-            main_s, all_s = cpu_seconds(pid)
-            rq_main, rq_all, n_main, slices = run_queue_seconds(pid)
+            # a reaped process reads as 0 CPU: it keeps the figures it was last seen with
+            (main_s, all_s), (main_0, all_0) = cpu_seconds(pid), cpu_last[k]
+            main_s, all_s = cpu_last[k] = max(main_s, main_0), max(all_s, all_0)
+            rq_main, rq_all, n_main, slices = queues[k].sample()
             if k == "broker loop":
                 out[k] = main_s
                 out["broker other"] = all_s - main_s
