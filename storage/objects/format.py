@@ -330,7 +330,8 @@ class StreamEncoder(_IndexBuilder):
         last window unwritten once every block is in (the index and footer then follow as
         in fill), when the next block is larger than ``out`` (nothing written for it: the
         caller needs a larger buffer), or after a short write (O_DIRECT refused: the
-        unwritten window is the caller's to write)."""
+        unwritten window is the caller's to write). It always releases the interpreter lock,
+        whatever ``release_gil`` says: a file write must not hold it."""
         return self._fill(out, at, fd, chunk, align)
 
     def _fill(self, out: Buffer | memoryview, at: int, fd: int, chunk: int, align: int
