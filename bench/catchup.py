@@ -43,22 +43,15 @@ import subprocess
 import tempfile
 import time
 
-from bench.common import PY, REPO, free_port, pct, start_moto_s3  # noqa: E402
+from bench.common import (CLK_TCK, PY, REPO, free_port, pct, start_moto_s3,  # noqa: E402
+                          stat_cpu_s, task_ids)
 from bench.device import device_of, disk_counters  # noqa: E402
-
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """(main thread, all threads) CPU seconds of a process, from /proc."""
-    def read(path: str) -> float:
-        try:
-            with open(path) as f:
-                fields = f.read().rpartition(")")[2].split()
-            return (int(fields[11]) + int(fields[12])) / TICKS
-        except (OSError, IndexError, ValueError):
-            return 0.0
-    return read(f"/proc/{pid}/task/{pid}/stat"), read(f"/proc/{pid}/stat")
+    return (stat_cpu_s(f"/proc/{pid}/task/{pid}/stat", 0.0),
+            stat_cpu_s(f"/proc/{pid}/stat", 0.0))
 
 
 class RunQueue:
@@ -81,11 +74,7 @@ class RunQueue:
 
     def _read(self) -> dict[str, tuple[int, int]]:
         now: dict[str, tuple[int, int]] = {}
-        try:
-            tids = os.listdir(f"/proc/{self.pid}/task")
-        except OSError:
-            return now
-        for tid in tids:
+        for tid in task_ids(self.pid):
             try:
                 with open(f"/proc/{self.pid}/task/{tid}/schedstat") as f:
                     _run, wait, n = (int(x) for x in f.read().split())
@@ -114,7 +103,7 @@ def machine_busy_seconds() -> float:
     """CPU seconds all processes of the machine used so far (every core), from /proc/stat."""
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v[:8]) - v[3] - v[4]) / TICKS          # all but idle and iowait
+    return (sum(v[:8]) - v[3] - v[4]) / CLK_TCK        # all but idle and iowait
 
 
 def cpu_share(t0: float) -> float:

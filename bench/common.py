@@ -18,6 +18,7 @@ from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
+CLK_TCK = os.sysconf("SC_CLK_TCK")      # /proc stat CPU figures are in these ticks
 
 
 def free_port() -> int:
@@ -37,6 +38,25 @@ def threads_seconds(target: Any, args: list[Any]) -> float:
     for t in threads:
         t.join()
     return time.perf_counter() - t0
+
+
+def task_ids(pid: int | str) -> list[str]:
+    """The thread ids of process ``pid`` ("self": this process); none once it is gone."""
+    try:
+        return os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+
+
+def stat_cpu_s(path: str, default: float | None = None) -> float | None:
+    """User + system CPU seconds from a /proc ``stat`` file (a process's or a thread's);
+    ``default`` when it cannot be read (the process or thread has exited)."""
+    try:
+        with open(path) as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    except (OSError, ValueError, IndexError):
+        return default
 
 
 def pct(values: list[float], p: float) -> float:
@@ -251,18 +271,15 @@ class MockCluster:
 def mock_cpu_s() -> float:
     """CPU seconds (user + system) of librdkafka's mock cluster threads in this process
     (named ``rdk:mock``): what the mock broker itself spends, next to s3kafka's process CPU."""
-    tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
-    for tid in os.listdir("/proc/self/task"):
+    for tid in task_ids("self"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 if f.read().strip() != "rdk:mock":
                     continue
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, ValueError, IndexError):
-            pass
+        except OSError:
+            continue
+        total += stat_cpu_s(f"/proc/self/task/{tid}/stat", 0.0)
     return total
 
 

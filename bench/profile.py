@@ -39,7 +39,7 @@ import threading
 import time
 
 from . import clients, rawload
-from .common import BrokerProc, create_topic
+from .common import BrokerProc, create_topic, stat_cpu_s, task_ids
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOADS = ("raw", "raw-small", "clients", "latency", "hotfetch", "coldfetch", "fetch")
@@ -84,18 +84,10 @@ def group_of(thread_name: str) -> str:
 def thread_cpu(pid: int) -> dict[int, float]:
     """CPU seconds (user + system) of every thread of ``pid``, by native thread id."""
     out = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-            out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, ValueError, IndexError):
-            pass
+    for tid in task_ids(pid):
+        cpu = stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
+        if cpu is not None:
+            out[int(tid)] = cpu
     return out
 
 

@@ -25,7 +25,8 @@ from typing import Any
 from protocol import build_batch
 
 from . import device
-from .common import BrokerProc, MockCluster, Result, create_topic, mock_cpu_s, pct
+from .common import (BrokerProc, MockCluster, Result, create_topic, mock_cpu_s, pct,
+                     stat_cpu_s)
 
 _PREFIX = struct.Struct(">ihhi")
 _I32 = struct.Struct(">i")
@@ -296,12 +297,7 @@ def process_cpu_s(pid: int | None) -> float:
         return float("nan")
     if pid == MOCK_PID:
         return mock_cpu_s()
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return float("nan")
+    return stat_cpu_s(f"/proc/{pid}/stat", float("nan"))
 
 
 class _LaterSample(threading.Thread):
