@@ -44,7 +44,7 @@ import tempfile
 import time
 
 from bench.common import (CLK_TCK, PY, REPO, free_port, pct, start_moto_s3,  # noqa: E402
-                          stat_cpu_s, task_ids)
+                          TiedProcess, stat_cpu_s, task_ids, tied_popen)
 from bench.device import device_of, disk_counters  # noqa: E402
 
 
@@ -125,8 +125,8 @@ class Broker:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONPATH=REPO))
+        self.proc = tied_popen(self.args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                               env=dict(os.environ, PYTHONPATH=REPO))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
@@ -320,11 +320,11 @@ def run_phase(b: Broker, args, with_catchup: bool, profile: str | None = None) -
     """One phase: tail consumer + fixed-rate producer (+ the catch-up reader); returns each
     client's (count, value) plus the CPU share (% of one core) of every process."""
     q = mp.Queue()
-    procs = [mp.Process(target=tail_proc, args=(b.bootstrap, "tail", args.seconds + 3, q)),
-             mp.Process(target=producer_proc,
+    procs = [TiedProcess(target=tail_proc, args=(b.bootstrap, "tail", args.seconds + 3, q)),
+             TiedProcess(target=producer_proc,
                         args=(b.bootstrap, "tail", args.rate, args.size, args.seconds, q))]
     if with_catchup:
-        procs.append(mp.Process(target=catchup_proc,
+        procs.append(TiedProcess(target=catchup_proc,
                                 args=(b.bootstrap, "backlog", args.seconds + 3, q)))
     procs[0].start()
     time.sleep(1.5)
@@ -371,10 +371,10 @@ def run_interleaved(b: Broker, args) -> dict:
     gate = mp.Event()
     total = args.windows * args.window
     cn = args.clients_nice
-    procs = [mp.Process(target=tail_proc, args=(b.bootstrap, "tail", total + 4.5, q, cn)),
-             mp.Process(target=producer_proc,
+    procs = [TiedProcess(target=tail_proc, args=(b.bootstrap, "tail", total + 4.5, q, cn)),
+             TiedProcess(target=producer_proc,
                         args=(b.bootstrap, "tail", args.rate, args.size, total + 1, q, cn)),
-             mp.Process(target=gated_catchup_proc,
+             TiedProcess(target=gated_catchup_proc,
                         args=(b.bootstrap, "backlog", total + 1.5, gate, q,
                               args.catchup_nice or cn))]
     procs[0].start()
@@ -564,7 +564,7 @@ def catchup_only(extra: list[str], args, label: str) -> float:
         b.stop()
         b.start()                         # cold caches: everything comes from the store
         q = mp.Queue()
-        p = mp.Process(target=catchup_proc, args=(b.bootstrap, "backlog", None, q))
+        p = TiedProcess(target=catchup_proc, args=(b.bootstrap, "backlog", None, q))
         p.start()
         _, n, mbps, _cpu = q.get(timeout=600)
         p.join(30)

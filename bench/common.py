@@ -5,14 +5,18 @@ Every benchmark starts its own broker(s) so runs are independent and reproducibl
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
+import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +42,62 @@ def threads_seconds(target: Any, args: list[Any]) -> float:
     for t in threads:
         t.join()
     return time.perf_counter() - t0
+
+
+#: A prefix that runs a command with the parent-death signal SIGKILL (util-linux; none where
+#: setpriv is missing: the children then outlive a killed parent, as before).
+DIE_WITH_PARENT = ("setpriv", "--pdeathsig", "KILL", "--") if shutil.which("setpriv") else ()
+_FORKER: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_FORKER_LOCK = threading.Lock()
+
+
+def _forker() -> concurrent.futures.ThreadPoolExecutor:
+    """This process's one long-lived thread that forks children for the other threads (made
+    again in a forked child, where the parent's thread does not exist)."""
+    global _FORKER
+    with _FORKER_LOCK:
+        if _FORKER is None or _FORKER[0] != os.getpid():
+            _FORKER = (os.getpid(), concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="tied-popen"))
+        return _FORKER[1]
+
+
+def tied_popen(args: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen(args, **kwargs)`` whose child the kernel SIGKILLs when this process
+    dies, even by SIGKILL (a timeout wrapper, pytest-timeout's os._exit, a cancelled CI run):
+    brokers and moto servers left behind with parent pid 1 sat idle for hours and skewed the
+    benchmarks (session 32). The parent-death signal fires when the *thread* that forked the
+    child ends, so a call from any thread but the main one forks on one long-lived thread (a
+    broker restarted by a short-lived thread must outlive it). ``.args`` is ``args``, without
+    the setpriv prefix. It covers the child only: what the child forks or daemonizes (pg_ctl's
+    server, tests/pgserver.py) needs a watchdog of its own."""
+    argv = [*DIE_WITH_PARENT, *args]
+
+    def spawn() -> subprocess.Popen:
+        proc = subprocess.Popen(argv, **kwargs)
+        proc.args = args
+        return proc
+
+    if threading.current_thread() is threading.main_thread():
+        return spawn()
+    return _forker().submit(spawn).result()
+
+
+PR_SET_PDEATHSIG = 1     # prctl(2)
+
+
+class TiedProcess(multiprocessing.Process):
+    """A multiprocessing.Process that the kernel SIGKILLs when the thread that started it
+    ends, as tied_popen's children: bench.catchup's reader without a time limit polled a dead
+    broker forever once its bench was killed. Start it from the main thread."""
+
+    def run(self) -> None:
+        import ctypes  # noqa: PLC0415
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        parent = multiprocessing.parent_process()
+        if parent is not None and os.getppid() != parent.pid:
+            os._exit(1)                       # the parent died before the prctl call
+        super().run()
 
 
 def task_ids(pid: int | str) -> list[str]:
@@ -89,8 +149,8 @@ def start_moto_s3(prefix: str, wait_s: float = 30.0) -> tuple[subprocess.Popen, 
     import urllib.request  # noqa: PLC0415
     port = free_port()
     env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
-    moto = subprocess.Popen([PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    moto = tied_popen([PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(int(wait_s * 10)):
@@ -161,8 +221,8 @@ class BrokerProc:
 
     def start(self) -> "BrokerProc":
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                     env=self.env)
+        self.proc = tied_popen(self.args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                               env=self.env)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,8 +1,10 @@
 """Shared test harness: real broker processes, a moto S3 server, the Java client classpaths.
 
 Every fixture starts real processes on free 127.0.0.1 ports and kills them at teardown, so a
-test never depends on another test's leftovers. When a test fails, the tail of every broker log
-that was alive during it is attached to the failure report (section "broker log tail").
+test never depends on another test's leftovers; bench.common.tied_popen starts them, so they
+also die when the pytest process is killed (SIGKILL, pytest-timeout, a cancelled CI run). When
+a test fails, the tail of every broker log that was alive during it is attached to the failure
+report (section "broker log tail").
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import pytest
 from filelock import FileLock
 
+from bench.common import tied_popen
 from datapath.wire import api_versions_roundtrip
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -152,7 +155,7 @@ class BrokerProcess:
             log.write(f"\n===== start {time.strftime('%H:%M:%S')}: {' '.join(self.args)}\n".encode())
             log.flush()
             self._spawned_wall = time.time()
-            self.proc = subprocess.Popen(
+            self.proc = tied_popen(
                 self.args, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         _LIVE.add(self)
@@ -352,7 +355,7 @@ class MotoServer:
         env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                    AWS_DEFAULT_REGION="us-east-1")
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
+            self.proc = tied_popen(
                 [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],
                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)

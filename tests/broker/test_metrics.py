@@ -25,6 +25,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.common import tied_popen
 from conftest import REPO, free_port
 
 DASHBOARD = REPO / "deploy" / "grafana" / "s3kafka-dashboard.json"
@@ -314,7 +315,7 @@ def _serve(tmp_path: pathlib.Path, *args: str, env: dict[str, str] | None = None
            ) -> subprocess.Popen:
     e = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
     e.pop("S3KAFKA_METRICS_LISTEN", None) if env is None else None
-    return subprocess.Popen(
+    return tied_popen(
         [sys.executable, "-m", "broker", "serve", "--listen", f"127.0.0.1:{free_port()}",
          "--data-dir", str(tmp_path / "d"), "--wal-capacity", "4MiB", *args],
         cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -15,6 +15,7 @@ import time
 import pytest
 
 import loopdev
+from bench.common import tied_popen
 from conftest import REPO, free_port
 
 PY = sys.executable
@@ -382,7 +383,7 @@ class Broker:
         self.log_path = cwd / f"broker-{free_port()}.log"
         self._fh = open(self.log_path, "w")
         args = ["--listen", f"127.0.0.1:{free_port()}", *args]
-        self.proc = subprocess.Popen(
+        self.proc = tied_popen(
             [PY, "-m", "broker", "serve", *args],
             cwd=cwd, stdout=self._fh, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+from bench.common import tied_popen
 from java_build import compile_once
 
 from .threads import WorkerThread
@@ -48,7 +49,7 @@ class JavaWriter(WorkerThread):
         self.stop_ev, self.rate = stop, rate
 
     def _run(self) -> None:
-        proc = subprocess.Popen(
+        proc = tied_popen(
             ["java", "-Xmx256m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-cp", self.cp,
              "ChaosWriter", self.bootstrap, self.topic, str(self.partitions), self.wname,
              str(self.rate)],

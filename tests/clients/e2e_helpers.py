@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from bench.common import tied_popen
 from java_build import compile_once
 
 
@@ -79,8 +80,8 @@ class JavaCli:
 
     def start(self, command: str, **opts: object) -> subprocess.Popen:
         """Start a command in the background; pass the Popen to finish()."""
-        return subprocess.Popen(self.args(command, **opts), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+        return tied_popen(self.args(command, **opts), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
 
     def finish(self, proc: subprocess.Popen, timeout: float = 120) -> dict:
         out, err = proc.communicate(timeout=timeout)

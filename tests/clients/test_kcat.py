@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from bench.common import tied_popen
 from clients.e2e_helpers import (ACKS, CODECS, create_topic, group_of_three_then_resume,
                                  produce_values)
 
@@ -48,7 +49,7 @@ class KcatMember:
     parsed from its stderr."""
 
     def __init__(self, bootstrap: str, group: str, topic: str) -> None:
-        self.proc = subprocess.Popen(
+        self.proc = tied_popen(
             [KCAT, "-b", bootstrap, "-G", group, "-u", "-f", "%p %o %s\n",
              "-X", "session.timeout.ms=6000", "-X", "heartbeat.interval.ms=300",
              "-X", "auto.offset.reset=earliest", "-X", "auto.commit.interval.ms=200",

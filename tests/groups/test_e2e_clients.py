@@ -323,12 +323,14 @@ def test_session_timeout_expires_a_killed_member(broker, tmp_path):
     import subprocess
     import sys
 
+    from bench.common import tied_popen
+
     topic, group = "expiry-topic", "expiry-grp"
     create_topic(broker.bootstrap, topic, 4)
     script = tmp_path / "child.py"
     script.write_text(CHILD_CONSUMER)
-    child = subprocess.Popen([sys.executable, str(script), broker.bootstrap, topic, group],
-                             stdout=subprocess.PIPE, text=True)
+    child = tied_popen([sys.executable, str(script), broker.bootstrap, topic, group],
+                       stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "assigned"
         seen: set[bytes] = set()

@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 
+from bench.common import tied_popen
 from storage.engine import open_engine
 from storage.objects import store as store_mod
 from storage.objects.store import RECYCLE_DIR, TEMP_MARK, FileObjectStore
@@ -51,8 +52,8 @@ def _pool(root) -> list[str]:
 
 def _put_in_child(root, size: int) -> subprocess.Popen:
     """A child process stopped inside a put of ``size`` bytes, its temp file written."""
-    p = subprocess.Popen([sys.executable, "-c", CHILD, str(root), str(size)], cwd=REPO,
-                         env=dict(os.environ, PYTHONPATH=REPO), stdout=subprocess.PIPE)
+    p = tied_popen([sys.executable, "-c", CHILD, str(root), str(size)], cwd=REPO,
+                   env=dict(os.environ, PYTHONPATH=REPO), stdout=subprocess.PIPE)
     assert p.stdout.readline() == b"in put\n"
     return p
 

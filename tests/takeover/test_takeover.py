@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from bench.common import tied_popen
 from storage.engine import open_engine
 from storage.metastore import (WAL_ACTIVE, WAL_TAKEN_OVER, WAL_TAKING_OVER, TakeoverConflict,
                                open_metastore)
@@ -293,9 +294,9 @@ def test_taker_sigkilled_at_random_points(tmp_path, stores):
         acked = build_dead_wal(path, meta, store, node_id=node, records=400, uploaded=50,
                                seed=i, capacity=8 << 20)
         e = dict(os.environ, PYTHONPATH=REPO, TAKEOVER_SLOW="1")
-        p = subprocess.Popen([sys.executable, os.path.join(HERE, "run_takeover.py"), path,
-                              meta_url, store_url, str(node), "0", "2", "1"], env=e,
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        p = tied_popen([sys.executable, os.path.join(HERE, "run_takeover.py"), path,
+                        meta_url, store_url, str(node), "0", "2", "1"], env=e,
+                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         assert p.stdout.readline() == b"READY\n"
         time.sleep(delay)
         p.send_signal(signal.SIGKILL)
@@ -316,9 +317,9 @@ def test_writer_sigkilled_then_taken_over(tmp_path, stores):
     meta, store, meta_url, store_url = stores
     rng = random.Random(23)
     e = dict(os.environ, PYTHONPATH=REPO)
-    p = subprocess.Popen([sys.executable, os.path.join(HERE, "engine_writer.py"),
-                          str(tmp_path / "n1"), meta_url, store_url, str(1 << 20), "3", "1"],
-                         env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = tied_popen([sys.executable, os.path.join(HERE, "engine_writer.py"),
+                    str(tmp_path / "n1"), meta_url, store_url, str(1 << 20), "3", "1"],
+                   env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     acked: list[tuple[int, int, int]] = []
     want = rng.randrange(1500, 4000)
     deadline = time.monotonic() + 60

@@ -17,6 +17,7 @@ import time
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
+from bench.common import tied_popen
 from clients.e2e_helpers import create_topic, unique
 
 from .test_librdkafka import consume_all, txn_producer
@@ -66,9 +67,9 @@ def test_restart_in_the_middle_of_transactions(broker_factory, hard):
     p.flush(30)
     p.abort_transaction(30)
     # a producer process killed in the middle of its transaction
-    zombie = subprocess.Popen([sys.executable, "-c", OPEN_TXN_SCRIPT, broker.bootstrap,
-                               unique("txr-open"), topic, str(OPEN_TIMEOUT_MS)],
-                              stdout=subprocess.PIPE, text=True)
+    zombie = tied_popen([sys.executable, "-c", OPEN_TXN_SCRIPT, broker.bootstrap,
+                         unique("txr-open"), topic, str(OPEN_TIMEOUT_MS)],
+                        stdout=subprocess.PIPE, text=True)
     try:
         assert zombie.stdout.readline().strip() == "ready"
     finally:

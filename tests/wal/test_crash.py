@@ -20,6 +20,7 @@ import pytest
 
 import loopdev
 
+from bench.common import tied_popen
 from storage.wal import DeltaWAL, WALConfig
 
 from .crash_writer import payload
@@ -39,9 +40,9 @@ def run_writer_until_killed(path: str, capacity: int, seed: int, sync_mode: str,
                             starts: list[int], rng: random.Random,
                             engine: str = "threads") -> list[str]:
     """Start the writer, SIGKILL it after a random time under load, return its complete lines."""
-    proc = subprocess.Popen([sys.executable, WRITER, path, str(capacity), str(seed), sync_mode,
-                             ",".join(map(str, starts)), engine], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = tied_popen([sys.executable, WRITER, path, str(capacity), str(seed), sync_mode,
+                       ",".join(map(str, starts)), engine], stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE)
     data = bytearray()
     fd = proc.stdout.fileno()
     ready_deadline = time.monotonic() + 60
