@@ -17,6 +17,7 @@ import ctypes
 import functools
 import os
 import platform
+import select
 
 try:
     from .. import _copycrc as _ext
@@ -26,10 +27,17 @@ _c_submit = getattr(_ext, "aio_submit", None)
 _c_reap = getattr(_ext, "aio_reap", None)
 _c_eventfd_reset = getattr(_ext, "eventfd_reset", None)
 _c_timerfd_arm = getattr(_ext, "timerfd_arm", None)
+_c_uring_setup = getattr(_ext, "uring_setup", None)
 # the per-write AIO calls run in C (AioContext(native=None) follows this)
 NATIVE = None not in (_c_submit, _c_reap, _c_eventfd_reset)
 
-__all__ = ["AioContext", "TimerFD", "AioUnavailable", "yield_cpu"]
+__all__ = ["AioContext", "UringContext", "TimerFD", "AioUnavailable", "yield_cpu", "open_context"]
+
+# S3KAFKA_WAL_IO=uring: the loop driver writes through io_uring (UringContext), else libaio.
+# Experimental (session 33): plain io_uring writes cost as much CPU as libaio's; only writes
+# from registered memory (WRITE_FIXED) are cheaper, and the broker's frames are not in
+# registered memory yet (bench/HISTORY.md, session 33 uring helper).
+WAL_IO = os.environ.get("S3KAFKA_WAL_IO", "aio")
 
 # (io_setup, io_destroy, io_getevents, io_submit, timerfd_create, timerfd_settime)
 _SYSCALLS = {
@@ -187,6 +195,70 @@ class AioContext:
         if self.eventfd >= 0:
             os.close(self.eventfd)
             self.eventfd = -1
+
+
+class UringContext:
+    """AioContext's interface (eventfd, submit_write, reap, clear_signal, close) over an
+    io_uring whose completions signal the same kind of eventfd, plus register(): memory
+    registered as fixed buffers is pinned once, and a write whose single piece lies inside it
+    goes as WRITE_FIXED, without the per-write pinning of each 4 KiB source page (1 MiB
+    O_DIRECT|RWF_DSYNC writes from 4 KiB pages, QD 8: libaio 0.036-0.052 ms CPU/MiB,
+    WRITE_FIXED 0.018-0.028; bench/HISTORY.md session 33). Needs the C extension; raises
+    AioUnavailable where io_uring cannot be set up (the caller uses AioContext)."""
+
+    def __init__(self, depth: int) -> None:
+        if _c_uring_setup is None:
+            raise AioUnavailable("io_uring needs the storage._copycrc extension")
+        self.eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        try:
+            self._ring = _c_uring_setup(depth, self.eventfd)
+        except OSError as e:
+            os.close(self.eventfd)
+            raise AioUnavailable(f"io_uring_setup({depth}) failed: {e}") from e
+        self.native = True
+        self.fixed_writes = 0                     # writes submitted as WRITE_FIXED (tests)
+        self.submit_write = functools.partial(self._submit, _ext.uring_submit, self._ring)
+        self.clear_signal = functools.partial(_c_eventfd_reset, self.eventfd)
+
+    def _submit(self, submit, ring, fd: int, pieces: list[tuple[int, int]], offset: int,
+                token: int, dsync: bool) -> tuple:
+        """AioContext.submit_write; nothing but the buffers must outlive the request (the
+        kernel copied the iovecs at submission: IORING_FEAT_SUBMIT_STABLE)."""
+        if submit(ring, fd, pieces, offset, token, dsync):
+            self.fixed_writes += 1
+        return ()
+
+    def register(self, ranges: list[tuple[int, int]]) -> None:
+        """Make `ranges` ((address, length), sorted, faulted in, mapped while registered)
+        the fixed buffers; OSError when the kernel refuses (e.g. RLIMIT_MEMLOCK)."""
+        _ext.uring_register(self._ring, ranges)
+
+    def reap(self, wait_s: float | None = None) -> list[tuple[int, int]]:
+        """Completed requests; waits up to wait_s for the eventfd (None: do not wait)."""
+        if wait_s is not None:
+            select.select([self.eventfd], [], [], wait_s)
+            self.clear_signal()
+        return _ext.uring_reap(self._ring)
+
+    def close(self) -> None:
+        """Close the ring (drain first: completions of writes in flight are lost)."""
+        if self._ring is not None:
+            _ext.uring_close(self._ring)
+            self._ring = None
+        if self.eventfd >= 0:
+            os.close(self.eventfd)
+            self.eventfd = -1
+
+
+def open_context(depth: int) -> "AioContext | UringContext":
+    """The WAL driver's completion context: io_uring when S3KAFKA_WAL_IO=uring and the kernel
+    allows it, else libaio."""
+    if WAL_IO == "uring":
+        try:
+            return UringContext(depth)
+        except AioUnavailable:
+            pass
+    return AioContext(depth)
 
 
 class TimerFD:

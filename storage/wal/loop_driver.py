@@ -21,7 +21,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from .aio import AioContext, TimerFD, yield_cpu
+from .aio import TimerFD, open_context, yield_cpu
 from .config import IO_RETRIES, IO_RETRY_DELAY_S
 from .format import ALIGN_DOWN, ALIGN_MASK, align_up
 
@@ -47,7 +47,7 @@ class LoopDriver:
         self.loop = loop
         self.depth = cfg.io_threads
         self.dsync = cfg.sync_mode != "none"
-        self.aio = AioContext(max(8, 2 * cfg.io_threads))
+        self.aio = open_context(max(8, 2 * cfg.io_threads))
         try:
             self.timer = TimerFD()
         except BaseException:
