@@ -1,5 +1,15 @@
 """Large request frames: allocated without zero-filling, recycled once nothing sees them, and
-(for large produce frames) faulted in ahead of need by a background thread.
+(for large produce frames) faulted in ahead of need by a background thread; or, with
+S3KAFKA_WAL_IO=uring (or FramePool(huge=True)), carved from arena slabs that are faulted in
+once and never unmapped while the broker runs (storage._copycrc.frame_arena).
+
+Arena slabs, because the WAL writes large Produce frames with O_DIRECT straight from them
+(storage/wal/placed.py): from 4 KiB pages each libaio write pins every page of its source
+(``gup_fast_fallback``, 5-6.5 % of the broker's CPU under raw 1 MiB produce, bench/HISTORY.md
+sessions 27 and 33). 4 KiB-page slabs faulted in by the filler thread are registered with the
+WAL's io_uring as fixed buffers (pinned once), and its writes from them skip the pinning.
+Huge-page slabs (session 28, not the default) avoid it too but a fresh huge page costs ~2 s
+of CPU per GiB on this VM (freed 2 MiB blocks go back to the host).
 
 Every large frame a socket receives into is fresh memory until the LogCache is full and
 starts handing evicted frames back: on this VM each 4 KiB page costs a fault (~285 per MiB,
@@ -22,6 +32,7 @@ from typing import Any
 from protocol import MalformedRequestError
 from protocol.frames import read_uvarint
 from storage.thread_priority import lower_current_thread
+from storage.wal import aio as wal_aio
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +48,19 @@ PREFILL_CLASS = 16 << 10
 # ...at most this many bytes ahead (and at most a quarter of the pool's bound)
 PREFILL_AHEAD = 32 << 20
 MADV_POPULATE_WRITE = 23          # Linux >= 5.14
+# huge-page slabs: frames from DIRECT_FRAME (the server's) up to FRAME_POOL_MAX_FRAME are cut
+# from them; the filler thread keeps ARENA_AHEAD bytes of them free and faulted in
+ARENA_SLAB = 16 << 20
+# 4 KiB-page slabs (registered with the WAL's io_uring): a WAL write of several frames goes
+# as one WRITEV_FIXED only when they all lie in one slab (session 33: with 16 MiB slabs half
+# of the raw 1 MiB run's writes spanned two)
+REGISTERED_SLAB = 64 << 20
+ARENA_AHEAD = 32 << 20
+# slabs mapped at most unless fit_cache sizes them for a LogCache (without one, frames live
+# only while their requests do)
+ARENA_BYTES = 256 << 20
+# beyond the LogCache's capacity: the requests being received and handled
+ARENA_SLACK = 64 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -85,6 +109,21 @@ def size_class(size: int) -> int:
     return (size + step - 1) // step * step
 
 
+try:
+    from storage.copycrc import frame_arena as _frame_arena
+except ImportError:  # pragma: no cover - storage not importable: bytearrays
+    _frame_arena = None
+
+
+def huge_pages_possible() -> bool:
+    """False where transparent huge pages are off (a slab would be 4 KiB pages: no gain)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
 class FramePool:
     """Large request frames for reuse: zero-copy frames are received into buffers of their
     own, and allocating one means page-faulting it each time.
@@ -96,15 +135,41 @@ class FramePool:
     cache evicts them (``recycle``); until then (the cache filling) frames of at least
     PREFILL_FROM bytes come from the prefill thread, faulted in ahead of need."""
 
-    def __init__(self, max_bytes: int = FRAME_POOL_BYTES) -> None:
+    def __init__(self, max_bytes: int = FRAME_POOL_BYTES, huge: bool = False,
+                 arena: bool | None = None) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
         self._free: list[bytearray] = []
         self._prefill: _Prefill | None = None
         self.prefilled = 0       # frames served from the prefill thread (tests, bench)
+        if arena is None:       # 4 KiB-page slabs registered with the WAL's io_uring
+            arena = huge or wal_aio.WAL_IO == "uring"
+        huge = huge and huge_pages_possible()
+        # frames up to FRAME_POOL_MAX_FRAME come from here while it has room (None: never)
+        self.arena = _frame_arena(ARENA_SLAB if huge else REGISTERED_SLAB, ARENA_BYTES, huge) \
+            if arena and _frame_arena else None
+        self.huge = huge
+        self._filler: _Filler | None = None
+        self.arena_frames = 0    # frames cut from the arena (tests, bench)
+        self.arena_misses = 0    # ...and taken elsewhere because it was at its bound
 
-    def take(self, size: int) -> bytearray:
-        """A bytearray of exactly ``size`` bytes (contents undefined).
+    def fit_cache(self, capacity: int) -> None:
+        """Size the pool for a LogCache of ``capacity`` bytes, which keeps the produce frames
+        whose payloads it holds until it evicts them (``recycle``): the cache evicts down to
+        90 % after each upload, and the free bytearrays hold that tenth for the appends that
+        follow; the arena's slabs hold the whole cache plus the requests in flight."""
+        self.max_bytes = max(self.max_bytes, capacity // 8)
+        if self.arena is None:
+            log.info("large frames: bytearrays (no transparent huge pages or no extension)")
+            return
+        self.arena.max_bytes = capacity + capacity // 8 + ARENA_SLACK
+        log.info("large frames: %s slabs of %d MiB, at most %d MiB",
+                 "huge-page" if self.huge else "4 KiB-page", ARENA_SLAB >> 20,
+                 self.arena.max_bytes >> 20)
+
+    def take(self, size: int) -> bytearray | Any:
+        """A frame of exactly ``size`` bytes (contents undefined): an arena frame (a buffer;
+        write it through a memoryview) while the arena has room, else a bytearray.
 
         A pooled frame is taken when ``size`` fits its allocation (resized within it: no
         realloc, no copy), else the largest pooled frame of at least half of ``size``, grown
@@ -115,6 +180,11 @@ class FramePool:
         the prefill thread 0.9 s of CPU in 8 s) while the evicted 100 B frames went unused.
         Growing a 0.99 MB frame to 1.05 MB: ~14 faults and ~28 us; a new 1.05 MB frame
         faulted in: ~257 faults and ~330 us (this VM, bench/HISTORY.md session 29)."""
+        arena = self.arena
+        if arena is not None and size <= FRAME_POOL_MAX_FRAME:
+            frame = self._take_arena(arena, size)
+            if frame is not None:
+                return frame
         free = self._free
         smaller = -1                    # the largest frame below ``size``, at least half of it
         for i in range(len(free) - 1, -1, -1):
@@ -150,6 +220,27 @@ class FramePool:
             buf.extend(bytes(size - n))
         return buf
 
+    def _take_arena(self, arena: Any, size: int) -> Any:
+        """A frame cut from the arena; when no free run fits, a huge-page arena grows by a
+        slab that is only mapped (its pages fault in as the socket fills them: the filler
+        thread, woken here, normally keeps slabs faulted in ahead). None at the arena's bound,
+        and from a 4 KiB-page arena when the filler is behind: only slabs it faulted in are
+        registered with the WAL's io_uring (registering untouched memory faults it in at ~2 s
+        of CPU per GiB against ~0.36 for MADV_POPULATE_WRITE; bench/HISTORY.md session 33), so
+        the frame is a bytearray then, written as before."""
+        frame = arena.take(size)
+        if frame is None and self.huge and arena.grow(False):
+            frame = arena.take(size)
+        if arena.free < ARENA_AHEAD and arena.mapped + arena.slab <= arena.max_bytes:
+            if self._filler is None:
+                self._filler = _Filler(arena)
+            self._filler.wake()
+        if frame is None:
+            self.arena_misses += 1
+        else:
+            self.arena_frames += 1
+        return frame
+
     def recycle(self, box: list[Any]) -> None:
         """An evicted LogCache payload (``[payload]``, whose list is the only reference to it):
         a view into a produce frame goes back to the pool
@@ -165,7 +256,10 @@ class FramePool:
             self.give(frame)
 
     def give(self, buf: bytearray) -> None:
-        """Keep ``buf`` for reuse if it is unshared and the pool has room."""
+        """Keep ``buf`` for reuse if it is unshared and the pool has room (an arena frame
+        goes back to its arena by itself, when its last reference goes)."""
+        if type(buf) is not bytearray:
+            return
         n = len(buf)
         if not n or n > FRAME_POOL_MAX_FRAME or self.bytes + n > self.max_bytes:
             return
@@ -178,10 +272,47 @@ class FramePool:
         self.bytes += n
 
     def close(self) -> None:
-        """Stop the prefill thread and drop what it holds."""
+        """Stop the prefill and filler threads and drop what they hold (the arena goes with
+        the last of its frames)."""
+        if self._filler is not None:
+            self._filler.stop()
+            self._filler = None
         if self._prefill is not None:
             self._prefill.stop()
             self._prefill = None
+
+
+class _Filler:
+    """Grows the frame arena by slabs faulted in (MADV_POPULATE_WRITE, in frame_arena's grow
+    with the interpreter lock released) while less than ARENA_AHEAD of it is free: the loop
+    then receives into pages that are there. Once the LogCache is full, frames come back to
+    the arena as it evicts and the thread stays asleep."""
+
+    def __init__(self, arena: Any) -> None:
+        self.arena = arena
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def wake(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="s3kafka-frames",
+                                            daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        lower_current_thread(0)          # SCHED_BATCH: ahead of need (see _Prefill._run)
+        arena = self.arena
+        while not self._stopped:
+            self._wake.wait()
+            self._wake.clear()
+            while not self._stopped and arena.free < ARENA_AHEAD and arena.grow(True):
+                pass
 
 
 class _Prefill:

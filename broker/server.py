@@ -277,7 +277,9 @@ class Connection(asyncio.BufferedProtocol):
                     else:
                         frame = self.broker.frame_pool.take(size)
                         start = 0
-                    frame[start:start + have] = memoryview(buf)[self._start + 4:self._end]
+                    # through a view: an arena frame is a buffer, not a bytearray
+                    memoryview(frame)[start:start + have] = memoryview(buf)[self._start + 4:
+                                                                            self._end]
                     self._frame, self._frame_fill = frame, start + have
                     self._frame_at, self._frame_end = start, start + size
                     self._start = self._end = 0
@@ -774,9 +776,7 @@ class Broker:
         cache = getattr(self.store, "cache", None)
         if cache is not None and hasattr(cache, "recycle"):
             cache.recycle = self.frame_pool.recycle   # evicted produce frames are reused
-            # the cache evicts down to 90 % after each upload: the pool holds that tenth for
-            # the appends that follow (memory the cache held a moment before)
-            self.frame_pool.max_bytes = max(self.frame_pool.max_bytes, cache.capacity // 8)
+            self.frame_pool.fit_cache(cache.capacity)
         await self.store.start()
         self.hold_bulk = getattr(getattr(self.store, "cold_pacer", None), "hold_bulk", None)
         self.cluster = ClusterRoom(self)

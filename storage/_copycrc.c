@@ -1288,6 +1288,8 @@ static PyObject *eventfd_reset(PyObject *self, PyObject *arg) {
 #include <linux/io_uring.h>
 #include <sys/mman.h>
 #define HAVE_URING 1
+#define FIXED_MAX 256                       /* registered slabs (16 MiB each: 4 GiB) */
+#define URING_OP_WRITEV_FIXED 61            /* Linux 6.15; older headers lack it */
 
 typedef struct {
     int fd;
@@ -1296,9 +1298,69 @@ typedef struct {
     struct io_uring_cqe *cqes;
     void *sq_map, *sqe_map;
     size_t sq_len, sqe_len;
-    unsigned nranges;                       /* registered (fixed) buffers, sorted by start */
-    uintptr_t *starts, *ends;
+    unsigned gen;                           /* fixed_gen when `slots` was last synced */
+    int fixed_ok;                           /* 0: the kernel refused a registration */
+    int writev_fixed;                       /* IORING_OP_WRITEV_FIXED supported (6.15+) */
+    struct { uintptr_t start, end; unsigned serial; } slots[FIXED_MAX];  /* registered here */
 } uring_t;
+
+/* Memory that may be registered with every ring: slabs that stay mapped, faulted in, until
+   fixed_remove (the frame arena's 4 KiB-page slabs, below). A slot's index is its buffer
+   index in every ring. A ring catches up with the table (fixed_gen) before each submit, so
+   a slab unmapped and mapped again at the same address is never written from its old pages:
+   removal happens before the munmap, under the interpreter lock, as every submit. */
+static struct { uintptr_t start, end; unsigned serial; } fixed_tab[FIXED_MAX];  /* end 0: empty */
+static unsigned fixed_gen = 1;         /* also each slab's serial: a slab mapped again at the
+                                          same address is another slab (its own pages) */
+
+static void fixed_add(const void *p, size_t len) {
+    for (int i = 0; i < FIXED_MAX; i++)
+        if (fixed_tab[i].end == 0) {
+            fixed_tab[i].start = (uintptr_t)p;
+            fixed_tab[i].end = (uintptr_t)p + len;
+            fixed_tab[i].serial = ++fixed_gen;
+            return;
+        }                                   /* table full: that slab's writes stay plain */
+}
+
+static void fixed_remove(const void *p) {
+    for (int i = 0; i < FIXED_MAX; i++)
+        if (fixed_tab[i].start == (uintptr_t)p && fixed_tab[i].end) {
+            fixed_tab[i].start = fixed_tab[i].end = 0;
+            fixed_tab[i].serial = ++fixed_gen;
+        }
+}
+
+/* Bring the ring's registered buffers in line with fixed_tab, slot by slot
+   (IORING_REGISTER_BUFFERS_UPDATE; an empty iovec empties a slot). Pinning 16 MiB of
+   faulted-in 4 KiB pages: ~0.3 ms. A refusal (RLIMIT_MEMLOCK without CAP_IPC_LOCK) turns
+   fixed writes off for this ring: they go plain, as before. */
+static void uring_sync(uring_t *r) {
+    r->gen = fixed_gen;
+    if (!r->fixed_ok) return;
+    for (unsigned i = 0; i < FIXED_MAX; i++) {
+        if (r->slots[i].serial == fixed_tab[i].serial)
+            continue;
+        struct iovec iov = {(void *)fixed_tab[i].start, fixed_tab[i].end - fixed_tab[i].start};
+        struct io_uring_rsrc_update2 up;
+        memset(&up, 0, sizeof(up));
+        up.offset = i;
+        up.data = (uint64_t)(uintptr_t)&iov;
+        up.nr = 1;
+        r->slots[i].start = r->slots[i].end = 0;     /* empty unless the update succeeds */
+        r->slots[i].serial = fixed_tab[i].serial;
+        if (syscall(__NR_io_uring_register, r->fd, IORING_REGISTER_BUFFERS_UPDATE, &up,
+                    sizeof(up)) < 0) {
+            if (fixed_tab[i].end == 0) continue;
+            r->fixed_ok = 0;                 /* unpin everything: nothing is looked up again */
+            syscall(__NR_io_uring_register, r->fd, IORING_UNREGISTER_BUFFERS, NULL, 0);
+            memset(r->slots, 0, sizeof(r->slots));
+            return;
+        }
+        r->slots[i].start = fixed_tab[i].start;
+        r->slots[i].end = fixed_tab[i].end;
+    }
+}
 
 static void uring_free(PyObject *cap) {
     uring_t *r = PyCapsule_GetPointer(cap, "s3kafka.uring");
@@ -1306,8 +1368,6 @@ static void uring_free(PyObject *cap) {
     if (r->sqe_map) munmap(r->sqe_map, r->sqe_len);
     if (r->sq_map) munmap(r->sq_map, r->sq_len);
     if (r->fd >= 0) close(r->fd);            /* waits for nothing: requests finish in the kernel */
-    PyMem_Free(r->starts);
-    PyMem_Free(r->ends);
     PyMem_Free(r);
 }
 
@@ -1318,6 +1378,25 @@ static uring_t *uring_get(PyObject *cap) {
         return NULL;
     }
     return r;
+}
+
+/* whether the kernel knows opcode `op` (IORING_REGISTER_PROBE) */
+static int uring_supports(int fd, unsigned op) {
+    size_t len = sizeof(struct io_uring_probe) + 256 * sizeof(struct io_uring_probe_op);
+    struct io_uring_probe *pr = PyMem_Calloc(1, len);
+    if (pr == NULL) return 0;
+    int ok = syscall(__NR_io_uring_register, fd, IORING_REGISTER_PROBE, pr, 256) == 0 &&
+             op <= pr->last_op && (pr->ops[op].flags & IO_URING_OP_SUPPORTED);
+    PyMem_Free(pr);
+    return ok;
+}
+
+/* the ring's registered buffer holding [a, a + n), or -1 */
+static int uring_find(const uring_t *r, uintptr_t a, size_t n) {
+    for (int i = 0; i < FIXED_MAX; i++)
+        if (r->slots[i].start <= a && a + n <= r->slots[i].end)
+            return i;
+    return -1;
 }
 
 PyDoc_STRVAR(uring_setup_doc,
@@ -1363,6 +1442,13 @@ static PyObject *uring_setup_(PyObject *self, PyObject *args) {
     r->cq_mask = (unsigned *)(sq + p.cq_off.ring_mask);
     r->cqes = (struct io_uring_cqe *)(sq + p.cq_off.cqes);
     if (syscall(__NR_io_uring_register, fd, IORING_REGISTER_EVENTFD, &efd, 1) < 0) goto fail;
+    struct io_uring_rsrc_register reg;       /* FIXED_MAX empty slots, filled by uring_sync */
+    memset(&reg, 0, sizeof(reg));
+    reg.nr = FIXED_MAX;
+    reg.flags = IORING_RSRC_REGISTER_SPARSE;
+    r->fixed_ok = syscall(__NR_io_uring_register, fd, IORING_REGISTER_BUFFERS2, &reg,
+                          sizeof(reg)) == 0;
+    r->writev_fixed = uring_supports(fd, URING_OP_WRITEV_FIXED);
     return cap;
 fail:
     PyErr_SetFromErrno(PyExc_OSError);
@@ -1370,81 +1456,24 @@ fail:
     return NULL;
 }
 
-PyDoc_STRVAR(uring_register_doc,
-"uring_register(ring, ranges) -> None\n\n"
-"Register `ranges`, (address, length) pairs of memory that stays mapped while registered,\n"
-"as the ring's fixed buffers (replacing the previous set; [] only unregisters). Touch the\n"
-"memory first: registering 1 GiB of faulted-in 4 KiB pages costs ~0.02 s of CPU, of\n"
-"untouched memory ~2 s (session 33). Pinned memory counts against RLIMIT_MEMLOCK without\n"
-"CAP_IPC_LOCK: OSError(ENOMEM) then, and writes stay plain. Writes in flight keep the\n"
-"buffers they use until they complete (the kernel's own references).");
-
-static PyObject *uring_register_(PyObject *self, PyObject *args) {
-    PyObject *cap, *ranges;
-    if (!PyArg_ParseTuple(args, "OO:uring_register", &cap, &ranges)) return NULL;
-    uring_t *r = uring_get(cap);
-    if (r == NULL) return NULL;
-    PyObject *seq = PySequence_Fast(ranges, "uring_register: ranges must be a sequence");
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    struct iovec *iov = PyMem_Calloc(n ? n : 1, sizeof(*iov));
-    uintptr_t *starts = PyMem_Calloc(n ? n : 1, sizeof(uintptr_t));
-    uintptr_t *ends = PyMem_Calloc(n ? n : 1, sizeof(uintptr_t));
-    if (iov == NULL || starts == NULL || ends == NULL) { PyErr_NoMemory(); goto fail; }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long long a, len;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KK", &a, &len)) goto fail;
-        if (i && a < ends[i - 1]) {
-            PyErr_SetString(PyExc_ValueError, "uring_register: ranges sorted, not overlapping");
-            goto fail;
-        }
-        iov[i].iov_base = (void *)(uintptr_t)a;
-        iov[i].iov_len = (size_t)len;
-        starts[i] = (uintptr_t)a;
-        ends[i] = (uintptr_t)(a + len);
+/* the ring's registered buffer holding every piece, or -1 */
+static int uring_find_all(const uring_t *r, const struct iovec *iov, Py_ssize_t n) {
+    int slot = uring_find(r, (uintptr_t)iov[0].iov_base, iov[0].iov_len);
+    for (Py_ssize_t i = 1; i < n && slot >= 0; i++) {
+        uintptr_t a = (uintptr_t)iov[i].iov_base;
+        if (a < r->slots[slot].start || a + iov[i].iov_len > r->slots[slot].end) slot = -1;
     }
-    if (r->nranges) {
-        syscall(__NR_io_uring_register, r->fd, IORING_UNREGISTER_BUFFERS, NULL, 0);
-        r->nranges = 0;
-    }
-    if (n && syscall(__NR_io_uring_register, r->fd, IORING_REGISTER_BUFFERS, iov, (unsigned)n) < 0) {
-        PyErr_SetFromErrno(PyExc_OSError);
-        goto fail;
-    }
-    PyMem_Free(r->starts);
-    PyMem_Free(r->ends);
-    r->starts = starts;
-    r->ends = ends;
-    r->nranges = (unsigned)n;
-    PyMem_Free(iov);
-    Py_DECREF(seq);
-    Py_RETURN_NONE;
-fail:
-    PyMem_Free(iov);
-    PyMem_Free(starts);
-    PyMem_Free(ends);
-    Py_DECREF(seq);
-    return NULL;
-}
-
-/* the registered buffer holding [a, a + n), or -1 */
-static int uring_find(const uring_t *r, uintptr_t a, size_t n) {
-    unsigned lo = 0, hi = r->nranges;
-    while (lo < hi) {                          /* the last range starting at or before a */
-        unsigned mid = (lo + hi) / 2;
-        if (r->starts[mid] <= a) lo = mid + 1; else hi = mid;
-    }
-    if (lo == 0) return -1;
-    lo--;
-    return a + n <= r->ends[lo] ? (int)lo : -1;
+    return slot;
 }
 
 PyDoc_STRVAR(uring_submit_doc,
 "uring_submit(ring, fd, pieces, offset, token, dsync) -> bool\n\n"
 "Queue one write of `pieces`, (address, length) pairs, at `offset` of `fd`, reported with\n"
 "`token` (aio_submit's contract: the buffers stay valid until the completion is reaped),\n"
-"RWF_DSYNC when `dsync`. One piece inside a registered range goes as WRITE_FIXED (True is\n"
-"returned), others as WRITE / WRITEV (False). Raises OSError(errno) as io_uring_enter fails\n"
+"RWF_DSYNC when `dsync`. Pieces all inside one registered slab (fixed_tab: the frame arena's\n"
+"4 KiB-page slabs) go as WRITE_FIXED (one piece) or WRITEV_FIXED (several; Linux 6.15+) and\n"
+"True is returned; others as WRITE / WRITEV (False).\n"
+"Raises OSError(errno) as io_uring_enter fails\n"
 "(EAGAIN, EBUSY: the caller retries as for io_submit).");
 
 static PyObject *uring_submit_(PyObject *self, PyObject *args) {
@@ -1463,7 +1492,8 @@ static PyObject *uring_submit_(PyObject *self, PyObject *args) {
     unsigned tail = *r->sq_tail, idx = tail & *r->sq_mask;
     struct io_uring_sqe *e = &r->sqes[idx];
     memset(e, 0, sizeof(*e));
-    int fixed = n == 1 ? uring_find(r, (uintptr_t)iov[0].iov_base, iov[0].iov_len) : -1;
+    if (r->gen != fixed_gen) uring_sync(r);
+    int fixed = n == 1 || r->writev_fixed ? uring_find_all(r, iov, n) : -1;
     e->fd = fd;
     e->off = (uint64_t)offset;
     e->rw_flags = dsync ? RWF_DSYNC : 0;
@@ -1474,9 +1504,10 @@ static PyObject *uring_submit_(PyObject *self, PyObject *args) {
         e->len = (uint32_t)iov[0].iov_len;
         if (fixed >= 0) e->buf_index = (uint16_t)fixed;
     } else {
-        e->opcode = IORING_OP_WRITEV;
+        e->opcode = fixed >= 0 ? URING_OP_WRITEV_FIXED : IORING_OP_WRITEV;
         e->addr = (uint64_t)(uintptr_t)iov;
         e->len = (uint32_t)n;
+        if (fixed >= 0) e->buf_index = (uint16_t)fixed;
     }
     r->sq_array[idx] = idx;
     __atomic_store_n(r->sq_tail, tail + 1, __ATOMIC_RELEASE);
@@ -1520,6 +1551,17 @@ static PyObject *uring_reap_(PyObject *self, PyObject *cap) {
     return out;
 }
 
+PyDoc_STRVAR(uring_writev_fixed_doc,
+"uring_writev_fixed(ring) -> bool\n\n"
+"Whether the ring's kernel has IORING_OP_WRITEV_FIXED (several pieces in one registered\n"
+"slab written without pinning; Linux 6.15+). Without it such writes go as WRITEV.");
+
+static PyObject *uring_writev_fixed_(PyObject *self, PyObject *cap) {
+    uring_t *r = uring_get(cap);
+    if (r == NULL) return NULL;
+    return PyBool_FromLong(r->writev_fixed);
+}
+
 PyDoc_STRVAR(uring_close_doc,
 "uring_close(ring) -> None\n\n"
 "Close the ring now (the capsule's destructor would later); further calls raise ValueError.\n"
@@ -1561,6 +1603,15 @@ PyDoc_STRVAR(map_buffer_doc,
 "reads into fresh memory), and through Python's mmap module a cold thread waited so holding\n"
 "the interpreter lock, stalling the event loop (storage/objects/buffers.py).");
 
+static PyObject *frame_arena(PyObject *self, PyObject *args);
+PyDoc_STRVAR(frame_arena_doc,
+"frame_arena(slab, max_bytes, huge=True) -> FrameArena\n\n"
+"(huge false: 4 KiB pages, MADV_NOHUGEPAGE; slabs grown populated are registered with the\n"
+"WAL's io_uring rings as fixed buffers, see the io_uring section.)\n"
+"Large request frames carved from 2 MiB-aligned MADV_HUGEPAGE slabs of `slab` bytes, at\n"
+"most `max_bytes` of slabs, each frame's pages back in the arena when the frame goes; slabs\n"
+"are unmapped only with the arena (broker/frames.py; the code's comment says why).");
+
 static PyObject *take_grouped(PyObject *self, PyObject *args);
 PyDoc_STRVAR(take_grouped_doc,
 "take_grouped(pending, max_bytes, max_entries, at_least_one, out, groups, cums) -> int\n\n"
@@ -1577,6 +1628,7 @@ static PyMethodDef methods[] = {
     {"read_pieces", read_pieces, METH_VARARGS, read_pieces_doc},
     {"read_span_crcs", read_span_crcs, METH_VARARGS, read_span_crcs_doc},
     {"map_buffer", map_buffer, METH_VARARGS, map_buffer_doc},
+    {"frame_arena", frame_arena, METH_VARARGS, frame_arena_doc},
     {"encode_blocks", encode_blocks, METH_VARARGS, encode_blocks_doc},
     {"encode_write", encode_write, METH_VARARGS, encode_write_doc},
     {"object_size_steps", object_size_steps, METH_VARARGS, object_size_steps_doc},
@@ -1588,9 +1640,9 @@ static PyMethodDef methods[] = {
 #endif
 #ifdef HAVE_URING
     {"uring_setup", uring_setup_, METH_VARARGS, uring_setup_doc},
-    {"uring_register", uring_register_, METH_VARARGS, uring_register_doc},
     {"uring_submit", uring_submit_, METH_VARARGS, uring_submit_doc},
     {"uring_reap", uring_reap_, METH_O, uring_reap_doc},
+    {"uring_writev_fixed", uring_writev_fixed_, METH_O, uring_writev_fixed_doc},
     {"uring_close", uring_close_, METH_O, uring_close_doc},
 #endif
     {NULL, NULL, 0, NULL},
@@ -2047,4 +2099,313 @@ static PyObject *map_buffer(PyObject *self, PyObject *args) {
     m->maplen = maplen;
     m->len = size;
     return (PyObject *)m;
+}
+
+
+/* -- frame_arena: large request frames in huge-page slabs (broker/frames.py) -------------- */
+
+/* A large Produce frame is written by the WAL with O_DIRECT straight from its memory (placed
+   records, storage/wal/placed.py): from 4 KiB pages the kernel pins each page of the source
+   (gup_fast_fallback, ~5 % of the broker's CPU under raw 1 MiB produce) and hands the device
+   256 segments per MiB; from 2 MiB pages the same writes took 0.037-0.044 ms of CPU per MiB
+   instead of 0.083-0.096 and ran at 3.5-3.9 GB/s instead of 2.0-2.3 (bench/HISTORY.md,
+   session 27). A frame is a run of pages carved from 2 MiB-aligned MADV_HUGEPAGE slabs; the
+   slabs are never unmapped while the arena lives, so their pages are faulted in once. A frame
+   exports its bytes as a buffer (a memoryview of it keeps it alive, as of a bytearray) and
+   gives its run back to the arena when its last reference goes: it can never be written
+   again while anything still sees it. Free runs are kept sorted by address and merged with
+   their neighbours; a take is first fit (lowest address). The interpreter lock guards it all
+   (take and dealloc hold it; grow maps with it released and links the slab after). */
+
+#define ARENA_HUGE ((size_t)2 << 20)
+#define ARENA_PAGE ((size_t)4096)
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+typedef struct { uintptr_t start; size_t len; } extent_t;
+
+typedef struct {
+    PyObject_HEAD
+    extent_t *free;             /* free runs, sorted by start, none adjacent */
+    Py_ssize_t nfree, capfree;
+    unsigned char **slabs;      /* every slab, unmapped with the arena */
+    Py_ssize_t nslabs, capslabs;
+    size_t slab, max_bytes, mapped, free_bytes;
+    int huge;                   /* MADV_HUGEPAGE, else 4 KiB pages (MADV_NOHUGEPAGE) */
+} FrameArena;
+
+typedef struct {
+    PyObject_HEAD
+    FrameArena *arena;
+    unsigned char *data;
+    size_t run;                 /* the run's length (len rounded up to pages) */
+    Py_ssize_t len;
+    Py_ssize_t exports;         /* buffers exported and not yet released */
+} ArenaFrame;
+
+static int arena_give(FrameArena *a, uintptr_t start, size_t len) {
+    Py_ssize_t lo = 0, hi = a->nfree;
+    while (lo < hi) {                                   /* the first run after `start` */
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (a->free[mid].start < start) lo = mid + 1; else hi = mid;
+    }
+    a->free_bytes += len;
+    int left = lo > 0 && a->free[lo - 1].start + a->free[lo - 1].len == start;
+    int right = lo < a->nfree && start + len == a->free[lo].start;
+    if (left && right) {
+        a->free[lo - 1].len += len + a->free[lo].len;
+        memmove(&a->free[lo], &a->free[lo + 1], (a->nfree - lo - 1) * sizeof(extent_t));
+        a->nfree--;
+    } else if (left) {
+        a->free[lo - 1].len += len;
+    } else if (right) {
+        a->free[lo].start = start;
+        a->free[lo].len += len;
+    } else {
+        if (a->nfree == a->capfree) {
+            Py_ssize_t cap = a->capfree ? 2 * a->capfree : 64;
+            extent_t *n = PyMem_Realloc(a->free, cap * sizeof(extent_t));
+            if (n == NULL) {                            /* lost to the arena, not unsafe */
+                a->free_bytes -= len;
+                return -1;
+            }
+            a->free = n;
+            a->capfree = cap;
+        }
+        memmove(&a->free[lo + 1], &a->free[lo], (a->nfree - lo) * sizeof(extent_t));
+        a->free[lo].start = start;
+        a->free[lo].len = len;
+        a->nfree++;
+    }
+    return 0;
+}
+
+static int frame_getbuffer(PyObject *o, Py_buffer *view, int flags) {
+    ArenaFrame *f = (ArenaFrame *)o;
+    if (PyBuffer_FillInfo(view, o, f->data, f->len, 0, flags) < 0)
+        return -1;
+    f->exports++;
+    return 0;
+}
+
+static void frame_releasebuffer(PyObject *o, Py_buffer *view) {
+    (void)view;
+    ((ArenaFrame *)o)->exports--;
+}
+
+static Py_ssize_t frame_length(PyObject *o) {
+    return ((ArenaFrame *)o)->len;
+}
+
+static void frame_dealloc(PyObject *o) {
+    ArenaFrame *f = (ArenaFrame *)o;
+    if (f->arena != NULL) {
+        (void)arena_give(f->arena, (uintptr_t)f->data, f->run);
+        Py_CLEAR(f->arena);
+    }
+    Py_TYPE(o)->tp_free(o);
+}
+
+static PyObject *frame_exports(PyObject *o, void *closure) {
+    (void)closure;
+    return PyLong_FromSsize_t(((ArenaFrame *)o)->exports);
+}
+
+static PyGetSetDef frame_getset[] = {
+    {"exports", frame_exports, NULL, "buffers of it alive (memoryviews, ctypes views)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyBufferProcs frame_as_buffer = {frame_getbuffer, frame_releasebuffer};
+static PySequenceMethods frame_as_sequence = {.sq_length = frame_length};
+
+static PyTypeObject ArenaFrame_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "storage._copycrc.ArenaFrame",
+    .tp_basicsize = sizeof(ArenaFrame),
+    .tp_dealloc = frame_dealloc,
+    .tp_as_sequence = &frame_as_sequence,
+    .tp_as_buffer = &frame_as_buffer,
+    .tp_getset = frame_getset,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A frame of a FrameArena (a writable buffer; its pages go back to the arena "
+              "when the last reference goes).",
+};
+
+static PyObject *arena_take(PyObject *o, PyObject *arg) {
+    FrameArena *a = (FrameArena *)o;
+    Py_ssize_t size = PyLong_AsSsize_t(arg);
+    if (size == -1 && PyErr_Occurred())
+        return NULL;
+    if (size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "FrameArena.take: size must be > 0");
+        return NULL;
+    }
+    size_t run = ((size_t)size + ARENA_PAGE - 1) & ~(ARENA_PAGE - 1);
+    Py_ssize_t i = 0;
+    while (i < a->nfree && a->free[i].len < run)
+        i++;
+    if (i == a->nfree)
+        Py_RETURN_NONE;
+    ArenaFrame *f = PyObject_New(ArenaFrame, &ArenaFrame_Type);
+    if (f == NULL)
+        return NULL;
+    f->data = (unsigned char *)a->free[i].start;
+    f->run = run;
+    f->len = size;
+    f->exports = 0;
+    Py_INCREF(a);
+    f->arena = a;
+    a->free_bytes -= run;
+    if (a->free[i].len == run) {
+        memmove(&a->free[i], &a->free[i + 1], (a->nfree - i - 1) * sizeof(extent_t));
+        a->nfree--;
+    } else {
+        a->free[i].start += run;
+        a->free[i].len -= run;
+    }
+    return (PyObject *)f;
+}
+
+/* one slab of `len` bytes at a 2 MiB boundary, advised (and its pages faulted in when
+   `populate`); NULL when the mapping fails. Runs without the interpreter lock. */
+static unsigned char *arena_map(size_t len, int populate, int huge) {
+    unsigned char *p = mmap(NULL, len + ARENA_HUGE, PROT_READ | PROT_WRITE,
+                            MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return NULL;
+    size_t head = (ARENA_HUGE - ((uintptr_t)p & (ARENA_HUGE - 1))) & (ARENA_HUGE - 1);
+    if (head)
+        munmap(p, head);
+    if (ARENA_HUGE - head)
+        munmap(p + head + len, ARENA_HUGE - head);
+    p += head;
+#ifdef MADV_HUGEPAGE
+    (void)madvise(p, len, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+#endif
+#ifdef MADV_DONTFORK
+    (void)madvise(p, len, MADV_DONTFORK);      /* no copy-on-write under a write in flight */
+#endif
+    if (populate)
+        (void)madvise(p, len, MADV_POPULATE_WRITE);     /* Linux >= 5.14; else faults later */
+    return p;
+}
+
+static PyObject *arena_grow(PyObject *o, PyObject *arg) {
+    FrameArena *a = (FrameArena *)o;
+    int populate = PyObject_IsTrue(arg);
+    if (populate < 0)
+        return NULL;
+    if (a->mapped + a->slab > a->max_bytes)
+        Py_RETURN_FALSE;
+    if (a->nslabs == a->capslabs) {
+        Py_ssize_t cap = a->capslabs ? 2 * a->capslabs : 16;
+        unsigned char **n = PyMem_Realloc(a->slabs, cap * sizeof(unsigned char *));
+        if (n == NULL)
+            return PyErr_NoMemory();
+        a->slabs = n;
+        a->capslabs = cap;
+    }
+    size_t len = a->slab;
+    a->mapped += len;                   /* reserved: another grow meanwhile sees it */
+    unsigned char *p;
+    Py_BEGIN_ALLOW_THREADS
+    p = arena_map(len, populate, a->huge);
+    Py_END_ALLOW_THREADS
+    if (p == NULL) {
+        a->mapped -= len;
+        Py_RETURN_FALSE;
+    }
+    if (a->nslabs == a->capslabs) {     /* grown meanwhile by another thread: room again */
+        Py_ssize_t cap = 2 * a->capslabs;
+        unsigned char **n = PyMem_Realloc(a->slabs, cap * sizeof(unsigned char *));
+        if (n == NULL) {
+            munmap(p, len);
+            a->mapped -= len;
+            return PyErr_NoMemory();
+        }
+        a->slabs = n;
+        a->capslabs = cap;
+    }
+    a->slabs[a->nslabs++] = p;
+#ifdef HAVE_URING
+    if (populate)            /* faulted in: the WAL's rings may register it (io_uring section) */
+        fixed_add(p, len);
+#endif
+    if (arena_give(a, (uintptr_t)p, len) < 0)
+        return PyErr_NoMemory();
+    Py_RETURN_TRUE;
+}
+
+static void arena_dealloc(PyObject *o) {
+    FrameArena *a = (FrameArena *)o;     /* no frame is alive: each holds a reference */
+    for (Py_ssize_t i = 0; i < a->nslabs; i++) {
+#ifdef HAVE_URING
+        fixed_remove(a->slabs[i]);       /* before the munmap: no ring writes its old pages */
+#endif
+        munmap(a->slabs[i], a->slab);
+    }
+    PyMem_Free(a->slabs);
+    PyMem_Free(a->free);
+    Py_TYPE(o)->tp_free(o);
+}
+
+static PyMemberDef arena_members[] = {
+    {"slab", T_PYSSIZET, offsetof(FrameArena, slab), READONLY, "bytes per slab"},
+    {"max_bytes", T_PYSSIZET, offsetof(FrameArena, max_bytes), 0, "slabs mapped at most"},
+    {"mapped", T_PYSSIZET, offsetof(FrameArena, mapped), READONLY, "bytes of slabs mapped"},
+    {"free", T_PYSSIZET, offsetof(FrameArena, free_bytes), READONLY, "bytes in free runs"},
+    {"runs", T_PYSSIZET, offsetof(FrameArena, nfree), READONLY, "free runs"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyMethodDef arena_methods[] = {
+    {"take", arena_take, METH_O,
+     "take(size) -> ArenaFrame | None: a frame of `size` bytes (contents undefined) from the\n"
+     "lowest free run that fits, or None (no free run fits: grow, or use another buffer)."},
+    {"grow", arena_grow, METH_O,
+     "grow(populate) -> bool: map one more slab (its pages faulted in when `populate`), with\n"
+     "the interpreter lock released; False at max_bytes or when the mapping fails."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject FrameArena_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "storage._copycrc.FrameArena",
+    .tp_basicsize = sizeof(FrameArena),
+    .tp_dealloc = arena_dealloc,
+    .tp_members = arena_members,
+    .tp_methods = arena_methods,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Huge-page slabs that large request frames are carved from (see frame_arena).",
+};
+
+static PyObject *frame_arena(PyObject *self, PyObject *args) {
+    Py_ssize_t slab, max_bytes;
+    int huge = 1;
+    if (!PyArg_ParseTuple(args, "nn|p:frame_arena", &slab, &max_bytes, &huge))
+        return NULL;
+    if (slab <= 0 || slab % (Py_ssize_t)ARENA_HUGE || max_bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "frame_arena: slab must be a multiple of 2 MiB");
+        return NULL;
+    }
+    static int ready = 0;
+    if (!ready) {
+        if (PyType_Ready(&ArenaFrame_Type) < 0 || PyType_Ready(&FrameArena_Type) < 0)
+            return NULL;
+        ready = 1;
+    }
+    FrameArena *a = PyObject_New(FrameArena, &FrameArena_Type);
+    if (a == NULL)
+        return NULL;
+    a->free = NULL;
+    a->nfree = a->capfree = 0;
+    a->slabs = NULL;
+    a->nslabs = a->capslabs = 0;
+    a->slab = (size_t)slab;
+    a->max_bytes = (size_t)max_bytes;
+    a->mapped = a->free_bytes = 0;
+    a->huge = huge;
+    return (PyObject *)a;
 }

@@ -110,6 +110,9 @@ read_span_crcs = getattr(_copycrc, "read_span_crcs", None) if NATIVE else None
 map_buffer = getattr(_copycrc_module, "map_buffer", None)
 # the exact type of what it returns (the pool takes back only its own buffers)
 MappedBuffer = type(map_buffer(4096, False)) if map_buffer is not None else None
+# large request frames in huge-page slabs faulted in once (broker/frames.py); None likewise:
+# the frames are then bytearrays
+frame_arena = getattr(_copycrc_module, "frame_arena", None)
 # the O_DIRECT object writes' pieces in one call that releases the interpreter lock once
 # (storage/objects/store.py); None likewise: the store then writes the pieces in Python
 write_pieces = getattr(_copycrc_module, "write_pieces", None)

@@ -33,10 +33,10 @@ NATIVE = None not in (_c_submit, _c_reap, _c_eventfd_reset)
 
 __all__ = ["AioContext", "UringContext", "TimerFD", "AioUnavailable", "yield_cpu", "open_context"]
 
-# S3KAFKA_WAL_IO=uring: the loop driver writes through io_uring (UringContext), else libaio.
-# Experimental (session 33): plain io_uring writes cost as much CPU as libaio's; only writes
-# from registered memory (WRITE_FIXED) are cheaper, and the broker's frames are not in
-# registered memory yet (bench/HISTORY.md, session 33 uring helper).
+# S3KAFKA_WAL_IO=uring: the loop driver writes through io_uring (UringContext), else libaio,
+# and broker/frames.py cuts large frames from 4 KiB-page arena slabs registered with the
+# ring. Experimental (session 33): plain io_uring writes cost as much CPU as libaio's; only
+# writes from registered memory (WRITE_FIXED) are cheaper (bench/HISTORY.md, session 33).
 WAL_IO = os.environ.get("S3KAFKA_WAL_IO", "aio")
 
 # (io_setup, io_destroy, io_getevents, io_submit, timerfd_create, timerfd_settime)
@@ -199,9 +199,10 @@ class AioContext:
 
 class UringContext:
     """AioContext's interface (eventfd, submit_write, reap, clear_signal, close) over an
-    io_uring whose completions signal the same kind of eventfd, plus register(): memory
-    registered as fixed buffers is pinned once, and a write whose single piece lies inside it
-    goes as WRITE_FIXED, without the per-write pinning of each 4 KiB source page (1 MiB
+    io_uring whose completions signal the same kind of eventfd. The frame arena's slabs
+    (storage._copycrc frame_arena, 4 KiB pages: broker/frames.py with S3KAFKA_WAL_IO=uring)
+    are registered with the ring as fixed buffers, pinned once, and a write whose single piece
+    lies inside one goes as WRITE_FIXED, without the per-write pinning of each source page (1 MiB
     O_DIRECT|RWF_DSYNC writes from 4 KiB pages, QD 8: libaio 0.036-0.052 ms CPU/MiB,
     WRITE_FIXED 0.018-0.028; bench/HISTORY.md session 33). Needs the C extension; raises
     AioUnavailable where io_uring cannot be set up (the caller uses AioContext)."""
@@ -227,11 +228,6 @@ class UringContext:
         if submit(ring, fd, pieces, offset, token, dsync):
             self.fixed_writes += 1
         return ()
-
-    def register(self, ranges: list[tuple[int, int]]) -> None:
-        """Make `ranges` ((address, length), sorted, faulted in, mapped while registered)
-        the fixed buffers; OSError when the kernel refuses (e.g. RLIMIT_MEMLOCK)."""
-        _ext.uring_register(self._ring, ranges)
 
     def reap(self, wait_s: float | None = None) -> list[tuple[int, int]]:
         """Completed requests; waits up to wait_s for the eventfd (None: do not wait)."""

@@ -100,11 +100,12 @@ def _produce(w: Wire, frame: bytes, corr: int, missing: tuple[int, ...] = ()) ->
             assert p.error_code == (3 if p.index in missing else 0), resp
 
 
-def broker_with_topic(broker_factory, topic: str) -> tuple[object, Wire, int]:
-    """A broker with its metrics listener (the metrics port) and ``topic`` created through
-    Metadata's auto-creation, and a Wire to it."""
+def broker_with_topic(broker_factory, topic: str,
+                      args: tuple[str, ...] = ()) -> tuple[object, Wire, int]:
+    """A broker (more ``args`` if given) with its metrics listener (the metrics port) and
+    ``topic`` created through Metadata's auto-creation, and a Wire to it."""
     mport = free_port()
-    b = broker_factory(["--metrics-listen", f"127.0.0.1:{mport}"])
+    b = broker_factory(["--metrics-listen", f"127.0.0.1:{mport}", *args])
     w = Wire(b.host, b.port)
     w.call(3, 12, 1, topics=[md_topic(topic)], allow_auto_topic_creation=True,
            include_topic_authorized_operations=False)

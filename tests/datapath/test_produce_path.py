@@ -241,7 +241,7 @@ def test_frame_pool_takes_back_only_unshared_frames():
     view of it and no other reference is left."""
     from broker.server import FramePool
 
-    pool = FramePool()
+    pool = FramePool(arena=False)
     frame = bytearray(200_000)
     payload = memoryview(frame)[100:].cast("B")
     held = payload[10:20]              # a reader's slice still in flight
@@ -268,7 +268,7 @@ def test_frame_pool_grows_a_smaller_pooled_frame_instead_of_faulting_in_a_new_on
     in a new frame (~0.9 GB in that row)."""
     from broker.frames import FramePool, _alloc_frame
 
-    pool = FramePool(max_bytes=8 << 20)
+    pool = FramePool(max_bytes=8 << 20, arena=False)
     try:
         frames = {n: _alloc_frame(n) for n in (400_000, 600_000, 990_000)}
         for n, frame in frames.items():
@@ -307,7 +307,7 @@ def test_frame_prefill_of_varying_request_sizes_faults_in_about_what_is_taken(mo
         populated.append(len(buf))
         return real(buf)
     monkeypatch.setattr(frames_mod, "populate", populate)
-    pool = FramePool(max_bytes=64 << 20)
+    pool = FramePool(max_bytes=64 << 20, arena=False)
     rnd = random.Random(5)
     taken = 0
     try:
@@ -340,7 +340,7 @@ def test_frame_prefill_serves_a_mix_of_request_sizes_without_dropping_frames():
     def populate(buf):
         made.append(len(buf))
         return real(buf)
-    pool = FramePool(max_bytes=128 << 20)
+    pool = FramePool(max_bytes=128 << 20, arena=False)
     rnd = random.Random(7)
     sizes = [560_000, 640_000, 700_000, 760_000, 820_000, 880_000, 930_000]
     top = size_class(max(sizes))                  # the thread stops short of its bound by less
@@ -380,7 +380,7 @@ def test_frame_pool_prefills_large_frames_off_the_loop():
 
     from broker.frames import PREFILL_FROM, FramePool, size_class
 
-    pool = FramePool(max_bytes=64 << 20)
+    pool = FramePool(max_bytes=64 << 20, arena=False)
     try:
         size = 1 << 20
         first = pool.take(size)                   # nothing ready yet: allocated here
