@@ -1,7 +1,8 @@
-"""Large request frames: allocated without zero-filling, recycled once nothing sees them, and
-(for large produce frames) faulted in ahead of need by a background thread; or, with
-S3KAFKA_WAL_IO=uring (or FramePool(huge=True)), carved from arena slabs that are faulted in
-once and never unmapped while the broker runs (storage._copycrc.frame_arena).
+"""Large request frames: carved from arena slabs that are faulted in once and never unmapped
+while the broker runs (storage._copycrc.frame_arena) with the io_uring WAL (the default; not
+with S3KAFKA_WAL_IO=aio) or FramePool(huge=True); else allocated without zero-filling,
+recycled once nothing sees them, and (for large produce frames) faulted in ahead of need by a
+background thread.
 
 Arena slabs, because the WAL writes large Produce frames with O_DIRECT straight from them
 (storage/wal/placed.py): from 4 KiB pages each libaio write pins every page of its source

@@ -33,11 +33,13 @@ NATIVE = None not in (_c_submit, _c_reap, _c_eventfd_reset)
 
 __all__ = ["AioContext", "UringContext", "TimerFD", "AioUnavailable", "yield_cpu", "open_context"]
 
-# S3KAFKA_WAL_IO=uring: the loop driver writes through io_uring (UringContext), else libaio,
-# and broker/frames.py cuts large frames from 4 KiB-page arena slabs registered with the
-# ring. Experimental (session 33): plain io_uring writes cost as much CPU as libaio's; only
-# writes from registered memory (WRITE_FIXED) are cheaper (bench/HISTORY.md, session 33).
-WAL_IO = os.environ.get("S3KAFKA_WAL_IO", "aio")
+# The loop driver writes through io_uring (UringContext) unless S3KAFKA_WAL_IO=aio (libaio,
+# the path before session 33, and the fallback where io_uring cannot be set up), and
+# broker/frames.py cuts large frames from 4 KiB-page arena slabs registered with the ring:
+# plain io_uring writes cost as much CPU as libaio's, writes from registered memory
+# (WRITE_FIXED / WRITEV_FIXED) skip the per-write page pinning (raw 1 MiB produce, 8 pairs
+# alternating: broker 0.421-0.498 ms CPU/MiB against 0.473-0.523; bench/HISTORY.md session 33).
+WAL_IO = os.environ.get("S3KAFKA_WAL_IO", "uring")
 
 # (io_setup, io_destroy, io_getevents, io_submit, timerfd_create, timerfd_settime)
 _SYSCALLS = {
@@ -200,7 +202,7 @@ class AioContext:
 class UringContext:
     """AioContext's interface (eventfd, submit_write, reap, clear_signal, close) over an
     io_uring whose completions signal the same kind of eventfd. The frame arena's slabs
-    (storage._copycrc frame_arena, 4 KiB pages: broker/frames.py with S3KAFKA_WAL_IO=uring)
+    (storage._copycrc frame_arena, 4 KiB pages: broker/frames.py unless S3KAFKA_WAL_IO=aio)
     are registered with the ring as fixed buffers, pinned once, and a write whose single piece
     lies inside one goes as WRITE_FIXED, without the per-write pinning of each source page (1 MiB
     O_DIRECT|RWF_DSYNC writes from 4 KiB pages, QD 8: libaio 0.036-0.052 ms CPU/MiB,
@@ -247,8 +249,8 @@ class UringContext:
 
 
 def open_context(depth: int) -> "AioContext | UringContext":
-    """The WAL driver's completion context: io_uring when S3KAFKA_WAL_IO=uring and the kernel
-    allows it, else libaio."""
+    """The WAL driver's completion context: io_uring where the kernel allows it (unless
+    S3KAFKA_WAL_IO=aio), else libaio."""
     if WAL_IO == "uring":
         try:
             return UringContext(depth)

@@ -474,6 +474,7 @@ async def test_the_loops_aio_calls_keep_the_gil_and_wake_no_io_thread(make_wal, 
     from storage.wal import aio
 
     monkeypatch.setattr(aio, "NATIVE", False)
+    monkeypatch.setattr(aio, "WAL_IO", "aio")           # libaio, not the io_uring default
 
     assert aio._syscall_held._flags_ & ctypes._FUNCFLAG_PYTHONAPI
     assert aio._read_held._flags_ & ctypes._FUNCFLAG_PYTHONAPI
