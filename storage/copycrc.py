@@ -92,6 +92,35 @@ copy_crc_split = getattr(_copycrc, "copy_crc_split", None) or _copy_crc_split_py
 # the WAL then copies those records as any other
 crc_split = getattr(_copycrc, "crc_split", None) if NATIVE else None
 
+def _place_record_py(region, head, payload, pos: int, split: int, want: int) -> int | None:
+    """place_record without the extension (or with a stale build): the same checks, CRCs and
+    writes in Python; ``payload`` must be the region's bytes after the two headers."""
+    from .wal.format import ALIGN_DOWN, ALIGN_MASK, RECORD_HEADER_SIZE, pack_record_header
+    h, k = len(head), len(payload)
+    size = RECORD_HEADER_SIZE + h + k
+    view = memoryview(region)
+    if len(view) != (size + ALIGN_MASK) & ALIGN_DOWN or \
+            view[RECORD_HEADER_SIZE + h:size] != memoryview(payload).cast("B"):
+        raise ValueError("place_record: payload not in place in the region")
+    if split > k:
+        raise ValueError("place_record: split outside the payload")
+    crc = crc32c.crc32c(payload, crc32c.crc32c(head))
+    if split >= 0:
+        tail = crc32c.crc32c(memoryview(payload).cast("B")[split:])
+        if tail != want:
+            return tail
+    view[RECORD_HEADER_SIZE:RECORD_HEADER_SIZE + h] = head
+    pack_record_header(view, 0, h + k, pos, crc)
+    view[size:] = bytes(len(view) - size)
+    return None
+
+
+# a WAL record received in place (DeltaWAL._reserve_placed): its CRCs in one pass, then its
+# headers and the zeroed tail of its last page, in one call (or nothing, on a CRC mismatch)
+place_record = getattr(_copycrc, "place_record", None) or _place_record_py
+# the address of a writable buffer (storage/wal/placed.py); None without the extension
+buffer_address = getattr(_copycrc_module, "buffer_address", None)
+
 # CRC-32C alone, crc(data, value=0) as crc32c.crc32c: in C folded with VPCLMULQDQ where the
 # CPU has it (_copycrc.FOLD; 1 MiB 0.018 ms hot / 0.045 cold against the package's 0.037 /
 # 0.085), else the crc32 instruction; the crc32c package without the extension

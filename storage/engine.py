@@ -317,29 +317,34 @@ class EngineStream(OffsetStream):
         ``check`` (as ``append``'s: the payload's CRC-32C from an offset, checked in the WAL's
         copy) does not match. The task-less Produce path."""
         eng = self._engine
-        self._check_writable()
+        if self.deleted or not self.owned:
+            self._check_writable()
         if base_offset != self._end or count <= 0:
             raise ValueError(f"append of {count} at {base_offset}, expected {self._end}")
         payload = payload if type(payload) is bytes else memoryview(payload).cast("B")
         size = WAL_RECORD.size + len(payload)
-        if not eng.cache.has_room(size + 64) or not eng.wal.has_room(size):
+        cache, wal = eng.cache, eng.wal
+        # cache.has_room's own first test inline: it is called only when eviction may be needed
+        if (cache.used + size + 64 > cache.capacity and not cache.has_room(size + 64)) \
+                or not wal.has_room(size):
             return False
         if check is not None:      # checked while the WAL copies the record: no pass of its own
             check = (WAL_RECORD.size + check[0], check[1])
         t0 = time.perf_counter()
-        entry = CacheEntry(self.stream_id, base_offset, count, payload, added=t0)
+        sid = self.stream_id
+        entry = CacheEntry(sid, base_offset, count, payload, added=t0)
         # the stream's bookkeeping, then the caller's continuation: one call per append
         durable = functools.partial(self._note_durable, entry, t0, then)
         try:
-            res = eng.wal.append_loop((WAL_RECORD.pack(self.stream_id, base_offset, count),
-                                       payload), self.stream_id, check, durable, True)
+            offset = wal.append_flat(WAL_RECORD.pack(sid, base_offset, count), payload, sid,
+                                     check, durable)
         except eng.checksum_error as e:
             raise PayloadChecksumError(str(e)) from None
         except eng.fenced_error as e:   # another node took this WAL over
             raise StorageError(str(e)) from None
         except eng.over_capacity_error:
             return False
-        entry.wal_offset, entry.wal_next = res.offset, res.next_offset
+        entry.wal_offset, entry.wal_next = offset, offset + WAL_RECORD_HEADER + size
         self._took(entry, size)
         return True
 

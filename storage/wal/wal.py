@@ -23,8 +23,7 @@ from typing import Any, Callable, Iterator, Union
 import crc32c
 
 from ..copycrc import NATIVE as COPY_CRC_NATIVE, copy_crc, copy_crc_split, copy_record, \
-    crc_split
-from ..copycrc import crc as crc_only
+    place_record
 from . import placed
 from .block import Block, BufferPool
 from .config import IO_RETRIES, IO_RETRY_DELAY_S, WALConfig
@@ -100,6 +99,7 @@ class DeltaWAL:
         self._bw_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._driver: LoopDriver | None = None   # set by attach_loop(): AIO on an event loop
+        self._loop_ident = -1                    # ... and that loop's thread (get_ident())
         self._handover = False                   # IO threads exit: the loop driver takes over
         self.direct_io = True
         self.stats = {"writes": 0, "block_writes": 0, "bytes_written": 0, "header_writes": 0,
@@ -310,6 +310,7 @@ class DeltaWAL:
         self._threads = []
         with self._cond:
             self._driver = driver
+            self._loop_ident = threading.get_ident()    # the driver's thread: this one
         driver.kick()
         return True
 
@@ -364,11 +365,6 @@ class DeltaWAL:
         ``flat``: ``body`` is a (bytes, bytes or flat byte view) pair - the engine's record
         header and payload - which ``_prepare`` would pass through unchanged when the copy
         computes the CRC (storage._copycrc): its call is skipped (the engine's every append)."""
-        driver = self._driver
-        # on the driver's thread its loop is the running one; get_running_loop() costs a
-        # getpid() syscall per call
-        on_loop = driver is not None and driver.on_loop()
-        loop = driver.loop if on_loop else asyncio.get_running_loop()
         if flat and COPY_CRC_NATIVE:
             n, crc = len(body[0]) + len(body[1]), None
         else:
@@ -376,8 +372,32 @@ class DeltaWAL:
         if check is not None and crc is not None:     # no fused copy: a pass of its own
             _verify(body, check)
             check = None
+        driver = self._driver
+        # on the driver's thread its loop is the running one; get_running_loop() costs a
+        # getpid() syscall per call
+        on_loop = driver is not None and threading.get_ident() == self._loop_ident
+        loop = driver.loop if on_loop else asyncio.get_running_loop()
         fut = loop.create_future() if then is None else None
-        waiter = (loop, fut if then is None else then)
+        offset = self._append_on_loop(body, n, stream_id, (loop, fut if then is None else then),
+                                      crc, check, on_loop)
+        return AppendResult(offset, offset + RECORD_HEADER_SIZE + n, fut)
+
+    def append_flat(self, head: bytes, payload: "bytes | memoryview", stream_id: int,
+                    check: tuple[int, int] | None,
+                    then: "Callable[[int, BaseException | None], None]") -> int:
+        """``append_loop((head, payload), stream_id, check, then, flat=True).offset`` (the
+        record ends RECORD_HEADER_SIZE + len(head) + len(payload) bytes later) in one call
+        without the AppendResult: the engine's task-less append, once per Produce request."""
+        driver = self._driver
+        if not COPY_CRC_NATIVE or driver is None or threading.get_ident() != self._loop_ident:
+            return self.append_loop((head, payload), stream_id, check, then, True).offset
+        return self._append_on_loop((head, payload), len(head) + len(payload), stream_id,
+                                    (driver.loop, then), None, check, True)
+
+    def _append_on_loop(self, body, n: int, stream_id: int, waiter: tuple, crc: int | None,
+                        check: tuple[int, int] | None, on_loop: bool) -> int:
+        """append_loop's placing of a prepared body (received in place when it was offered,
+        placed.py; else copied into the current block) and the kick of its write; its offset."""
         region = None
         if placed._offered and crc is None and type(body) is tuple and len(body) == 2:
             region = placed.take(body[1], RECORD_HEADER_SIZE + len(body[0]))
@@ -386,12 +406,13 @@ class DeltaWAL:
                 region, body, n, stream_id, waiter, check)
             if offset is None:
                 offset = self._reserve(body, n, stream_id, waiter, crc, check)
+        driver = self._driver
         if driver is not None:
             if self._pending and on_loop:
                 driver.kick()                     # a block sealed by size: write it now
             else:
                 driver.kick_soon()
-        return AppendResult(offset, offset + RECORD_HEADER_SIZE + n, fut)
+        return offset
 
     async def append_async(self, body: Body, stream_id: int = 0) -> int:
         """append() for the event loop: waits for window room and durability without blocking."""
@@ -544,8 +565,7 @@ class DeltaWAL:
         size = RECORD_HEADER_SIZE + n
         ring = self.ring_size
         if (n > self.config.max_record_size or len(region) != (size + ALIGN_MASK) & ALIGN_DOWN
-                or len(region) > ring or crc_split is None
-                or (check is not None and check[0] < h)):
+                or len(region) > ring or (check is not None and check[0] < h)):
             return None
         blk = self._current
         if blk is not None:
@@ -560,23 +580,18 @@ class DeltaWAL:
         end = pos + size
         if ((end + ALIGN_MASK) & ALIGN_DOWN) - self._trim > ring:       # as in _reserve
             raise self._ring_full(end)
-        payload = body[1]
-        if check is not None:
-            crc, tail = crc_split(payload, crc_only(head), check[0] - h)
-            if tail != check[1]:
-                raise ChecksumMismatchError(
-                    f"CRC-32C of the record's bytes from {check[0]} is {tail:#010x}, "
-                    f"expected {check[1]:#010x}")
-        else:
-            crc = crc_only(payload, crc_only(head))
-        region[RECORD_HEADER_SIZE:RECORD_HEADER_SIZE + h] = head
-        pack_record_header(region, 0, n, pos, crc)
+        split, want = (-1, 0) if check is None else (check[0] - h, check[1])
+        tail = place_record(region, head, body[1], pos, split, want)
+        if tail is not None:
+            raise ChecksumMismatchError(
+                f"CRC-32C of the record's bytes from {check[0]} is {tail:#010x}, "
+                f"expected {want:#010x}")
         blk = Block(pos, pos, region, pooled=False)
         self.stats["placed_records"] += 1
         blk.used = size
+        blk.sealed = True                            # place_record zeroed its last page's tail
         self._track(blk, pos, size, end, stream_id, waiter)
-        self._current = blk
-        self._seal_locked()                          # zeroes the tail of the last page
+        self._queue_sealed(blk)
         if self._driver is None and self._may_start_write(False):
             self._io_cond.notify()
         return pos
@@ -594,6 +609,10 @@ class DeltaWAL:
         if blk is None or not blk.used:
             return
         blk.seal()
+        self._queue_sealed(blk)
+
+    def _queue_sealed(self, blk: Block) -> None:
+        """Queue the sealed current block ``blk`` for its write; caller holds the lock."""
         self._current = None
         self._cursor = end = blk.end
         self._pending.append(blk)
@@ -702,7 +721,11 @@ class DeltaWAL:
         """Every block lies within window_len of the oldest unfinished write (or of the gap
         before it), so recovery can cross holes by scanning window_len past an invalid one.
         Grows the window (header flushed before the write) up to window_max."""
-        start = min([b.scan_from for b in self._writing] + [blk.scan_from])
+        # _writing is in take order, which is logical order (sealed blocks are taken in
+        # order): its first block's scan_from is the smallest
+        writing = self._writing
+        start = blk.scan_from if not writing or writing[0].scan_from > blk.scan_from \
+            else writing[0].scan_from
         need = blk.end - start
         if need <= self._window_len:
             return True
@@ -846,10 +869,16 @@ class DeltaWAL:
                 self._resolver = None
 
     def _drain_locked(self) -> None:
-        """_drain_completed's work; caller holds _resolve_lock."""
+        """_drain_completed's work; caller holds _resolve_lock. The waiters of the loop that
+        runs this (its own AIO completions) are completed in one _set_many call, in order,
+        with no per-loop grouping; other loops get theirs through _call_soon."""
         q = self._completed
+        driver = self._driver
+        here = driver.loop if driver is not None and \
+            threading.get_ident() == self._loop_ident else None
         while q:
             by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+            mine: list = []
             items = None
             last_loop = None
             popleft = q.popleft
@@ -857,6 +886,9 @@ class DeltaWAL:
                 offset, waiter, exc = popleft()
                 if type(waiter) is tuple:
                     loop = waiter[0]
+                    if loop is here:
+                        mine.append((waiter[1], offset, exc))
+                        continue
                     if loop is not last_loop:
                         items = by_loop.get(loop)
                         if items is None:
@@ -871,6 +903,8 @@ class DeltaWAL:
                             waiter.set_exception(exc)
                     except cf.InvalidStateError:
                         pass
+            if mine:
+                _set_many(mine)
             for loop, batch in by_loop.items():
                 self._call_soon(loop, _set_many, batch)
 
@@ -878,7 +912,8 @@ class DeltaWAL:
         driver = self._driver
         # on that loop already (AIO completions): no wake-up. The driver knows its thread;
         # asyncio._get_running_loop() costs a getpid() syscall per call (CPython 3.11)
-        if (driver is not None and driver.loop is loop and driver.on_loop()) \
+        if (driver is not None and driver.loop is loop
+                and threading.get_ident() == self._loop_ident) \
                 or asyncio._get_running_loop() is loop:
             fn(arg)
             return
