@@ -614,7 +614,7 @@ class DeltaWAL:
     def _queue_sealed(self, blk: Block) -> None:
         """Queue the sealed current block ``blk`` for its write; caller holds the lock."""
         self._current = None
-        self._cursor = end = blk.end
+        self._cursor = end = blk.start + ((blk.used + ALIGN_MASK) & ALIGN_DOWN)   # blk.end
         self._pending.append(blk)
         self._pending_bytes += end - blk.start
         if self._pending_bytes >= self._backlog and self._writes >= self.config.eager_writes \
@@ -726,7 +726,7 @@ class DeltaWAL:
         writing = self._writing
         start = blk.scan_from if not writing or writing[0].scan_from > blk.scan_from \
             else writing[0].scan_from
-        need = blk.end - start
+        need = blk.start + ((blk.used + ALIGN_MASK) & ALIGN_DOWN) - start     # blk.end - start
         if need <= self._window_len:
             return True
         if self._writing and need > self.config.window_max:
@@ -795,18 +795,21 @@ class DeltaWAL:
         are all durable; one lock acquisition per group. ``released``: its queue slot was
         already freed by _release_writes()."""
         with self._lock:                 # the conditions' lock (a C context manager)
-            self.stats["writes"] += 1
+            stats = self.stats
+            stats["writes"] += 1
             if not released:
                 self._writes -= 1
             done = self._completed
             streams: set[int] = set()
+            written = 0
             for blk in group:
                 blk.done = True
-                self.stats["block_writes"] += 1
-                self.stats["bytes_written"] += (blk.used + ALIGN_MASK) & ALIGN_DOWN
+                written += (blk.used + ALIGN_MASK) & ALIGN_DOWN
                 self._writing.remove(blk)
                 self._inflight -= blk.used
                 streams |= blk.streams
+            stats["block_writes"] += len(group)
+            stats["bytes_written"] += written
             queues = self._queues
             for sid in streams:
                 q = queues.get(sid)
@@ -824,7 +827,10 @@ class DeltaWAL:
                     self._pool.put(blk.buf)
                 blk.buf = None  # type: ignore[assignment]
             waiters = self._window_waiters
-            self._window_waiters = []
+            if waiters:                  # else no new list per write
+                self._window_waiters = []
+            else:
+                waiters = ()
             # only when a thread waits (_waiters: checked under the lock, which a waiter holds
             # when it registers): Condition.notify's own checks are a Python call and a lock
             # probe per call, per completed write of the loop's AIO, where nobody waits
