@@ -1708,11 +1708,71 @@ static PyObject *place_record(PyObject *self, PyObject *args) {
     PyBuffer_Release(&region);
     return ret;
 }
+
+PyDoc_STRVAR(take_offered_doc,
+"take_offered(offered, payload, head) -> memoryview | None\n\n"
+"storage/wal/placed.py take() in one call: `offered` is its registry (id(buf) -> (buf,\n"
+"offset, length)); the region (`head` bytes before `payload`, the payload, the rest of its\n"
+"last page) when `payload` is a writable contiguous memoryview that is exactly an offered\n"
+"payload whose headers begin on a 4 KiB page; the offer is then used up (also when the\n"
+"place does not suit). None when it is not offered (nothing changes).");
+
+static PyObject *take_offered(PyObject *self, PyObject *args) {
+    PyObject *offered, *payload;
+    Py_ssize_t head;
+    if (!PyArg_ParseTuple(args, "O!On:take_offered", &PyDict_Type, &offered, &payload, &head))
+        return NULL;
+    if (!Py_IS_TYPE(payload, &PyMemoryView_Type))     /* type(payload) is memoryview */
+        Py_RETURN_NONE;
+    PyObject *buf = PyMemoryView_GET_BUFFER(payload)->obj;     /* memoryview.obj */
+    if (buf == NULL)
+        Py_RETURN_NONE;
+    PyObject *key = PyLong_FromVoidPtr(buf);                   /* id(buf) */
+    if (key == NULL)
+        return NULL;
+    PyObject *ent = PyDict_GetItemWithError(offered, key);
+    if (ent == NULL || !PyTuple_Check(ent) || PyTuple_GET_SIZE(ent) != 3
+            || PyTuple_GET_ITEM(ent, 0) != buf) {
+        Py_DECREF(key);
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(ent, 1));
+    Py_ssize_t length = PyLong_AsSsize_t(PyTuple_GET_ITEM(ent, 2));
+    int bad = PyDict_DelItem(offered, key);
+    Py_DECREF(key);
+    if (bad < 0 || PyErr_Occurred())
+        return NULL;
+    Py_buffer *v = PyMemoryView_GET_BUFFER(payload);
+    if (v->len != length || v->itemsize != 1 || v->readonly || !PyBuffer_IsContiguous(v, 'C'))
+        Py_RETURN_NONE;
+    Py_buffer b;
+    if (PyObject_GetBuffer(buf, &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    char *base = (char *)b.buf;
+    Py_ssize_t blen = b.len;
+    PyBuffer_Release(&b);
+    Py_ssize_t start = offset - head;
+    Py_ssize_t end = start + ((head + length + 4095) & ~(Py_ssize_t)4095);
+    if ((char *)v->buf - base != offset || start < 0 || ((uintptr_t)(base + start) & 4095)
+            || end > blen)
+        Py_RETURN_NONE;
+    PyObject *whole = PyMemoryView_FromObject(buf);
+    if (whole == NULL)
+        return NULL;
+    PyObject *region = PySequence_GetSlice(whole, start, end);
+    Py_DECREF(whole);
+    return region;
+}
 /* ---- end of cwal's section ---- */
 
 static PyMethodDef methods[] = {
     {"buffer_address", buffer_address, METH_O, buffer_address_doc},
     {"place_record", place_record, METH_VARARGS, place_record_doc},
+    {"take_offered", take_offered, METH_VARARGS, take_offered_doc},
     {"take_grouped", take_grouped, METH_VARARGS, take_grouped_doc},
     {"copy_crc", copy_crc, METH_VARARGS, copy_crc_doc},
     {"copy_crc_split", copy_crc_split, METH_VARARGS, copy_crc_split_doc},

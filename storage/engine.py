@@ -321,7 +321,10 @@ class EngineStream(OffsetStream):
             self._check_writable()
         if base_offset != self._end or count <= 0:
             raise ValueError(f"append of {count} at {base_offset}, expected {self._end}")
-        payload = payload if type(payload) is bytes else memoryview(payload).cast("B")
+        if type(payload) is not bytes and (type(payload) is not memoryview
+                                           or payload.format != "B" or payload.ndim != 1
+                                           or not payload.c_contiguous):
+            payload = memoryview(payload).cast("B")     # a flat byte view (the partition's is)
         size = WAL_RECORD.size + len(payload)
         cache, wal = eng.cache, eng.wal
         # cache.has_room's own first test inline: it is called only when eviction may be needed
@@ -332,7 +335,7 @@ class EngineStream(OffsetStream):
             check = (WAL_RECORD.size + check[0], check[1])
         t0 = time.perf_counter()
         sid = self.stream_id
-        entry = CacheEntry(sid, base_offset, count, payload, added=t0)
+        entry = CacheEntry(sid, base_offset, count, payload, -1, -1, False, t0)
         # the stream's bookkeeping, then the caller's continuation: one call per append
         durable = functools.partial(self._note_durable, entry, t0, then)
         try:

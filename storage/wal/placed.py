@@ -19,8 +19,9 @@ never appended simply takes the copy path. The registry holds at most MAX_OFFERE
 from __future__ import annotations
 
 import ctypes
+import functools
 
-from ..copycrc import buffer_address
+from ..copycrc import _copycrc_module, buffer_address
 from .format import ALIGN_DOWN, ALIGN_MASK
 
 MAX_OFFERED = 64
@@ -68,7 +69,7 @@ def offered() -> bool:
     return bool(_offered)
 
 
-def take(payload, head: int):
+def _take_py(payload, head: int):
     """The writable block (a view of the offered buffer: ``head`` bytes, the payload, the
     rest of its last page) for ``payload`` if it is exactly an offered payload whose headers
     begin on a page; the offer is used up. None otherwise (nothing changes)."""
@@ -90,3 +91,11 @@ def take(payload, head: int):
     if start < 0 or (base + start) & ALIGN_MASK or end > len(buf):
         return None
     return memoryview(buf)[start:end]
+
+
+_take_offered = getattr(_copycrc_module, "take_offered", None)
+
+
+# the WAL calls take once per large record: one C call (storage/_copycrc.c take_offered, the
+# same checks over this registry) where the extension has it, no Python frame
+take = functools.partial(_take_offered, _offered) if _take_offered is not None else _take_py

@@ -5,14 +5,12 @@ earlier one of its stream are durable, in order per stream, a failed write faili
 records from it on, and the records recovered byte for byte after the WAL is abandoned."""
 from __future__ import annotations
 
-import asyncio
-import threading
 
 import crc32c
 import pytest
 
 from storage import copycrc
-from storage.wal import DeltaWAL, WALConfig, WALError
+from storage.wal import WALError, placed
 from storage.wal.format import ALIGN, RECORD_HEADER_SIZE as H, unpack_record_header
 
 from .test_append_then import _until
@@ -148,3 +146,46 @@ def test_place_record_refuses_a_payload_not_in_its_region():
     for fn in (copycrc.place_record, copycrc._place_record_py):
         with pytest.raises(ValueError):
             fn(region, ENG.pack(1, 2, 3), memoryview(elsewhere), 0, -1, 0)
+
+
+def _take_cases():
+    """(payload view, head, frame) cases for placed.take: offered exactly, another length,
+    not offered, read-only, the headers not on a page, a slice of the payload."""
+    payload = batch_like(30_000)
+    cases = []
+    for kind in ("exact", "length", "unoffered", "readonly", "unaligned", "inner"):
+        frame, off = frame_with(payload)
+        view = memoryview(frame)[off:off + len(payload)]
+        head = H + ENG.size
+        if kind == "length":
+            view = view[:-1]
+        elif kind == "unoffered":
+            placed.withdraw(frame)
+        elif kind == "readonly":
+            view = view.toreadonly()
+        elif kind == "unaligned":
+            head += 8
+        elif kind == "inner":
+            view = memoryview(frame)[off + 8:off + 8 + len(payload)]
+        cases.append((kind, frame, view, head))
+    return cases
+
+
+def test_take_in_c_is_take_in_python():
+    """placed.take (storage/_copycrc.c take_offered over the registry) returns the region
+    _take_py returns - the same bytes at the same address, or None - and uses the offer up
+    (or leaves it) alike."""
+    if placed._take_offered is None:
+        pytest.skip("the extension is not built")
+    results = {}
+    for fn in (placed.take, placed._take_py):
+        out = []
+        for kind, frame, view, head in _take_cases():
+            region = fn(view, head)
+            left = id(frame) in placed._offered
+            placed.withdraw(frame)
+            out.append((kind, None if region is None else
+                        (placed.address(region), bytes(region)), left))
+        results[fn] = out
+    assert results[placed.take] == results[placed._take_py]
+    assert [k for k, r, _l in results[placed.take] if r is not None] == ["exact"]
