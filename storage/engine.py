@@ -301,7 +301,11 @@ class EngineStream(OffsetStream):
         self._end = entry.base_offset + entry.count
         if entry.wal_next > eng._wal_head:      # the WAL's use: nearing capacity forces an upload
             eng._wal_head = entry.wal_next
-        eng._maybe_upload()
+        # wake the upload loop at the append that brought the pending bytes to the upload
+        # threshold or to cache pressure (``_upload_at``), or the WAL past half its capacity
+        if eng.cache.pending_bytes >= eng._upload_at or \
+                eng._wal_head - eng._wal_trimmed > eng.config.wal_capacity // 2:
+            eng._upload_wakeup.set()
         eng.cold_pacer.note_append()            # durable later: _note_durable's note_hot
 
     def append_now(self, payload: bytes | memoryview, base_offset: int, count: int,
@@ -960,13 +964,6 @@ class Engine(StreamStore):
             s.owned = False
 
     # -- upload -----------------------------------------------------------------------------
-    def _maybe_upload(self) -> None:
-        """Wake the upload loop at an append that brought the pending bytes to the upload
-        threshold or to cache pressure (``_upload_at``), or the WAL past half its capacity."""
-        if self.cache.pending_bytes >= self._upload_at or \
-                self._wal_head - self._wal_trimmed > self.config.wal_capacity // 2:
-            self._upload_wakeup.set()
-
     def _upload_pause(self) -> float:
         """Seconds a background upload's encode waits after each slice: none while anything
         waits for the upload (a forced upload: WAL or cache full, shutdown; a backlog of two

@@ -870,18 +870,17 @@ class DeltaWAL:
         with self._resolve_lock:
             self._resolver = me
             try:
-                self._drain_locked()
+                self._drain_locked(me)
             finally:
                 self._resolver = None
 
-    def _drain_locked(self) -> None:
-        """_drain_completed's work; caller holds _resolve_lock. The waiters of the loop that
+    def _drain_locked(self, me: int) -> None:
+        """_drain_completed's work on thread ``me``; caller holds _resolve_lock. The waiters of the loop that
         runs this (its own AIO completions) are completed in one _set_many call, in order,
         with no per-loop grouping; other loops get theirs through _call_soon."""
         q = self._completed
         driver = self._driver
-        here = driver.loop if driver is not None and \
-            threading.get_ident() == self._loop_ident else None
+        here = driver.loop if driver is not None and me == self._loop_ident else None
         while q:
             by_loop: dict[asyncio.AbstractEventLoop, list] = {}
             mine: list = []
