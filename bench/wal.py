@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from storage.wal import DeltaWAL, OverCapacityError, WALConfig  # noqa: E402
 from storage.wal.block import BufferPool  # noqa: E402
+from storage.wal.config import IO_ENGINES  # noqa: E402
 from storage.wal.device import Device  # noqa: E402
 from storage.wal.format import HEADER_AREA, RECORD_HEADER_SIZE, align_up  # noqa: E402
 from bench.common import pct, threads_seconds  # noqa: E402
@@ -229,7 +230,7 @@ def run_wal_loop(cfg: WALConfig, size: int, total: int, rate: float | None) -> d
     async def go() -> dict:
         wal = DeltaWAL(cfg)
         list(wal.open())
-        wal.attach_loop()                    # as the engine does (io_engine "aio")
+        wal.attach_loop()                    # as the engine does (io_engine "uring"/"aio")
         loop = asyncio.get_running_loop()
         body = os.urandom(size)
         n = max(200, total // size)
@@ -324,7 +325,7 @@ def main() -> None:
     ap.add_argument("--caller", default="loop", choices=["loop", "thread"],
                     help="loop: append_loop() from a uvloop event loop, as the engine calls the "
                          "WAL; thread: blocking append() from a plain thread")
-    ap.add_argument("--io-engine", default="aio", choices=["aio", "threads"],
+    ap.add_argument("--io-engine", default=WALConfig.io_engine, choices=IO_ENGINES,
                     help="WALConfig.io_engine for the loop caller (see docs/wal.md)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="WAL runs per size, each between two raw runs (ratio = median); as "

@@ -126,6 +126,12 @@ class BrokerConfig:
     def auto_create_topics_enable(self) -> bool:
         return self.auto_create_topics
 
+    @property
+    def wal_io_engine(self) -> str:
+        """The WAL's io_engine (engine option wal_io_engine, else its default): "uring" makes
+        the broker cut large frames from arena slabs the WAL's io_uring registers."""
+        return str(self.engine.get("wal_io_engine") or engine_defaults().get("wal_io_engine", ""))
+
     def engine_config(self) -> Any:
         """The ``storage.engine.EngineConfig`` for this broker (paths resolved)."""
         from storage.engine import EngineConfig  # noqa: PLC0415 - optional until the engine lands

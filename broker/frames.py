@@ -1,8 +1,8 @@
 """Large request frames: carved from arena slabs that are faulted in once and never unmapped
-while the broker runs (storage._copycrc.frame_arena) with the io_uring WAL (the default; not
-with S3KAFKA_WAL_IO=aio) or FramePool(huge=True); else allocated without zero-filling,
-recycled once nothing sees them, and (for large produce frames) faulted in ahead of need by a
-background thread.
+while the broker runs (storage._copycrc.frame_arena) with the io_uring WAL (wal_io_engine
+"uring", the default: the broker's FramePool(arena=True)) or FramePool(huge=True); else
+allocated without zero-filling, recycled once nothing sees them, and (for large produce
+frames) faulted in ahead of need by a background thread.
 
 Arena slabs, because the WAL writes large Produce frames with O_DIRECT straight from them
 (storage/wal/placed.py): from 4 KiB pages each libaio write pins every page of its source
@@ -33,7 +33,6 @@ from typing import Any
 from protocol import MalformedRequestError
 from protocol.frames import read_uvarint
 from storage.thread_priority import lower_current_thread
-from storage.wal import aio as wal_aio
 
 log = logging.getLogger(__name__)
 
@@ -137,14 +136,13 @@ class FramePool:
     PREFILL_FROM bytes come from the prefill thread, faulted in ahead of need."""
 
     def __init__(self, max_bytes: int = FRAME_POOL_BYTES, huge: bool = False,
-                 arena: bool | None = None) -> None:
+                 arena: bool = False) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
         self._free: list[bytearray] = []
         self._prefill: _Prefill | None = None
         self.prefilled = 0       # frames served from the prefill thread (tests, bench)
-        if arena is None:       # 4 KiB-page slabs registered with the WAL's io_uring
-            arena = huge or wal_aio.WAL_IO == "uring"
+        arena = arena or huge   # arena: 4 KiB-page slabs registered with the WAL's io_uring
         huge = huge and huge_pages_possible()
         # frames up to FRAME_POOL_MAX_FRAME come from here while it has room (None: never)
         self.arena = _frame_arena(ARENA_SLAB if huge else REGISTERED_SLAB, ARENA_BYTES, huge) \

@@ -735,7 +735,8 @@ class Broker:
         self._servers: list[asyncio.base_events.Server] = []
         self._idle = asyncio.Event()
         self.started_at = time.time()
-        self.frame_pool = FramePool()
+        # frames from 4 KiB-page arena slabs that the WAL's io_uring registers (pinned once)
+        self.frame_pool = FramePool(arena=config.wal_io_engine == "uring")
         self.sender = sender_pool()          # large answers' sender threads (None: 1 CPU)
         self.request_stats = RequestStats()   # read by broker.metrics at scrape time
         self.metrics_server: Any = None

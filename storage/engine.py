@@ -127,8 +127,10 @@ class EngineConfig:
     wal_reformat_taken_over: bool = False    # format afresh a WAL another node took over (its
                                              # records are committed; needs a newer node_epoch)
     wal_flush_interval_s: float = 1 / 3000
-    wal_io_engine: str = "aio"               # "aio": the event loop writes the WAL with native
-                                             # AIO; "threads": IO threads do (docs/wal.md)
+    wal_io_engine: str = "uring"             # "uring": the event loop writes the WAL through
+                                             # io_uring from registered frame memory (libaio
+                                             # where io_uring cannot be set up); "aio": with
+                                             # libaio; "threads": IO threads do (docs/wal.md)
     io_threads: int = 8                      # threads for object store / metadata calls
     cold_read_bytes_per_s: int = 64 << 20    # cap on bytes/s served from objects (catch-up
                                              # readers), so they cannot starve the tail; 0 = off

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import platform
 import select
@@ -33,13 +34,15 @@ NATIVE = None not in (_c_submit, _c_reap, _c_eventfd_reset)
 
 __all__ = ["AioContext", "UringContext", "TimerFD", "AioUnavailable", "yield_cpu", "open_context"]
 
-# The loop driver writes through io_uring (UringContext) unless S3KAFKA_WAL_IO=aio (libaio,
-# the path before session 33, and the fallback where io_uring cannot be set up), and
-# broker/frames.py cuts large frames from 4 KiB-page arena slabs registered with the ring:
-# plain io_uring writes cost as much CPU as libaio's, writes from registered memory
-# (WRITE_FIXED / WRITEV_FIXED) skip the per-write page pinning (raw 1 MiB produce, 8 pairs
-# alternating: broker 0.421-0.498 ms CPU/MiB against 0.473-0.523; bench/HISTORY.md session 33).
-WAL_IO = os.environ.get("S3KAFKA_WAL_IO", "uring")
+# The loop driver writes through io_uring (UringContext) with WALConfig.io_engine "uring" (the
+# default), through libaio with "aio" (the path before session 33, and the fallback where
+# io_uring cannot be set up); with "uring" broker/frames.py cuts large frames from 4 KiB-page
+# arena slabs registered with the ring: plain io_uring writes cost as much CPU as libaio's,
+# writes from registered memory (WRITE_FIXED / WRITEV_FIXED) skip the per-write page pinning
+# (raw 1 MiB produce, 8 pairs alternating: broker 0.421-0.498 ms CPU/MiB against 0.473-0.523;
+# bench/HISTORY.md session 33).
+_uring_fallback_logged = False      # the fallback to libaio is logged once per process
+log = logging.getLogger(__name__)
 
 # (io_setup, io_destroy, io_getevents, io_submit, timerfd_create, timerfd_settime)
 _SYSCALLS = {
@@ -125,6 +128,8 @@ class AioContext:
     the caller keeps the buffers alive. Completions come back as (token, result) pairs, where
     result is the byte count written or a negative errno."""
 
+    kind = "libaio"          # what writes the WAL (DeltaWAL.writer, the start-up log line)
+
     def __init__(self, depth: int, native: bool | None = None) -> None:
         if _nr is None:
             raise AioUnavailable(f"native AIO not mapped for {platform.machine()}")
@@ -202,12 +207,14 @@ class AioContext:
 class UringContext:
     """AioContext's interface (eventfd, submit_write, reap, clear_signal, close) over an
     io_uring whose completions signal the same kind of eventfd. The frame arena's slabs
-    (storage._copycrc frame_arena, 4 KiB pages: broker/frames.py unless S3KAFKA_WAL_IO=aio)
+    (storage._copycrc frame_arena, 4 KiB pages: broker/frames.py with io_engine "uring")
     are registered with the ring as fixed buffers, pinned once, and a write whose single piece
     lies inside one goes as WRITE_FIXED, without the per-write pinning of each source page (1 MiB
     O_DIRECT|RWF_DSYNC writes from 4 KiB pages, QD 8: libaio 0.036-0.052 ms CPU/MiB,
     WRITE_FIXED 0.018-0.028; bench/HISTORY.md session 33). Needs the C extension; raises
     AioUnavailable where io_uring cannot be set up (the caller uses AioContext)."""
+
+    kind = "io_uring"
 
     def __init__(self, depth: int) -> None:
         if _c_uring_setup is None:
@@ -248,14 +255,18 @@ class UringContext:
             self.eventfd = -1
 
 
-def open_context(depth: int) -> "AioContext | UringContext":
-    """The WAL driver's completion context: io_uring where the kernel allows it (unless
-    S3KAFKA_WAL_IO=aio), else libaio."""
-    if WAL_IO == "uring":
+def open_context(depth: int, engine: str) -> "AioContext | UringContext":
+    """The WAL driver's completion context for WALConfig.io_engine ``engine``: "uring" is
+    io_uring where the kernel allows it, else libaio (the reason logged once per process, as a
+    broker opens one WAL and tests many); "aio" is libaio."""
+    global _uring_fallback_logged
+    if engine == "uring":
         try:
             return UringContext(depth)
-        except AioUnavailable:
-            pass
+        except AioUnavailable as e:
+            if not _uring_fallback_logged:
+                _uring_fallback_logged = True
+                log.warning("WAL: io_uring unavailable, libaio writes instead: %s", e)
     return AioContext(depth)
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SYNC_MODES = ("dsync", "fdatasync", "none")
-IO_ENGINES = ("aio", "threads")
+IO_ENGINES = ("uring", "aio", "threads")
+# the engines with which attach_loop() hands the writes to the event loop (LoopDriver)
+LOOP_ENGINES = ("uring", "aio")
 IO_RETRIES = 5                  # a failed block write is tried this often (either engine) ...
 IO_RETRY_DELAY_S = 0.1          # ... this far apart, then the WAL fails
 
@@ -18,11 +20,14 @@ class WALConfig:
     block_soft_limit: int = 256 << 10       # a block is sealed once it holds this many bytes
     flush_interval_s: float = 1 / 3000      # minimum gap between sealed blocks (IOPS budget)
     io_threads: int = 4                     # writes in flight (queue depth)
-    # "aio": once attach_loop() is called, that event loop submits writes with Linux native
-    # AIO and reaps them from an eventfd (no IO threads, no GIL hand-offs per write); before
-    # that, and with "threads", io_threads threads write. Falls back to threads when native
-    # AIO is unavailable or O_DIRECT was refused (buffered AIO would block the loop).
-    io_engine: str = "aio"
+    # "uring" / "aio": once attach_loop() is called, that event loop submits writes itself
+    # and reaps them from an eventfd (no IO threads, no GIL hand-offs per write): "uring"
+    # through io_uring, writing from the broker's registered frame slabs without per-write
+    # page pinning (falls back to libaio, logged once, where io_uring cannot be set up);
+    # "aio" through Linux native AIO (libaio). Before attach_loop(), and with "threads",
+    # io_threads threads write. Falls back to threads when neither is available or O_DIRECT
+    # was refused (buffered writes would block the loop).
+    io_engine: str = "uring"
     # writes started as soon as a block is sealed; the other IO threads join only while sealed
     # blocks back up to max_write_bytes (a device falling behind). Fewer parallel small writes
     # at moderate load: fewer thread wake-ups competing with the loop, larger merged writes.
@@ -62,7 +67,7 @@ class WALConfig:
         if self.sync_mode not in SYNC_MODES:
             raise ValueError(f"sync_mode must be one of {SYNC_MODES}")
         if self.io_engine not in IO_ENGINES:
-            raise ValueError(f"io_engine must be one of {IO_ENGINES}")
+            raise ValueError(f"io_engine must be one of {', '.join(IO_ENGINES)}")
         if self.io_threads < 1:
             raise ValueError("io_threads must be >= 1")
         if self.eager_writes < 1:

@@ -47,7 +47,7 @@ class LoopDriver:
         self.loop = loop
         self.depth = cfg.io_threads
         self.dsync = cfg.sync_mode != "none"
-        self.aio = open_context(max(8, 2 * cfg.io_threads))
+        self.aio = open_context(max(8, 2 * cfg.io_threads), cfg.io_engine)
         try:
             self.timer = TimerFD()
         except BaseException:

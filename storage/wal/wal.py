@@ -4,9 +4,9 @@ Threads: appenders (usually the asyncio loop) copy a record into the current blo
 lock and return at once. Until attach_loop(), IO threads take sealed blocks themselves (merging
 physically consecutive ones into one pwritev), seal the current block by time within the IOPS
 budget when nothing else is queued, respect the sliding window, write, and complete futures in
-order per stream. After attach_loop() (io_engine "aio") the event loop does the same with
-native AIO (loop_driver.py) and the threads exit. Nothing here blocks the event loop except a
-header write on trim or window growth (one 4 KiB write).
+order per stream. After attach_loop() (io_engine "uring" or "aio") the event loop does the
+same with io_uring or native AIO (loop_driver.py) and the threads exit. Nothing here blocks
+the event loop except a header write on trim or window growth (one 4 KiB write).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from ..copycrc import NATIVE as COPY_CRC_NATIVE, copy_crc, copy_crc_split, copy_
     place_record
 from . import placed
 from .block import Block, BufferPool
-from .config import IO_RETRIES, IO_RETRY_DELAY_S, WALConfig
+from .config import IO_RETRIES, IO_RETRY_DELAY_S, LOOP_ENGINES, WALConfig
 from .device import BLANK_PROBE_BYTES, Device, aligned_buffer, classify
 from .errors import (CapacityMismatchError, ChecksumMismatchError, FencedError, OverCapacityError,
                      RecordTooLargeError, WALClosedError, WALError, WALPathError)
@@ -285,16 +285,17 @@ class DeltaWAL:
             buf.close()
 
     def attach_loop(self) -> bool:
-        """Let the running event loop write this WAL with native AIO (io_engine "aio"):
-        call it on the loop's thread after open(), as the engine does. The IO threads finish
-        their writes and exit; from then on the loop seals, submits and completes. Returns
-        False (threads keep writing) when AIO is off, unavailable or O_DIRECT was refused."""
+        """Let the running event loop write this WAL through io_uring or native AIO
+        (io_engine "uring" or "aio"): call it on the loop's thread after open(), as the engine
+        does. The IO threads finish their writes and exit; from then on the loop seals,
+        submits and completes. Returns False (threads keep writing) when io_engine is
+        "threads", neither is available or O_DIRECT was refused."""
         loop = asyncio.get_running_loop()
         if self._driver is not None:
             return self._driver.loop is loop
         if not self._opened or self._closing or self._closed:
             raise WALClosedError("WAL is not open")
-        if self.config.io_engine != "aio" or not self.direct_io:
+        if self.config.io_engine not in LOOP_ENGINES or not self.direct_io:
             return False
         try:
             driver = LoopDriver(self, loop)
@@ -313,6 +314,14 @@ class DeltaWAL:
             self._loop_ident = threading.get_ident()    # the driver's thread: this one
         driver.kick()
         return True
+
+    @property
+    def writer(self) -> str:
+        """What writes the blocks now: "io_uring" or "libaio" (the event loop, after
+        attach_loop()) or "IO threads" (for the start-up log line)."""
+        if self._driver is None:
+            return "IO threads"
+        return self._driver.aio.kind
 
     # -- append ----------------------------------------------------------------------------
     def append(self, body: Body, stream_id: int = 0) -> AppendResult:

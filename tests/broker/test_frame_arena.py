@@ -84,18 +84,19 @@ def test_produced_bytes_survive_many_more_produces_through_a_small_log_cache(bro
     _produce_and_read_back(broker_factory, ("huge-page slabs", "4 KiB-page slabs", "bytearrays"))
 
 
-def test_produced_bytes_survive_with_the_wal_on_io_uring_fixed_buffers(broker_factory,
-                                                                      monkeypatch):
-    """The same with S3KAFKA_WAL_IO=uring: frames cut from 4 KiB-page slabs registered with
-    the WAL's io_uring, written with WRITE(V)_FIXED from pages pinned once, while their runs
-    are received into again and again (storage/wal/aio.py UringContext)."""
-    monkeypatch.setenv("S3KAFKA_WAL_IO", "uring")
-    _produce_and_read_back(broker_factory, ("4 KiB-page slabs",))
+def test_produced_bytes_survive_with_the_wal_on_io_uring_fixed_buffers(broker_factory):
+    """The same with --wal-io-engine uring (the default, named here): frames cut from 4 KiB-page
+    slabs registered with the WAL's io_uring, written with WRITE(V)_FIXED from pages pinned
+    once, while their runs are received into again and again (storage/wal/aio.py
+    UringContext)."""
+    _produce_and_read_back(broker_factory, ("4 KiB-page slabs",), ("--wal-io-engine", "uring"))
 
 
-def _produce_and_read_back(broker_factory, kinds: tuple[str, ...]) -> None:
+def _produce_and_read_back(broker_factory, kinds: tuple[str, ...],
+                           args: tuple[str, ...] = ()) -> None:
     topic = "arena"
-    b, w, mport = broker_with_topic(broker_factory, topic, ("--log-cache-bytes", str(8 << 20)))
+    b, w, mport = broker_with_topic(broker_factory, topic,
+                                    ("--log-cache-bytes", str(8 << 20), *args))
     assert any(f"large frames: {kind}" in b.log_text() for kind in kinds)
     sent: list[bytes] = []
     n_batches = 96

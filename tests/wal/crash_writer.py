@@ -4,7 +4,8 @@ Prints `A <stream> <seq> <offset>` only after that record's future completed,
 `t <offset>` before calling trim() and `T <offset>` only after it returned; each line is one os.write (atomic on a pipe).
 Usage: crash_writer.py <path> <capacity> <seed> <sync_mode> <start seqs as s0,s1,...> [engine]
 engine "threads" (default): blocking append() from the main thread, IO threads write;
-"aio": append_loop() from a uvloop event loop that writes with native AIO (attach_loop()).
+"uring" / "aio": append_loop() from a uvloop event loop that writes through io_uring / native
+AIO (attach_loop()).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from storage.wal import DeltaWAL, OverCapacityError, WALConfig  # noqa: E402
+from storage.wal.config import LOOP_ENGINES  # noqa: E402
 
 
 def payload(stream: int, seq: int, size: int) -> bytes:
@@ -85,7 +87,7 @@ def main() -> None:
                              block_soft_limit=64 << 10, window_initial=256 << 10,
                              window_max=2 << 20, io_threads=4, io_engine=engine))
     list(wal.open())
-    if engine == "aio":
+    if engine in LOOP_ENGINES:
         import uvloop
         uvloop.run(run_on_loop(wal, rng, seqs))
         return

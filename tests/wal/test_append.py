@@ -12,6 +12,7 @@ import crc32c
 from storage.wal import (RECORD_HEADER_SIZE, CapacityMismatchError, ChecksumMismatchError,
                          DeltaWAL, OverCapacityError, RecordTooLargeError, WALClosedError,
                          WALConfig)
+from storage.wal.config import LOOP_ENGINES
 
 
 def body(stream: int, seq: int, size: int = 100) -> bytes:
@@ -397,7 +398,7 @@ async def test_append_loop_check_appends_nothing_on_a_crc_mismatch(make_wal, mon
     assert [(o, bytes(b)) for o, b in recs] == [(good.offset, head + big), (ok2.offset, head + big)]
 
 
-@pytest.mark.parametrize("engine", ["aio", "threads"])
+@pytest.mark.parametrize("engine", ["uring", "aio", "threads"])
 async def test_record_right_at_the_lap_start_after_a_block_ending_at_the_ring_end(make_wal,
                                                                                   wal_path,
                                                                                   engine):
@@ -411,7 +412,7 @@ async def test_record_right_at_the_lap_start_after_a_block_ending_at_the_ring_en
     tail, nxt and more share one block with either engine until flush(): deterministic."""
     cap = 256 << 10
     w, _ = make_wal(capacity=cap, io_engine=engine, flush_interval_s=60.0)
-    if engine == "aio":
+    if engine in LOOP_ENGINES:
         assert w.attach_loop()
     ring = w.ring_size
     head = w.append_loop(b"h" * (4096 - RECORD_HEADER_SIZE))      # [0, 4096)

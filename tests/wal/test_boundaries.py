@@ -34,6 +34,7 @@ import time
 import pytest
 
 from storage.wal import DeltaWAL, WALConfig
+from storage.wal.config import LOOP_ENGINES
 from storage.wal.errors import OverCapacityError, RecordTooLargeError
 from storage.wal.format import ALIGN, HEADER_AREA, RECORD_HEADER_SIZE, align_up, \
     unpack_record_header
@@ -213,7 +214,7 @@ class Walk:
             w._next_seal_at = time.monotonic() + FAR
         self.w = w
         self.writes = Writes(self)
-        if self.engine == "aio":
+        if self.engine in LOOP_ENGINES:
             assert w.attach_loop()
             self.writes.wrap_aio(w)
         self.writes.wrap_device(w)
@@ -478,7 +479,7 @@ class Walk:
 SEEDS = range(1, 9)
 
 
-@pytest.mark.parametrize("engine", ["threads", "aio"])
+@pytest.mark.parametrize("engine", ["threads", "uring", "aio"])
 async def test_ring_boundaries_seeded_walk(tmp_path, engine):
     totals: dict[str, int] = {}
     for seed in SEEDS:
@@ -499,12 +500,12 @@ def small_wal(path: str, engine: str, cap: int = 24 << 10) -> DeltaWAL:
     timer: the layout depends on the test alone), written by ``engine``."""
     w = DeltaWAL(WALConfig(path=path, capacity=cap, io_engine=engine, flush_interval_s=FAR))
     list(w.open())
-    if engine == "aio":
+    if engine in LOOP_ENGINES:
         assert w.attach_loop()
     return w
 
 
-@pytest.mark.parametrize("engine", ["threads", "aio"])
+@pytest.mark.parametrize("engine", ["threads", "uring", "aio"])
 async def test_a_refused_lap_jump_leaves_the_next_records_where_they_fit(tmp_path, engine):
     """A record that does not fit in the rest of the lap is placed at the next lap's start;
     when the ring then cannot hold it (OverCapacityError) the WAL must not stay moved there.
@@ -554,7 +555,7 @@ async def test_a_lap_jump_refused_by_its_checksum_leaves_the_next_records_where_
     w.close()
 
 
-@pytest.mark.parametrize("engine", ["threads", "aio"])
+@pytest.mark.parametrize("engine", ["threads", "uring", "aio"])
 async def test_a_record_with_its_header_in_the_ring_last_bytes_is_recovered(tmp_path, engine):
     """An empty record whose 24-byte header fills the ring's last bytes, acknowledged, then a
     crash (the WAL is abandoned, not closed): recovery reads that header and goes on at the

@@ -132,7 +132,7 @@ def crash_loop(path: str, capacity: int, rounds: int, seed: int, sync_mode: str 
     return total_acked
 
 
-ENGINES = pytest.mark.parametrize("engine", ["threads", "aio"])
+ENGINES = pytest.mark.parametrize("engine", ["threads", "uring", "aio"])
 
 
 @ENGINES

@@ -1,4 +1,4 @@
-"""The WAL written by its event loop with native AIO (attach_loop, io_engine "aio").
+"""The WAL written by its event loop (attach_loop, io_engine "uring", the default, or "aio").
 
 The same blocks, order and recovery as with IO threads; what differs is who submits and who
 completes. These tests check that the loop path keeps every promise of the thread path: order
@@ -416,7 +416,7 @@ def test_attach_needs_a_running_loop_and_an_open_wal(wal_path):
 
 def test_io_engine_is_validated(wal_path):
     with pytest.raises(ValueError, match="io_engine"):
-        DeltaWAL(WALConfig(path=wal_path, io_engine="uring"))
+        DeltaWAL(WALConfig(path=wal_path, io_engine="bogus"))
 
 
 async def test_buffered_fallback_keeps_threads(ramfs_dir):
@@ -474,7 +474,6 @@ async def test_the_loops_aio_calls_keep_the_gil_and_wake_no_io_thread(make_wal, 
     from storage.wal import aio
 
     monkeypatch.setattr(aio, "NATIVE", False)
-    monkeypatch.setattr(aio, "WAL_IO", "aio")           # libaio, not the io_uring default
 
     assert aio._syscall_held._flags_ & ctypes._FUNCFLAG_PYTHONAPI
     assert aio._read_held._flags_ & ctypes._FUNCFLAG_PYTHONAPI
@@ -493,7 +492,7 @@ async def test_the_loops_aio_calls_keep_the_gil_and_wake_no_io_thread(make_wal, 
 
     monkeypatch.setattr(aio, "_syscall_held", syscall)
     monkeypatch.setattr(aio, "_read_held", read)
-    w, _ = make_wal()
+    w, _ = make_wal(io_engine="aio")                    # libaio, not the io_uring default
     assert w.attach_loop()
     notified: list[str] = []
     monkeypatch.setattr(w._io_cond, "notify", lambda n=1: notified.append("io"))

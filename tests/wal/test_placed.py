@@ -40,7 +40,7 @@ def wal_at(path: str, engine: str, cap: int = 4 << 20) -> DeltaWAL:
     return small_wal(path, engine, cap)
 
 
-@pytest.mark.parametrize("engine", ["threads", "aio"])
+@pytest.mark.parametrize("engine", ["threads", "uring", "aio"])
 async def test_an_offered_payload_is_written_from_its_own_buffer_and_recovered_after_a_crash(
         tmp_path, engine):
     path = str(tmp_path / "wal")

@@ -1,16 +1,17 @@
 """storage/wal/aio.py's UringContext (storage._copycrc uring_*): WAL writes through io_uring
 on a real O_DIRECT file, plain and from registered (fixed) buffers, with the same completions
-and bytes as libaio's; and the WAL's loop driver on it (S3KAFKA_WAL_IO=uring)."""
+and bytes as libaio's; and the WAL's loop driver on it (WALConfig.io_engine "uring")."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 import select
 
 import pytest
 
-from storage.wal import aio
+from storage.wal import DeltaWAL, WALConfig, aio
 from storage.wal.aio import AioUnavailable, UringContext
 
 
@@ -147,18 +148,41 @@ def test_a_closed_ring_refuses_its_calls():
         aio._ext.uring_reap(ring)
 
 
-def test_open_context_follows_the_setting(monkeypatch):
-    """S3KAFKA_WAL_IO=uring selects the ring; anything else libaio."""
-    monkeypatch.setattr(aio, "WAL_IO", "uring")
-    ctx = aio.open_context(8)
+@pytest.mark.parametrize("engine,writer", [("uring", "io_uring"), ("aio", "libaio")])
+async def test_the_configured_engine_writes_the_wal(tmp_path, engine, writer):
+    """WALConfig.io_engine picks what the loop writes with: "uring" the ring (where the kernel
+    allows it), "aio" libaio; before attach_loop() the IO threads write."""
+    if engine == "uring":
+        _ring().close()                                    # skips without io_uring
+    w = DeltaWAL(WALConfig(path=str(tmp_path / "wal"), capacity=4 << 20, io_engine=engine))
+    list(w.open())
     try:
-        if aio._c_uring_setup is not None:
-            assert isinstance(ctx, UringContext)
+        assert w.writer == "IO threads"
+        if not w.attach_loop():
+            pytest.skip("O_DIRECT refused here: the IO threads keep writing")
+        assert w.writer == writer
+        r = w.append_loop(b"x" * 5000)
+        await r.future
     finally:
-        ctx.close()
-    monkeypatch.setattr(aio, "WAL_IO", "aio")
-    ctx = aio.open_context(8)
+        w.close()
+    w = DeltaWAL(WALConfig(path=str(tmp_path / "wal"), capacity=4 << 20))
     try:
-        assert isinstance(ctx, aio.AioContext)
+        assert [bytes(b) for _, b in w.open()] == [b"x" * 5000]
     finally:
-        ctx.close()
+        w.close()
+
+
+def test_uring_unavailable_falls_back_to_libaio_logged_once(monkeypatch, caplog):
+    """Where io_uring cannot be set up "uring" writes with libaio, and says why once (a broker
+    opens one WAL, a test process many)."""
+    monkeypatch.setattr(aio, "_c_uring_setup", None)
+    monkeypatch.setattr(aio, "_uring_fallback_logged", False)
+    with caplog.at_level(logging.INFO, logger=aio.log.name):
+        for _ in range(2):
+            ctx = aio.open_context(8, "uring")
+            try:
+                assert type(ctx) is aio.AioContext
+            finally:
+                ctx.close()
+    said = [r.getMessage() for r in caplog.records if r.name == aio.log.name]
+    assert len(said) == 1 and "io_uring unavailable" in said[0] and "extension" in said[0]
