@@ -505,13 +505,15 @@ def validate(cfg: BrokerConfig) -> None:
     check_metadata_url(cfg.metadata_url)
     # engine options with a fixed set of values: refused here, not in a traceback at start
     from storage.thread_priority import IO_CLASSES  # noqa: PLC0415
-    from storage.wal.config import SYNC_MODES  # noqa: PLC0415
+    from storage.wal.config import IO_ENGINES, SYNC_MODES  # noqa: PLC0415
 
     io_class = cfg.engine.get("cold_read_io_class", "")
     if io_class and io_class not in IO_CLASSES:
         raise ValueError(f"cold_read_io_class must be one of {sorted(IO_CLASSES)} or empty")
     if cfg.engine.get("wal_sync_mode", SYNC_MODES[0]) not in SYNC_MODES:
         raise ValueError(f"wal_sync_mode must be one of {', '.join(SYNC_MODES)}")
+    if cfg.engine.get("wal_io_engine", IO_ENGINES[0]) not in IO_ENGINES:
+        raise ValueError(f"wal_io_engine must be one of {', '.join(IO_ENGINES)}")
     from .topics import TopicError, validate_config  # noqa: PLC0415 - avoid a cycle at import
 
     for name, value in list(cfg.topic_defaults.items()):

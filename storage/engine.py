@@ -687,6 +687,7 @@ class Engine(StreamStore):
                                       reformat_taken_over=c.wal_reformat_taken_over))
         recovered = await self.io(lambda: list(self.wal.open()))
         self.wal.attach_loop()
+        log.info("WAL written by %s (wal_io_engine=%s)", self.wal.writer, c.wal_io_engine)
         await self._register_wal()
         self._wal_trimmed = self.wal.trim_offset
         self._recover(recovered)

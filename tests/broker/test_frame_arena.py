@@ -12,6 +12,7 @@ import pytest
 
 from broker.frames import ARENA_SLAB, FramePool
 from protocol import build_batch
+from storage.wal.aio import AioUnavailable, UringContext
 
 from broker_wire import Wire
 from test_placed_produce import _fetch, _metric, _produce, broker_with_topic, produce_v3
@@ -90,6 +91,29 @@ def test_produced_bytes_survive_with_the_wal_on_io_uring_fixed_buffers(broker_fa
     once, while their runs are received into again and again (storage/wal/aio.py
     UringContext)."""
     _produce_and_read_back(broker_factory, ("4 KiB-page slabs",), ("--wal-io-engine", "uring"))
+
+
+@pytest.mark.parametrize("engine,writer,frames", [
+    ("uring", "io_uring", "4 KiB-page slabs"),
+    ("aio", "libaio", "bytearrays"),
+])
+def test_the_wal_io_engine_option_picks_the_writer_and_the_frames(broker_factory, engine,
+                                                                  writer, frames):
+    """--wal-io-engine is the one switch: "uring" writes the WAL through io_uring from
+    registered arena slabs, "aio" through libaio from bytearray frames (the path before
+    session 33); the broker says which writes the WAL in one start-up line."""
+    if engine == "uring":
+        try:
+            UringContext(8).close()
+        except AioUnavailable as e:
+            pytest.skip(f"io_uring unavailable: {e}")
+    if FramePool(arena=True).arena is None:
+        pytest.skip("storage._copycrc not built (no frame_arena)")
+    b = broker_factory(["--wal-io-engine", engine])
+    log = b.log_text()
+    assert f"large frames: {frames}" in log, log
+    lines = [ln for ln in log.splitlines() if "WAL written by" in ln]
+    assert len(lines) == 1 and f"WAL written by {writer}" in lines[0], log
 
 
 def _produce_and_read_back(broker_factory, kinds: tuple[str, ...],

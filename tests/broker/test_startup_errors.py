@@ -105,6 +105,12 @@ def test_bad_value_in_config_file_names_line(tmp_path):
     refused_unchanged(tmp_path, ["--config", str(props)], 2, "line 2", "expected key=value")
 
 
+def test_unknown_wal_io_engine_is_one_line(tmp_path):
+    """A mistyped engine is refused, not taken as some default (issue 18's house rule)."""
+    refused_unchanged(tmp_path, ["--data-dir", "d", "--wal-io-engine", "bogus"], 2,
+                      "wal_io_engine must be one of uring, aio, threads")
+
+
 @pytest.mark.parametrize("flag,url,words", [
     ("--object-store", "ftp://host/dir", ("object_store", "unknown scheme 'ftp'")),
     ("--object-store", "s3:///prefix", ("object_store", "no bucket")),
