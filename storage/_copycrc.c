@@ -1288,7 +1288,7 @@ static PyObject *eventfd_reset(PyObject *self, PyObject *arg) {
 #include <linux/io_uring.h>
 #include <sys/mman.h>
 #define HAVE_URING 1
-#define FIXED_MAX 256                       /* registered slabs (16 MiB each: 4 GiB) */
+#define FIXED_MAX 256   /* registered slabs (64 MiB each, frames.py REGISTERED_SLAB: 16 GiB) */
 #define URING_OP_WRITEV_FIXED 61            /* Linux 6.15; older headers lack it */
 
 typedef struct {
