@@ -19,6 +19,8 @@ import pytest
 from storage.wal import aio
 from storage.wal.aio import AioContext, TimerFD
 
+from .aio_util import address_of, wait_reap
+
 pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"),
                                 reason="native AIO mapped for x86_64 and aarch64 only")
 
@@ -60,20 +62,6 @@ def _buf(size: int, fill: int) -> mmap.mmap:
     return m
 
 
-def _addr(m: mmap.mmap) -> tuple[ctypes.c_char, int]:
-    c = ctypes.c_char.from_buffer(m)
-    return c, ctypes.addressof(c)
-
-
-def _wait_reap(a: AioContext, want: int) -> list[tuple[int, int]]:
-    got: list[tuple[int, int]] = []
-    while len(got) < want:
-        assert select.select([a.eventfd], [], [], 10)[0], "no completion signalled"
-        a.clear_signal()
-        got += a.reap()
-    return got
-
-
 def test_the_c_calls_are_built_and_the_default():
     """With the extension built, AioContext (and so the WAL's loop driver) uses the C calls."""
     ext = _ext()
@@ -99,11 +87,11 @@ def test_the_c_calls_are_built_and_the_default():
 def test_writes_of_one_and_of_several_pieces_land_and_complete(native, dsync, dfd):
     a = _ctx(native)
     one, two, three = _buf(8192, 1), _buf(4096, 2), _buf(12288, 3)
-    keep = [_addr(m) for m in (one, two, three)]
+    keep = [address_of(m) for m in (one, two, three)]
     try:
         a.submit_write(dfd, [(keep[0][1], 8192)], 4096, 7, dsync)
         a.submit_write(dfd, [(keep[1][1], 4096), (keep[2][1], 12288)], 65536, 1 << 40, dsync)
-        got = _wait_reap(a, 2)
+        got = wait_reap(a, 2)
         assert sorted(got) == [(7, 8192), (1 << 40, 16384)]
         assert a.reap() == []                     # nothing more; returns at once
         data = os.pread(os.open(f"/proc/self/fd/{dfd}", os.O_RDONLY), 1 << 20, 0)
@@ -128,14 +116,14 @@ def test_a_failed_write_completes_with_its_negative_errno(native, tmp_path):
         pytest.skip("no O_DIRECT here")
     a = _ctx(native)
     m = _buf(4096, 9)
-    c, addr = _addr(m)
+    c, addr = address_of(m)
     try:
         try:
             a.submit_write(fd, [(addr, 4096)], 100, 5, True)
         except OSError as e:
             outcome = ("raised", e.errno)
         else:
-            outcome = ("completed", _wait_reap(a, 1))
+            outcome = ("completed", wait_reap(a, 1))
         assert outcome in (("raised", errno.EINVAL), ("completed", [(5, -errno.EINVAL)]))
     finally:
         del c
@@ -155,7 +143,7 @@ def _errors(native: bool, call) -> tuple[type, int]:
 
 def test_submit_to_a_bad_fd_raises_the_same_error_on_both_paths():
     m = _buf(4096, 1)
-    c, addr = _addr(m)
+    c, addr = address_of(m)
     bad = 1 << 20                    # open nowhere (above any fd limit): EBADF (a just
                                      # closed number would be the context's new eventfd)
     call = lambda a: a.submit_write(bad, [(addr, 4096)], 0, 1, True)  # noqa: E731
@@ -173,7 +161,7 @@ def test_a_destroyed_context_raises_the_same_error_on_both_paths(dfd):
         return a
 
     m = _buf(4096, 1)
-    c, addr = _addr(m)
+    c, addr = address_of(m)
     for native in ([False, True] if aio.NATIVE else [False]):
         a = destroyed(native)
         with pytest.raises(OSError) as ei:
@@ -194,7 +182,7 @@ def test_a_destroyed_context_raises_the_same_error_on_both_paths(dfd):
 def test_a_waiting_reap_returns_a_completion_and_an_empty_list_after_its_timeout(native, dfd):
     a = _ctx(native)
     m = _buf(4096, 4)
-    c, addr = _addr(m)
+    c, addr = address_of(m)
     try:
         assert a.reap(0.01) == []                 # nothing in flight: the wait runs out
         a.submit_write(dfd, [(addr, 4096)], 0, 3, True)
@@ -211,7 +199,7 @@ def test_a_waiting_reap_returns_a_completion_and_an_empty_list_after_its_timeout
 def test_clear_signal_resets_the_eventfd_and_does_not_fail_when_unsignalled(native, dfd):
     a = _ctx(native)
     m = _buf(4096, 5)
-    c, addr = _addr(m)
+    c, addr = address_of(m)
     try:
         a.clear_signal()                          # not signalled: EAGAIN, ignored
         a.submit_write(dfd, [(addr, 4096)], 0, 1, True)
@@ -244,7 +232,7 @@ def test_the_c_calls_keep_the_interpreter_lock(tmp_path):
     a = _ctx(True)
     fd = os.open(tmp_path / "h", os.O_RDWR | os.O_CREAT)     # buffered: completes in submit
     m = _buf(4096, 6)
-    c, addr = _addr(m)
+    c, addr = address_of(m)
     timer = TimerFD()
     assert timer.native
     gate = threading.Lock()

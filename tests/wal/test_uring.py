@@ -3,16 +3,16 @@ on a real O_DIRECT file, plain and from registered (fixed) buffers, with the sam
 and bytes as libaio's; and the WAL's loop driver on it (WALConfig.io_engine "uring")."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
-import select
 
 import pytest
 
 from storage.wal import DeltaWAL, WALConfig, aio
 from storage.wal.aio import AioUnavailable, UringContext
+
+from .aio_util import address_of, wait_reap
 
 
 def _ring(depth: int = 8) -> UringContext:
@@ -33,20 +33,6 @@ def dfd(tmp_path):
         fd = os.open(path, os.O_RDWR)
     yield fd
     os.close(fd)
-
-
-def _addr(m: mmap.mmap) -> tuple[ctypes.c_char, int]:
-    c = ctypes.c_char.from_buffer(m)
-    return c, ctypes.addressof(c)
-
-
-def _wait_reap(r: UringContext, want: int) -> list[tuple[int, int]]:
-    got: list[tuple[int, int]] = []
-    while len(got) < want:
-        assert select.select([r.eventfd], [], [], 10)[0], "no completion signalled"
-        r.clear_signal()
-        got += r.reap()
-    return got
 
 
 def _arena():
@@ -79,8 +65,8 @@ def test_fixed_and_plain_writes_land_and_complete(dfd):
     try:
         memoryview(frame)[:] = bytes(range(256)) * 4096
         other[:] = b"\x5a" * (1 << 20)
-        ks, base = _addr(frame)
-        ko, obase = _addr(other)
+        ks, base = address_of(frame)
+        ko, obase = address_of(other)
         r.submit_write(dfd, [(base + 4096, 256 << 10)], 0, 1, True)             # fixed
         assert r.fixed_writes == 1
         r.submit_write(dfd, [(obase, 256 << 10)], 1 << 20, 2, True)             # plain
@@ -89,7 +75,7 @@ def test_fixed_and_plain_writes_land_and_complete(dfd):
         r.submit_write(dfd, [(base, 8192), (base + 16384, 4096)], 3 << 20, 4, True)
         # both pieces in one slab: WRITEV_FIXED where the kernel has it (6.15+)
         assert r.fixed_writes == (2 if aio._ext.uring_writev_fixed(r._ring) else 1)
-        assert sorted(_wait_reap(r, 4)) == [(1, 256 << 10), (2, 256 << 10), (3, 12288),
+        assert sorted(wait_reap(r, 4)) == [(1, 256 << 10), (2, 256 << 10), (3, 12288),
                                             (4, 12288)]
         got = _read(dfd, 4 << 20)
         assert got[:256 << 10] == bytes(frame)[4096:4096 + (256 << 10)]
@@ -112,10 +98,10 @@ def test_a_slab_mapped_again_is_written_from_its_new_pages(dfd):
             arena = _arena()
             frame = arena.take(1 << 20)
             memoryview(frame)[:] = bytes([fill]) * (1 << 20)
-            k, base = _addr(frame)
+            k, base = address_of(frame)
             seen.add(base)
             r.submit_write(dfd, [(base, 1 << 20)], 0, fill, True)
-            assert _wait_reap(r, 1) == [(fill, 1 << 20)]
+            assert wait_reap(r, 1) == [(fill, 1 << 20)]
             assert _read(dfd, 1 << 20) == bytes([fill]) * (1 << 20)
             del k, frame, arena              # the arena goes: its slab is unmapped
         assert r.fixed_writes == 3
@@ -128,12 +114,12 @@ def test_a_failed_write_reports_its_errno(dfd):
     r = _ring()
     buf = mmap.mmap(-1, 8192)
     try:
-        k, base = _addr(buf)
+        k, base = address_of(buf)
         try:
             r.submit_write(dfd, [(base + 1, 4096)], 0, 7, True)
         except OSError:
             return
-        [(token, res)] = _wait_reap(r, 1)
+        [(token, res)] = wait_reap(r, 1)
         assert token == 7 and (res < 0 or res == 4096)   # 4096: O_DIRECT was refused
         del k
     finally:
