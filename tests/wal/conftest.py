@@ -1,6 +1,8 @@
 """Shared helpers for WAL tests: small rings so wrap-around happens within a test."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from storage.wal import DeltaWAL, WALConfig
@@ -30,3 +32,17 @@ def make_wal(wal_path):
             w.close()
         except Exception:
             pass
+
+
+@pytest.fixture
+def dfd(tmp_path):
+    """A 4 MiB file opened O_DIRECT (plain where the file system refuses O_DIRECT): the native
+    AIO and io_uring tests write into it."""
+    path = tmp_path / "f"
+    path.write_bytes(b"\0" * (4 << 20))
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    except OSError:
+        fd = os.open(path, os.O_RDWR)
+    yield fd
+    os.close(fd)

@@ -35,19 +35,6 @@ def _ext():
     return _copycrc
 
 
-@pytest.fixture
-def dfd(tmp_path):
-    """A 1 MiB file opened O_DIRECT (plain where the file system refuses O_DIRECT)."""
-    path = tmp_path / "f"
-    path.write_bytes(b"\0" * (1 << 20))
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_DIRECT)
-    except OSError:
-        fd = os.open(path, os.O_RDWR)
-    yield fd
-    os.close(fd)
-
-
 def _ctx(native: bool) -> AioContext:
     if native and not aio.NATIVE:
         pytest.skip("storage._copycrc not built")

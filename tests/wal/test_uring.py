@@ -22,19 +22,6 @@ def _ring(depth: int = 8) -> UringContext:
         pytest.skip(f"io_uring unavailable: {e}")
 
 
-@pytest.fixture
-def dfd(tmp_path):
-    """A 4 MiB file opened O_DIRECT (plain where the file system refuses O_DIRECT)."""
-    path = tmp_path / "f"
-    path.write_bytes(b"\0" * (4 << 20))
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_DIRECT)
-    except OSError:
-        fd = os.open(path, os.O_RDWR)
-    yield fd
-    os.close(fd)
-
-
 def _arena():
     """A frame arena of 4 KiB-page slabs (1 MiB max) grown by one populated slab: registered
     with every ring at its next submit."""
