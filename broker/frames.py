@@ -159,11 +159,12 @@ class FramePool:
         follow; the arena's slabs hold the whole cache plus the requests in flight."""
         self.max_bytes = max(self.max_bytes, capacity // 8)
         if self.arena is None:
-            log.info("large frames: bytearrays (no transparent huge pages or no extension)")
+            log.info("large frames: bytearrays (no arena: wal_io_engine is not uring, no "
+                     "transparent huge pages, or no extension)")
             return
         self.arena.max_bytes = capacity + capacity // 8 + ARENA_SLACK
         log.info("large frames: %s slabs of %d MiB, at most %d MiB",
-                 "huge-page" if self.huge else "4 KiB-page", ARENA_SLAB >> 20,
+                 "huge-page" if self.huge else "4 KiB-page", self.arena.slab >> 20,
                  self.arena.max_bytes >> 20)
 
     def take(self, size: int) -> bytearray | Any:
