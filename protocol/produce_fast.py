@@ -249,13 +249,19 @@ def encode_produce_response(version: int,
 
 _FRAME_HEAD = struct.Struct(">ii")
 # (version, topic name or id, partition) -> (bytes before the partition's fields, after them,
-# the partition fields' struct, response header tag byte): the parts of a one-partition answer
-# that do not change from request to request
-_OK_TEMPLATES: dict[tuple[int, Any, int], tuple[bytes, bytes, struct.Struct, bytes]] = {}
+# response header tag byte, which partition fields: 0 = v0-v1, 1 = + log append time (v2-v4),
+# 2 = + log start offset (v5+)): the parts of a one-partition answer that do not change from
+# request to request
+_OK_TEMPLATES: dict[tuple[int, Any, int], tuple[bytes, bytes, bytes, int]] = {}
 _OK_TEMPLATES_MAX = 4096
+_PART_FIELDS = (_PART_V0, _PART_V2, _PART_V5)
+try:    # the frame packed in one C call (protocol/_produce.c); the same bytes as below
+    from ._produce import frame_ok as _frame_ok
+except ImportError:  # pragma: no cover - the extension is optional
+    _frame_ok = None
 
 
-def _ok_template(version: int, key: Any, index: int) -> tuple[bytes, bytes, struct.Struct, bytes]:
+def _ok_template(version: int, key: Any, index: int) -> tuple[bytes, bytes, bytes, int]:
     flexible = version >= 9
     if version >= 13:
         tid = key if isinstance(key, uuid.UUID) else uuid.UUID(int=0)
@@ -272,8 +278,8 @@ def _ok_template(version: int, key: Any, index: int) -> tuple[bytes, bytes, stru
         suf += _I32.pack(0)     # throttle time
     if flexible:
         suf += b"\x00"
-    part = _PART_V5 if version >= 5 else _PART_V2 if version >= 2 else _PART_V0
-    tpl = (pre, suf, part, b"\x00" if flexible else b"")
+    fields = 2 if version >= 5 else 1 if version >= 2 else 0
+    tpl = (pre, suf, b"\x00" if flexible else b"", fields)
     if len(_OK_TEMPLATES) >= _OK_TEMPLATES_MAX:
         _OK_TEMPLATES.clear()
     _OK_TEMPLATES[(version, key, index)] = tpl
@@ -291,12 +297,20 @@ def frame_produce_ok(version: int, correlation_id: int, key: str | uuid.UUID | N
         if not 0 <= version <= PRODUCE_MAX_VERSION:
             raise ValueError(f"ProduceResponse v{version} is not supported")
         tpl = _ok_template(version, key, index)
-    pre, suf, part, tag = tpl
-    if version >= 5:
-        fields = part.pack(index, 0, base_offset, append_time, log_start)
-    elif version >= 2:
-        fields = part.pack(index, 0, base_offset, append_time)
+    if _frame_ok is not None:
+        return _frame_ok(*tpl, correlation_id, index, base_offset, append_time, log_start)
+    return _frame_ok_py(*tpl, correlation_id, index, base_offset, append_time, log_start)
+
+
+def _frame_ok_py(pre: bytes, suf: bytes, tag: bytes, fields: int, correlation_id: int,
+                 index: int, base_offset: int, append_time: int, log_start: int) -> bytes:
+    """``_produce.frame_ok`` in Python (without the extension): the same bytes."""
+    part = _PART_FIELDS[fields]
+    if fields == 2:
+        packed = part.pack(index, 0, base_offset, append_time, log_start)
+    elif fields == 1:
+        packed = part.pack(index, 0, base_offset, append_time)
     else:
-        fields = part.pack(index, 0, base_offset)
-    body = pre + fields + suf
+        packed = part.pack(index, 0, base_offset)
+    body = pre + packed + suf
     return _FRAME_HEAD.pack(len(body) + 4 + len(tag), correlation_id) + tag + body

@@ -79,23 +79,62 @@ def test_light_request_converts_to_codec_object(version: int) -> None:
     assert bytes(codec.encode(version=version)) == bytes(req.encode(version=version))
 
 
+def _frame_ok_impls() -> list:
+    """protocol._produce.frame_ok when built, and the pure-Python packing it replaces."""
+    import protocol.produce_fast as pf
+
+    return [pytest.param(pf._frame_ok, id="c", marks=pytest.mark.skipif(
+        pf._frame_ok is None, reason="protocol._produce not built")),
+        pytest.param(pf._frame_ok_py, id="python")]
+
+
+@pytest.mark.parametrize("impl", _frame_ok_impls())
 @pytest.mark.parametrize("version", range(0, 14))
-def test_a_framed_ok_answer_is_the_encoded_one_behind_its_header(version: int) -> None:
-    """``frame_produce_ok`` (the task-less path's one-piece answer, from a cached template)
-    is byte for byte the response header plus ``encode_produce_response`` of the same
-    one-partition success, for every version, topic and partition, also when the template
-    is reused with other offsets."""
+def test_a_framed_ok_answer_is_the_encoded_one_behind_its_header(version: int, impl,
+                                                                 monkeypatch) -> None:
+    """``frame_produce_ok`` (the task-less path's one-piece answer, from a cached template,
+    packed by ``_produce.frame_ok`` or its Python fallback) is byte for byte the response
+    header plus ``encode_produce_response`` of the same one-partition success, for every
+    version, topic and partition, also when the template is reused with other offsets, and
+    at the ends of every field's range."""
+    import protocol.produce_fast as pf
     from protocol.frames import RequestHeader, encode_response_parts
     from protocol.produce_fast import frame_produce_ok
 
+    monkeypatch.setattr(pf, "_frame_ok", impl)
+    big, small = (1 << 63) - 1, -(1 << 63)
     for key in (uuid.uuid4() if version >= 13 else "t\u00e9", "other", None):
         for index, base, append_time, start, corr in ((0, 42, -1, 0, 7), (3, 1 << 40, 1700, 5,
-                                                                          -2), (3, 0, -1, 0, 1)):
+                                                                          -2), (3, 0, -1, 0, 1),
+                                                      ((1 << 31) - 1, big, big, big, -(1 << 31)),
+                                                      (-(1 << 31), small, small, small,
+                                                       (1 << 31) - 1)):
             header = RequestHeader(0, version, corr)
             want = b"".join(encode_response_parts(header, [encode_produce_response(
                 version, [(key, [(index, 0, base, append_time, start, None)])])]))
             assert frame_produce_ok(version, corr, key, index, base, append_time,
                                     start) == want
+
+
+def test_frame_ok_refuses_what_it_cannot_pack_and_leaves_nothing_half_built() -> None:
+    """``_produce.frame_ok``: an unknown field layout, or values outside their wire types,
+    raise (no truncated answer); bytes-like template pieces (bytearray, memoryview) pack as
+    bytes do."""
+    import protocol.produce_fast as pf
+
+    if pf._frame_ok is None:
+        pytest.skip("protocol._produce not built")
+    pre, suf, tag, fields = pf._ok_template(9, "t", 0)
+    want = pf._frame_ok_py(pre, suf, tag, fields, 5, 0, 10, -1, 0)
+    assert pf._frame_ok(bytearray(pre), memoryview(suf), tag, fields, 5, 0, 10, -1, 0) == want
+    with pytest.raises(ValueError):
+        pf._frame_ok(pre, suf, tag, 3, 5, 0, 10, -1, 0)
+    with pytest.raises(OverflowError):
+        pf._frame_ok(pre, suf, tag, fields, 1 << 31, 0, 10, -1, 0)
+    with pytest.raises(OverflowError):
+        pf._frame_ok(pre, suf, tag, fields, 5, 0, 1 << 63, -1, 0)
+    with pytest.raises(TypeError):
+        pf._frame_ok("pre", suf, tag, fields, 5, 0, 10, -1, 0)
 
 
 def _produce_frame(version: int, records: bytes | None, *, acks: int = -1, client="c-1",
