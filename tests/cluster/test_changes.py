@@ -15,15 +15,31 @@ def _wait(ev: threading.Event, timeout: float = 10.0) -> bool:
     return ev.wait(timeout)
 
 
+def _watching(store: ClusterStore, fired: threading.Event) -> None:
+    """Return once the watcher thread sees changes, ``fired`` cleared. PostgreSQL: its LISTEN
+    is in place when it fires its first time (changes missed while it was not listening).
+    SQLite: it has read the version once when a bump wakes it (bumped again while it does
+    not: a bump before its first read is its starting version). A fixed 0.5 s wait was too
+    short under load: with a PostgreSQL watcher later than that, its first fire landed after
+    the ``fired.clear()`` and the notification of the test's own bump after the check that a
+    rolled-back change notifies nobody."""
+    if store.db.is_postgres:
+        assert _wait(fired), "the PostgreSQL watcher never started listening"
+    else:
+        deadline = time.monotonic() + 30
+        store.bump()
+        while not fired.wait(0.5):
+            assert time.monotonic() < deadline, "the SQLite watcher never saw a change"
+            store.bump()
+    fired.clear()
+
+
 def test_a_committed_change_wakes_the_watcher(metadata_url: str) -> None:
     store = ClusterStore(metadata_url)
     fired = threading.Event()
     w = ChangeWatch(metadata_url, fired.set).start()
     try:
-        # the PostgreSQL watcher fires once when it starts listening (changes missed while
-        # it was not); wait for that, then for a real change
-        time.sleep(0.5)
-        fired.clear()
+        _watching(store, fired)
         before = w.notified
         store.bump()
         assert _wait(fired), "no wake-up after a committed change"
