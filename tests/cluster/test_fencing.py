@@ -11,6 +11,7 @@ import re
 import signal
 import sqlite3
 import time
+import types
 
 import pytest
 
@@ -23,18 +24,30 @@ FLAGS = (*FAILOVER_FLAGS, "--upload-interval-s", "30")
 
 
 # ---- the clocks themselves (no processes) ----------------------------------------------------
-def test_own_lease_runs_from_the_send_of_the_last_successful_renewal():
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    """broker.cluster.lease's monotonic clock, moved only by the test (``clock[0] += s``):
+    these leases and limits are 50-200 ms, and on a loaded machine a real sleep oversleeps
+    them and a test thread descheduled between two lines outlives them."""
+    now = [1000.0]
+    monkeypatch.setattr("broker.cluster.lease.time",
+                        types.SimpleNamespace(monotonic=lambda: now[0]))
+    return now
+
+
+def test_own_lease_runs_from_the_send_of_the_last_successful_renewal(clock):
     lease = OwnLease(200)
     assert lease.valid()                        # not a member yet: nothing to fence
-    sent = time.monotonic()
+    sent = clock[0]
     lease.renewed(sent - 0.15)                  # a renewal that took 150 ms to succeed
+    clock[0] += 0.001
     assert lease.valid() and lease.remaining_ms() <= 50
-    time.sleep(0.06)
+    clock[0] += 0.06
     assert not lease.valid()                    # 200 ms after the send, not after the answer
     lease.withhold(3)
     lease.renewed(sent - 1.0)                   # an older renewal never extends it
     assert not lease.valid()
-    lease.renewed(time.monotonic())
+    lease.renewed(clock[0])
     assert lease.valid() and lease.withheld == 0
 
 
@@ -43,14 +56,14 @@ class _Row:
         self.node_id, self.instance, self.lease_until_ms = node_id, instance, lease_until_ms
 
 
-def test_lease_watch_counts_on_its_own_clock_not_the_rows_wall_time():
+def test_lease_watch_counts_on_its_own_clock_not_the_rows_wall_time(clock):
     w = LeaseWatch()
     now = 1_800_000_000_000
     # node 1's wall clock is an hour ahead, node 2's an hour behind: neither matters
     w.observe([_Row(1, "a", now + 3_600_000), _Row(2, "b", now - 3_600_000)], now)
     assert w.alive(1, 100) and not w.alive(2, 100)    # first sight: the wall time is a hint
     assert not w.expired(1, 100, 50) and not w.expired(2, 100, 50)
-    time.sleep(0.2)
+    clock[0] += 0.2
     w.observe([_Row(1, "a", now + 3_600_000), _Row(2, "b", now - 3_600_000)], now)
     assert not w.alive(1, 100) and w.expired(1, 100, 50) and w.expired(2, 100, 50)
     w.observe([_Row(1, "a", now + 3_600_001), _Row(2, "c", now - 3_600_000)], now)
@@ -58,15 +71,11 @@ def test_lease_watch_counts_on_its_own_clock_not_the_rows_wall_time():
     assert not w.expired(1, 100, 50) and not w.expired(2, 100, 50)
 
 
-def test_lease_watch_does_not_count_time_it_could_not_see(monkeypatch):
+def test_lease_watch_does_not_count_time_it_could_not_see(clock):
     """A watcher cut off from the database (no read for longer than blind_ms, or its own
     renewals failing) does not count that time as anyone's silence: after an outage everyone
     shared, nobody looks expired at once; one that stays silent afterwards is, later. (On a
     fake monotonic clock: real sleeps of 80 ms overslept the 100 ms blind limit under load.)"""
-    import types
-    clock = [1000.0]
-    monkeypatch.setattr("broker.cluster.lease.time",
-                        types.SimpleNamespace(monotonic=lambda: clock[0]))
 
     def sleep(s: float) -> None:
         clock[0] += s
@@ -94,15 +103,11 @@ def test_lease_watch_does_not_count_time_it_could_not_see(monkeypatch):
     assert not w2.expired(3, 100, 50) and w2.alive(3, 100)
 
 
-def test_late_watch_rounds_with_renewals_going_through_are_not_blindness(monkeypatch):
+def test_late_watch_rounds_with_renewals_going_through_are_not_blindness(clock):
     """A watch round that runs late (a loaded machine) while this broker's own renewals keep
     reaching the database is not blindness: a silent broker still expires on schedule (the
     chaos suite at load 15-20: 1.6-2.1 s between rounds with a 1 s blind limit, and the paused
     broker was never fenced). Without renewals in the gap, it is blindness as before."""
-    import types
-    clock = [1000.0]
-    monkeypatch.setattr("broker.cluster.lease.time",
-                        types.SimpleNamespace(monotonic=lambda: clock[0]))
     now = 1_800_000_000_000
     w = LeaseWatch(blind_ms=100)
     w.observe([_Row(1, "a", now + 1), _Row(2, "b", now + 1)], now)
