@@ -10,9 +10,10 @@ import pytest
 from kafka.protocol.producer import ProduceResponse
 
 from chaos.faults import proxy_for, s3_bucket_url
+from tests.conftest import free_port
 
 from .batches import make_batch, read_records
-from .wire import WireClient
+from .wire import WireClient, metric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -23,12 +24,16 @@ BACKPRESSURE_S = 4.0
 
 @pytest.fixture
 def cut_store(broker_factory, s3_endpoint):
-    """(broker, proxy): a 1 MiB LogCache, 4 s back-pressure, the store behind ``proxy``."""
+    """(broker, proxy): a 1 MiB LogCache, 4 s back-pressure, the store behind ``proxy``;
+    the broker's /metrics at ``broker.metrics_url``."""
     proxy = proxy_for(s3_endpoint)
     url = s3_bucket_url(s3_endpoint.url, proxy.url, f"wire21-{uuid.uuid4().hex[:12]}")
+    mport = free_port()
     bp = broker_factory(["--object-store", url, "--log-cache-bytes", str(1 << 20),
                          "--upload-interval-s", "0.3", "--upload-threshold-bytes",
-                         str(64 << 10), "--backpressure-timeout-s", str(BACKPRESSURE_S)])
+                         str(64 << 10), "--backpressure-timeout-s", str(BACKPRESSURE_S),
+                         "--metrics-listen", f"127.0.0.1:{mport}"])
+    bp.metrics_url = f"http://127.0.0.1:{mport}/metrics"
     try:
         yield bp, proxy
     finally:
@@ -44,6 +49,16 @@ def _fill(bp, proxy) -> None:
             if c.produce("filler", make_batch([b"f" * (200 << 10)])).error_code != 0:
                 return
     raise AssertionError("the LogCache never filled")
+
+
+def _wal_trimmed(bp, timeout: float = 60.0) -> None:
+    """Wait until everything appended is uploaded and the WAL trimmed past it (its used bytes
+    0): a fixed 2 s wait (uploads every 0.3 s) could end before the upload on a loaded
+    machine, and the restart then replayed the batches from the WAL."""
+    deadline = time.monotonic() + timeout
+    while metric(bp.metrics_url, "s3kafka_wal_used_bytes", None) != 0:
+        assert time.monotonic() < deadline, "the WAL was not trimmed: nothing uploaded?"
+        time.sleep(0.1)
 
 
 def _log(c: WireClient, topic: str) -> list[tuple[int, bytes]]:
@@ -129,7 +144,7 @@ def test_restart_with_store_down_refuses_idempotent_produce_until_state_is_compl
         pid, epoch = c.init_producer_id()
         acked = [c.produce("s3", _idem(f"v{i}".encode(), pid, epoch, i)) for i in range(3)]
         assert [r.error_code for r in acked] == [0, 0, 0]
-    time.sleep(2)                                  # uploaded (interval 0.3 s), WAL trimmed
+    _wal_trimmed(bp)
     bp.kill()
     proxy.cut()
     t0 = time.monotonic()

@@ -4,8 +4,6 @@ with exactly the offsets it would have had alone, in request order, and anything
 cannot take (an idempotent producer, a corrupt batch) is handled one request at a time."""
 from __future__ import annotations
 
-import re
-import urllib.request
 import uuid
 
 import pytest
@@ -17,7 +15,7 @@ from tests.conftest import free_port
 
 from .batches import make_batch, read_records
 from .conftest import SMALL_WAL
-from .wire import WireClient
+from .wire import WireClient, metric
 
 pytestmark = pytest.mark.e2e
 
@@ -43,10 +41,7 @@ def _topic() -> str:
 
 
 def _metric(broker, name: str) -> float:
-    with urllib.request.urlopen(broker.metrics_url, timeout=10) as r:
-        text = r.read().decode()
-    m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+    return metric(broker.metrics_url, name)
 
 
 def _pipeline(client: WireClient, topic: str, batches: list[bytes], version: int = 9,

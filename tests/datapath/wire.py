@@ -7,8 +7,10 @@ fresh connection) are the ones every raw-socket test in tests/ uses.
 """
 from __future__ import annotations
 
+import re
 import socket
 import struct
+import urllib.request
 import uuid
 from typing import Any
 
@@ -74,6 +76,15 @@ def api_versions_roundtrip(host: str, port: int, timeout: float = 2.0) -> bool:
         return False
     corr, error_code = struct.unpack_from(">ih", resp, 0)
     return corr == correlation_id and error_code == 0
+
+
+def metric(url: str, name: str, missing: float | None = 0.0) -> float | None:
+    """The value of the unlabelled sample ``name`` on a broker's /metrics page at ``url``
+    (``missing`` when the page has none)."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else missing
 
 
 class WireClient:
