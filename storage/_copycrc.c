@@ -1769,7 +1769,27 @@ static PyObject *take_offered(PyObject *self, PyObject *args) {
 }
 /* ---- end of cwal's section ---- */
 
+PyDoc_STRVAR(gc_untrack_doc,
+"gc_untrack(obj) -> None\n\n"
+"Take an instance of a Python class off the cyclic collector's lists (PyObject_GC_UnTrack):\n"
+"it is never scanned again and is freed by its reference count alone. For objects that\n"
+"provably cannot be part of a reference cycle (LogCache entries: numbers and a byte payload);\n"
+"the collector could not free a cycle through one. TypeError for anything but an instance of a\n"
+"class statement's type (heap type with the collector's support), whose dealloc tolerates an\n"
+"untracked object; builtins such as memoryview do not.");
+
+static PyObject *gc_untrack(PyObject *self, PyObject *obj) {
+    (void)self;
+    if (!PyType_HasFeature(Py_TYPE(obj), Py_TPFLAGS_HEAPTYPE) || !PyObject_IS_GC(obj)) {
+        PyErr_SetString(PyExc_TypeError, "gc_untrack: not an instance of a Python class");
+        return NULL;
+    }
+    PyObject_GC_UnTrack(obj);          /* a no-op when already untracked */
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"gc_untrack", gc_untrack, METH_O, gc_untrack_doc},
     {"buffer_address", buffer_address, METH_O, buffer_address_doc},
     {"place_record", place_record, METH_VARARGS, place_record_doc},
     {"take_offered", take_offered, METH_VARARGS, take_offered_doc},

@@ -21,6 +21,8 @@ from ..waits import wait_event
 
 # the upload's take in one C pass (storage/_copycrc.c; None without the extension)
 _take_grouped = getattr(_copycrc_module, "take_grouped", None)
+# an entry off the cyclic collector's lists (None without the extension: entries stay tracked)
+_gc_untrack = getattr(_copycrc_module, "gc_untrack", None)
 _STREAM_ID = operator.attrgetter("stream_id")
 _PAYLOAD = operator.attrgetter("payload")
 
@@ -28,6 +30,13 @@ _PAYLOAD = operator.attrgetter("payload")
 _DURABLE = operator.attrgetter("durable")
 _SIZE = operator.attrgetter("size")
 _TAKE_CHUNK = 4096
+# a cached view of at most this many bytes is kept as a copy (bytes, which the cyclic collector
+# does not track) instead of the view: a memoryview and its managed buffer are two tracked
+# objects per small Produce request, 2 of the 3 that every young collection had to scan
+# (~20,000 of them, 2-7 ms with the event loop stopped; bench/HISTORY.md session 34 gc). The
+# copy (~0.1 us for 1 KiB) costs less than scanning them, and frees the request's frame at once.
+# Larger payloads stay views: no copy of big frames, which the frame pool recycles (``recycle``)
+SMALL_COPY = 8 << 10
 
 
 class CacheEntry:
@@ -42,12 +51,18 @@ class CacheEntry:
         self.stream_id = stream_id
         self.base_offset = base_offset
         self.count = count
+        if type(payload) is memoryview and payload.nbytes <= SMALL_COPY:
+            payload = bytes(payload)
         self.payload = payload
         self.wal_offset = wal_offset
         self.wal_next = wal_next
         self.durable = durable
         self.size = len(payload) + 64
         self.added = added          # time.perf_counter() at the append (0: recovered)
+        if _gc_untrack is not None:
+            # numbers and a byte payload: never in a reference cycle, freed by its refcount.
+            # Tracked, the ~1 entry per Produce request was the bulk of every young collection
+            _gc_untrack(self)
 
     @property
     def next_offset(self) -> int:
