@@ -1,8 +1,10 @@
 """The cyclic garbage collector, tuned for a broker whose long-lived objects die by refcount.
 
-Every produce request leaves about three GC-tracked objects behind for as long as its payload
-stays in the LogCache (the cache entry, the payload's memoryview and its managed buffer): a
-1 GiB cache of small batches holds about a million. CPython's collector promotes young
+A produce request's payload stays in the LogCache until it is uploaded and evicted: a 1 GiB
+cache of small batches holds about a million entries. A small payload is kept as an untracked
+``bytes`` copy in an entry the collector does not track (storage/cache/log_cache.py): nothing
+of it is ever scanned. A larger one (over ``SMALL_COPY``) stays a view of its request frame,
+two tracked objects (the memoryview and its managed buffer). CPython's collector promotes young
 survivors to generation 1 and 2 and rescans them there: a generation-1 collection went over
 up to ~200,000 objects and a full one over everything, a stall of tens to hundreds of
 milliseconds on the event loop every few thousand requests (bench/HISTORY.md, session 13).
@@ -24,9 +26,14 @@ import time
 
 log = logging.getLogger(__name__)
 
-# young-generation threshold: a request allocates a few dozen containers, and Python's default
-# (700) ran a collection every few requests; a young collection scans at most about this many
-# objects (a few milliseconds)
+# young-generation threshold: a young collection runs once this many more tracked objects were
+# allocated than freed since the last one (untracked cache entries count too) and scans the
+# tracked ones still alive with the event loop stopped. At 20,000, with three tracked survivors
+# per Produce request, the tenth-of-max latency row had a young collection every ~0.7 s of
+# 2.2-7.4 ms; with nothing of small requests tracked, one every ~1.4 s of 1.3-1.7 ms (the
+# requests in flight). 5,000 and 2,000 made the pauses shorter still but 5-30 times as many, and
+# the row's p99 was no better for it (bench/HISTORY.md session 34 gc). A request allocates a few
+# dozen containers: Python's default (700) ran one every few requests.
 GEN0_THRESHOLD = 20_000
 # everything frozen since is scanned again (and its dead cycles freed) this often
 FULL_PASS_S = 600.0
