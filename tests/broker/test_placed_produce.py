@@ -4,13 +4,13 @@ block), and after a kill -9 the broker serves them byte for byte. Other shapes k
 from __future__ import annotations
 
 import struct
-import urllib.request
 
 from broker.frames import NEED_MORE, produce_records_at
 from protocol.frames import parse_response
 
 from broker_wire import Wire, md_topic
 from conftest import free_port
+from datapath.wire import metric
 
 _I16, _I32 = struct.Struct(">h"), struct.Struct(">i")
 
@@ -69,14 +69,6 @@ def test_produce_records_at_reads_the_place_from_the_first_bytes():
     assert produce_records_at(fetch, 0, 200) is None               # not a Produce
 
 
-def _metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not exposed")
-
-
 def _fetch(w: Wire, corr: int, topic: str, index: int, offset: int) -> bytes:
     t = topic.encode()
     body = (_str("placed-test") + _I32.pack(-1) + _I32.pack(100) + _I32.pack(1)
@@ -121,7 +113,7 @@ def test_large_produce_is_written_from_its_frame_and_served_after_a_kill(broker_
     _produce(w, produce_v3(12, topic, [(0, small)]), 12)      # a small frame: copied
     # two partitions (the second unknown: UNKNOWN_TOPIC_OR_PARTITION): copied
     _produce(w, produce_v3(13, topic, [(0, big1), (1, big2)]), 13, missing=(1,))
-    assert _metric(mport, "s3kafka_wal_placed_records_total") == 2
+    assert metric(f"http://127.0.0.1:{mport}/metrics", "s3kafka_wal_placed_records_total", None) == 2
     w.close()
     b.restart(hard=True)                                      # kill -9: the WAL's recovery
     w = Wire(b.host, b.port)
