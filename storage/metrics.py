@@ -176,6 +176,9 @@ class StorageCollector(Collector):
                      "blocks and headers)", wal.stats.get("bytes_written", 0))
             yield _c(p + "wal_placed_records", "WAL records written from the buffer they were "
                      "received into (no copy into a WAL block)", wal.stats.get("placed_records", 0))
+            yield _c(p + "wal_fixed_writes", "WAL writes submitted from frames registered with "
+                     "io_uring (WRITE_FIXED: their pages not pinned per write)",
+                     getattr(wal, "fixed_writes", 0))
         used = max(0, eng._wal_head - eng._wal_trimmed)
         yield _g(p + "wal_used_bytes", "WAL bytes not yet trimmed (appended, not uploaded)",
                  used)

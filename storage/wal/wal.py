@@ -323,6 +323,13 @@ class DeltaWAL:
             return "IO threads"
         return self._driver.aio.kind
 
+    @property
+    def fixed_writes(self) -> int:
+        """Writes submitted as io_uring WRITE(V)_FIXED from registered frames (no per-write
+        pinning of their pages); 0 with libaio or IO threads. An operator's check that the
+        zero-pin path is taken (/metrics s3kafka_wal_fixed_writes_total)."""
+        return getattr(self._driver.aio, "fixed_writes", 0) if self._driver is not None else 0
+
     # -- append ----------------------------------------------------------------------------
     def append(self, body: Body, stream_id: int = 0) -> AppendResult:
         """Buffer one record; the future completes (with the offset) once it and every earlier

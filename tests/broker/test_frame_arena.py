@@ -15,7 +15,8 @@ from protocol import build_batch
 from storage.wal.aio import AioUnavailable, UringContext
 
 from broker_wire import Wire
-from test_placed_produce import _fetch, _metric, _produce, broker_with_topic, produce_v3
+from datapath.wire import metric_at
+from test_placed_produce import _fetch, _produce, broker_with_topic, produce_v3
 
 _I32 = struct.Struct(">i")
 
@@ -90,7 +91,8 @@ def test_produced_bytes_survive_with_the_wal_on_io_uring_fixed_buffers(broker_fa
     slabs registered with the WAL's io_uring, written with WRITE(V)_FIXED from pages pinned
     once, while their runs are received into again and again (storage/wal/aio.py
     UringContext)."""
-    _produce_and_read_back(broker_factory, ("4 KiB-page slabs",), ("--wal-io-engine", "uring"))
+    _produce_and_read_back(broker_factory, ("4 KiB-page slabs",), ("--wal-io-engine", "uring"),
+                           fixed=True)
 
 
 @pytest.mark.parametrize("engine,writer,frames", [
@@ -117,7 +119,8 @@ def test_the_wal_io_engine_option_picks_the_writer_and_the_frames(broker_factory
 
 
 def _produce_and_read_back(broker_factory, kinds: tuple[str, ...],
-                           args: tuple[str, ...] = ()) -> None:
+                           args: tuple[str, ...] = (), fixed: bool = False) -> None:
+    """``fixed``: most WAL writes must have gone as WRITE_FIXED (the registered frames' path)."""
     topic = "arena"
     b, w, mport = broker_with_topic(broker_factory, topic,
                                     ("--log-cache-bytes", str(8 << 20), *args))
@@ -130,7 +133,9 @@ def _produce_and_read_back(broker_factory, kinds: tuple[str, ...],
         sent.append(rec)
         if i >= 3:                                           # a recent one: in the cache
             _check(w, 1000 + i, topic, 1000 * (i - 3), sent[i - 3])
-    assert _metric(mport, "s3kafka_wal_placed_records_total") > n_batches // 2
+    assert metric_at(mport, "s3kafka_wal_placed_records_total") > n_batches // 2
+    fixed_writes = metric_at(mport, "s3kafka_wal_fixed_writes_total")
+    assert fixed_writes > n_batches // 2 if fixed else fixed_writes is not None
     for i, rec in enumerate(sent):                           # every one, cached or uploaded
         _check(w, 2000 + i, topic, 1000 * i, rec)
     w.close()

@@ -22,9 +22,10 @@ from broker.metrics import RequestStats
 from broker.server import DIRECT_FRAME, HEAD_READ, INITIAL_BUFFER, Connection
 
 from broker_wire import Wire
+from datapath.wire import metric_at
 from protocol.frames import parse_response
 from test_inflight_bytes import Transport
-from test_placed_produce import _metric, batch, broker_with_topic, produce_v3, produce_v9
+from test_placed_produce import batch, broker_with_topic, produce_v3, produce_v9
 
 API = 9999
 
@@ -166,5 +167,5 @@ def test_a_produce_whose_header_arrives_in_pieces_is_still_placed(broker_factory
     w.send(b"".join(produce_v3(20 + i, topic, [(0, batch(100 + i, 1000))]) for i in range(3)))
     for i in range(3):
         _answered(w, 20 + i, 3)
-    assert _metric(mport, "s3kafka_wal_placed_records_total") == 5
+    assert metric_at(mport, "s3kafka_wal_placed_records_total") == 5
     w.close()

@@ -10,7 +10,7 @@ from protocol.frames import parse_response
 
 from broker_wire import Wire, md_topic
 from conftest import free_port
-from datapath.wire import metric
+from datapath.wire import metric_at
 
 _I16, _I32 = struct.Struct(">h"), struct.Struct(">i")
 
@@ -113,7 +113,7 @@ def test_large_produce_is_written_from_its_frame_and_served_after_a_kill(broker_
     _produce(w, produce_v3(12, topic, [(0, small)]), 12)      # a small frame: copied
     # two partitions (the second unknown: UNKNOWN_TOPIC_OR_PARTITION): copied
     _produce(w, produce_v3(13, topic, [(0, big1), (1, big2)]), 13, missing=(1,))
-    assert metric(f"http://127.0.0.1:{mport}/metrics", "s3kafka_wal_placed_records_total", None) == 2
+    assert metric_at(mport, "s3kafka_wal_placed_records_total") == 2
     w.close()
     b.restart(hard=True)                                      # kill -9: the WAL's recovery
     w = Wire(b.host, b.port)

@@ -19,7 +19,7 @@ from kafka.protocol.consumer import (FetchResponse, OffsetForLeaderEpochRequest,
                                      OffsetForLeaderEpochResponse)
 
 from clients.e2e_helpers import JavaCli, compile_java
-from datapath.wire import WireClient, metric
+from datapath.wire import WireClient, metric_at
 
 from .kit import leaders, wait_for
 
@@ -45,11 +45,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def counter(port: int, name: str) -> float | None:
-    """One unlabelled counter of a broker's /metrics (None when it is not exposed)."""
-    return metric(f"http://127.0.0.1:{port}/metrics", name, None)
 
 
 def follower_log(broker, topic: str = "near") -> set[int]:
@@ -125,9 +120,9 @@ def test_consumers_fetch_from_their_rack(cluster_factory, metadata_url, java_cla
         return len(seen) >= n
     wait_for(lambda: take(300), timeout=60, what="confluent consumer: 300 records")
     assert follower_log(brokers[2]) == {owner[0], owner[1]}
-    assert counter(mports[2], "s3kafka_follower_fetch_bytes_total") > 0
-    assert counter(mports[0], "s3kafka_fetch_redirects_total") > 0
-    assert counter(mports[0], "s3kafka_follower_fetch_bytes_total") == 0
+    assert metric_at(mports[2], "s3kafka_follower_fetch_bytes_total") > 0
+    assert metric_at(mports[0], "s3kafka_fetch_redirects_total") > 0
+    assert metric_at(mports[0], "s3kafka_follower_fetch_bytes_total") == 0
     # the tail (not uploaded yet) comes from the leaders
     produce(boot, 300, 60)
     wait_for(lambda: take(360), timeout=60, what="confluent consumer: the tail")

@@ -87,6 +87,12 @@ def metric(url: str, name: str, missing: float | None = 0.0) -> float | None:
     return float(m.group(1)) if m else missing
 
 
+def metric_at(port: int, name: str) -> float | None:
+    """``metric`` of the broker whose /metrics listens on 127.0.0.1:``port``; None when the
+    page lacks it (so an assertion on an absent counter fails)."""
+    return metric(f"http://127.0.0.1:{port}/metrics", name, None)
+
+
 class WireClient:
     """One connection; ``call`` sends a request and returns the decoded response."""
 
