@@ -44,6 +44,8 @@ class BrokerConfig:
     # per connection: bytes of large (>= 64 KiB) request frames not answered yet; reading
     # pauses above it (256 requests of 1 MiB held a quarter GiB per producer)
     max_inflight_bytes: int = 32 << 20
+    # fault in the LogCache's frame memory at start-up, in the background (broker/frames.py)
+    frame_pretouch: bool = True
     shutdown_timeout_s: float = 30.0         # how long SIGTERM waits for in-flight requests
     retention_check_interval_ms: int = 300_000   # Kafka's log.retention.check.interval.ms
     producer_id_expiration_ms: int = 86_400_000  # Kafka's producer.id.expiration.ms

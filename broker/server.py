@@ -775,9 +775,11 @@ class Broker:
             await prepare_node_epoch(cfg, self.startup)
         self.store = self._open_store()
         cache = getattr(self.store, "cache", None)
+        frames_for = 0                                # LogCache bytes the frames serve
         if cache is not None and hasattr(cache, "recycle"):
             cache.recycle = self.frame_pool.recycle   # evicted produce frames are reused
             self.frame_pool.fit_cache(cache.capacity)
+            frames_for = cache.capacity
         await self.store.start()
         self.hold_bulk = getattr(getattr(self.store, "cold_pacer", None), "hold_bulk", None)
         self.cluster = ClusterRoom(self)
@@ -817,6 +819,8 @@ class Broker:
         if engine:   # one line when payload copies run without storage._copycrc
             from storage.copycrc import warn_if_missing  # noqa: PLC0415
             warn_if_missing()
+        if cfg.frame_pretouch:          # after the listeners are up: it delays nothing
+            self.frame_pool.pretouch(frames_for)
         if self.startup is not None:
             self.startup.started = True
         if engine and self.startup is not None and self.startup.store_error:
