@@ -2294,9 +2294,6 @@ static PyObject *map_buffer(PyObject *self, PyObject *args) {
 
 #define ARENA_HUGE ((size_t)2 << 20)
 #define ARENA_PAGE ((size_t)4096)
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
-#endif
 
 typedef struct { uintptr_t start; size_t len; } extent_t;
 
@@ -2308,6 +2305,7 @@ typedef struct {
     Py_ssize_t nslabs, capslabs;
     size_t slab, max_bytes, mapped, free_bytes;
     int huge;                   /* MADV_HUGEPAGE, else 4 KiB pages (MADV_NOHUGEPAGE) */
+    Py_ssize_t faulted;         /* bytes of slabs grow faulted in (tests) */
 } FrameArena;
 
 typedef struct {
@@ -2443,6 +2441,23 @@ static PyObject *arena_take(PyObject *o, PyObject *arg) {
     return (PyObject *)f;
 }
 
+/* Fault in the `len` bytes at `p` by writing a byte into each page, not with one
+   madvise(MADV_POPULATE_WRITE): that call holds the process's mmap_lock (read) from the first
+   page to the last, and any other thread's mmap, munmap, mprotect or brk meanwhile waits for
+   the write lock behind it - the event loop's allocator does ~100 a second. A 64 MiB slab held
+   it 22-60 ms (200 ms as the cache's last slab went in), and in make bench's latency row the
+   loop stood still for as long (a 29 ms wait on the lock, the row's p99 29 ms: bench/HISTORY.md
+   session 35 stall). A page fault takes only the slab's own VMA lock (Linux >= 6.4; before,
+   mmap_lock per fault, released between faults), and costs the same here: 64 MiB in 19.5-20.4
+   ms of CPU against 18.9-22.6 for the madvise call; an mmap + munmap in another thread
+   meanwhile waited at most 0.02 ms instead of 18.7-20.1 (2 MiB madvise calls: 0.2-5.1 ms, a
+   waiting writer loses the lock to the next call until the rwsem hands it over). */
+static void arena_fault_in(unsigned char *p, size_t len) {
+    volatile unsigned char *v = p;
+    for (size_t off = 0; off < len; off += ARENA_PAGE)
+        v[off] = 0;                     /* contents undefined: a fresh page is zeros anyway */
+}
+
 /* one slab of `len` bytes at a 2 MiB boundary, advised (and its pages faulted in when
    `populate`); NULL when the mapping fails. Runs without the interpreter lock. */
 static unsigned char *arena_map(size_t len, int populate, int huge) {
@@ -2463,7 +2478,7 @@ static unsigned char *arena_map(size_t len, int populate, int huge) {
     (void)madvise(p, len, MADV_DONTFORK);      /* no copy-on-write under a write in flight */
 #endif
     if (populate)
-        (void)madvise(p, len, MADV_POPULATE_WRITE);     /* Linux >= 5.14; else faults later */
+        arena_fault_in(p, len);
     return p;
 }
 
@@ -2492,6 +2507,8 @@ static PyObject *arena_grow(PyObject *o, PyObject *arg) {
         a->mapped -= len;
         Py_RETURN_FALSE;
     }
+    if (populate)
+        a->faulted += (Py_ssize_t)len;
     if (a->nslabs == a->capslabs) {     /* grown meanwhile by another thread: room again */
         Py_ssize_t cap = 2 * a->capslabs;
         unsigned char **n = PyMem_Realloc(a->slabs, cap * sizeof(unsigned char *));
@@ -2531,6 +2548,8 @@ static PyMemberDef arena_members[] = {
     {"max_bytes", T_PYSSIZET, offsetof(FrameArena, max_bytes), 0, "slabs mapped at most"},
     {"mapped", T_PYSSIZET, offsetof(FrameArena, mapped), READONLY, "bytes of slabs mapped"},
     {"free", T_PYSSIZET, offsetof(FrameArena, free_bytes), READONLY, "bytes in free runs"},
+    {"faulted", T_PYSSIZET, offsetof(FrameArena, faulted), READONLY,
+     "bytes of slabs grow(True) faulted in, a page at a time (no mmap_lock held across them)"},
     {"runs", T_PYSSIZET, offsetof(FrameArena, nfree), READONLY, "free runs"},
     {NULL, 0, 0, 0, NULL},
 };
@@ -2582,5 +2601,6 @@ static PyObject *frame_arena(PyObject *self, PyObject *args) {
     a->max_bytes = (size_t)max_bytes;
     a->mapped = a->free_bytes = 0;
     a->huge = huge;
+    a->faulted = 0;
     return (PyObject *)a;
 }
