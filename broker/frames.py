@@ -15,9 +15,13 @@ of CPU per GiB on this VM (freed 2 MiB blocks go back to the host).
 Every large frame a socket receives into is fresh memory until the LogCache is full and
 starts handing evicted frames back: on this VM each 4 KiB page costs a fault (~285 per MiB,
 a third of the broker's CPU while the 1 GiB cache fills), taken on the event loop inside the
-socket read. ``MADV_POPULATE_WRITE`` maps a whole frame's pages in one system call, cheaper
-than a fault per page and, done by the ``s3kafka-frames`` thread (the call releases the GIL),
-off the loop: the loop then receives into memory that is already there.
+socket read. The ``s3kafka-frames`` thread faults frames and slabs in ahead of need, off the
+loop (the loop then receives into memory that is already there), with a write per page and
+the GIL released (storage._copycrc frame_arena's grow and fault_in): not one
+``madvise(MADV_POPULATE_WRITE)`` per slab or frame, which costs the same CPU here but holds
+the process's mmap_lock across the whole range, so the loop's next mmap/munmap (its
+allocator's, ~100 a second) waited 22-60 ms behind a 64 MiB slab (bench/HISTORY.md session 35
+stall).
 
 ``--frame-pretouch`` (default on, ``FramePool.pretouch``): the same thread faults in the
 LogCache's worth of arena slabs right after start-up instead of while the first GiB is
@@ -95,9 +99,16 @@ except (AttributeError, OSError):  # pragma: no cover - no libc symbol
 
 
 def populate(buf: bytearray) -> bool:
-    """Map every page of ``buf`` writable now (one system call instead of a fault per page);
-    the contents do not change. False where the kernel cannot (then pages fault as usual)."""
-    if _madvise is None or not buf:
+    """Map every page of ``buf`` writable now (its contents become undefined): a write per
+    page with the GIL released (storage._copycrc fault_in), else one madvise(
+    MADV_POPULATE_WRITE), which holds mmap_lock across the buffer. False where neither can
+    (then pages fault as usual)."""
+    if not buf:
+        return False
+    if _fault_in is not None:
+        _fault_in(buf)
+        return True
+    if _madvise is None:
         return False
     c = ctypes.c_char.from_buffer(buf)       # an export: buf cannot move meanwhile
     try:
@@ -117,9 +128,10 @@ def size_class(size: int) -> int:
 
 
 try:
+    from storage.copycrc import fault_in as _fault_in
     from storage.copycrc import frame_arena as _frame_arena
 except ImportError:  # pragma: no cover - storage not importable: bytearrays
-    _frame_arena = None
+    _frame_arena = _fault_in = None
 
 
 def huge_pages_possible() -> bool:
@@ -304,7 +316,7 @@ class FramePool:
 
 
 class _Filler:
-    """Grows the frame arena by slabs faulted in (MADV_POPULATE_WRITE, in frame_arena's grow
+    """Grows the frame arena by slabs faulted in (a write per page, in frame_arena's grow
     with the interpreter lock released) while less than ARENA_AHEAD of it is free: the loop
     then receives into pages that are there. Once the LogCache is full, frames come back to
     the arena as it evicts and the thread stays asleep. ``pretouch`` sets a floor: the thread
@@ -461,7 +473,8 @@ class _Prefill:
                         wanted.popleft()
                 buf = _alloc_frame(cls)
                 if not populate(buf):
-                    log.info("frame prefill off: madvise(MADV_POPULATE_WRITE) not available")
+                    log.info("frame prefill off: neither storage._copycrc fault_in nor "
+                             "madvise(MADV_POPULATE_WRITE) available")
                     self._ok = False
                     return
                 with self._lock:

@@ -1603,6 +1603,16 @@ PyDoc_STRVAR(map_buffer_doc,
 "reads into fresh memory), and through Python's mmap module a cold thread waited so holding\n"
 "the interpreter lock, stalling the event loop (storage/objects/buffers.py).");
 
+static PyObject *fault_in(PyObject *self, PyObject *arg);
+PyDoc_STRVAR(fault_in_doc,
+"fault_in(buf) -> None\n\n"
+"Fault in every page of the writable buffer `buf` now by writing a zero byte into each (its\n"
+"contents become undefined), with the interpreter lock released: a fault per page takes\n"
+"only the mapping's own lock, where one madvise(MADV_POPULATE_WRITE) over the buffer holds\n"
+"the process's mmap_lock from the first page to the last and stops any other thread's\n"
+"mmap/munmap meanwhile (the event loop's allocator; frame_arena's grow, bench/HISTORY.md\n"
+"session 35 stall). broker/frames.py's prefill thread, for its bytearray frames.");
+
 static PyObject *frame_arena(PyObject *self, PyObject *args);
 PyDoc_STRVAR(frame_arena_doc,
 "frame_arena(slab, max_bytes, huge=True) -> FrameArena\n\n"
@@ -1804,6 +1814,7 @@ static PyMethodDef methods[] = {
     {"read_span_crcs", read_span_crcs, METH_VARARGS, read_span_crcs_doc},
     {"map_buffer", map_buffer, METH_VARARGS, map_buffer_doc},
     {"frame_arena", frame_arena, METH_VARARGS, frame_arena_doc},
+    {"fault_in", fault_in, METH_O, fault_in_doc},
     {"encode_blocks", encode_blocks, METH_VARARGS, encode_blocks_doc},
     {"encode_write", encode_write, METH_VARARGS, encode_write_doc},
     {"object_size_steps", object_size_steps, METH_VARARGS, object_size_steps_doc},
@@ -2456,6 +2467,24 @@ static void arena_fault_in(unsigned char *p, size_t len) {
     volatile unsigned char *v = p;
     for (size_t off = 0; off < len; off += ARENA_PAGE)
         v[off] = 0;                     /* contents undefined: a fresh page is zeros anyway */
+}
+
+static PyObject *fault_in(PyObject *self, PyObject *arg) {
+    (void)self;
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (b.len > 0) {
+        uintptr_t start = (uintptr_t)b.buf, end = start + (size_t)b.len;
+        uintptr_t first = (start + ARENA_PAGE - 1) & ~(uintptr_t)(ARENA_PAGE - 1);
+        Py_BEGIN_ALLOW_THREADS
+        ((volatile unsigned char *)b.buf)[0] = 0;          /* the first, partial page */
+        if (first < end)
+            arena_fault_in((unsigned char *)first, end - first);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&b);
+    Py_RETURN_NONE;
 }
 
 /* one slab of `len` bytes at a 2 MiB boundary, advised (and its pages faulted in when

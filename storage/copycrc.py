@@ -142,6 +142,9 @@ MappedBuffer = type(map_buffer(4096, False)) if map_buffer is not None else None
 # large request frames in huge-page slabs faulted in once (broker/frames.py); None likewise:
 # the frames are then bytearrays
 frame_arena = getattr(_copycrc_module, "frame_arena", None)
+# a buffer's pages faulted in a write per page, the interpreter lock released (broker/frames.py
+# prefill: not one madvise that holds mmap_lock across the buffer); None likewise
+fault_in = getattr(_copycrc_module, "fault_in", None)
 # the O_DIRECT object writes' pieces in one call that releases the interpreter lock once
 # (storage/objects/store.py); None likewise: the store then writes the pieces in Python
 write_pieces = getattr(_copycrc_module, "write_pieces", None)

@@ -56,3 +56,33 @@ def test_every_page_of_the_slab_is_there_after_grow():
         del c
     # 16,384 pages: each would fault had grow left it; a missed 2 MiB alone is 512
     assert faults < 256, faults
+
+
+def test_fault_in_leaves_no_page_of_a_fresh_buffer_to_fault():
+    """broker/frames.py's prefill faults its bytearray frames in with fault_in (a write per page,
+    the interpreter lock released) instead of one madvise over the frame: afterwards writing
+    the whole buffer faults (almost) nothing, from an unaligned start to an unaligned end."""
+    from storage.copycrc import fault_in, map_buffer
+    if fault_in is None or map_buffer is None:
+        pytest.skip("storage._copycrc not built (no fault_in)")
+    size = 16 << 20
+    buf = map_buffer(size, False)                   # fresh anonymous pages, none touched
+    view = memoryview(buf)[100:size - 100]          # both ends inside a page
+    fault_in(view)
+    c = ctypes.c_char.from_buffer(buf)
+    try:
+        before = _minflt()
+        ctypes.memset(ctypes.addressof(c), 0x78, size)
+        faults = _minflt() - before
+    finally:
+        del c
+    assert faults < 64, faults                      # 4,096 pages: each would fault otherwise
+    view.release()
+
+
+def test_fault_in_refuses_a_read_only_buffer():
+    from storage.copycrc import fault_in
+    if fault_in is None:
+        pytest.skip("storage._copycrc not built (no fault_in)")
+    with pytest.raises(BufferError):
+        fault_in(b"read only")
