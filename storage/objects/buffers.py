@@ -42,17 +42,26 @@ _POOL_TYPES = (mmap.mmap,) if _MappedBuffer is None else (mmap.mmap, _MappedBuff
 
 
 class BufferPool:
-    """Free buffers (by capacity), at most ``max_bytes`` of them, plus buffers handed back that
-    may still be seen by readers, at most ``max_returned`` bytes (default twice ``max_bytes``).
-    ``take`` runs on the cold-read threads, ``give_back`` on the event loop.
+    """Free buffers (by capacity) plus buffers handed back that may still be seen by readers
+    (returned), at most ``max_returned`` bytes of those (default twice ``max_bytes``), and at
+    most ``max_bytes + max_returned`` bytes of both together. ``take`` runs on the cold-read
+    threads, ``give_back`` on the event loop.
 
     A returned buffer still seen is memory in use anyway (its blocks in the BlockCache, an
-    answer being written): it is not held against the free budget, and it is not given up
-    when more are returned. Giving it up freed nothing then and forfeited its reuse: with both
-    in one budget, a cold pass handed ~40 % of its buffers to the collector (an 8 MiB span
-    is returned when its first block is dropped, with the other blocks still cached), and
-    every one was replaced by a fresh buffer, ~0.9 ms of CPU per MiB against ~0.05 for a read
-    into a buffer used before (bench/HISTORY.md, session 17)."""
+    answer being written): it is not given up to make room for free ones, nor when more are
+    returned. Giving it up freed nothing then and forfeited its reuse: with both in one
+    budget, a cold pass handed ~40 % of its buffers to the collector (an 8 MiB span is
+    returned when its first block is dropped, with the other blocks still cached), and every
+    one was replaced by a fresh buffer, ~0.9 ms of CPU per MiB against ~0.05 for a read into
+    a buffer used before (bench/HISTORY.md, session 17).
+
+    Free buffers may use the room the returned ones leave (the pool's bound is the same, the
+    sum of both budgets). A paced catch-up reader (bench.catchup: a 64 MiB BlockCache, so 32
+    MiB of free buffers) needs ~90 MiB of buffers besides those under its cached blocks while
+    its prefetches are in flight, and each pause of the reader landed them in the free list,
+    where a 32 MiB free budget let go of two thirds of them: every 4 s window of reading then
+    mapped 25-40 MiB of fresh buffers, faulted in again (the hot appends beside them stalled,
+    issue 20 item 5; bench/HISTORY.md session 35 pool)."""
 
     def __init__(self, max_bytes: int = 128 << 20, max_returned: int | None = None) -> None:
         self.max_bytes = max_bytes
@@ -64,14 +73,28 @@ class BufferPool:
         self._returned: dict[int, object] = {}
         self._returned_bytes = 0
         self.reused = 0
-        self.fresh = 0
+        self.fresh = 0                    # buffers mapped (take found no free one that fits)
         self.fresh_bytes = 0
         self.dropped = 0                  # buffers let go instead of kept (budgets full)
+        self.dropped_bytes = 0
+        # free buffers let go on the event loop (give_back), unmapped by the next take on a
+        # cold-read thread: unmapping 8 MiB costs the loop ~0.1-0.2 ms (see store.get_ranges)
+        self._doomed: list = []
 
     @property
     def bytes(self) -> int:
         """Capacity held by the pool: free buffers plus returned ones."""
         return self._free_bytes + self._returned_bytes
+
+    @property
+    def returned_limit(self) -> int:
+        """Most bytes of returned buffers held."""
+        return self.max_returned if self.max_returned is not None else 2 * self.max_bytes
+
+    @property
+    def limit(self) -> int:
+        """Most bytes of free and returned buffers held together."""
+        return self.max_bytes + self.returned_limit
 
     def take(self, size: int, unlocked: bool = True) -> mmap.mmap | _MappedBuffer:
         """A page-aligned buffer of at least ``size`` bytes (contents undefined). A fresh one
@@ -80,6 +103,7 @@ class BufferPool:
         catch-up path, issue 20 item 5) keep the buffers they were measured with."""
         cap = -(-max(size, 1) // GRANULE) * GRANULE
         with self._lock:
+            doomed, self._doomed = self._doomed, []
             self._collect()
             free = self._free
             best = -1
@@ -87,12 +111,15 @@ class BufferPool:
                 n = len(free[i])
                 if cap <= n and (best < 0 or n < len(free[best])):
                     best = i
-                    if n <= 2 * cap:
+                    if n == cap:
                         break
             if best >= 0:
                 # the smallest that fits: a larger one too (idle memory either way; the
                 # read spans of a ramping readahead come in 1-8 MiB, and with only buffers of
-                # about the same size taken, a pass kept fresh mapping beside a full free list)
+                # about the same size taken, a pass kept fresh mapping beside a full free list).
+                # The smallest of all: the first within twice the size (as before session 35)
+                # had a ramp's 1 MiB read take its 2 MiB buffer, its 2 MiB read the 4 MiB one
+                # and so on up, and its last 7.5 MiB span map a fresh buffer
                 buf = free.pop(best)
                 self._free_bytes -= len(buf)
                 self.reused += 1
@@ -102,22 +129,59 @@ class BufferPool:
         return fresh_buffer(cap, unlocked)
 
     def _collect(self) -> None:
-        """Move returned buffers nobody sees any more to the free list while it has room
-        (lock held); the others of them are let go."""
+        """Move returned buffers nobody sees any more to the free list while the pool has
+        room (lock held, see _keep)."""
         returned = self._returned
         for key in list(returned):
             buf = returned[key]
             # 3 = the dict's value, this name and getrefcount's argument
             if sys.getrefcount(buf) == 3:
                 del returned[key]
-                n = len(buf)
-                self._returned_bytes -= n
-                if self._free_bytes + n <= self.max_bytes:
-                    self._free.append(buf)
-                    self._free_bytes += n
-                else:
-                    self.dropped += 1
+                self._returned_bytes -= len(buf)
+                self._keep(buf)
             del buf
+
+    def _keep(self, buf: object) -> None:
+        """Put an unseen buffer on the free list; when the pool is full, smaller free buffers
+        are let go to make room for it (smallest first), and it is let go itself only when
+        they would not make enough room (lock held).
+
+        Larger buffers are worth more: a larger free buffer serves a smaller read, a smaller
+        one not a larger. Letting go of the one that did not fit kept a catch-up reader's
+        free list full of its readahead ramp's small buffers (1, 2, 4 MiB) and dropped the
+        7.6 MiB span buffers it read into next, each then mapped afresh (session 35 pool)."""
+        n = len(buf)
+        if self._shed(self.bytes + n - self.limit, n):
+            self._free.append(buf)
+            self._free_bytes += n
+        else:
+            self._let_go(n)
+
+    def _shed(self, need: int, smaller_than: int | None = None) -> bool:
+        """Let go of free buffers (only those smaller than ``smaller_than`` when given),
+        smallest first, until ``need`` bytes are let go; False, and none let go, when they
+        hold less (lock held)."""
+        if need <= 0:
+            return True
+        some = sorted((b for b in self._free if smaller_than is None or len(b) < smaller_than),
+                      key=len)
+        if sum(len(b) for b in some) < need:
+            return False
+        gone: set[int] = set()
+        for b in some:
+            if need <= 0:
+                break
+            gone.add(id(b))
+            need -= len(b)
+            self._free_bytes -= len(b)
+            self._let_go(len(b))
+            self._doomed.append(b)
+        self._free = [b for b in self._free if id(b) not in gone]
+        return True
+
+    def _let_go(self, n: int) -> None:
+        self.dropped += 1
+        self.dropped_bytes += n
 
     def give_back(self, buf: object) -> None:
         """A buffer the caller no longer uses (views of it may still live: it is reused only
@@ -125,7 +189,7 @@ class BufferPool:
         if type(buf) not in _POOL_TYPES:
             return
         n = len(buf)
-        limit = self.max_returned if self.max_returned is not None else 2 * self.max_bytes
+        limit = self.returned_limit
         with self._lock:
             returned = self._returned
             if id(buf) in returned:
@@ -136,11 +200,14 @@ class BufferPool:
                 while returned and self._returned_bytes + n > limit:
                     old = returned.pop(next(iter(returned)))
                     self._returned_bytes -= len(old)
-                    self.dropped += 1
+                    self._let_go(len(old))
                     del old
                 if self._returned_bytes + n > limit:
-                    self.dropped += 1
+                    self._let_go(n)
                     return
+            # idle buffers make room for it (always enough: returned ones stay within
+            # returned_limit, so the free ones may hold at least max_bytes)
+            self._shed(self.bytes + n - self.limit)
             returned[id(buf)] = buf
             self._returned_bytes += n
 

@@ -56,6 +56,7 @@ def test_a_larger_free_buffer_serves_a_smaller_read() -> None:
 
 def test_idle_and_returned_buffers_stay_bounded() -> None:
     pool = BufferPool(max_bytes=2 * MiB, max_returned=4 * MiB)
+    assert pool.limit == 6 * MiB
     bufs = [pool.take(MiB) for _ in range(8)]
     views = [memoryview(b)[:1] for b in bufs]
     for b in bufs:
@@ -64,8 +65,62 @@ def test_idle_and_returned_buffers_stay_bounded() -> None:
     for v in views:
         v.release()
     del b, bufs, v, views
-    pool.take(MiB)                    # collects: 2 MiB of free buffers at most are kept
-    assert pool.bytes <= 2 * MiB
+    pool.take(MiB)                    # collects: the 3 others are free now
+    assert pool.bytes == 3 * MiB
+    more = [pool.take(MiB) for _ in range(8)]      # 3 reused, 5 fresh
+    views = [memoryview(b)[:1] for b in more]
+    for b in more:                    # returned while seen: idle ones make room for them
+        pool.give_back(b)
+        assert pool.bytes <= pool.limit
+    assert pool._returned_bytes == 4 * MiB and pool.bytes <= pool.limit
+    del b, more
+    for v in views:
+        v.release()
+    del v, views
+    pool.take(MiB)
+    assert pool.bytes <= pool.limit
+
+
+def test_a_paused_readers_buffers_are_all_kept_for_its_next_window() -> None:
+    """A paced catch-up reader's readahead ramps up again after each pause (spans of 1, 2, 4,
+    then 7.5 MiB); its buffers all come back while it is paused. They are kept as long as
+    free and returned ones together stay within the pool's bound, so its later windows map
+    no fresh buffer (with the free list capped at max_bytes, the 7.5 MiB ones were let go and
+    every window mapped them again, each faulted in afresh: issue 20 item 5)."""
+    pool = BufferPool(max_bytes=12 * MiB)                # bound: 12 + 24 MiB
+    ramp = [MiB, MiB, 2 * MiB, 4 * MiB, 7 * MiB + MiB // 2, 7 * MiB + MiB // 2]
+    for window in range(4):
+        bufs = [pool.take(n) for n in ramp]
+        views = [memoryview(b)[:1] for b in bufs]       # the blocks read into them
+        for b in bufs:                                   # the BlockCache drops the blocks
+            pool.give_back(b)
+        del b, bufs
+        for v in views:
+            v.release()
+        del v, views
+        assert pool.fresh == len(ramp), f"window {window} mapped fresh buffers"
+    assert pool.dropped == 0 and pool.reused == 3 * len(ramp)
+
+
+def test_larger_free_buffers_are_kept_over_smaller_ones() -> None:
+    """With the pool full, a buffer coming back makes room by letting go of free ones,
+    smallest first: a larger free buffer serves a smaller read too, a smaller one not a
+    larger."""
+    pool = BufferPool(max_bytes=2 * MiB, max_returned=4 * MiB)     # bound: 6 MiB
+    small = [pool.take(MiB) for _ in range(6)]
+    big = pool.take(4 * MiB)
+    seen_big = id(big)
+    while small:                       # seen by no one: free once collected
+        pool.give_back(small.pop())
+    assert pool.bytes == 6 * MiB and pool.dropped == 0
+    view = memoryview(big)[:1]         # a block still cached in it
+    pool.give_back(big)
+    del big
+    assert pool.bytes == 6 * MiB and pool.dropped == 4, "four 1 MiB ones made room"
+    view.release()
+    del view
+    again = pool.take(4 * MiB)
+    assert id(again) == seen_big and pool.fresh == 7 and pool.reused == 1
 
 
 def test_fresh_buffers_are_mapped_without_the_interpreter_lock(monkeypatch) -> None:
