@@ -662,7 +662,8 @@ class Engine(StreamStore):
             inner.hot_read_piece = c.cold_read_piece_bytes
         if hasattr(inner, "gentle_writes"):  # small device writes beside small appends
             inner.gentle_writes = self._gentle_writes
-        if hasattr(inner, "buffers"):       # read buffers kept for reuse: half the BlockCache
+        if hasattr(inner, "buffers"):       # free read buffers: half the BlockCache (and the
+            # room returned ones leave: storage/objects/buffers.py)
             inner.buffers.max_bytes = min(inner.buffers.max_bytes, c.block_cache_bytes // 2)
         self.store = MeasuredStore(inner, self.stats)
         self.reader = ObjectReader(self.store, self.cold_io, c.block_cache_bytes,

@@ -213,6 +213,15 @@ class StorageCollector(Collector):
                      "store", bc.misses)
             yield _c(p + "block_cache_fetched_bytes", "Bytes fetched from the object store "
                      "into the BlockCache", bc.bytes_fetched)
+        pool = getattr(getattr(eng, "store", None), "buffers", None)   # the file store's
+        if pool is not None and hasattr(pool, "fresh_bytes"):
+            yield _g(p + "read_buffers_bytes", "Cold read buffers held: free ones kept for "
+                     "reuse and ones under BlockCache blocks (storage/objects/buffers.py)",
+                     pool.bytes)
+            yield _c(p + "read_buffers_mapped_bytes", "Cold read buffer bytes mapped fresh "
+                     "(no free buffer fitted; each page then faults in once)", pool.fresh_bytes)
+            yield _c(p + "read_buffers_dropped_bytes", "Cold read buffer bytes let go because "
+                     "the pool was full", pool.dropped_bytes)
         # -- uploads
         backlog, firsts = eng.upload_backlog()
         yield _g(p + "upload_backlog_bytes", "Appended bytes not yet uploaded to the object "
