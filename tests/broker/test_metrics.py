@@ -224,8 +224,10 @@ def test_metrics_present_and_moving(activity: Activity) -> None:
     assert grew("s3kafka_block_cache_hits_total") and grew("s3kafka_block_cache_misses_total")
     assert grew("s3kafka_block_cache_fetched_bytes_total")
     assert grew("s3kafka_read_buffers_mapped_bytes_total")    # cold reads into fresh buffers
-    assert total(f, "s3kafka_read_buffers_bytes") > 0
-    total(f, "s3kafka_read_buffers_dropped_bytes_total")      # present
+    # present (total raises KeyError if not); what the pool holds at the last scrape depends
+    # on compactions and evictions in between, so no value is asserted
+    assert total(f, "s3kafka_read_buffers_bytes") >= 0
+    assert total(f, "s3kafka_read_buffers_dropped_bytes_total") >= 0
     # uploads and the object store
     assert total(o, "s3kafka_upload_backlog_bytes") > 0
     assert total(o, "s3kafka_upload_oldest_age_seconds") > 0
