@@ -4,11 +4,11 @@ before any request, instead of while the first GiB is produced. Polls with gener
 no timing is asserted."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from broker.frames import REGISTERED_SLAB, FramePool
+
+from cluster.kit import wait_for
 
 DEADLINE_S = 120
 
@@ -20,20 +20,13 @@ def _arena_pool() -> FramePool:
     return pool
 
 
-def _wait(cond, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not cond():
-        assert time.monotonic() < deadline, f"not {what} within {DEADLINE_S} s"
-        time.sleep(0.05)
-
-
 def test_pretouch_maps_the_cache_s_slabs_before_any_frame_is_taken():
     pool = _arena_pool()
     try:
         pool.fit_cache(REGISTERED_SLAB)             # the arena's bound: 2 slabs and a bit
         assert pool.arena.mapped == 0               # nothing faulted in without a request...
         assert pool.pretouch(REGISTERED_SLAB)
-        _wait(lambda: pool._filler.pretouched, "pre-touched")
+        wait_for(lambda: pool._filler.pretouched, DEADLINE_S, "pre-touched")
         # ...and with pretouch, the cache's slab without any request: all of it free
         assert pool.arena.mapped == REGISTERED_SLAB
         assert pool.arena.free == REGISTERED_SLAB
@@ -51,7 +44,7 @@ def test_pretouch_is_bounded_by_the_arena():
         pool.fit_cache(REGISTERED_SLAB)
         bound = pool.arena.max_bytes
         assert pool.pretouch(8 * bound)             # asks for more than the arena may map
-        _wait(lambda: pool._filler.pretouched, "pre-touched")
+        wait_for(lambda: pool._filler.pretouched, DEADLINE_S, "pre-touched")
         assert REGISTERED_SLAB <= pool.arena.mapped <= bound
     finally:
         pool.close()
@@ -72,7 +65,7 @@ def test_a_broker_pretouches_its_log_cache_at_start_without_any_request(broker_f
         pytest.skip("storage._copycrc not built (no frame_arena)")
     b = broker_factory(["--frame-pretouch", "--log-cache-bytes", str(REGISTERED_SLAB),
                         "--wal-io-engine", "uring"])
-    _wait(lambda: "large frames pre-touched" in b.log_text(), "pre-touched (log)")
+    wait_for(lambda: "large frames pre-touched" in b.log_text(), DEADLINE_S, "pre-touched (log)")
     line = next(ln for ln in b.log_text().splitlines() if "large frames pre-touched" in ln)
     assert f"pre-touched: {REGISTERED_SLAB >> 20} MiB of arena slabs" in line, line
 
