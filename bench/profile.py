@@ -24,12 +24,16 @@ and the engine's pools: IO, cold reads, WAL, ...) the share of samples in each c
 CPU seconds it used (from /proc, over the profile), then the top functions by own and by
 total time over the active samples of all threads, and per busy thread group. The collapsed
 stacks go to ``<out>/<load>.collapsed`` (open them in speedscope or any flame-graph tool).
+``--perf``: ``perf record -g`` of the broker instead (kernel and native time; no ptrace stops,
+which slow the broker to a fraction of its rate under py-spy), the top symbols overall and by
+thread group (the threads named by one ``py-spy dump`` after the record: perf knows only ids).
 (py-spy needs ptrace rights: run as root or with ``kernel.yama.ptrace_scope=0``.)
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import shutil
@@ -249,10 +253,12 @@ def main(argv: list[str] | None = None) -> None:
         time.sleep(1)
         cpu0 = thread_cpu(b.pid)
         perf_out = os.path.join(a.out, f"{a.load}.perf.data")
+        names: dict[int, str] = {}
         if a.perf:      # instead of py-spy: its ptrace stops would show in perf's samples
             subprocess.run(["perf", "record", "-q", "-g", "-o", perf_out, "-p", str(b.pid),
                             "--", "sleep", str(int(a.seconds))], check=False,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            names = thread_names(spy, b.pid)    # after the record: one short stop
         else:
             subprocess.run([spy, "record", "--native", "--threads", "--idle",
                             "--pid", str(b.pid), "-r", str(a.rate), "-d", str(int(a.seconds)),
@@ -264,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.perf:
         print(f"perf profile of the whole broker under '{a.load}' load, {a.seconds:.0f} s")
         print(f"broker CPU over the profile: {sum(cpu.values()):.2f} s (all threads)")
-        print(perf_report(perf_out))
+        print(perf_report(perf_out, names=names))
         return
     with open(raw_out) as f:
         collapsed = f.read()
@@ -273,15 +279,60 @@ def main(argv: list[str] | None = None) -> None:
     print(analyse(collapsed, cpu))
 
 
-def perf_report(path: str, n: int = 25) -> str:
-    """The top symbols of a `perf record -g` file by own time and, for the kernel, by total
-    time (what each syscall or fault costs with everything under it)."""
+def thread_names(spy: str, pid: int) -> dict[int, str]:
+    """Native thread id -> Python thread name of ``pid`` (one ``py-spy dump``; {} when it
+    cannot): perf knows threads only by id, every one of them called "python"."""
+    try:
+        r = subprocess.run([spy, "dump", "--json", "--pid", str(pid)], capture_output=True,
+                           text=True, timeout=30)
+        return {int(t["os_thread_id"]): t.get("thread_name") or "?"
+                for t in json.loads(r.stdout) if t.get("os_thread_id") is not None}
+    except (OSError, ValueError, KeyError, TypeError, subprocess.SubprocessError):
+        return {}
+
+
+_PID_SYM = re.compile(r"^\s*([0-9.]+)%\s+(\d+):\S*\s+(?:\[[.k]\]\s+)?(.*?)\s*$")
+
+
+def by_thread_group(report: str, names: dict[int, str], n: int = 8) -> str:
+    """`perf report --sort pid,sym` text regrouped by thread group (group_of the thread's
+    Python name; a thread py-spy did not name is ``tid N``): each group's share of all
+    samples, then its top ``n`` symbols as % of all samples. A start-up job that is still
+    running (the frames thread's pre-touch) then shows as its own group instead of mixing
+    its page clearing into the top symbols."""
+    share: collections.Counter[str] = collections.Counter()
+    syms: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for line in report.splitlines():
+        m = _PID_SYM.match(line)
+        if not m or line.lstrip().startswith("#"):
+            continue
+        pct, tid, sym = float(m.group(1)), int(m.group(2)), m.group(3)
+        g = group_of(names[tid]) if tid in names else f"tid {tid}"
+        share[g] += pct
+        syms[g][sym] += pct
+    out = ["by thread group, % of all broker samples:"]
+    out += [f"{pct:6.1f}%  {g}" for g, pct in share.most_common()]
+    for g, _pct in share.most_common(4):
+        out.append(f"\n{g}: top symbols, % of all broker samples")
+        out += [f"{pct:6.2f}%  {sym}" for sym, pct in syms[g].most_common(n)]
+    return "\n".join(out)
+
+
+def perf_report(path: str, n: int = 25, names: dict[int, str] | None = None) -> str:
+    """The top symbols of a `perf record -g` file by own time, by thread group (``names``:
+    thread_names) and, for the kernel, by total time (what each syscall or fault costs with
+    everything under it)."""
     if not os.path.exists(path):
         return "\n(no perf data: perf missing or not permitted)"
     out = ["", f"perf ({path}): top symbols by own time, % of all broker samples"]
     own = subprocess.run(["perf", "report", "-i", path, "--no-children", "--sort", "dso,sym",
                           "--stdio", "-g", "none"], capture_output=True, text=True).stdout
     out += [ln for ln in own.splitlines() if "%" in ln and not ln.startswith("#")][:n]
+    if names is not None:
+        per = subprocess.run(["perf", "report", "-i", path, "--no-children", "--sort",
+                              "pid,sym", "--stdio", "-g", "none"], capture_output=True,
+                             text=True).stdout
+        out += ["", by_thread_group(per, names)]
     out.append("\nkernel symbols by total time (children included)")
     tot = subprocess.run(["perf", "report", "-i", path, "--children", "--sort", "sym",
                           "--stdio", "-g", "none"], capture_output=True, text=True).stdout
