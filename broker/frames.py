@@ -320,7 +320,8 @@ class _Filler:
     with the interpreter lock released) while less than ARENA_AHEAD of it is free: the loop
     then receives into pages that are there. Once the LogCache is full, frames come back to
     the arena as it evicts and the thread stays asleep. ``pretouch`` sets a floor: the thread
-    also grows the arena until that many bytes are mapped, produced or not."""
+    also grows the arena until that many bytes are mapped, produced or not, and then says so
+    once (``pretouched``: the floor is mapped, or the arena could not grow to it)."""
 
     def __init__(self, arena: Any) -> None:
         self.arena = arena
@@ -329,7 +330,7 @@ class _Filler:
         self._thread: threading.Thread | None = None
         self.floor = 0                   # bytes to map ahead of any request (pretouch)
         self._floor_at = 0.0             # when the floor was set (for the log line)
-        self.pretouched = False          # the floor was reached (tests, bench)
+        self.pretouched = False          # the floor was reached, or the arena's end (tests)
 
     def pretouch(self, nbytes: int) -> None:
         """Grow the arena until ``nbytes`` are mapped (FramePool.pretouch), starting now."""
@@ -355,10 +356,17 @@ class _Filler:
         while not self._stopped:
             self._wake.wait()
             self._wake.clear()
-            while not self._stopped and (arena.free < ARENA_AHEAD or arena.mapped < self.floor) \
-                    and arena.grow(True):
-                pass
-            if self.floor and not self.pretouched and not self._stopped:
+            # this pass's floor, read once after the clear: a floor set later (pretouch) wakes
+            # another pass. Re-read in the log's condition, a floor set after the grow loop
+            # ended was logged as reached with less mapped (session 35 review)
+            floor = self.floor
+            grown = True                 # False: the arena could not grow (its bound, mmap)
+            while not self._stopped and (arena.free < ARENA_AHEAD or arena.mapped < floor):
+                if not arena.grow(True):
+                    grown = False
+                    break
+            if floor and not self.pretouched and not self._stopped \
+                    and (arena.mapped >= floor or not grown):
                 self._pretouched(time.thread_time() - cpu)
 
     def _pretouched(self, cpu: float) -> None:

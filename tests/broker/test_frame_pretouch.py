@@ -1,16 +1,22 @@
 """Frame pre-touch (broker/frames.py FramePool.pretouch, ``--frame-pretouch``): the arena slabs
-that will hold the LogCache's produce frames are faulted in at start-up by the filler thread,
-before any request, instead of while the first GiB is produced. Polls with generous deadlines:
-no timing is asserted."""
+that will hold the LogCache's produce frames are faulted in by the filler thread right after
+start-up, before any request, instead of while the first GiB is produced; and the filler says
+so once, when the floor is mapped or the arena cannot grow to it. Polls with
+generous deadlines: no timing is asserted."""
 from __future__ import annotations
+
+import logging
 
 import pytest
 
-from broker.frames import REGISTERED_SLAB, FramePool
+import broker.frames as frames
+from broker.frames import ARENA_AHEAD, REGISTERED_SLAB, FramePool, _Filler
 
 from cluster.kit import wait_for
+from test_placed_produce import _produce, batch, broker_with_topic, produce_v3
 
 DEADLINE_S = 120
+LINE = "large frames pre-touched"
 
 
 def _arena_pool() -> FramePool:
@@ -58,19 +64,130 @@ def test_no_pretouch_without_an_arena():
     pool.close()
 
 
-def test_a_broker_pretouches_its_log_cache_at_start_without_any_request(broker_factory):
-    """--frame-pretouch: the broker faults in its LogCache's slabs (64 MiB here) after start-up
-    and says so once, with no client connected."""
+# ---- _Filler's "pre-touched" condition, pass by pass (no thread: _run on the test's) -------
+class _Arena:
+    """A frame arena's counters without memory: grow "maps" a slab (free: nothing taken)."""
+
+    slab = REGISTERED_SLAB
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.mapped = 0
+        self.free = ARENA_AHEAD                     # enough ahead: only a floor grows it
+
+    def grow(self, populate: bool) -> bool:
+        if self.mapped + self.slab > self.max_bytes:
+            return False
+        self.mapped += self.slab
+        self.free += self.slab
+        return True
+
+
+class _Passes:
+    """The filler's wake event: each wait returns at once and records (pretouched, mapped)
+    after the pass before it; after ``passes`` passes the filler stops."""
+
+    def __init__(self, filler: _Filler, passes: int) -> None:
+        self.filler, self.passes = filler, passes
+        self.after: list[tuple[bool, int]] = []
+        self._waits = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._waits:
+            self.after.append((self.filler.pretouched, self.filler.arena.mapped))
+        if self._waits == self.passes:
+            self.filler._stopped = True
+        self._waits += 1
+        return True
+
+    def clear(self) -> None:
+        pass
+
+    def set(self) -> None:
+        pass
+
+
+class _FloorSetMidPass(_Filler):
+    """A filler whose floor the event loop sets (pretouch) just after the thread's first look
+    at it in its first pass: that pass saw no floor, its grow loop ended, and the floor it
+    then reads is one it did not grow to (the race left from session 35's review)."""
+
+    _floor = 0
+    _looks = 0
+
+    @property
+    def floor(self) -> int:
+        self._looks += 1
+        return self._floor if self._looks > 1 else 0
+
+    @floor.setter
+    def floor(self, n: int) -> None:
+        self._floor = n
+
+
+def _run(filler: _Filler, passes: int, monkeypatch) -> list[tuple[bool, int]]:
+    monkeypatch.setattr(frames, "lower_current_thread", lambda nice: None)  # not this thread
+    ev = filler._wake = _Passes(filler, passes)
+    filler._run()
+    return ev.after
+
+
+def test_a_floor_set_after_a_pass_looked_is_not_reported_reached(monkeypatch, caplog):
+    arena = _Arena(max_bytes=8 * REGISTERED_SLAB)
+    filler = _FloorSetMidPass(arena)
+    filler.floor = 3 * REGISTERED_SLAB              # set: seen from the thread's second look
+    with caplog.at_level(logging.INFO, logger="broker.frames"):
+        after = _run(filler, 3, monkeypatch)        # woken before the floor, then by pretouch
+    # the first pass grew nothing and says nothing; the next grows to the floor and says so
+    assert after[0] == (False, 0)
+    assert after[1] == (True, 3 * REGISTERED_SLAB)
+    assert after[2] == (True, 3 * REGISTERED_SLAB)
+    lines = [r.getMessage() for r in caplog.records if LINE in r.getMessage()]
+    assert len(lines) == 1 and f": {3 * REGISTERED_SLAB >> 20} MiB" in lines[0], lines
+
+
+def test_a_floor_beyond_the_arena_s_bound_is_reported_once_at_the_bound(monkeypatch, caplog):
+    arena = _Arena(max_bytes=2 * REGISTERED_SLAB + REGISTERED_SLAB // 2)
+    filler = _Filler(arena)
+    filler.floor = 3 * REGISTERED_SLAB              # more than grow will map
+    with caplog.at_level(logging.INFO, logger="broker.frames"):
+        after = _run(filler, 3, monkeypatch)
+    assert after == [(True, 2 * REGISTERED_SLAB)] * 3
+    lines = [r.getMessage() for r in caplog.records if LINE in r.getMessage()]
+    assert len(lines) == 1 and f": {2 * REGISTERED_SLAB >> 20} MiB" in lines[0], lines
+
+
+# ---- a broker -------------------------------------------------------------------------------
+def _arena_or_skip() -> None:
     if FramePool(arena=True).arena is None:
         pytest.skip("storage._copycrc not built (no frame_arena)")
-    b = broker_factory(["--frame-pretouch", "--log-cache-bytes", str(REGISTERED_SLAB),
-                        "--wal-io-engine", "uring"])
-    wait_for(lambda: "large frames pre-touched" in b.log_text(), DEADLINE_S, "pre-touched (log)")
-    line = next(ln for ln in b.log_text().splitlines() if "large frames pre-touched" in ln)
-    assert f"pre-touched: {REGISTERED_SLAB >> 20} MiB of arena slabs" in line, line
+
+
+def test_a_broker_pretouches_its_log_cache_at_start_without_any_request(broker_factory):
+    """--frame-pretouch: the broker faults in its LogCache's slabs (64 MiB here) after start-up
+    and says so once, with no client connected; a large produce afterwards adds no second
+    line."""
+    _arena_or_skip()
+    topic = "touch"
+    b, w, _ = broker_with_topic(broker_factory, topic, (
+        "--frame-pretouch", "--log-cache-bytes", str(REGISTERED_SLAB), "--wal-io-engine", "uring"))
+    wait_for(lambda: LINE in b.log_text(), DEADLINE_S, "pre-touched (log)")
+    _produce(w, produce_v3(1, topic, [(0, batch(1024, 1024))]), 1)
+    w.close()
+    b.stop()
+    lines = [ln for ln in b.log_text().splitlines() if LINE in ln]
+    assert len(lines) == 1 and f"pre-touched: {REGISTERED_SLAB >> 20} MiB of arena slabs" \
+        in lines[0], lines
 
 
 def test_a_broker_without_pretouch_says_nothing_of_it(broker_factory):
-    b = broker_factory(["--frame-pretouch", "false", "--log-cache-bytes", str(REGISTERED_SLAB)])
+    """--frame-pretouch false: a large produce maps what the frames need, no pre-touch."""
+    _arena_or_skip()
+    topic = "untouched"
+    b, w, _ = broker_with_topic(broker_factory, topic, (
+        "--frame-pretouch", "false", "--log-cache-bytes", str(REGISTERED_SLAB),
+        "--wal-io-engine", "uring"))
+    _produce(w, produce_v3(1, topic, [(0, batch(1024, 1024))]), 1)
+    w.close()
     b.stop()                                        # its whole life, then the log
     assert "pre-touched" not in b.log_text()
