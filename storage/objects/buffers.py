@@ -7,10 +7,22 @@ before (bench/HISTORY.md, session 12). So block buffers come from this pool and 
 when the BlockCache drops the block and nothing else still sees it.
 
 A buffer is an anonymous mapping (storage._copycrc.map_buffer, else an mmap; page aligned, as
-O_DIRECT wants; no zero-fill with the GIL held: the kernel fills pages inside the read call),
-of huge pages from 2 MiB (see HUGE). Views of it (a block's records, a Fetch answer being
-written) keep a reference to the mapping through their managed buffer, so a buffer whose
-reference count is back to the pool's own is seen by no one and may be written again.
+O_DIRECT wants; no zero-fill with the GIL held), of huge pages from 2 MiB (see HUGE). Views of
+it (a block's records, a Fetch answer being written) keep a reference to the mapping through
+their managed buffer, so a buffer whose reference count is back to the pool's own is seen by
+no one and may be written again.
+
+A fresh buffer is faulted in by ``take`` itself, on the cold-read thread, before the read
+(storage._copycrc.fault_in: a write per 4 KiB page, the GIL released). Left to the O_DIRECT
+read, the kernel faults the pages in while pinning them for the device (GUP), holding the
+process's mmap_lock (read) across the read's range; fresh memory costs ~2 ms of CPU per MiB
+on the test VM (the host faults it in too), so a span read held it up to 15-21 ms, and any
+mmap/munmap meanwhile (the event loop's allocator among them) waited for the write lock
+behind it. A page fault takes only the buffer's own VMA lock; the read then pins pages
+already there without the lock. The cold pass after a restart (~230 MiB of fresh buffers):
+the loop waited on mmap_lock up to 15.7-23.9 ms (6-11 waits > 5 ms per pass), now at most
+0.07 ms, at the same MB/s and CPU (bench/HISTORY.md, session 36 coldfault). MAP_POPULATE
+and madvise(MADV_POPULATE_WRITE) would fault the pages under mmap_lock just the same.
 """
 from __future__ import annotations
 
@@ -37,7 +49,8 @@ _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 # loop waited for it (bench/HISTORY.md, session 24: perf sched of one pass, the loop blocked
 # ~150 ms on the lock while a cold thread sat in mmap/madvise, stalls of 20-85 ms in the
 # pass's first 400 ms). Python's mmap module is the fallback.
-from ..copycrc import MappedBuffer as _MappedBuffer, map_buffer as _map_buffer
+from ..copycrc import MappedBuffer as _MappedBuffer, fault_in as _fault_in, \
+    map_buffer as _map_buffer
 _POOL_TYPES = (mmap.mmap,) if _MappedBuffer is None else (mmap.mmap, _MappedBuffer)
 
 
@@ -100,7 +113,8 @@ class BufferPool:
         """A page-aligned buffer of at least ``size`` bytes (contents undefined). A fresh one
         is mapped by map_buffer (without the interpreter lock) when ``unlocked``, else by
         Python's mmap module: the file store's reads while producers append (the paced
-        catch-up path, issue 20 item 5) keep the buffers they were measured with."""
+        catch-up path, issue 20 item 5) keep the buffers they were measured with; either is
+        faulted in here (fault_in, when built) before it is handed out."""
         cap = -(-max(size, 1) // GRANULE) * GRANULE
         with self._lock:
             doomed, self._doomed = self._doomed, []
@@ -126,7 +140,12 @@ class BufferPool:
                 return buf
             self.fresh += 1
             self.fresh_bytes += cap
-        return fresh_buffer(cap, unlocked)
+        buf = fresh_buffer(cap, unlocked)
+        if _fault_in is not None:
+            # here, on the cold thread, not by the O_DIRECT read under the process's
+            # mmap_lock (see the module docstring): same CPU, out from under the lock
+            _fault_in(buf)
+        return buf
 
     def _collect(self) -> None:
         """Move returned buffers nobody sees any more to the free list while the pool has

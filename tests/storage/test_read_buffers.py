@@ -153,3 +153,49 @@ def test_fresh_buffers_are_mapped_without_the_interpreter_lock(monkeypatch) -> N
     pool.give_back(big)
     del big
     assert id(pool.take(3 * MiB)) == seen and pool.reused == 1 and len(calls) == 2
+
+
+def _resident_pages(buf: object) -> tuple[int, int]:
+    """(resident, total) 4 KiB pages of a page-aligned buffer, by mincore(2): an anonymous
+    page never touched is not resident."""
+    import ctypes
+    import os
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    n = len(buf)
+    pages = -(-n // os.sysconf("SC_PAGE_SIZE"))
+    vec = ctypes.create_string_buffer(pages)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    assert libc.mincore(addr, n, vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(b & 1 for b in vec.raw), pages
+
+
+def test_fresh_buffers_are_faulted_in_before_the_read() -> None:
+    """A fresh buffer comes out of take with every page faulted in (storage._copycrc's
+    fault_in, a write per page on the cold thread): left to the O_DIRECT read, the kernel
+    faults them in while pinning them, under the process's mmap_lock, and the event loop's
+    mmap/munmap waits for the read (bench/HISTORY.md session 36 coldfault). Both kinds of
+    fresh buffer (map_buffer's, and Python's mmap on the paced path), with and without
+    huge pages; a reused buffer is handed out as it is."""
+    import pytest
+    from storage.copycrc import fault_in
+    if fault_in is None:
+        pytest.skip("storage._copycrc not built (no fault_in)")
+    pool = BufferPool(max_bytes=64 * MiB)
+    for size, unlocked in ((MiB, True), (MiB, False), (6 * MiB, True), (6 * MiB, False)):
+        buf = pool.take(size, unlocked=unlocked)
+        resident, pages = _resident_pages(buf)
+        assert resident == pages, (size, unlocked, resident, pages)
+    taken = pool.fresh
+    pool.give_back(buf)
+    del buf
+    again = pool.take(6 * MiB)
+    assert pool.fresh == taken and pool.reused == 1
+    assert _resident_pages(again)[0] == _resident_pages(again)[1]
+
+
+def test_a_fresh_mapping_is_not_resident_until_touched() -> None:
+    """The check above can fail: an untouched fresh mapping has no resident page."""
+    from storage.objects.buffers import fresh_buffer
+    for unlocked in (True, False):
+        assert _resident_pages(fresh_buffer(MiB, unlocked))[0] == 0
