@@ -2,7 +2,14 @@
 reuse only once no view of it is left (a block's records, a Fetch answer being written)."""
 from __future__ import annotations
 
-from storage.objects.buffers import BufferPool
+import ctypes
+import os
+
+import pytest
+
+from storage.copycrc import fault_in
+from storage.objects import buffers
+from storage.objects.buffers import BufferPool, fresh_buffer
 
 MiB = 1 << 20
 
@@ -130,10 +137,7 @@ def test_fresh_buffers_are_mapped_without_the_interpreter_lock(monkeypatch) -> N
     the lock the event loop needs, bench/HISTORY.md session 24): a writable, page-aligned
     buffer of the size asked (rounded to GRANULE), huge pages asked for from HUGE, reused
     and bounded like any other."""
-    import ctypes
-    from storage.objects import buffers
     if buffers._map_buffer is None:
-        import pytest
         pytest.skip("storage._copycrc not built")
     calls = []
     real = buffers._map_buffer
@@ -158,8 +162,6 @@ def test_fresh_buffers_are_mapped_without_the_interpreter_lock(monkeypatch) -> N
 def _resident_pages(buf: object) -> tuple[int, int]:
     """(resident, total) 4 KiB pages of a page-aligned buffer, by mincore(2): an anonymous
     page never touched is not resident."""
-    import ctypes
-    import os
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
     n = len(buf)
@@ -177,8 +179,6 @@ def test_fresh_buffers_are_faulted_in_before_the_read() -> None:
     mmap/munmap waits for the read (bench/HISTORY.md session 36 coldfault). Both kinds of
     fresh buffer (map_buffer's, and Python's mmap on the paced path), with and without
     huge pages; a reused buffer is handed out as it is."""
-    import pytest
-    from storage.copycrc import fault_in
     if fault_in is None:
         pytest.skip("storage._copycrc not built (no fault_in)")
     pool = BufferPool(max_bytes=64 * MiB)
@@ -196,6 +196,5 @@ def test_fresh_buffers_are_faulted_in_before_the_read() -> None:
 
 def test_a_fresh_mapping_is_not_resident_until_touched() -> None:
     """The check above can fail: an untouched fresh mapping has no resident page."""
-    from storage.objects.buffers import fresh_buffer
     for unlocked in (True, False):
         assert _resident_pages(fresh_buffer(MiB, unlocked))[0] == 0
