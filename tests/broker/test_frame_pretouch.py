@@ -158,16 +158,11 @@ def test_a_floor_beyond_the_arena_s_bound_is_reported_once_at_the_bound(monkeypa
 
 
 # ---- a broker -------------------------------------------------------------------------------
-def _arena_or_skip() -> None:
-    if FramePool(arena=True).arena is None:
-        pytest.skip("storage._copycrc not built (no frame_arena)")
-
-
 def test_a_broker_pretouches_its_log_cache_at_start_without_any_request(broker_factory):
     """--frame-pretouch: the broker faults in its LogCache's slabs (64 MiB here) after start-up
     and says so once, with no client connected; a large produce afterwards adds no second
     line."""
-    _arena_or_skip()
+    _arena_pool().close()                          # skips without frame_arena
     topic = "touch"
     b, w, _ = broker_with_topic(broker_factory, topic, (
         "--frame-pretouch", "--log-cache-bytes", str(REGISTERED_SLAB), "--wal-io-engine", "uring"))
@@ -182,7 +177,7 @@ def test_a_broker_pretouches_its_log_cache_at_start_without_any_request(broker_f
 
 def test_a_broker_without_pretouch_says_nothing_of_it(broker_factory):
     """--frame-pretouch false: a large produce maps what the frames need, no pre-touch."""
-    _arena_or_skip()
+    _arena_pool().close()                          # skips without frame_arena
     topic = "untouched"
     b, w, _ = broker_with_topic(broker_factory, topic, (
         "--frame-pretouch", "false", "--log-cache-bytes", str(REGISTERED_SLAB),
