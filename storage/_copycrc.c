@@ -1611,7 +1611,8 @@ PyDoc_STRVAR(fault_in_doc,
 "only the mapping's own lock, where one madvise(MADV_POPULATE_WRITE) over the buffer holds\n"
 "the process's mmap_lock from the first page to the last and stops any other thread's\n"
 "mmap/munmap meanwhile (the event loop's allocator; frame_arena's grow, bench/HISTORY.md\n"
-"session 35 stall). broker/frames.py's prefill thread, for its bytearray frames.");
+"session 35 stall). broker/frames.py's prefill thread, for its bytearray frames; the file\n"
+"store's fresh cold read buffers (storage/objects/buffers.py), before the O_DIRECT read.");
 
 static PyObject *frame_arena(PyObject *self, PyObject *args);
 PyDoc_STRVAR(frame_arena_doc,

@@ -143,7 +143,8 @@ MappedBuffer = type(map_buffer(4096, False)) if map_buffer is not None else None
 # the frames are then bytearrays
 frame_arena = getattr(_copycrc_module, "frame_arena", None)
 # a buffer's pages faulted in a write per page, the interpreter lock released (broker/frames.py
-# prefill: not one madvise that holds mmap_lock across the buffer); None likewise
+# prefill, storage/objects/buffers.py fresh read buffers: not one madvise, nor the O_DIRECT read
+# itself, which fault pages in under mmap_lock across the buffer); None likewise
 fault_in = getattr(_copycrc_module, "fault_in", None)
 # the O_DIRECT object writes' pieces in one call that releases the interpreter lock once
 # (storage/objects/store.py); None likewise: the store then writes the pieces in Python
