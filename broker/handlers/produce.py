@@ -9,7 +9,10 @@ pipeline up to five).
 
 The request's ``records`` are views into the request frame, which the server hands over as an
 owned buffer: the partition writes offsets into it in place (no copy). The answer is encoded
-directly (``protocol.produce_fast.encode_produce_response``), not through the generic codec.
+directly (``protocol.produce_fast.encode_produce_response``), not through the generic codec;
+a one-partition success - every path's common answer - is framed whole in one piece
+(``frame_produce_ok``: the same bytes behind the response header, a ``Framed`` answer the
+server writes as it is).
 
 In a cluster a broker appends and acknowledges only while its own lease is valid
 (broker/cluster/lease.py, monotonic clock): past it, nothing is appended and appends that
@@ -172,6 +175,14 @@ async def handle_produce(ctx: RequestContext, req: Any) -> Any:
                 if r.error:
                     stats.error(PRODUCE, version, int(r.error))
         return None
+    if len(plan) == 1 and len(plan[0][1]) == 1 and not plan[0][1][0][1].error:
+        # one partition appended (the common request): its answer framed whole in one piece,
+        # as the task-less path frames it (the same bytes as the body below behind its header;
+        # no per-field encoding here, no header encoding in the server's flush)
+        key, ((index, r),) = plan[0]
+        return Framed((frame_produce_ok(version, ctx.header.correlation_id, key, index,
+                                        r.base_offset, r.log_append_time,
+                                        r.log_start_offset),))
     topics = []
     for key, jobs in plan:
         parts = []
@@ -389,9 +400,9 @@ def _run_answer(stats: Any, ctx: RequestContext, key: Any, index: int, r: Append
                 base: int) -> Any:
     """One request's answer (``_run_answers``): offsets from ``base``, or the run's error
     (counted; NOT_LEADER_OR_FOLLOWER with the current leader from v10)."""
-    if not r.error:
-        return encode_produce_response(ctx.version, [(key, [(
-            index, 0, base, r.log_append_time, r.log_start_offset, None)])])
+    if not r.error:     # framed whole, as the task-less path answers (the same bytes)
+        return Framed((frame_produce_ok(ctx.version, ctx.header.correlation_id, key, index,
+                                        base, r.log_append_time, r.log_start_offset),))
     stats.error(PRODUCE, ctx.version, int(r.error))
     part = (index, int(r.error), -1, r.log_append_time, r.log_start_offset, r.message)
     if r.error == ErrorCode.NOT_LEADER_OR_FOLLOWER and ctx.version >= 10:

@@ -18,7 +18,7 @@ import broker.handlers.produce  # noqa: F401
 import broker.handlers.producers  # noqa: F401
 import broker.handlers.records_admin  # noqa: F401
 import protocol
-from broker.handlers.registry import HANDLERS, RequestContext
+from broker.handlers.registry import HANDLERS, Framed, RequestContext
 from broker.partition import Partition
 from storage.memory import MemoryStreamStore
 
@@ -45,7 +45,8 @@ async def roundtrip(b, api_key: int, version: int, req):
     resp = await HANDLERS[api_key](RequestContext(broker=b, header=header, conn=None), decoded)
     if resp is None:
         return None
-    out = protocol.encode_response(header, resp)
+    # a one-partition Produce success comes framed whole (Framed), as the server writes it
+    out = b"".join(resp) if type(resp) is Framed else protocol.encode_response(header, resp)
     (size,) = struct.unpack_from(">i", out, 0)
     assert size == len(out) - 4
     return protocol.response_class(api_key).decode(out[4:], version=version, header=True)
@@ -71,6 +72,37 @@ async def test_produce_versions(tmp_path, version):
     assert (p1.index, p1.error_code, p1.base_offset) == (1, 0, 0)
     assert (p5.index, p5.error_code) == (5, 3)
     assert b.topics["t"].partitions[1].high_watermark == 2
+
+
+@pytest.mark.parametrize("version", versions(0))
+async def test_a_one_partition_produce_success_is_framed_whole(tmp_path, version):
+    """The task path's common answer (handle_produce, one partition appended) comes framed in
+    one piece (``Framed``: no body encoding in the handler, no header encoding in the server's
+    flush), byte for byte what the generic body encoder writes behind its response header."""
+    from protocol.produce_fast import encode_produce_response  # noqa: PLC0415
+    b = await make_broker(tmp_path)
+    Req = protocol.request_class(0)
+    TD, PD = Req.TopicProduceData, Req.TopicProduceData.PartitionProduceData
+    magic = 1 if version < 3 else 2
+    td = TD(topic_id=TID) if version >= 13 else TD(name="t")
+    td.partition_data = [PD(index=1, records=make_batch([b"a", b"b"], magic=magic))]
+    req = Req(transactional_id=None, acks=-1, timeout_ms=1000, topic_data=[td])
+    req.with_header(correlation_id=91, client_id="t")
+    header, decoded = protocol.parse_request(bytearray(
+        req.encode(version=version, header=True, framed=False)))
+    for base in (0, 2):
+        got = await HANDLERS[0](RequestContext(broker=b, header=header, conn=None), decoded)
+        assert type(got) is Framed
+        p = protocol.response_class(0).decode(b"".join(got)[4:], version=version,
+                                              header=True).responses[0].partition_responses[0]
+        assert (p.index, p.error_code, p.base_offset) == (1, 0, base)
+        want = protocol.encode_response_parts(header, [encode_produce_response(version, [(
+            TID if version >= 13 else "t",
+            [(1, 0, base, getattr(p, "log_append_time_ms", -1),
+              getattr(p, "log_start_offset", -1), None)])])])
+        assert b"".join(got) == b"".join(bytes(x) for x in want)
+        decoded = protocol.parse_request(bytearray(
+            req.encode(version=version, header=True, framed=False)))[1]
 
 
 async def test_produce_acks0_has_no_response(tmp_path):
