@@ -749,6 +749,7 @@ class Broker:
         self._server: asyncio.base_events.Server | None = None
         self._servers: list[asyncio.base_events.Server] = []
         self._idle = asyncio.Event()
+        self._idle_waiting = False        # a shutdown waits in _wait_idle
         self.started_at = time.time()
         # frames from 4 KiB-page arena slabs that the WAL's io_uring registers (pinned once)
         self.frame_pool = FramePool(arena=config.wal_io_engine == "uring")
@@ -884,7 +885,10 @@ class Broker:
         return pacer is None or pacer.hot_active()
 
     def _connection_idle(self) -> None:
-        if all(c.idle for c in self.connections):
+        """A connection's answers are all out: wake a shutdown waiting for every connection to
+        be idle (``_wait_idle``). Only while one waits: a client with one request in flight
+        drains its queue after every answer, and each time this went over every connection."""
+        if self._idle_waiting and all(c.idle for c in self.connections):
             self._idle.set()
 
     async def stop(self) -> None:
@@ -973,13 +977,17 @@ class Broker:
 
     async def _wait_idle(self, timeout: float) -> None:
         end = time.monotonic() + timeout
-        while any(not c.idle for c in self.connections):
-            left = end - time.monotonic()
-            if left <= 0:
-                log.warning("shutdown: requests still in flight; closing their connections")
-                return
-            self._idle.clear()
-            await wait_event(self._idle, min(left, 0.1))
+        self._idle_waiting = True
+        try:
+            while any(not c.idle for c in self.connections):
+                left = end - time.monotonic()
+                if left <= 0:
+                    log.warning("shutdown: requests still in flight; closing their connections")
+                    return
+                self._idle.clear()
+                await wait_event(self._idle, min(left, 0.1))
+        finally:
+            self._idle_waiting = False
 
 
 async def serve(config: BrokerConfig, startup: Any = None) -> None:
