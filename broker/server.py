@@ -305,7 +305,7 @@ class Connection(asyncio.BufferedProtocol):
             self._start += 4 + size
             self._dispatch(frame)
             dispatched = True
-        if self._run:                   # (tested here: a call less per read)
+        if self._run:                   # only when collected: a call less per read
             self._start_run()
         if self._start == self._end:
             self._start = self._end = 0
