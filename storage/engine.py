@@ -338,9 +338,14 @@ class EngineStream(OffsetStream):
             payload = memoryview(payload).cast("B")     # a flat byte view (the partition's is)
         size = WAL_RECORD.size + len(payload)
         cache, wal = eng.cache, eng.wal
-        # cache.has_room's own first test inline: it is called only when eviction may be needed
-        if (cache.used + size + 64 > cache.capacity and not cache.has_room(size + 64)) \
-                or not wal.has_room(size):
+        # cache.has_room(size + 64), inline: past the capacity (every request once the cache is
+        # full) it evicts what the request needs, then tests again
+        over = cache.used + size + 64 - cache.capacity
+        if over > 0:
+            cache._evict(over)
+            if cache.used + size + 64 > cache.capacity:
+                return False
+        if not wal.has_room(size):
             return False
         if check is not None:      # checked while the WAL copies the record: no pass of its own
             check = (WAL_RECORD.size + check[0], check[1])
