@@ -528,3 +528,30 @@ async def test_task_path_append_behind_a_pending_task_less_one_waits_for_it(tmp_
     rf = await asyncio.wait_for(f, 5)
     assert rf.error == ErrorCode.KAFKA_STORAGE_ERROR
     assert [(n, e) for n, e, _ in answered[2:]] == [("E", ErrorCode.KAFKA_STORAGE_ERROR)]
+
+
+async def test_admission_line_hands_over_in_order_times_out_and_survives_cancels():
+    """The partition's admission line (_Admission): waiters are handed the lock in arrival
+    order; one whose time runs out first gives up (False) and is skipped; one cancelled
+    while waiting leaves the line; one cancelled after it was handed the lock passes it on."""
+    from broker.partition import _Admission
+
+    a = _Admission()
+    assert a.try_take() and not a.try_take()
+    first = asyncio.ensure_future(a.take(30))
+    late = asyncio.ensure_future(a.take(0.01))
+    gone = asyncio.ensure_future(a.take(30))
+    last = asyncio.ensure_future(a.take(30))
+    await asyncio.sleep(0.05)                 # past late's timer, before any hand-over
+    assert late.done() and late.result() is False
+    gone.cancel()
+    await asyncio.sleep(0)
+    assert len(a._waiters) == 2                  # first and last wait; late and gone left
+    a.release()
+    assert await first is True and a.held
+    a.release()                                  # to last (late and gone are skipped) ...
+    last.cancel()                                # ... which is cancelled before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await last
+    assert not a.held and not a._waiters         # it passed the lock on: nobody left
+    assert a.try_take()
