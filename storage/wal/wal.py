@@ -744,7 +744,8 @@ class DeltaWAL:
             last = group[-1]
             n = (nxt.used + ALIGN_MASK) & ALIGN_DOWN
             # last.end, inline (a property call per block of a merged write)
-            if (nxt.start != last.start + ((last.used + ALIGN_MASK) & ALIGN_DOWN) or nxt.start // ring != first.start // ring
+            if (nxt.start != last.start + ((last.used + ALIGN_MASK) & ALIGN_DOWN)
+                    or nxt.start // ring != first.start // ring
                     or total + n > limit or not self._window_allows(nxt)):
                 break
             self._pending.popleft()
