@@ -28,6 +28,15 @@ LogCache's worth of arena slabs right after start-up instead of while the first 
 produced (the JVM's AlwaysPreTouch; ~0.35 s of CPU per GiB on this VM). Raw 1 MiB produce
 then costs less broker CPU per MiB, the pre-touch counted, and not only while the cache
 fills (bench/HISTORY.md session 35 touch).
+
+Which free run a frame takes does not change the socket receive copy's cost (session 37 recv:
+pre-touch on or off, huge-page slabs, a client whose records shift by 16-byte steps: 93-124 us
+per MiB in every case). Frames come back from the LogCache's evictions ~1 GiB of traffic after
+they were last touched, so every free run is equally cold; and the kernel's copy (``rep movsb``
+on this AMD EPYC) costs ~15x when (destination - source) mod 64 is 1-15, while the destination
+is fixed by storage/wal/placed.py (records at a page + 44 bytes) and the source by the sender's
+socket pages. A loopback micro-benchmark (the same history) puts that alignment at +30-50 us
+per MiB and a cold destination at +25-40 us per MiB over a warm, aligned copy.
 """
 from __future__ import annotations
 

@@ -60,6 +60,27 @@ REPLAY_FOREGROUND_S = 0.5  # open() waits this long for the log-tail replay, the
 REPLAY_RETRY_MAX_S = 5.0
 
 
+class _Outcome:
+    """A task-less append's outcome (``append_now``): ``ok`` None until it is settled, then
+    whether it and every earlier append of the partition are durable. What the next append
+    reads (``_tail``) instead of an asyncio future: nothing awaits it but a task-path append
+    taken behind it while it is still pending (rare: ``wait_future`` makes one for it then),
+    so the common case costs no future, no done() and no set_result per Produce request.
+    No ``__init__`` (a Python call): the class attributes are the defaults."""
+
+    ok: bool | None = None
+    fut: "asyncio.Future[bool] | None" = None
+
+    def wait_future(self, loop: asyncio.AbstractEventLoop) -> "asyncio.Future[bool]":
+        """A future resolved with ``ok`` when this outcome is settled (made once)."""
+        fut = self.fut
+        if fut is None:
+            fut = self.fut = loop.create_future()
+            if self.ok is not None:
+                fut.set_result(self.ok)
+        return fut
+
+
 @dataclass(slots=True)
 class AppendResult:
     """Outcome of one partition's part of a Produce request."""
@@ -211,11 +232,12 @@ class Partition:
         self.records_in = 0  # read by broker.metrics at scrape time
         self._loop: asyncio.AbstractEventLoop | None = None   # the broker's, once an append ran
         self._admission = _Admission()       # held from offset assignment to the stream taking them
-        self._tail: asyncio.Future[bool] | None = None  # outcome of the latest taken append
+        # outcome of the latest taken append: a future (append) or an _Outcome (append_now)
+        self._tail: asyncio.Future[bool] | _Outcome | None = None
         # outcome -> the settling step of the task-less append taken right after it, run by
         # _settle in the same call (a future's callbacks would each wait a loop iteration: a
         # chain of N pipelined appends was answered over N iterations)
-        self._then: dict[asyncio.Future[bool], tuple] = {}   # (outcome, done, taken)
+        self._then: dict[Any, tuple] = {}   # prev outcome -> (outcome, done, taken)
         self._offline: str | None = None     # why appends are refused until restart
         # (the raw config values _header_checks reads, what it made of them): re-parsed only
         # when a value changed (configs is updated in place by AlterConfigs)
@@ -547,7 +569,7 @@ class Partition:
         held = True
         dup: BatchMeta | None = None
         outcome: asyncio.Future[bool] | None = None
-        prev: asyncio.Future[bool] | None = None
+        prev: asyncio.Future[bool] | _Outcome | None = None
         error: Exception | None = None
         try:
             if self._closed or self._offline is not None:
@@ -662,6 +684,8 @@ class Partition:
         assert outcome is not None
         ok, why = error is None, f"WAL write failed: {error!r}"
         if ok and prev is not None:
+            if type(prev) is _Outcome:      # a task-less append's: a future made for it
+                prev = prev.wait_future(self._loop or asyncio.get_running_loop())
             if not prev.done():
                 try:
                     await asyncio.shield(prev)
@@ -743,7 +767,7 @@ class Partition:
             if not log_append:
                 # the checks of _prepare and _header_checks and _stamp in one C call when all
                 # pass; None (nothing changed): the Python path below, which answers errors
-                now = _now_ms()
+                now = int(time.time() * 1000)       # _now_ms(), inline
                 base = stream.end_offset
                 # a lone large batch comes back with its CRC for the WAL's copy to check,
                 # when the stream checks payloads (else stamp_plain checks it)
@@ -780,10 +804,7 @@ class Partition:
             payload_max_ts = self._stamp(buf, views, base, max_ts_of, log_append, now)
             append_time = now if log_append else -1
             size, batches = len(buf), len(views)
-        loop = self._loop
-        if loop is None:    # looked up once: each lookup is a getpid() syscall
-            loop = self._loop = asyncio.get_running_loop()
-        outcome = loop.create_future()
+        outcome = _Outcome()
         prev = self._tail
         # the stream calls it in the WAL's completion of this append's write (with the write's
         # error, None when durable): one call, no closure (its cells) built per append
@@ -905,9 +926,9 @@ class Partition:
         res.error, res.message = error, message
         return res
 
-    def _settle(self, outcome: "asyncio.Future[bool]", ok: bool, why: str,
+    def _settle(self, outcome: "asyncio.Future[bool] | _Outcome", ok: bool, why: str,
                 done: Callable[[AppendResult], None] | None = None,
-                taken: tuple | None = None, prev: "asyncio.Future[bool] | None" = None,
+                taken: tuple | None = None, prev: "asyncio.Future[bool] | _Outcome | None" = None,
                 error: BaseException | None = None) -> None:
         """Resolve a taken append's outcome (duplicates and later appends wait on it); a
         task-less one (``append_now``) is then accounted and answered,
@@ -922,14 +943,26 @@ class Partition:
         if error is not None:
             ok, why = False, f"WAL write failed: {error!r}"
         elif prev is not None:
-            if not prev.done():
-                self._then[prev] = (outcome, done, taken)
-                return
-            ok, why = prev.result(), _EARLIER_FAILED
+            if type(prev) is _Outcome:
+                if prev.ok is None:
+                    self._then[prev] = (outcome, done, taken)
+                    return
+                ok = prev.ok
+            else:
+                if not prev.done():
+                    self._then[prev] = (outcome, done, taken)
+                    return
+                ok = prev.result()
+            why = _EARLIER_FAILED
         while True:
             if not ok:
                 self._go_offline(why)
-            if not outcome.done():
+            if type(outcome) is _Outcome:
+                if outcome.ok is None:
+                    outcome.ok = ok
+                    if outcome.fut is not None and not outcome.fut.done():
+                        outcome.fut.set_result(ok)  # a task-path append behind it waits
+            elif not outcome.done():
                 outcome.set_result(ok)
             if done is not None:
                 try:
@@ -1218,20 +1251,26 @@ class _Admission:
         return True
 
     async def take(self, timeout: float) -> bool:
-        """Wait in line (at most ``timeout`` s); True once this caller holds it."""
-        fut = asyncio.get_running_loop().create_future()
+        """Wait in line (at most ``timeout`` s); True once this caller holds it.
+
+        The waiter's future resolves True when handed over, False when its timer fires
+        first (``_timed_out``): a timer handle instead of ``asyncio.wait_for``, whose
+        machinery (its own future chaining, callbacks, a cancel at the timeout) was ~15
+        Python calls per append waiting in line - under back-pressure every request behind
+        the one waiting for room."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._waiters.append(fut)
+        timer = loop.call_later(timeout, _timed_out, fut)
         try:
-            await asyncio.wait_for(fut, timeout)  # returns when handed over, even at timeout
-            return True
-        except asyncio.TimeoutError:
-            return False
+            return await fut
         except BaseException:
-            if fut.done() and not fut.cancelled():
+            if fut.done() and not fut.cancelled() and fut.result():
                 self.release()                    # handed over as we were cancelled
             raise
         finally:
-            if not fut.done() or fut.cancelled():
+            timer.cancel()
+            if not fut.done() or fut.cancelled() or not fut.result():
                 try:
                     self._waiters.remove(fut)
                 except ValueError:
@@ -1241,9 +1280,15 @@ class _Admission:
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
-                fut.set_result(None)              # handed over: stays held
+                fut.set_result(True)              # handed over: stays held
                 return
         self.held = False
+
+
+def _timed_out(fut: "asyncio.Future[bool]") -> None:
+    """An admission waiter's timer: it gives up (False) unless already handed over."""
+    if not fut.done():
+        fut.set_result(False)
 
 
 def _views_with_pos(payload: bytes | memoryview) -> list[tuple[int, Any]]:

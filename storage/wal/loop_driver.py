@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from .aio import TimerFD, open_context, yield_cpu
 from .config import IO_RETRIES, IO_RETRY_DELAY_S
-from .format import ALIGN_DOWN, ALIGN_MASK, align_up
+from .format import ALIGN_DOWN, ALIGN_MASK, HEADER_AREA, align_up
 
 # writes at least this large, of records this large on average, yield the CPU after their
 # submit (see LoopDriver._submit). The record size is above the largest record a produce run
@@ -63,6 +63,8 @@ class LoopDriver:
         self._thread_id = threading.get_ident()
         # the yield after large writes is for a loop device's kernel worker (see _submit)
         self.yield_after_large = bool(wal._device is not None and wal._device.on_loop_device)
+        # the device's fd, read once (the WAL's device is set at open, before any driver)
+        self._fd = wal._device.fd if wal._device is not None else -1
         loop.add_reader(self.aio.eventfd, self.on_completion)
         loop.add_reader(self.timer.fd, self.on_timer)
 
@@ -108,9 +110,24 @@ class LoopDriver:
                     wal._next_seal_at = now + wal.config.flush_interval_s
                 else:
                     self.timer.arm(wal._next_seal_at)
-            limit = wal.config.bandwidth_limit
-            while (wal._pending and self._may_start(wal)
-                   and wal._window_allows(wal._pending[0])):
+            cfg = wal.config
+            limit = cfg.bandwidth_limit
+            eager, depth = cfg.eager_writes, self.depth
+            # _may_start, inline (a call per started write and one more per kick)
+            while (wal._pending
+                   and (wal._writes < eager or (wal._writes < depth and (
+                       wal._pending_bytes >= wal._backlog or wal._closing)))):
+                # wal._window_allows(blk)'s first test inline: the block ends within the
+                # window from the oldest unfinished write's scan start (its slow path grows
+                # the window, or says no)
+                blk = wal._pending[0]
+                start = blk.scan_from
+                writing = wal._writing
+                if writing and writing[0].scan_from < start:
+                    start = writing[0].scan_from
+                if blk.start + ((blk.used + ALIGN_MASK) & ALIGN_DOWN) - start > wal._window_len \
+                        and not wal._window_allows(blk):
+                    break
                 if limit and wal._bw_next > now and not wal._closing:
                     self.timer.arm(wal._bw_next)
                     break
@@ -133,19 +150,28 @@ class LoopDriver:
     def _submit(self, group: list["Block"], attempt: int) -> None:
         wal = self.wal
         assert wal._device is not None
-        exports = [ctypes.c_char.from_buffer(b.buf) for b in group]
-        pieces = [(ctypes.addressof(c), (b.used + ALIGN_MASK) & ALIGN_DOWN)
-                  for c, b in zip(exports, group)]
+        if len(group) == 1:     # the common case (a placed 1 MiB record is a block of its own)
+            blk = group[0]
+            exports = [ctypes.c_char.from_buffer(blk.buf)]
+            size = (blk.used + ALIGN_MASK) & ALIGN_DOWN
+            pieces = [(ctypes.addressof(exports[0]), size)]
+            records = blk.records
+        else:
+            exports = [ctypes.c_char.from_buffer(b.buf) for b in group]
+            pieces = [(ctypes.addressof(c), (b.used + ALIGN_MASK) & ALIGN_DOWN)
+                      for c, b in zip(exports, group)]
+            size = sum(n for _, n in pieces)
+            records = -1
         self._token += 1
         token = self._token
         try:
-            keep = self.aio.submit_write(wal._device.fd, pieces, wal.device_position(
-                group[0].start), token, self.dsync)
+            # wal.device_position(group[0].start), inline
+            keep = self.aio.submit_write(self._fd, pieces, HEADER_AREA + group[0].start
+                                         % wal.ring_size, token, self.dsync)
         except OSError as e:
             del exports
             self._retry(group, attempt, e)
             return
-        size = sum(n for _, n in pieces)
         self._inflight[token] = (group, [exports, keep], size, attempt)
         # A device served by a kernel worker (a loop device's, the writes to its backing file)
         # gets it woken on this CPU by io_submit: on these VMs the scheduler packs it here and
@@ -164,13 +190,26 @@ class LoopDriver:
         # runnable - a co-located producer, under a confluent-kafka 1 KiB producer 593-627 ->
         # 704-807 MB/s without it, WAL append->durable 8.9-12.4 -> 3.2-4.0 ms (session 19).
         if self.yield_after_large and size >= YIELD_FROM_BYTES and \
-                size >= YIELD_FROM_RECORD_BYTES * sum(b.records for b in group):
+                size >= YIELD_FROM_RECORD_BYTES * (records if records >= 0 else
+                                                   sum(b.records for b in group)):
             yield_cpu()
 
     def on_completion(self) -> None:
         self.aio.clear_signal()
         self._finish(self.aio.reap())
-        self.kick()
+        if self._has_work():
+            self.kick()
+
+    def _has_work(self) -> bool:
+        """Whether kick() could do anything: seal a current block that holds records, or
+        start a sealed one. Without either it takes the lock and reads the clock for nothing,
+        once or twice per completion (a reaped write whose blocks were the only ones). Read
+        without the lock on the loop thread: another thread's append kicks on its own."""
+        wal = self.wal
+        if wal._pending:
+            return True
+        cur = wal._current
+        return cur is not None and cur.used > 0
 
     def _finish(self, events: list[tuple[int, int]]) -> None:
         """Complete reaped writes. The next writes start before the finished ones are
@@ -196,10 +235,10 @@ class LoopDriver:
             return
         wal._release_writes(len(written))
         try:
-            self.kick()
+            if self._has_work():
+                self.kick()
         finally:                              # durable writes are acknowledged whatever kick() hit
-            for group in written:
-                wal._complete(group, released=True)
+            wal._complete_groups(written, released=True)     # one pass for the batch reaped
 
     def _retry(self, group: list["Block"], attempt: int, err: BaseException) -> None:
         """Rewrite the whole group (same bytes, same place) a few times, then fail the WAL."""

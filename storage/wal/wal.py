@@ -425,7 +425,13 @@ class DeltaWAL:
         driver = self._driver
         if driver is not None:
             if self._pending and on_loop:
-                driver.kick()                     # a block sealed by size: write it now
+                # a block sealed by size (or placed): write it now, if a write may start
+                # (driver._may_start, inline). Else kick() would do nothing - with blocks
+                # pending it seals none - and the completion that frees a slot starts it
+                w = self._writes
+                if w < self.config.eager_writes or (w < driver.depth and (
+                        self._pending_bytes >= self._backlog or self._closing)):
+                    driver.kick()
             else:
                 driver.kick_soon()
         return offset
@@ -606,8 +612,22 @@ class DeltaWAL:
         self.stats["placed_records"] += 1
         blk.used = size
         blk.sealed = True                            # place_record zeroed its last page's tail
-        self._track(blk, pos, size, end, stream_id, waiter)
-        self._queue_sealed(blk)
+        # self._track(blk, pos, size, end, stream_id, waiter) and self._queue_sealed(blk),
+        # inline: two Python calls per large Produce request (the current block is None here)
+        blk.records = 1
+        blk.streams.add(stream_id)
+        self._inflight += size
+        self._end = end
+        q = self._queues.get(stream_id)
+        if q is None:
+            q = self._queues[stream_id] = collections.deque()
+        q.append((blk, pos, waiter))
+        self._cursor = blk_end = pos + ((size + ALIGN_MASK) & ALIGN_DOWN)
+        self._pending.append(blk)
+        self._pending_bytes += blk_end - pos
+        if self._pending_bytes >= self._backlog and self._writes >= self.config.eager_writes \
+                and self._spare_cond._waiters:
+            self._spare_cond.notify()             # the eager writers fall behind: help
         if self._driver is None and self._may_start_write(False):
             self._io_cond.notify()
         return pos
@@ -723,7 +743,9 @@ class DeltaWAL:
             nxt = self._pending[0]
             last = group[-1]
             n = (nxt.used + ALIGN_MASK) & ALIGN_DOWN
-            if (nxt.start != last.end or nxt.start // ring != first.start // ring
+            # last.end, inline (a property call per block of a merged write)
+            if (nxt.start != last.start + ((last.used + ALIGN_MASK) & ALIGN_DOWN)
+                    or nxt.start // ring != first.start // ring
                     or total + n > limit or not self._window_allows(nxt)):
                 break
             self._pending.popleft()
@@ -810,21 +832,33 @@ class DeltaWAL:
         """Mark a written group durable and pop, per stream, every record whose predecessors
         are all durable; one lock acquisition per group. ``released``: its queue slot was
         already freed by _release_writes()."""
+        self._complete_groups((group,), released)
+
+    def _complete_groups(self, groups: "list[list[Block]] | tuple[list[Block], ...]",
+                         released: bool = False) -> None:
+        """_complete for several written groups at once (the loop driver's writes reaped
+        together): one lock acquisition, one pass over the streams' queues and one drain of
+        their waiters for all of them, instead of one each per write. Each stream's records
+        still complete in order (its queue is popped in order)."""
         with self._lock:                 # the conditions' lock (a C context manager)
             stats = self.stats
-            stats["writes"] += 1
+            stats["writes"] += len(groups)
             if not released:
-                self._writes -= 1
+                self._writes -= len(groups)
             done = self._completed
             streams: set[int] = set()
             written = 0
-            for blk in group:
-                blk.done = True
-                written += (blk.used + ALIGN_MASK) & ALIGN_DOWN
-                self._writing.remove(blk)
-                self._inflight -= blk.used
-                streams |= blk.streams
-            stats["block_writes"] += len(group)
+            nblocks = 0
+            writing = self._writing
+            for group in groups:
+                nblocks += len(group)
+                for blk in group:
+                    blk.done = True
+                    written += (blk.used + ALIGN_MASK) & ALIGN_DOWN
+                    writing.remove(blk)
+                    self._inflight -= blk.used
+                    streams |= blk.streams
+            stats["block_writes"] += nblocks
             stats["bytes_written"] += written
             queues = self._queues
             for sid in streams:
@@ -838,10 +872,11 @@ class DeltaWAL:
                     append((offset, waiter, None))
                 if not q:
                     del queues[sid]
-            for blk in group:
-                if blk.pooled:
-                    self._pool.put(blk.buf)
-                blk.buf = None  # type: ignore[assignment]
+            for group in groups:
+                for blk in group:
+                    if blk.pooled:
+                        self._pool.put(blk.buf)
+                    blk.buf = None  # type: ignore[assignment]
             waiters = self._window_waiters
             if waiters:                  # else no new list per write
                 self._window_waiters = []

@@ -485,3 +485,73 @@ async def test_task_less_appends_behind_a_waiting_one_settle_with_it(tmp_path):
     assert [(n, e) for n, e, _ in answered] == [("E", ErrorCode.KAFKA_STORAGE_ERROR),
                                                ("F", ErrorCode.KAFKA_STORAGE_ERROR)]
     assert not p.append_now(bytearray(make_batch([b"G"])), 9, answered.append)
+
+
+async def test_task_path_append_behind_a_pending_task_less_one_waits_for_it(tmp_path):
+    """A task-path append (Partition.append) taken behind a task-less one (append_now) whose
+    WAL write is not durable yet is answered only once that one is, after it; when that write
+    fails, the append behind fails too (KAFKA_STORAGE_ERROR). A task-less append's outcome is
+    no asyncio future (``_Outcome``): the task path makes one for it when it has to wait."""
+    stream = DirectStream()
+    p, *_ = await open_partition(tmp_path, stream=stream)
+    answered: list[tuple[str, int, int]] = []
+    # already durable before the task-path append is taken: no wait
+    assert p.append_now(bytearray(make_batch([b"A"])), 9,
+                        lambda r: answered.append(("A", r.error, r.base_offset)))
+    stream.direct[0].set_result(None)
+    await asyncio.sleep(0)
+    assert answered == [("A", 0, 0)]
+    rb = await asyncio.wait_for(p.append(make_batch([b"B"])), 5)
+    assert (rb.error, rb.base_offset) == (0, 1)
+
+    # still pending: the task-path append waits for it, and is answered after it
+    assert p.append_now(bytearray(make_batch([b"C"])), 9,
+                        lambda r: answered.append(("C", r.error, r.base_offset)))
+    d = asyncio.ensure_future(p.append(make_batch([b"D"])))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not d.done() and answered[1:] == []
+    stream.direct[1].set_result(None)
+    rd = await asyncio.wait_for(d, 5)
+    assert (rd.error, rd.base_offset) == (0, 3)
+    assert answered[1:] == [("C", 0, 2)]
+    assert await values(p) == [(0, b"A"), (1, b"B"), (2, b"C"), (3, b"D")]
+
+    # its WAL write fails: the append behind it fails too, none is answered with an offset
+    assert p.append_now(bytearray(make_batch([b"E"])), 9,
+                        lambda r: answered.append(("E", r.error, r.base_offset)))
+    f = asyncio.ensure_future(p.append(make_batch([b"F"])))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not f.done()
+    stream.direct[2].set_exception(OSError("disk gone"))
+    rf = await asyncio.wait_for(f, 5)
+    assert rf.error == ErrorCode.KAFKA_STORAGE_ERROR
+    assert [(n, e) for n, e, _ in answered[2:]] == [("E", ErrorCode.KAFKA_STORAGE_ERROR)]
+
+
+async def test_admission_line_hands_over_in_order_times_out_and_survives_cancels():
+    """The partition's admission line (_Admission): waiters are handed the lock in arrival
+    order; one whose time runs out first gives up (False) and is skipped; one cancelled
+    while waiting leaves the line; one cancelled after it was handed the lock passes it on."""
+    from broker.partition import _Admission
+
+    a = _Admission()
+    assert a.try_take() and not a.try_take()
+    first = asyncio.ensure_future(a.take(30))
+    late = asyncio.ensure_future(a.take(0.01))
+    gone = asyncio.ensure_future(a.take(30))
+    last = asyncio.ensure_future(a.take(30))
+    await asyncio.sleep(0.05)                 # past late's timer, before any hand-over
+    assert late.done() and late.result() is False
+    gone.cancel()
+    await asyncio.sleep(0)
+    assert len(a._waiters) == 2                  # first and last wait; late and gone left
+    a.release()
+    assert await first is True and a.held
+    a.release()                                  # to last (late and gone are skipped) ...
+    last.cancel()                                # ... which is cancelled before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await last
+    assert not a.held and not a._waiters         # it passed the lock on: nobody left
+    assert a.try_take()

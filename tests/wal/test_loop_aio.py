@@ -160,7 +160,7 @@ async def test_next_writes_start_before_finished_ones_are_completed(make_wal):
 
     driver.aio.submit_write = logged("submit", driver.aio.submit_write)
     driver.aio.reap = logged("reap", driver.aio.reap)
-    w._complete = logged("complete", w._complete)
+    w._complete_groups = logged("complete", w._complete_groups)
     rs = [w.append_loop(body(1, i, 64 << 10), stream_id=1) for i in range(160)]   # 10 MiB
     await asyncio.gather(*[r.future for r in rs])
     after_reap = []                       # per reap: what came first, a submit or a complete
@@ -277,11 +277,42 @@ async def test_durable_writes_are_acknowledged_when_starting_the_next_fails(make
         return real_kick()
 
     w._release_writes, driver.kick = release, kick
+    driver._has_work = lambda: True     # a kick after the write even with nothing left to start
     errors: list[dict] = []
     asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
     r = w.append_loop(b"y" * 3000)
     assert await asyncio.wait_for(r.future, 10) == r.offset
     assert [str(e.get("exception")) for e in errors] == ["[Errno 5] injected"]
+
+
+async def test_a_completion_with_nothing_left_to_write_does_not_kick(make_wal):
+    """A reaped write whose blocks were the last ones leaves nothing to seal or start: the
+    completion then calls no kick() (the lock and the clock, twice per completion before)."""
+    w, _ = make_wal()
+    assert w.attach_loop()
+    driver = w._driver
+    log: list[str] = []
+    real_kick, real_submit = driver.kick, driver.aio.submit_write
+    real_complete = w._complete_groups
+
+    def kick():
+        log.append("kick")
+        return real_kick()
+
+    def submit(*a, **kw):
+        log.append("submit")
+        return real_submit(*a, **kw)
+
+    def complete(*a, **kw):
+        log.append("complete")
+        return real_complete(*a, **kw)
+
+    driver.kick, driver.aio.submit_write, w._complete_groups = kick, submit, complete
+    r = w.append_loop(b"y" * 3000)
+    assert await asyncio.wait_for(r.future, 10) == r.offset
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert log[log.index("submit"):] == ["submit", "complete"]
 
 
 async def test_time_based_seal_keeps_the_iops_budget(make_wal):
