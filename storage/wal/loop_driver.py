@@ -110,24 +110,9 @@ class LoopDriver:
                     wal._next_seal_at = now + wal.config.flush_interval_s
                 else:
                     self.timer.arm(wal._next_seal_at)
-            cfg = wal.config
-            limit = cfg.bandwidth_limit
-            eager, depth = cfg.eager_writes, self.depth
-            # _may_start, inline (a call per started write and one more per kick)
-            while (wal._pending
-                   and (wal._writes < eager or (wal._writes < depth and (
-                       wal._pending_bytes >= wal._backlog or wal._closing)))):
-                # wal._window_allows(blk)'s first test inline: the block ends within the
-                # window from the oldest unfinished write's scan start (its slow path grows
-                # the window, or says no)
-                blk = wal._pending[0]
-                start = blk.scan_from
-                writing = wal._writing
-                if writing and writing[0].scan_from < start:
-                    start = writing[0].scan_from
-                if blk.start + ((blk.used + ALIGN_MASK) & ALIGN_DOWN) - start > wal._window_len \
-                        and not wal._window_allows(blk):
-                    break
+            limit = wal.config.bandwidth_limit
+            while (wal._pending and self._may_start(wal)
+                   and wal._window_allows(wal._pending[0])):
                 if limit and wal._bw_next > now and not wal._closing:
                     self.timer.arm(wal._bw_next)
                     break

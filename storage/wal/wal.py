@@ -425,12 +425,10 @@ class DeltaWAL:
         driver = self._driver
         if driver is not None:
             if self._pending and on_loop:
-                # a block sealed by size (or placed): write it now, if a write may start
-                # (driver._may_start, inline). Else kick() would do nothing - with blocks
-                # pending it seals none - and the completion that frees a slot starts it
-                w = self._writes
-                if w < self.config.eager_writes or (w < driver.depth and (
-                        self._pending_bytes >= self._backlog or self._closing)):
+                # a block sealed by size (or placed): write it now, if a write may start.
+                # Else kick() would do nothing - with blocks pending it seals none - and the
+                # completion that frees a slot starts it
+                if driver._may_start(self):
                     driver.kick()
             else:
                 driver.kick_soon()
@@ -612,22 +610,8 @@ class DeltaWAL:
         self.stats["placed_records"] += 1
         blk.used = size
         blk.sealed = True                            # place_record zeroed its last page's tail
-        # self._track(blk, pos, size, end, stream_id, waiter) and self._queue_sealed(blk),
-        # inline: two Python calls per large Produce request (the current block is None here)
-        blk.records = 1
-        blk.streams.add(stream_id)
-        self._inflight += size
-        self._end = end
-        q = self._queues.get(stream_id)
-        if q is None:
-            q = self._queues[stream_id] = collections.deque()
-        q.append((blk, pos, waiter))
-        self._cursor = blk_end = pos + ((size + ALIGN_MASK) & ALIGN_DOWN)
-        self._pending.append(blk)
-        self._pending_bytes += blk_end - pos
-        if self._pending_bytes >= self._backlog and self._writes >= self.config.eager_writes \
-                and self._spare_cond._waiters:
-            self._spare_cond.notify()             # the eager writers fall behind: help
+        self._track(blk, pos, size, end, stream_id, waiter)
+        self._queue_sealed(blk)
         if self._driver is None and self._may_start_write(False):
             self._io_cond.notify()
         return pos
@@ -743,8 +727,7 @@ class DeltaWAL:
             nxt = self._pending[0]
             last = group[-1]
             n = (nxt.used + ALIGN_MASK) & ALIGN_DOWN
-            # last.end, inline (a property call per block of a merged write)
-            if (nxt.start != last.start + ((last.used + ALIGN_MASK) & ALIGN_DOWN)
+            if (nxt.start != last.end
                     or nxt.start // ring != first.start // ring
                     or total + n > limit or not self._window_allows(nxt)):
                 break
