@@ -767,7 +767,7 @@ class Partition:
             if not log_append:
                 # the checks of _prepare and _header_checks and _stamp in one C call when all
                 # pass; None (nothing changed): the Python path below, which answers errors
-                now = int(time.time() * 1000)       # _now_ms(), inline
+                now = _now_ms()
                 base = stream.end_offset
                 # a lone large batch comes back with its CRC for the WAL's copy to check,
                 # when the stream checks payloads (else stamp_plain checks it)

@@ -268,9 +268,7 @@ class EngineStream(OffsetStream):
         took = time.perf_counter() - t0
         self._engine.cold_pacer.note_hot(took, len(entry.payload))
         stats = self._engine.stats
-        hist = stats.wal_append             # hist.observe(took), inline: a call per append
-        hist.counts[bisect.bisect_left(hist.bounds, took)] += 1
-        hist.sum += took
+        stats.wal_append.observe(took)
         if took > stats.wal_append_max:
             stats.wal_append_max = took
         if ok:
@@ -307,11 +305,8 @@ class EngineStream(OffsetStream):
             eng._wal_head = entry.wal_next
         # wake the upload loop at the append that brought the pending bytes to the upload
         # threshold or to cache pressure (``_upload_at``), or the WAL past half its capacity
-        # (``set`` only when not set yet: under back-pressure every append is past the
-        # threshold, and Event.set is a Python call; ``_value`` is what Event.is_set reads)
-        if (eng.cache.pending_bytes >= eng._upload_at or
-                eng._wal_head - eng._wal_trimmed > eng.config.wal_capacity // 2) \
-                and not eng._upload_wakeup._value:
+        if eng.cache.pending_bytes >= eng._upload_at or \
+                eng._wal_head - eng._wal_trimmed > eng.config.wal_capacity // 2:
             eng._upload_wakeup.set()
         eng.cold_pacer.note_append()            # durable later: _note_durable's note_hot
 
@@ -338,14 +333,9 @@ class EngineStream(OffsetStream):
             payload = memoryview(payload).cast("B")     # a flat byte view (the partition's is)
         size = WAL_RECORD.size + len(payload)
         cache, wal = eng.cache, eng.wal
-        # cache.has_room(size + 64), inline: past the capacity (every request once the cache is
-        # full) it evicts what the request needs, then tests again
-        over = cache.used + size + 64 - cache.capacity
-        if over > 0:
-            cache._evict(over)
-            if cache.used + size + 64 > cache.capacity:
-                return False
-        if not wal.has_room(size):
+        # cache.has_room's own first test inline: it is called only when eviction may be needed
+        if (cache.used + size + 64 > cache.capacity and not cache.has_room(size + 64)) \
+                or not wal.has_room(size):
             return False
         if check is not None:      # checked while the WAL copies the record: no pass of its own
             check = (WAL_RECORD.size + check[0], check[1])

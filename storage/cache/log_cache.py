@@ -309,22 +309,12 @@ class LogCache:
         return e.next_offset <= sc.committed
 
     def _evict(self, need: int, max_entries: int = -1) -> None:
-        # one entry per Produce request once the cache is full: _evictable, next_offset and
-        # pop_front inline (three Python calls an entry)
-        fifo, streams = self._fifo, self._streams
-        while need > 0 and max_entries and fifo:
-            e = fifo[0]
-            sc = streams[e.stream_id]
-            if e.base_offset + e.count > sc.committed:      # not evictable (_evictable)
-                break
+        while need > 0 and max_entries and self._fifo and self._evictable(self._fifo[0]):
             max_entries -= 1
-            fifo.popleft()
-            head = sc.head
-            if head < len(sc.entries) and sc.entries[head] is e:
-                if head < 1023:
-                    sc.head = head + 1                      # pop_front's common case
-                else:
-                    sc.pop_front()
+            e = self._fifo.popleft()
+            sc = self._streams[e.stream_id]
+            if sc.head < len(sc.entries) and sc.entries[sc.head] is e:
+                sc.pop_front()
             self.used -= e.size
             need -= e.size
             if self.recycle is not None:
