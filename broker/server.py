@@ -305,8 +305,7 @@ class Connection(asyncio.BufferedProtocol):
             self._start += 4 + size
             self._dispatch(frame)
             dispatched = True
-        if self._run:                   # only when collected: a call less per read
-            self._start_run()
+        self._start_run()
         if self._start == self._end:
             self._start = self._end = 0
             if len(self._buf) > KEEP_BUFFER:
@@ -378,8 +377,7 @@ class Connection(asyncio.BufferedProtocol):
                 if pooled:
                     # a large frame of its own (never merged: that would copy it): alone,
                     # through the task-less path when it takes it
-                    if self._run:
-                        self._start_run()
+                    self._start_run()
                     self._start_items([(RequestContext(self.broker, header, self), request,
                                         received)], frame)
                     return
@@ -390,8 +388,7 @@ class Connection(asyncio.BufferedProtocol):
                 # queued when the run starts: nothing else is queued before that
                 self._run.append((RequestContext(self.broker, header, self), request, received))
                 return
-        if self._run:
-            self._start_run()
+        self._start_run()
         # the handler coroutine (inside its timing wrapper) is the task itself: the queue
         # keeps (task, header) and the response is encoded when it is written
         task = self._loop.create_task(
@@ -464,12 +461,9 @@ class Connection(asyncio.BufferedProtocol):
         self._slow -= 1
 
     def answered(self) -> None:
-        """A task-less handler answered requests of the queue: write them out (at the end of
-        the loop's turn: answers completed together go out in one write). Once per answered
-        large request: ``_schedule_flush`` inline."""
-        if not self._closing and not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
+        """A task-less handler answered requests of the queue: write them out."""
+        if not self._closing:
+            self._schedule_flush()
 
     async def _run_task(self, items: list[tuple[RequestContext, Any, float]],
                         futs: list[asyncio.Future]) -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from .aio import TimerFD, open_context, yield_cpu
 from .config import IO_RETRIES, IO_RETRY_DELAY_S
-from .format import ALIGN_DOWN, ALIGN_MASK, HEADER_AREA, align_up
+from .format import ALIGN_DOWN, ALIGN_MASK, align_up
 
 # writes at least this large, of records this large on average, yield the CPU after their
 # submit (see LoopDriver._submit). The record size is above the largest record a produce run
@@ -63,8 +63,6 @@ class LoopDriver:
         self._thread_id = threading.get_ident()
         # the yield after large writes is for a loop device's kernel worker (see _submit)
         self.yield_after_large = bool(wal._device is not None and wal._device.on_loop_device)
-        # the device's fd, read once (the WAL's device is set at open, before any driver)
-        self._fd = wal._device.fd if wal._device is not None else -1
         loop.add_reader(self.aio.eventfd, self.on_completion)
         loop.add_reader(self.timer.fd, self.on_timer)
 
@@ -135,28 +133,19 @@ class LoopDriver:
     def _submit(self, group: list["Block"], attempt: int) -> None:
         wal = self.wal
         assert wal._device is not None
-        if len(group) == 1:     # the common case (a placed 1 MiB record is a block of its own)
-            blk = group[0]
-            exports = [ctypes.c_char.from_buffer(blk.buf)]
-            size = (blk.used + ALIGN_MASK) & ALIGN_DOWN
-            pieces = [(ctypes.addressof(exports[0]), size)]
-            records = blk.records
-        else:
-            exports = [ctypes.c_char.from_buffer(b.buf) for b in group]
-            pieces = [(ctypes.addressof(c), (b.used + ALIGN_MASK) & ALIGN_DOWN)
-                      for c, b in zip(exports, group)]
-            size = sum(n for _, n in pieces)
-            records = -1
+        exports = [ctypes.c_char.from_buffer(b.buf) for b in group]
+        pieces = [(ctypes.addressof(c), (b.used + ALIGN_MASK) & ALIGN_DOWN)
+                  for c, b in zip(exports, group)]
         self._token += 1
         token = self._token
         try:
-            # wal.device_position(group[0].start), inline
-            keep = self.aio.submit_write(self._fd, pieces, HEADER_AREA + group[0].start
-                                         % wal.ring_size, token, self.dsync)
+            keep = self.aio.submit_write(wal._device.fd, pieces, wal.device_position(
+                group[0].start), token, self.dsync)
         except OSError as e:
             del exports
             self._retry(group, attempt, e)
             return
+        size = sum(n for _, n in pieces)
         self._inflight[token] = (group, [exports, keep], size, attempt)
         # A device served by a kernel worker (a loop device's, the writes to its backing file)
         # gets it woken on this CPU by io_submit: on these VMs the scheduler packs it here and
@@ -175,8 +164,7 @@ class LoopDriver:
         # runnable - a co-located producer, under a confluent-kafka 1 KiB producer 593-627 ->
         # 704-807 MB/s without it, WAL append->durable 8.9-12.4 -> 3.2-4.0 ms (session 19).
         if self.yield_after_large and size >= YIELD_FROM_BYTES and \
-                size >= YIELD_FROM_RECORD_BYTES * (records if records >= 0 else
-                                                   sum(b.records for b in group)):
+                size >= YIELD_FROM_RECORD_BYTES * sum(b.records for b in group):
             yield_cpu()
 
     def on_completion(self) -> None:

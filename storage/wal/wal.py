@@ -727,8 +727,7 @@ class DeltaWAL:
             nxt = self._pending[0]
             last = group[-1]
             n = (nxt.used + ALIGN_MASK) & ALIGN_DOWN
-            if (nxt.start != last.end
-                    or nxt.start // ring != first.start // ring
+            if (nxt.start != last.end or nxt.start // ring != first.start // ring
                     or total + n > limit or not self._window_allows(nxt)):
                 break
             self._pending.popleft()
