@@ -20,16 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.ports import free_port  # noqa: F401 - bench modules and tests import it from here
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 CLK_TCK = os.sysconf("SC_CLK_TCK")      # /proc stat CPU figures are in these ticks
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (the broker binds it right after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def threads_seconds(target: Any, args: list[Any]) -> float:

@@ -12,7 +12,6 @@ import os
 import re
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 import pytest
 from filelock import FileLock
 
+from bench import ports
 from bench.common import tied_popen
 from datapath.wire import api_versions_roundtrip
 
@@ -107,10 +107,9 @@ def run_setup_deps() -> None:
 
 
 def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1 (the OS picks it; tiny reuse race is acceptable)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 that no other live test process was handed (bench/ports.py:
+    a broker killed for a restart leaves its port free in between)."""
+    return ports.free_port()
 
 
 def _has_flag(args: Sequence[str], flag: str) -> bool:

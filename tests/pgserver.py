@@ -13,9 +13,10 @@ import os
 import pwd
 import shlex
 import shutil
-import socket
 import subprocess
 import tempfile
+
+from bench.ports import free_port
 
 
 def pg_bindir() -> str | None:
@@ -32,12 +33,6 @@ def pg_bindir() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class PostgresServer:
     """One running server; ``url(db)`` is a psycopg/--metadata URL for database ``db``."""
 
@@ -50,7 +45,7 @@ class PostgresServer:
         self.bindir = bindir
         self.dir = tempfile.mkdtemp(prefix="s3kafka-pg-")
         self.data = os.path.join(self.dir, "data")
-        self.port = _free_port()
+        self.port = free_port()
         self.host = "127.0.0.1"
         self._prefix: list[str] = []
         if os.geteuid() == 0:

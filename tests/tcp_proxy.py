@@ -18,6 +18,8 @@ import struct
 import threading
 from urllib.parse import urlsplit, urlunsplit
 
+from bench import ports
+
 _RST = struct.pack("ii", 1, 0)      # SO_LINGER on, 0 s: close() sends a reset
 
 
@@ -26,10 +28,7 @@ class TcpProxy:
 
     def __init__(self, target_host: str, target_port: int) -> None:
         self.target = (target_host, target_port)
-        self._ls = socket.socket()
-        self._ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._ls.bind(("127.0.0.1", 0))
-        self._ls.listen(256)
+        self._ls = ports.listener(256, reuse_addr=True)
         self.port: int = self._ls.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.state = "up"

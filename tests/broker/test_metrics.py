@@ -25,6 +25,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import ports
 from bench.common import tied_popen
 from conftest import REPO, free_port
 
@@ -327,9 +328,7 @@ def _serve(tmp_path: pathlib.Path, *args: str, env: dict[str, str] | None = None
 
 
 def test_explicit_metrics_address_taken_is_a_one_line_error(tmp_path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
+    with ports.listener() as s:
         port = s.getsockname()[1]
         proc = _serve(tmp_path, "--metrics-listen", f"127.0.0.1:{port}")
         out, _ = proc.communicate(timeout=60)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import time
 import pytest
 
 import loopdev
+from bench import ports
 from bench.common import tied_popen
 from conftest import REPO, free_port
 
@@ -260,9 +260,7 @@ def test_black_holed_object_store_is_bounded(tmp_path):
               timeout=120)
     baseline = time.monotonic() - t0
     assert r.returncode == 1 and "object store" in r.stderr, r.stderr
-    with socket.socket() as hole:
-        hole.bind(("127.0.0.1", 0))
-        hole.listen(16)
+    with ports.listener(16) as hole:
         t0 = time.monotonic()
         refused_unchanged(tmp_path, ["--data-dir", "d", "--object-store", url(hole.getsockname()[1])],
                           1, "object store", "is not usable")
@@ -350,9 +348,7 @@ def test_second_broker_on_locked_data_dir_or_wal(tmp_path):
 
 
 def test_port_in_use_is_one_line(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen(1)
+    with ports.listener(1) as s:
         port = s.getsockname()[1]
         before = snapshot(tmp_path)
         r = subprocess.run([PY, "-m", "broker", "serve", "--listen", f"127.0.0.1:{port}",

@@ -8,11 +8,12 @@ the follower's records and its pointer back to the leader, ListOffsets on a foll
 """
 from __future__ import annotations
 
-import socket
 import sqlite3
 import time
 
 import pytest
+
+from bench.ports import free_port
 from confluent_kafka import Consumer, Producer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.protocol.consumer import (FetchResponse, OffsetForLeaderEpochRequest,
@@ -39,12 +40,6 @@ def uploaded(db: str) -> int:
     """Records of the topic committed to the object store (the metadata database's view)."""
     with sqlite3.connect(db) as c:
         return sum(r[0] for r in c.execute("SELECT end_offset FROM s3_streams"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def follower_log(broker, topic: str = "near") -> set[int]:

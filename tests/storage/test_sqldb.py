@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from bench.ports import free_port
 from storage import sqldb
 
 STEPS = [(1, "CREATE TABLE t_items (id @ID@, name TEXT NOT NULL, data @BLOB@,"
@@ -126,11 +127,8 @@ def test_unreachable_postgres_is_one_clear_line() -> None:
 
 
 def _closed_port() -> int:
-    import socket  # noqa: PLC0415
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, claimed so no other test process listens there meanwhile."""
+    return free_port()
 
 
 def test_lost_postgres_connection_is_reopened(postgres) -> None:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from bench.common import tied_popen
+from bench.common import free_port, tied_popen
 from storage.engine import open_engine
 from storage.metastore import (WAL_ACTIVE, WAL_TAKEN_OVER, WAL_TAKING_OVER, TakeoverConflict,
                                open_metastore)
@@ -482,7 +482,7 @@ def test_broker_on_a_taken_over_wal_refuses_to_start(tmp_path):
     finally:
         meta.close()
     r = subprocess.run([sys.executable, "-m", "broker", "serve", "--listen",
-                        f"127.0.0.1:{_free_port()}", "--data-dir", str(data),
+                        f"127.0.0.1:{free_port()}", "--data-dir", str(data),
                         "--wal-capacity", str(8 << 20)], cwd=REPO, capture_output=True,
                        text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO),
                        stdin=subprocess.DEVNULL)
@@ -491,13 +491,6 @@ def test_broker_on_a_taken_over_wal_refuses_to_start(tmp_path):
     assert "Traceback" not in r.stderr
     assert any("taken over by node 2 at epoch 1" in ln and "re-register" in ln for ln in lines), \
         r.stderr
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_racing_owner_header_write_cannot_erase_the_fence(tmp_path, stores):
