@@ -91,3 +91,36 @@ def free_port(registry: str = REGISTRY) -> int:
         if claim(port, registry):
             return port
     raise OSError(f"no unclaimed free port on 127.0.0.1 in {_TRIES} tries ({registry})")
+
+
+def listening_pid_owns(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a socket listening on TCP ``port`` (IPv4 or IPv6; Linux
+    /proc): an answer on the port is then its own, not another process's that took the port
+    while it was free (a restart's readiness probe)."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as f:
+                next(f, None)
+                for line in f:
+                    cols = line.split()
+                    # local address "ADDR:PORT" in hex, state 0A = LISTEN, inode column 9
+                    if len(cols) > 9 and cols[3] == "0A" and \
+                            int(cols[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(f"socket:[{cols[9]}]")
+        except FileNotFoundError:
+            continue
+    if not inodes:
+        return False
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return False
+    for name in names:
+        try:
+            if os.readlink(os.path.join(fd_dir, name)) in inodes:
+                return True
+        except OSError:
+            continue
+    return False

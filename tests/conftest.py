@@ -143,7 +143,8 @@ class BrokerProcess:
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
-        """(Re)start with the same args and port; return once ApiVersions is answered."""
+        """(Re)start with the same args and port; return once ApiVersions is answered, by this
+        process's own listener."""
         assert not self.running, "broker already running"
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
@@ -163,7 +164,9 @@ class BrokerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"broker exited with {self.proc.returncode} during start-up\n{self.log_tail()}")
-            if api_versions_roundtrip(self.host, self.port, timeout=1.0):
+            # answered by this process: not by another that took the port while it was free
+            if api_versions_roundtrip(self.host, self.port, timeout=1.0) and \
+                    ports.listening_pid_owns(self.proc.pid, self.port):
                 return
             time.sleep(0.05)
         self.kill()

@@ -53,3 +53,16 @@ def test_listener_listens_on_a_claimed_port(tmp_path) -> None:
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             conn, _ = ls.accept()
             conn.close()
+
+
+def test_listening_pid_owns_tells_whose_listener_answers() -> None:
+    with ports.listener(4) as ls:
+        port = ls.getsockname()[1]
+        assert ports.listening_pid_owns(os.getpid(), port)
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            assert not ports.listening_pid_owns(other.pid, port)
+        finally:
+            other.kill()
+            other.wait()
+    assert not ports.listening_pid_owns(os.getpid(), port), "closed, yet owned"
