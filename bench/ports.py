@@ -17,7 +17,8 @@ import os
 import socket
 import tempfile
 
-REGISTRY = os.path.join(tempfile.gettempdir(), "s3kafka-test-ports")
+# one per user: a file another user created is not writable here (processes of one user share it)
+REGISTRY = os.path.join(tempfile.gettempdir(), f"s3kafka-test-ports-{os.getuid()}")
 _TRIES = 200
 
 
@@ -34,7 +35,7 @@ def _alive(pid: int) -> bool:
 def claim(port: int, registry: str = REGISTRY) -> bool:
     """Record ``port`` as this process's; False when a live process (this one included)
     already holds it."""
-    fd = os.open(registry, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = os.open(registry, os.O_RDWR | os.O_CREAT, 0o600)
     with open(fd, "r+", encoding="ascii") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         held: list[tuple[int, int]] = []
