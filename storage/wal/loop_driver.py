@@ -90,10 +90,13 @@ class LoopDriver:
 
     def kick(self) -> None:
         """Seal the current block when the IOPS budget allows and start every write the
-        queue depth and the window allow; arm the timer for what has to wait."""
+        queue depth and the window allow; arm the timer for what has to wait. With nothing to
+        seal or start (``_has_work``) it returns before the lock and the clock: a completion
+        whose blocks were the last ones, a timer or a scheduled kick that an earlier one
+        already served."""
         self._kick_scheduled = False
         wal = self.wal
-        if not (self._attached or self._sync):
+        if not (self._attached or self._sync) or not self._has_work():
             return
         started: list[list["Block"]] = []
         with wal._lock:
@@ -170,14 +173,12 @@ class LoopDriver:
     def on_completion(self) -> None:
         self.aio.clear_signal()
         self._finish(self.aio.reap())
-        if self._has_work():
-            self.kick()
+        self.kick()
 
     def _has_work(self) -> bool:
         """Whether kick() could do anything: seal a current block that holds records, or
-        start a sealed one. Without either it takes the lock and reads the clock for nothing,
-        once or twice per completion (a reaped write whose blocks were the only ones). Read
-        without the lock on the loop thread: another thread's append kicks on its own."""
+        start a sealed one. Read without the lock: an append on another thread kicks on its
+        own after it, and a block sealed meanwhile is started by that kick."""
         wal = self.wal
         if wal._pending:
             return True
@@ -208,8 +209,7 @@ class LoopDriver:
             return
         wal._release_writes(len(written))
         try:
-            if self._has_work():
-                self.kick()
+            self.kick()
         finally:                              # durable writes are acknowledged whatever kick() hit
             wal._complete_groups(written, released=True)     # one pass for the batch reaped
 

@@ -277,7 +277,6 @@ async def test_durable_writes_are_acknowledged_when_starting_the_next_fails(make
         return real_kick()
 
     w._release_writes, driver.kick = release, kick
-    driver._has_work = lambda: True     # a kick after the write even with nothing left to start
     errors: list[dict] = []
     asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
     r = w.append_loop(b"y" * 3000)
@@ -285,19 +284,39 @@ async def test_durable_writes_are_acknowledged_when_starting_the_next_fails(make
     assert [str(e.get("exception")) for e in errors] == ["[Errno 5] injected"]
 
 
-async def test_a_completion_with_nothing_left_to_write_does_not_kick(make_wal):
+class _LockWatch:
+    """The WAL's lock, noting each time kick() takes it."""
+
+    def __init__(self, lock, log: list[str], in_kick: list[bool]) -> None:
+        self.lock, self.log, self.in_kick = lock, log, in_kick
+
+    def __enter__(self):
+        if self.in_kick[0]:
+            self.log.append("kick takes the lock")
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+
+async def test_a_completion_with_nothing_left_to_write_takes_no_lock_to_kick(make_wal):
     """A reaped write whose blocks were the last ones leaves nothing to seal or start: the
-    completion then calls no kick() (the lock and the clock, twice per completion before)."""
+    kick after it returns before the lock and the clock (both, twice per completion before)."""
     w, _ = make_wal()
     assert w.attach_loop()
     driver = w._driver
     log: list[str] = []
+    in_kick = [False]
     real_kick, real_submit = driver.kick, driver.aio.submit_write
     real_complete = w._complete_groups
 
     def kick():
         log.append("kick")
-        return real_kick()
+        in_kick[0] = True
+        try:
+            return real_kick()
+        finally:
+            in_kick[0] = False
 
     def submit(*a, **kw):
         log.append("submit")
@@ -308,11 +327,19 @@ async def test_a_completion_with_nothing_left_to_write_does_not_kick(make_wal):
         return real_complete(*a, **kw)
 
     driver.kick, driver.aio.submit_write, w._complete_groups = kick, submit, complete
+    w._lock = _LockWatch(w._lock, log, in_kick)
     r = w.append_loop(b"y" * 3000)
     assert await asyncio.wait_for(r.future, 10) == r.offset
     for _ in range(5):
         await asyncio.sleep(0)
-    assert log[log.index("submit"):] == ["submit", "complete"]
+    after = log[log.index("submit"):]
+    assert "complete" in after and "kick" in after
+    assert "kick takes the lock" not in after, after
+    # ... while a kick with a record to seal does take it
+    log.clear()
+    w.append_loop(b"z" * 100)
+    driver.kick()
+    assert "kick takes the lock" in log
 
 
 async def test_time_based_seal_keeps_the_iops_budget(make_wal):
