@@ -91,12 +91,13 @@ class LoopDriver:
     def kick(self) -> None:
         """Seal the current block when the IOPS budget allows and start every write the
         queue depth and the window allow; arm the timer for what has to wait. With nothing to
-        seal or start (``_has_work``) it returns before the lock and the clock: a completion
-        whose blocks were the last ones, a timer or a scheduled kick that an earlier one
-        already served."""
+        seal or start (``_nothing_to_write``, read here without the lock: an append on another
+        thread kicks on its own after it) it returns before the lock and the clock: a
+        completion whose blocks were the last ones, a timer or a scheduled kick that an
+        earlier one already served."""
         self._kick_scheduled = False
         wal = self.wal
-        if not (self._attached or self._sync) or not self._has_work():
+        if not (self._attached or self._sync) or wal._nothing_to_write():
             return
         started: list[list["Block"]] = []
         with wal._lock:
@@ -174,16 +175,6 @@ class LoopDriver:
         self.aio.clear_signal()
         self._finish(self.aio.reap())
         self.kick()
-
-    def _has_work(self) -> bool:
-        """Whether kick() could do anything: seal a current block that holds records, or
-        start a sealed one. Read without the lock: an append on another thread kicks on its
-        own after it, and a block sealed meanwhile is started by that kick."""
-        wal = self.wal
-        if wal._pending:
-            return True
-        cur = wal._current
-        return cur is not None and cur.used > 0
 
     def _finish(self, events: list[tuple[int, int]]) -> None:
         """Complete reaped writes. The next writes start before the finished ones are

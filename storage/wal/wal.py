@@ -130,7 +130,8 @@ class DeltaWAL:
         return HEADER_AREA + logical % self.ring_size
 
     def _nothing_to_write(self) -> bool:
-        """No sealed block waits and the current one is empty; caller holds the lock."""
+        """No sealed block waits and the current one is empty; caller holds the lock (or is
+        LoopDriver.kick's early return, whose appenders on other threads kick after)."""
         return not self._pending and (self._current is None or not self._current.used)
 
     @property
