@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
+#include <fcntl.h>
 
 #include "crc32c.h"          /* crc_hw, crc_soft, shift tables (shared with protocol/_produce.c) */
 
@@ -490,13 +491,13 @@ static void release_recs(rec_t *recs, Py_ssize_t n) {
 }
 
 /* write the gathered records of one block at out + pos (header first) and return the CRC of
-   the body; touches no Python object (runs with the GIL released when asked) */
-static uint32_t write_block(unsigned char *out, Py_ssize_t pos, rec_t *recs, Py_ssize_t n,
-                            Py_ssize_t body) {
+   the body (records `stride` bytes apart); touches no Python object (runs with the GIL released when asked) */
+static uint32_t write_block(unsigned char *out, Py_ssize_t pos, rec_t *recs, size_t stride,
+                            Py_ssize_t n, Py_ssize_t body) {
     unsigned char *p = out + pos + BLOCK_HDR;
     uint32_t crc = ~0u;
     for (Py_ssize_t i = 0; i < n; i++) {
-        rec_t *r = &recs[i];
+        rec_t *r = (rec_t *)((char *)recs + i * stride);    /* stride: sizeof(rec_t) or more */
         p[0] = 0x22;
         put_be64(p + 1, (uint64_t)r->sid);
         put_be64(p + 9, 0);
@@ -732,7 +733,8 @@ static PyObject *encode_impl(PyObject *out_obj, Py_ssize_t at, PyObject *list, P
         int err = 0;
         PyThreadState *ts = nogil || flush ? PyEval_SaveThread() : NULL;
         for (Py_ssize_t b = 0; b < nblk; b++)
-            write_block(obuf, blks[b].pos, recs + blks[b].first, blks[b].n, blks[b].body);
+            write_block(obuf, blks[b].pos, recs + blks[b].first, sizeof(rec_t), blks[b].n,
+                        blks[b].body);
         if (flush) {
             wrote = write_loop(fd, (const char *)obuf, flush, chunk, align, &err);
             memmove(obuf, obuf + wrote, (size_t)(at - wrote));   /* the rest to the start */
@@ -1293,7 +1295,7 @@ static PyObject *eventfd_reset(PyObject *self, PyObject *arg) {
 
 typedef struct {
     int fd;
-    unsigned *sq_tail, *sq_mask, *sq_array, *cq_head, *cq_tail, *cq_mask;
+    unsigned *sq_head, *sq_tail, *sq_mask, *sq_array, *cq_head, *cq_tail, *cq_mask;
     struct io_uring_sqe *sqes;
     struct io_uring_cqe *cqes;
     void *sq_map, *sqe_map;
@@ -1402,7 +1404,7 @@ static int uring_find(const uring_t *r, uintptr_t a, size_t n) {
 PyDoc_STRVAR(uring_setup_doc,
 "uring_setup(entries, eventfd) -> ring\n\n"
 "A new io_uring of `entries` submission slots (a power of two is used) whose completions\n"
-"signal `eventfd` (IORING_REGISTER_EVENTFD). Raises OSError(errno) when the kernel refuses\n"
+"signal `eventfd` (IORING_REGISTER_EVENTFD; none when < 0: gather_write waits on the ring). Raises OSError(errno) when the kernel refuses\n"
 "(ENOSYS, EPERM: io_uring disabled; ENOMEM); the caller falls back to libaio.");
 
 static PyObject *uring_setup_(PyObject *self, PyObject *args) {
@@ -1434,6 +1436,7 @@ static PyObject *uring_setup_(PyObject *self, PyObject *args) {
                       IORING_OFF_SQES);
     if (r->sqe_map == MAP_FAILED) { r->sqe_map = NULL; goto fail; }
     r->sqes = r->sqe_map;
+    r->sq_head = (unsigned *)(sq + p.sq_off.head);
     r->sq_tail = (unsigned *)(sq + p.sq_off.tail);
     r->sq_mask = (unsigned *)(sq + p.sq_off.ring_mask);
     r->sq_array = (unsigned *)(sq + p.sq_off.array);
@@ -1441,7 +1444,8 @@ static PyObject *uring_setup_(PyObject *self, PyObject *args) {
     r->cq_tail = (unsigned *)(sq + p.cq_off.tail);
     r->cq_mask = (unsigned *)(sq + p.cq_off.ring_mask);
     r->cqes = (struct io_uring_cqe *)(sq + p.cq_off.cqes);
-    if (syscall(__NR_io_uring_register, fd, IORING_REGISTER_EVENTFD, &efd, 1) < 0) goto fail;
+    if (efd >= 0 && syscall(__NR_io_uring_register, fd, IORING_REGISTER_EVENTFD, &efd, 1) < 0)
+        goto fail;
     struct io_uring_rsrc_register reg;       /* FIXED_MAX empty slots, filled by uring_sync */
     memset(&reg, 0, sizeof(reg));
     reg.nr = FIXED_MAX;
@@ -1799,6 +1803,534 @@ static PyObject *gc_untrack(PyObject *self, PyObject *obj) {
     Py_RETURN_NONE;
 }
 
+/* ---- the gather upload: objects written straight from the payloads' frames ----------------
+   A large record whose payload[split:] CRC-32C was checked at its append (the entry's `check`,
+   the client's batch CRC that the WAL verified in its pass over the record) is written to its
+   object without being copied: it gets a data block of its own, placed (a gap of < 4 KiB
+   before it, which readers skip: they find blocks by the index alone) so that its payload sits
+   at the same offset within a 4 KiB page in the file as in memory. The payload's whole pages
+   then go to the O_DIRECT file straight from its frame (io_uring WRITE_FIXED when the frame's
+   slab is registered: no page pinned per write), and only the block's headers, the payload's
+   two partial pages, the other (staged) records' blocks, the gaps and the index go through a
+   small staging buffer. The block CRC is carried, not computed: crc(record header +
+   payload[:split]) combined with the checked CRC of payload[split:] (crc_combine). The
+   encoder's fused copy + CRC from cold frames was ~0.07-0.1 ms of upload CPU per MiB
+   (bench/HISTORY.md, session 39/40). */
+
+#define GATHER_ALIGN 4096
+#define GATHER_MIN_PAGES 1
+
+static PyObject *s_check;
+
+typedef struct {
+    rec_t rec;                  /* first: a staged block's records go to write_block */
+    int gather;                 /* its own block, written from its frame */
+    Py_ssize_t split;           /* crc(payload[split:]) == want, checked at its append */
+    uint32_t want;
+    Py_ssize_t pos;             /* gathered: its block's position in the object */
+    int slot;                   /* gathered: the ring's registered buffer of its frame, or -1 */
+} grec_t;
+
+typedef struct {
+    Py_ssize_t first, n, pos, body;
+    int gathered;
+} gblk_t;
+
+typedef struct {
+    grec_t *recs;
+    Py_ssize_t nrec;
+    gblk_t *blks;
+    Py_ssize_t nblk;
+    Py_ssize_t data_end;        /* where the last block ends (the index's position) */
+    Py_ssize_t entries;         /* index entries */
+    Py_ssize_t size;            /* the whole object: data, index, footer */
+    Py_ssize_t max_region;      /* the largest staged region (bytes between two middles) */
+    Py_ssize_t gathered;        /* records written from their frames */
+} glayout_t;
+
+static void glayout_free(glayout_t *g) {
+    if (g->recs != NULL)
+        for (Py_ssize_t i = 0; i < g->nrec; i++)
+            if (g->recs[i].rec.buf.obj != NULL) PyBuffer_Release(&g->recs[i].rec.buf);
+    PyMem_Free(g->recs);
+    PyMem_Free(g->blks);
+    memset(g, 0, sizeof(*g));
+}
+
+static inline Py_ssize_t g_up(Py_ssize_t x) { return (x + GATHER_ALIGN - 1) & ~(Py_ssize_t)(GATHER_ALIGN - 1); }
+static inline Py_ssize_t g_down(Py_ssize_t x) { return x & ~(Py_ssize_t)(GATHER_ALIGN - 1); }
+
+/* the payload's whole pages in the file: [*ms, *me) */
+static inline void g_middle(const grec_t *r, Py_ssize_t *ms, Py_ssize_t *me) {
+    Py_ssize_t q = r->pos + BLOCK_HDR + RECORD_HDR;
+    *ms = g_up(q);
+    *me = g_down(q + r->rec.buf.len);
+}
+
+/* read the records (their buffers exported: held until glayout_free) and lay the object out:
+   the same block-closing rule as encode_blocks for the staged records; a gathered record
+   closes the open block and gets one of its own. Returns -1 with an exception set. */
+static int glayout_build(glayout_t *g, PyObject *list, Py_ssize_t block_size,
+                         Py_ssize_t min_gather) {
+    memset(g, 0, sizeof(*g));
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    g->recs = PyMem_Calloc(n ? n : 1, sizeof(grec_t));
+    g->blks = PyMem_Calloc(n ? n : 1, sizeof(gblk_t));
+    if (g->recs == NULL || g->blks == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i >= PyList_GET_SIZE(list)) {
+            PyErr_SetString(PyExc_RuntimeError, "gather: the records list changed");
+            return -1;
+        }
+        PyObject *item = PyList_GET_ITEM(list, i);
+        Py_INCREF(item);
+        grec_t *r = &g->recs[i];
+        PyObject *payload = NULL, *check = NULL;
+        int bad = record_key(item, &r->rec.sid, &r->rec.base) < 0 || get_i64(item, s_count, &r->rec.count) < 0
+                  || (payload = PyObject_GetAttr(item, s_payload)) == NULL;
+        if (!bad) {
+            check = PyObject_GetAttr(item, s_check);
+            if (check == NULL) {
+                if (PyErr_ExceptionMatches(PyExc_AttributeError)) PyErr_Clear();
+                else bad = 1;
+            }
+        }
+        Py_DECREF(item);
+        if (!bad && PyObject_GetBuffer(payload, &r->rec.buf, PyBUF_C_CONTIGUOUS) < 0) bad = 1;
+        Py_XDECREF(payload);
+        if (!bad && check != NULL && check != Py_None) {
+            long long split;
+            unsigned long want;
+            if (!PyArg_ParseTuple(check, "Lk", &split, &want)) bad = 1;
+            else if (split >= 0 && split <= r->rec.buf.len) {
+                r->split = (Py_ssize_t)split;
+                r->want = (uint32_t)want;
+                r->gather = r->rec.buf.len >= min_gather;
+            }
+        }
+        Py_XDECREF(check);
+        g->nrec = i + 1;
+        if (bad) return -1;
+        if (i && (r->rec.sid < r[-1].rec.sid || (r->rec.sid == r[-1].rec.sid && r->rec.base < r[-1].rec.base))) {
+            PyErr_SetString(PyExc_ValueError, "records must be sorted by stream and offset");
+            return -1;
+        }
+        if ((uint64_t)r->rec.buf.len > INT32_MAX - BLOCK_HDR - RECORD_HDR
+                || r->rec.count - 1 < INT32_MIN || r->rec.count - 1 > INT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "gather: record count or payload out of range");
+            return -1;
+        }
+    }
+    Py_ssize_t pos = 0, open = -1, bpos = 0, body = 0, region_from = 0;
+    for (Py_ssize_t i = 0; i <= n; i++) {
+        grec_t *r = i < n ? &g->recs[i] : NULL;
+        if (r != NULL && r->gather) {
+            /* where its payload lands at its address's offset in a page */
+            Py_ssize_t qmin = (open >= 0 ? bpos + BLOCK_HDR + body : pos) + BLOCK_HDR + RECORD_HDR;
+            Py_ssize_t q = qmin + (Py_ssize_t)(((uintptr_t)r->rec.buf.buf - (uintptr_t)qmin)
+                                               & (GATHER_ALIGN - 1));
+            if (g_down(q + r->rec.buf.len) - g_up(q) < GATHER_MIN_PAGES * GATHER_ALIGN)
+                r->gather = 0;                /* no whole page to gather: staged */
+        }
+        int close = open >= 0 && (r == NULL || r->gather || body >= block_size);
+        if (close) {
+            g->blks[g->nblk++] = (gblk_t){open, i - open, bpos, body, 0};
+            pos = bpos + BLOCK_HDR + body;
+            int64_t last = -1;
+            for (Py_ssize_t k = open; k < i; k++)
+                if (k == open || g->recs[k].rec.sid != last) { g->entries++; last = g->recs[k].rec.sid; }
+            open = -1;
+        }
+        if (r == NULL) break;
+        if (r->gather) {
+            Py_ssize_t qmin = pos + BLOCK_HDR + RECORD_HDR;
+            Py_ssize_t q = qmin + (Py_ssize_t)(((uintptr_t)r->rec.buf.buf - (uintptr_t)qmin)
+                                               & (GATHER_ALIGN - 1));
+            r->pos = q - BLOCK_HDR - RECORD_HDR;
+            g->blks[g->nblk++] = (gblk_t){i, 1, r->pos, RECORD_HDR + r->rec.buf.len, 1};
+            g->entries++;
+            g->gathered++;
+            Py_ssize_t ms, me;
+            g_middle(r, &ms, &me);
+            if (ms - region_from > g->max_region) g->max_region = ms - region_from;
+            region_from = me;
+            pos = q + r->rec.buf.len;
+            continue;
+        }
+        if (open < 0) {
+            open = i;
+            bpos = pos;
+            body = 0;
+        }
+        body += RECORD_HDR + r->rec.buf.len;
+    }
+    g->data_end = pos;
+    g->size = pos + g->entries * 36 + 48;
+    if (g_up(g->size) - region_from > g->max_region) g->max_region = g_up(g->size) - region_from;
+    return 0;
+}
+
+/* the index entries (as encode_blocks returns them) of the layout */
+static PyObject *glayout_index(const glayout_t *g) {
+    PyObject *index = PyList_New(0);
+    if (index == NULL) return NULL;
+    for (Py_ssize_t b = 0; b < g->nblk; b++) {
+        const gblk_t *k = &g->blks[b];
+        Py_ssize_t i = k->first, end = k->first + k->n;
+        while (i < end) {
+            Py_ssize_t j = i;
+            int64_t cnt = 0;
+            while (j < end && g->recs[j].rec.sid == g->recs[i].rec.sid) { cnt++; j++; }
+            PyObject *e = Py_BuildValue("(LLLLnn)", (long long)g->recs[i].rec.sid,
+                                        (long long)g->recs[i].rec.base,
+                                        (long long)(g->recs[j - 1].rec.base + g->recs[j - 1].rec.count),
+                                        (long long)cnt, k->pos, BLOCK_HDR + k->body);
+            if (e == NULL || PyList_Append(index, e) < 0) {
+                Py_XDECREF(e);
+                Py_DECREF(index);
+                return NULL;
+            }
+            Py_DECREF(e);
+            i = j;
+        }
+    }
+    return index;
+}
+
+PyDoc_STRVAR(gather_layout_doc,
+"gather_layout(records, block_size, min_gather) -> (size, index, gathered, max_region, data_end)\n\n"
+"The layout of a gather put of `records` (sorted by stream and offset; objects with\n"
+"stream_id, base_offset, count, payload and optionally check = None or (split, crc): the\n"
+"payload's CRC-32C from `split` on, checked at its append): the object's size, its index\n"
+"entries as encode_blocks returns them, how many records are written from their own\n"
+"memory (payload at least `min_gather` bytes with a check), the largest staged region (the\n"
+"staging buffer gather_write needs) and where the data blocks end (the index's position).\n"
+"Deterministic for the same records at the same addresses: gather_write lays them out again.");
+
+static PyObject *gather_layout(PyObject *self, PyObject *args) {
+    PyObject *list;
+    Py_ssize_t block_size, min_gather;
+    if (!PyArg_ParseTuple(args, "O!nn:gather_layout", &PyList_Type, &list, &block_size,
+                          &min_gather))
+        return NULL;
+    glayout_t g;
+    if (glayout_build(&g, list, block_size, min_gather) < 0) {
+        glayout_free(&g);
+        return NULL;
+    }
+    PyObject *index = glayout_index(&g), *ret = NULL;
+    if (index != NULL)
+        ret = Py_BuildValue("(nNnnn)", g.size, index, g.gathered, g.max_region, g.data_end);
+    glayout_free(&g);
+    return ret;
+}
+
+/* A gather put's writes, a batch at a time: a staged region's piece and the next payload's
+   pages (about `chunk` bytes in all, as one piece of a streamed put: no more of this put
+   queued in front of a WAL write) submitted together and waited for together, one device
+   round trip per batch. One at a time, the small region writes added a round trip each and
+   the puts fell behind the WAL (request p99 +50 ms under raw 1 MiB produce). No interpreter
+   lock (the caller released it). */
+#define GB_MAX 8
+
+typedef struct {
+#ifdef HAVE_URING
+    uring_t *r;                 /* NULL: pwrite */
+#else
+    void *r;
+#endif
+    int fd;
+    Py_ssize_t bytes, chunk;
+    int n;
+    Py_ssize_t fixed;           /* pieces written as WRITE_FIXED */
+    struct { const unsigned char *p; size_t len; uint64_t off; int slot; } e[GB_MAX];
+} gbatch_t;
+
+/* p[0:n) at `off` with pwrite, short writes continued; 0 or an errno */
+static int gb_pwrite(int fd, const unsigned char *p, size_t n, uint64_t off) {
+    while (n > 0) {
+        ssize_t w = pwrite(fd, p, n, (off_t)off);
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0) return errno;
+        if (w == 0) return EIO;
+        p += w;
+        n -= (size_t)w;
+        off += (uint64_t)w;
+    }
+    return 0;
+}
+
+#ifdef HAVE_URING
+/* the batch through the ring: every entry queued, one io_uring_enter submits them and waits
+   for all; a short write's rest then goes by pwrite. Entries the kernel refused to take are
+   taken back (the SQ head says which); those it took are always waited for (their memory is
+   the caller's until they complete). */
+static int gb_ring(gbatch_t *b, int n) {
+    uring_t *r = b->r;
+    long res[GB_MAX];
+    unsigned tail = *r->sq_tail;
+    for (int i = 0; i < n; i++) {
+        unsigned idx = (tail + (unsigned)i) & *r->sq_mask;
+        struct io_uring_sqe *e = &r->sqes[idx];
+        memset(e, 0, sizeof(*e));
+        e->opcode = b->e[i].slot >= 0 ? IORING_OP_WRITE_FIXED : IORING_OP_WRITE;
+        e->fd = b->fd;
+        e->off = b->e[i].off;
+        e->addr = (uint64_t)(uintptr_t)b->e[i].p;
+        e->len = (uint32_t)b->e[i].len;
+        if (b->e[i].slot >= 0) e->buf_index = (uint16_t)b->e[i].slot;
+        e->user_data = (uint64_t)i;
+        r->sq_array[idx] = idx;
+        res[i] = LONG_MIN;
+    }
+    __atomic_store_n(r->sq_tail, tail + (unsigned)n, __ATOMIC_RELEASE);
+    int err = 0, taken = n, done = 0;
+    while (done < taken) {
+        unsigned head = __atomic_load_n(r->sq_head, __ATOMIC_ACQUIRE);
+        unsigned left = *r->sq_tail - head;      /* queued, not yet taken by the kernel */
+        long got = syscall(__NR_io_uring_enter, r->fd, left, 1, IORING_ENTER_GETEVENTS,
+                           NULL, 0);
+        if (got < 0 && errno != EINTR) {
+            if (!err) err = errno;
+            head = __atomic_load_n(r->sq_head, __ATOMIC_ACQUIRE);
+            taken -= (int)(*r->sq_tail - head);      /* the rest never written: taken back */
+            __atomic_store_n(r->sq_tail, head, __ATOMIC_RELEASE);
+            if (got < 0 && done >= taken) break;
+            if (err != EAGAIN && err != EBUSY && err != ENOMEM && err != EINTR)
+                break;                                  /* cannot wait: give up (rare) */
+        }
+        unsigned ch = *r->cq_head, ct = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
+        for (; ch != ct; ch++) {
+            struct io_uring_cqe *c = &r->cqes[ch & *r->cq_mask];
+            if (c->user_data < (uint64_t)n) res[c->user_data] = c->res;
+            done++;
+        }
+        __atomic_store_n(r->cq_head, ch, __ATOMIC_RELEASE);
+    }
+    if (err) return err;
+    for (int i = 0; i < n; i++) {
+        if (res[i] < 0) return (int)-res[i];
+        b->fixed += b->e[i].slot >= 0;
+        if ((size_t)res[i] < b->e[i].len) {           /* short (rare): the rest by pwrite */
+            int e2 = gb_pwrite(b->fd, b->e[i].p + res[i], b->e[i].len - (size_t)res[i],
+                               b->e[i].off + (uint64_t)res[i]);
+            if (e2) return e2;
+        }
+    }
+    return 0;
+}
+#endif
+
+/* write the batch's entries (through the ring, else pwrite one by one); 0 or an errno */
+static int gb_flush(gbatch_t *b) {
+    int n = b->n;
+    b->n = 0;
+    b->bytes = 0;
+#ifdef HAVE_URING
+    if (b->r != NULL && n > 0) return gb_ring(b, n);
+#endif
+    for (int i = 0; i < n; i++) {
+        int err = gb_pwrite(b->fd, b->e[i].p, b->e[i].len, b->e[i].off);
+        if (err) return err;
+    }
+    return 0;
+}
+
+/* queue p[0:n) for `off` (from registered buffer `slot` when >= 0), in pieces of at most
+   `chunk`; a batch goes out once it holds `chunk` bytes. 0 or an errno. */
+static int gb_add(gbatch_t *b, const unsigned char *p, Py_ssize_t n, Py_ssize_t off, int slot) {
+    while (n > 0) {
+        Py_ssize_t len = n < b->chunk ? n : b->chunk;
+        b->e[b->n].p = p;
+        b->e[b->n].len = (size_t)len;
+        b->e[b->n].off = (uint64_t)off;
+        b->e[b->n].slot = slot;
+        b->n++;
+        b->bytes += len;
+        p += len;
+        off += len;
+        n -= len;
+        if (b->bytes >= b->chunk || b->n == GB_MAX) {
+            int err = gb_flush(b);
+            if (err) return err;
+        }
+    }
+    return 0;
+}
+
+/* the staged bytes of gathered record r's block that fall before its middle: the block and
+   record headers (the CRC carried) and the payload's head, written at dst (= object position
+   r->pos in the staging buffer) */
+static void g_head(unsigned char *dst, const grec_t *r, Py_ssize_t ms) {
+    unsigned char *h = dst, *p = dst + BLOCK_HDR;
+    const unsigned char *src = (const unsigned char *)r->rec.buf.buf;
+    size_t n = (size_t)r->rec.buf.len, k = (size_t)r->split;
+    p[0] = 0x22;
+    put_be64(p + 1, (uint64_t)r->rec.sid);
+    put_be64(p + 9, 0);
+    put_be64(p + 17, (uint64_t)r->rec.base);
+    put_be32(p + 25, (uint32_t)(int32_t)(r->rec.count - 1));
+    put_be32(p + 29, (uint32_t)n);
+    uint32_t c = ~crc_any(~0u, p, RECORD_HDR);
+    c = ~crc_any(~c, src, k);
+    c = crc_combine(c, r->want, n - k);
+    h[0] = 0x5A;
+    h[1] = 0;
+    put_be32(h + 2, 1);
+    put_be32(h + 6, (uint32_t)(RECORD_HDR + n));
+    put_be32(h + 10, c);
+    Py_ssize_t q = r->pos + BLOCK_HDR + RECORD_HDR;
+    memcpy(dst + BLOCK_HDR + RECORD_HDR, src, (size_t)(ms - q));
+}
+
+PyDoc_STRVAR(gather_write_doc,
+"gather_write(ring, fd, records, block_size, min_gather, staging, chunk, alloc, tail)\n"
+"    -> (written, fixed)\n\n"
+"Write the object gather_layout(records, block_size, min_gather) describes to `fd` (from\n"
+"offset 0; O_DIRECT when its flags say so): each gathered payload's whole pages straight\n"
+"from its memory, everything else (headers, the payloads' partial pages, the staged\n"
+"records' blocks encoded as encode_blocks does, zeroed gaps, then `tail`: the index and\n"
+"footer, at the data's end) through `staging` (page-aligned, at least max_region bytes),\n"
+"one write at a time of at most `chunk` bytes, each waited for. `ring`: an io_uring from\n"
+"uring_setup (the gathered pages of a registered slab go as WRITE_FIXED), or None for\n"
+"pwrite. `alloc` > 0: fallocate the file's first `alloc` bytes first (io_uring's writes\n"
+"into a file that must allocate blocks go to a worker thread: 3-6x the CPU). The last page\n"
+"is written whole: the caller truncates the file to the object's size. Returns the bytes\n"
+"written (the size rounded up to 4 KiB) and how many pieces went as WRITE_FIXED; OSError as\n"
+"a write fails. The interpreter lock is released for the writes and copies.");
+
+static PyObject *gather_write(PyObject *self, PyObject *args) {
+    PyObject *ring_obj, *list, *staging_obj, *tail_obj;
+    int fd;
+    Py_ssize_t block_size, min_gather, chunk;
+    long long alloc;
+    if (!PyArg_ParseTuple(args, "OiO!nnOnLO:gather_write", &ring_obj, &fd, &PyList_Type, &list,
+                          &block_size, &min_gather, &staging_obj, &chunk, &alloc, &tail_obj))
+        return NULL;
+    if (chunk < GATHER_ALIGN || chunk % GATHER_ALIGN) {
+        PyErr_SetString(PyExc_ValueError, "gather_write: chunk must be whole 4 KiB pages");
+        return NULL;
+    }
+#ifdef HAVE_URING
+    uring_t *ring = NULL;
+    if (ring_obj != Py_None && (ring = uring_get(ring_obj)) == NULL) return NULL;
+#else
+    void *ring = NULL;
+    if (ring_obj != Py_None) {
+        PyErr_SetString(PyExc_ValueError, "gather_write: no io_uring in this build");
+        return NULL;
+    }
+#endif
+    Py_buffer stg, tail;
+    if (PyObject_GetBuffer(staging_obj, &stg, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(tail_obj, &tail, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&stg);
+        return NULL;
+    }
+    glayout_t g;
+    PyObject *ret = NULL;
+    Py_ssize_t *ends = NULL;
+    if (glayout_build(&g, list, block_size, min_gather) < 0) goto done;
+    if (g.data_end + tail.len != g.size) {
+        PyErr_SetString(PyExc_ValueError, "gather_write: tail does not end the object");
+        goto done;
+    }
+    if (g.max_region > stg.len || ((uintptr_t)stg.buf & (GATHER_ALIGN - 1))) {
+        PyErr_SetString(PyExc_ValueError, "gather_write: staging buffer too small or unaligned");
+        goto done;
+    }
+#ifdef HAVE_URING
+    if (ring != NULL) {
+        /* the registered slabs as of now, under the interpreter lock (see fixed_tab): every
+           gathered payload is exported, so its slab stays mapped and registered meanwhile */
+        if (ring->gen != fixed_gen) uring_sync(ring);
+        for (Py_ssize_t i = 0; i < g.nrec; i++) {
+            grec_t *r = &g.recs[i];
+            r->slot = -1;
+            if (r->gather && ring->fixed_ok) {
+                Py_ssize_t ms, me;
+                g_middle(r, &ms, &me);
+                uintptr_t a = (uintptr_t)r->rec.buf.buf + (uintptr_t)(ms - r->pos - BLOCK_HDR - RECORD_HDR);
+                r->slot = uring_find(ring, a, (size_t)(me - ms));
+            }
+        }
+    } else
+#endif
+        for (Py_ssize_t i = 0; i < g.nrec; i++) g.recs[i].slot = -1;
+    int err = 0;
+    unsigned char *s = (unsigned char *)stg.buf;
+    Py_ssize_t total = g_up(g.size), rs = 0;       /* rs: the staged region's start */
+    /* each block's region end: the next gathered block's middle start, else the end */
+    ends = PyMem_Malloc((size_t)(g.nblk + 1) * sizeof(Py_ssize_t));
+    if (ends == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    ends[g.nblk] = total;
+    for (Py_ssize_t b = g.nblk - 1; b >= 0; b--) {
+        ends[b] = ends[b + 1];
+        if (g.blks[b].gathered) {
+            Py_ssize_t me;
+            g_middle(&g.recs[g.blks[b].first], &ends[b], &me);
+        }
+    }
+    gbatch_t gb;
+    memset(&gb, 0, sizeof(gb));
+    gb.r = ring;
+    gb.fd = fd;
+    gb.chunk = chunk;
+    PyThreadState *ts = PyEval_SaveThread();
+    if (alloc > 0 && fallocate(fd, 0, 0, (off_t)alloc) < 0 && errno != EOPNOTSUPP)
+        err = errno;
+    if (!err) memset(s, 0, (size_t)(ends[0] - rs));
+    for (Py_ssize_t b = 0; b < g.nblk && !err; b++) {
+        gblk_t *k = &g.blks[b];
+        if (!k->gathered) {
+            write_block(s, k->pos - rs, &g.recs[k->first].rec, sizeof(grec_t), k->n, k->body);
+            continue;
+        }
+        grec_t *r = &g.recs[k->first];
+        Py_ssize_t ms, me, q = r->pos + BLOCK_HDR + RECORD_HDR;
+        g_middle(r, &ms, &me);
+        g_head(s + (r->pos - rs), r, ms);
+        err = gb_add(&gb, s, ms - rs, rs, -1);                          /* the region */
+        if (!err) {
+            err = gb_add(&gb, (const unsigned char *)r->rec.buf.buf + (ms - q), me - ms, ms,
+                         r->slot);                                      /* the middle */
+            /* the staging buffer is filled again next: its writes must be out first */
+            if (!err && gb.n) err = gb_flush(&gb);
+        }
+        if (err) break;
+        rs = me;                                 /* the next region: the payload's tail */
+        memset(s, 0, (size_t)(ends[b + 1] - rs));
+        memcpy(s, (const unsigned char *)r->rec.buf.buf + (me - q),
+               (size_t)(q + r->rec.buf.len - me));
+    }
+    if (!err) {
+        memcpy(s + (g.data_end - rs), tail.buf, (size_t)tail.len);
+        err = gb_add(&gb, s, total - rs, rs, -1);
+        if (!err) err = gb_flush(&gb);
+    }
+    PyEval_RestoreThread(ts);
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        ret = Py_BuildValue("(nn)", total, gb.fixed);
+    }
+done:
+    PyMem_Free(ends);
+    glayout_free(&g);
+    PyBuffer_Release(&tail);
+    PyBuffer_Release(&stg);
+    return ret;
+}
+/* ---- end of the gather upload's section ---- */
+
 static PyMethodDef methods[] = {
     {"gc_untrack", gc_untrack, METH_O, gc_untrack_doc},
     {"buffer_address", buffer_address, METH_O, buffer_address_doc},
@@ -1819,6 +2351,8 @@ static PyMethodDef methods[] = {
     {"encode_blocks", encode_blocks, METH_VARARGS, encode_blocks_doc},
     {"encode_write", encode_write, METH_VARARGS, encode_write_doc},
     {"object_size_steps", object_size_steps, METH_VARARGS, object_size_steps_doc},
+    {"gather_layout", gather_layout, METH_VARARGS, gather_layout_doc},
+    {"gather_write", gather_write, METH_VARARGS, gather_write_doc},
 #ifdef HAVE_AIO
     {"aio_submit", aio_submit, METH_VARARGS, aio_submit_doc},
     {"aio_reap", aio_reap, METH_VARARGS, aio_reap_doc},
@@ -1871,7 +2405,8 @@ PyMODINIT_FUNC PyInit__copycrc(void) {
     s_base_offset = PyUnicode_InternFromString("base_offset");
     s_count = PyUnicode_InternFromString("count");
     s_payload = PyUnicode_InternFromString("payload");
-    if (!s_stream_id || !s_base_offset || !s_count || !s_payload) return NULL;
+    s_check = PyUnicode_InternFromString("check");
+    if (!s_stream_id || !s_base_offset || !s_count || !s_payload || !s_check) return NULL;
     have_hw = cpu_has_sse42() && self_test(copy_crc_scalar);
     if (have_hw && cpu_has_avx2() && self_test(copy_crc_stream) && self_test(copy_crc_cached)) {
         copy_crc_raw = copy_crc_stream;

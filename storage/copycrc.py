@@ -84,6 +84,11 @@ encode_blocks = getattr(_copycrc, "encode_blocks", None)
 # the extension or with a stale build
 encode_write = getattr(_copycrc, "encode_write", None)
 object_size_steps = getattr(_copycrc, "object_size_steps", None)
+# the gather put: an object's layout with large checked payloads written straight from their
+# memory, and its writes (storage/objects/format.py GatherSource); None without the extension
+# or with a stale build
+gather_layout = getattr(_copycrc, "gather_layout", None)
+gather_write = getattr(_copycrc, "gather_write", None)
 # an extension built in place before copy_crc_split existed (a worktree's stale build) lacks
 # it: the split copy then runs as two copy_crc calls and a pass over the tail
 copy_crc_split = getattr(_copycrc, "copy_crc_split", None) or _copy_crc_split_py

@@ -36,7 +36,7 @@ from .metastore import (MetaStore, NewObject, ObjectRange, StreamFenced, StreamM
 from .loop_slices import (NATIVE_ENCODE, SLICE_S, encode_object_in_slices, encode_object_into,
                           no_pause, object_size_in_slices)
 from .metrics import MeasuredStore, StorageStats
-from .objects.format import NOGIL_COPY_FROM, STREAM_ENCODE, StreamEncoder
+from .objects.format import NOGIL_COPY_FROM, STREAM_ENCODE, StreamEncoder, gather_source
 from .objects.store import RECYCLE_BYTES, ObjectStore, open_object_store
 from .reader import ObjectReader
 from .thread_priority import background_executor, in_io_class
@@ -113,6 +113,10 @@ class EngineConfig:
     # file:// objects written and their blocks read with O_DIRECT (no page-cache copy either
     # way: less CPU per uploaded and per cold-read MiB); docs/storage.md
     object_direct_writes: bool = True
+    # ... and their large payloads written straight from the LogCache's frames instead of
+    # copied into an encode buffer (GatherSource: needs object_direct_writes; False: every
+    # object encoded as before)
+    object_gather_writes: bool = True
     # most bytes of deleted objects' files a file:// store keeps for later puts to overwrite
     # (0: unlink every one); docs/storage.md "Recycled object files"
     object_recycle_bytes: int = RECYCLE_BYTES
@@ -288,11 +292,11 @@ class EngineStream(OffsetStream):
             raise StorageError(f"stream {self.stream_id} is released to another node")
 
     def _taken(self, payload: bytes | memoryview, base_offset: int, count: int, size: int,
-               res: Any, t0: float) -> CacheEntry:
-        """The bookkeeping of a record the WAL took (``append``): its LogCache entry, the
-        stream's end and the engine's WAL position."""
+               res: Any, t0: float, check: tuple[int, int] | None) -> CacheEntry:
+        """The bookkeeping of a record the WAL took (``append``): its LogCache entry (with the
+        ``check`` the WAL verified), the stream's end and the engine's WAL position."""
         entry = CacheEntry(self.stream_id, base_offset, count, payload, res.offset,
-                           res.next_offset, added=t0)
+                           res.next_offset, added=t0, check=check)
         self._took(entry, size)
         return entry
 
@@ -337,16 +341,16 @@ class EngineStream(OffsetStream):
         if (cache.used + size + 64 > cache.capacity and not cache.has_room(size + 64)) \
                 or not wal.has_room(size):
             return False
-        if check is not None:      # checked while the WAL copies the record: no pass of its own
-            check = (WAL_RECORD.size + check[0], check[1])
         t0 = time.perf_counter()
         sid = self.stream_id
-        entry = CacheEntry(sid, base_offset, count, payload, -1, -1, False, t0)
+        entry = CacheEntry(sid, base_offset, count, payload, -1, -1, False, t0, check)
         # the stream's bookkeeping, then the caller's continuation: one call per append
         durable = functools.partial(self._note_durable, entry, t0, then)
         try:
+            # checked while the WAL copies the record (from the WAL record's body: after its
+            # stream header): no pass of its own
             offset = wal.append_flat(WAL_RECORD.pack(sid, base_offset, count), payload, sid,
-                                     check, durable)
+                                     check and (WAL_RECORD.size + check[0], check[1]), durable)
         except eng.checksum_error as e:
             raise PayloadChecksumError(str(e)) from None
         except eng.fenced_error as e:   # another node took this WAL over
@@ -371,8 +375,9 @@ class EngineStream(OffsetStream):
         payload = payload if type(payload) is bytes else memoryview(payload).cast("B")
         header = WAL_RECORD.pack(self.stream_id, base_offset, count)
         size = WAL_RECORD.size + len(payload)
-        if check is not None:      # checked while the WAL copies the record: no pass of its own
-            check = (WAL_RECORD.size + check[0], check[1])
+        # checked while the WAL copies the record (from the WAL record's body: after its stream
+        # header): no pass of its own
+        wal_check = check and (WAL_RECORD.size + check[0], check[1])
         deadline = None
         while True:
             room = eng.cache.has_room(size + 64)
@@ -394,7 +399,7 @@ class EngineStream(OffsetStream):
                     # an asyncio future completed in batches by the WAL: no cross-thread
                     # wake-up per record (append() would cost one self-pipe write each)
                     t0 = time.perf_counter()
-                    res = eng.wal.append_loop((header, payload), self.stream_id, check,
+                    res = eng.wal.append_loop((header, payload), self.stream_id, wal_check,
                                               flat=True)
                     break
                 except eng.checksum_error as e:
@@ -423,7 +428,7 @@ class EngineStream(OffsetStream):
                 raise RetriableStorageError("stream moved on while waiting for room; retry")
             if not self.owned:   # released meanwhile: its end offset is already handed over
                 raise StorageError(f"stream {self.stream_id} is released to another node")
-        entry = self._taken(payload, base_offset, count, size, res, t0)
+        entry = self._taken(payload, base_offset, count, size, res, t0, check)
         afut = res.future
         afut.add_done_callback(functools.partial(self._durable, entry, t0))
         try:
@@ -1390,6 +1395,8 @@ class Engine(StreamStore):
         # objects produced while they are written (a few MiB of buffer per put: see
         # StreamEncoder), where the store takes that and the C encoder is built
         stream = STREAM_ENCODE and getattr(self.store, "streams_puts", False)
+        # ... or the large payloads written straight from their frames (GatherSource)
+        gather = c.object_gather_writes and getattr(self.store, "gathers_puts", False)
         try:
             for i, (kind, recs, payload) in enumerate(groups):
                 this, ahead = ahead, None
@@ -1398,21 +1405,29 @@ class Engine(StreamStore):
                 if i + 1 < len(groups) and self._upload_urgent():
                     ahead = asyncio.ensure_future(
                         self.io(self.meta.prepare_object, groups[i + 1][0], c.node_id))
-                size = await object_size_in_slices(recs, c.object_block_bytes, pause=pause)
                 small = payload < NOGIL_COPY_FROM * len(recs)
                 into = None
-                if stream:
-                    # encoded a window at a time by the put itself (FileObjectStore.put of a
-                    # StreamEncoder): a few MiB of buffer per put in flight, not the object;
-                    # its ranges list fills as it is encoded, complete once the put returned
-                    data = StreamEncoder(recs, c.object_block_bytes, size)
+                # large records (a few hundred at most: laid out in one C call) with their
+                # WAL-checked CRCs: written from their frames, not copied (GatherSource)
+                data = gather_source(recs, c.object_block_bytes) if gather and not small \
+                    else None
+                if data is not None:
                     ranges = data.ranges
                 else:
-                    # encode buffers reused across uploads (taken while in use: the previous
-                    # objects are written meanwhile, a drain may upload beside the loop):
-                    # fresh memory faults a page per 4 KiB
-                    into = self._take_encode_buffer(size)
-                    data, ranges = await self._encode_whole(recs, into, size, small, pause)
+                    size = await object_size_in_slices(recs, c.object_block_bytes, pause=pause)
+                    if stream:
+                        # encoded a window at a time by the put itself (FileObjectStore.put of
+                        # a StreamEncoder): a few MiB of buffer per put in flight, not the
+                        # object; its ranges list fills as it is encoded, complete once the
+                        # put returned
+                        data = StreamEncoder(recs, c.object_block_bytes, size)
+                        ranges = data.ranges
+                    else:
+                        # encode buffers reused across uploads (taken while in use: the
+                        # previous objects are written meanwhile, a drain may upload beside the
+                        # loop): fresh memory faults a page per 4 KiB
+                        into = self._take_encode_buffer(size)
+                        data, ranges = await self._encode_whole(recs, into, size, small, pause)
                 size = len(data)
                 new.append((NewObject(oid, size, ranges), key, kind))
                 # written while the next ones are encoded, _puts_in_flight at a time (one

@@ -43,11 +43,11 @@ class CacheEntry:
     """One appended payload plus where it sits in the WAL."""
 
     __slots__ = ("stream_id", "base_offset", "count", "payload", "wal_offset", "wal_next",
-                 "durable", "size", "added")
+                 "durable", "size", "added", "check")
 
     def __init__(self, stream_id: int, base_offset: int, count: int, payload: bytes,
                  wal_offset: int = -1, wal_next: int = -1, durable: bool = False,
-                 added: float = 0.0) -> None:
+                 added: float = 0.0, check: tuple[int, int] | None = None) -> None:
         self.stream_id = stream_id
         self.base_offset = base_offset
         self.count = count
@@ -59,6 +59,11 @@ class CacheEntry:
         self.durable = durable
         self.size = len(payload) + 64
         self.added = added          # time.perf_counter() at the append (0: recovered)
+        # (split, crc): the CRC-32C of payload[split:], checked by the WAL's pass over the
+        # record at its append (None: not checked there). The upload then writes a large
+        # payload straight from its memory and carries its block CRC instead of computing it
+        # (storage/objects/format.py GatherSource)
+        self.check = check
         if _gc_untrack is not None:
             # numbers and a byte payload: never in a reference cycle, freed by its refcount.
             # Tracked, the ~1 entry per Produce request was the bulk of every young collection

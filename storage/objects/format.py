@@ -366,6 +366,74 @@ class StreamEncoder(_IndexBuilder):
         return end + n, written
 
 
+# a payload is written straight from its memory from this size on (GatherSource): smaller
+# ones are copied with their block (a gathered payload costs a block of its own, a gap of up to
+# 4 KiB and two extra writes)
+GATHER_FROM = 64 << 10
+GATHER = _native.gather_layout is not None and _native.gather_write is not None
+# the most bytes staged between two gathered payloads (a put's staging buffer is one of the
+# store's streamed-put buffers, storage/objects/store.py PUT_RING_BYTES)
+GATHER_STAGING_MAX = 8 << 20
+
+
+class GatherSource(_IndexBuilder):
+    """One object whose large payloads are written straight from their memory (the LogCache's
+    frames) instead of being copied into an encode buffer: storage._copycrc's gather_write.
+
+    A record qualifies when its payload is at least ``min_gather`` bytes and carries a
+    ``check``: (split, crc), the CRC-32C of payload[split:] that the WAL verified at its
+    append (CacheEntry.check). It gets a data block of its own, placed so that its payload has
+    the same offset within a 4 KiB page in the object as in memory (a gap of < 4 KiB before
+    the block: readers find blocks through the index alone), and its block CRC is carried:
+    crc(record header + payload[:split]) combined with the checked one. Its whole pages are
+    then written from its frame (io_uring WRITE_FIXED where the frame's slab is registered:
+    no page pinned per write); the headers, its two partial pages, the other records' blocks
+    (encoded as ObjectEncoder's, into a small staging buffer), the gaps and the index go
+    through the staging buffer. The encode copy from cold frames was the largest upload cost
+    left (bench/HISTORY.md, session 40).
+
+    The layout is fixed here (sizes, index, ranges: the engine's metadata needs them before
+    the put); ``write`` lays the same records out again in C and checks that it ends where
+    the index starts. Build with ``gather_source``, which says None when nothing qualifies."""
+
+    def __init__(self, records: list, block_size: int, min_gather: int, layout: tuple) -> None:
+        super().__init__()
+        self._records = records
+        self.block_size = block_size
+        self._min_gather = min_gather
+        self.size, entries, self.gathered, self.staging_bytes, data_end = layout
+        for entry in entries:
+            self._index_entry(IndexEntry(*entry))
+        self._tail = _index_tail(self.index, data_end)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def write(self, ring: object, fd: int, staging: Buffer, chunk: int, alloc: int
+              ) -> tuple[int, int]:
+        """Write the whole object to ``fd`` from offset 0 (see _copycrc.gather_write: ``ring``
+        an io_uring or None, ``staging`` at least ``staging_bytes``, ``alloc`` bytes
+        fallocated first); its last page is written whole, the caller truncates the file to
+        ``len(self)``. Returns the bytes written and the pieces written from registered
+        buffers (WRITE_FIXED)."""
+        return _native.gather_write(ring, fd, self._records, self.block_size, self._min_gather,
+                                    staging, chunk, alloc, self._tail)
+
+
+def gather_source(records: list, block_size: int = DEFAULT_BLOCK_SIZE,
+                  min_gather: int = GATHER_FROM, max_staging: int = GATHER_STAGING_MAX
+                  ) -> GatherSource | None:
+    """A GatherSource of ``records`` (sorted by stream and offset), or None: no C extension,
+    no record qualifies, or a run of staged blocks between two gathered payloads larger than
+    ``max_staging`` (the put's staging buffer)."""
+    if not GATHER:
+        return None
+    layout = _native.gather_layout(records, block_size, min_gather)
+    if not layout[2] or layout[3] > max_staging:
+        return None
+    return GatherSource(records, block_size, min_gather, layout)
+
+
 def _copy_nogil(out: Buffer | memoryview, at: int, payload: bytes | memoryview, n: int) -> bool:
     """Copy ``payload`` to ``out[at:at + n]`` with the interpreter lock released (ctypes'
     memmove), so an encode on a worker thread does not hold the event loop for its copies;

@@ -31,7 +31,27 @@ from ..copycrc import read_span_crcs
 # shared VM: 10.8-17.1 s and 0.38-0.94 s of writer CPU in Python, 2.2-3.1 s and 0.14-0.30 s in
 # C; bench/HISTORY.md, session 17). None when the extension is not built (or built before it).
 from ..copycrc import write_pieces as _write_pieces
+# an io_uring per upload thread for gather puts (GatherSource); None without the extension
+from ..copycrc import _copycrc_module
 from .buffers import PAGE, BufferPool, fresh_buffer
+from .format import GATHER, GatherSource
+
+_uring_setup = getattr(_copycrc_module, "uring_setup", None)
+_thread_rings = threading.local()
+
+
+def _gather_ring() -> object:
+    """This thread's io_uring for gather puts, whichever store it writes for (made at its first;
+    no eventfd: the put waits on the ring itself; the frame arena's slabs registered with it
+    as with the WAL's), or None where the kernel refuses one: the writes then go by pwrite."""
+    ring = getattr(_thread_rings, "ring", False)
+    if ring is False:
+        try:
+            ring = _uring_setup(8, -1) if _uring_setup is not None else None
+        except OSError:
+            ring = None
+        _thread_rings.ring = ring
+    return ring
 
 
 Buffer = Any          # a writable buffer: mmap.mmap, or storage._copycrc's MappedBuffer
@@ -218,6 +238,12 @@ class FileObjectStore(ObjectStore):
 
     # put() takes a PutSource: the object is produced while it is written (see PUT_RING_BYTES)
     streams_puts = True
+
+    @property
+    def gathers_puts(self) -> bool:
+        """put() takes a GatherSource (large payloads written from their own memory, with
+        O_DIRECT: without it the gather would only move the copy into the page cache)."""
+        return GATHER and self.direct_writes and bool(_O_DIRECT)
 
     def __init__(self, root: str, direct_writes: bool = False,
                  recycle_bytes: int = RECYCLE_BYTES) -> None:
@@ -429,7 +455,9 @@ class FileObjectStore(ObjectStore):
             try:
                 if old > size:
                     os.ftruncate(fd, size)   # a recycled file's longer tail: cut
-                if hasattr(data, "fill"):
+                if isinstance(data, GatherSource):
+                    unsynced = self._write_gathered(fd, data, chunk, old)
+                elif hasattr(data, "fill"):
                     unsynced = self._write_source(fd, data, chunk)
                 else:
                     with memoryview(data) as mv, mv.cast("B") as view:
@@ -504,6 +532,30 @@ class FileObjectStore(ObjectStore):
                 at = end - n
         finally:
             self._give_ring(pooled)
+
+    def _write_gathered(self, fd: int, source: GatherSource, chunk: int, old: int) -> bool:
+        """Write a GatherSource (see put): O_DIRECT through this thread's io_uring, the file
+        fallocated first unless its blocks exist (a recycled file at least as large): ext4
+        does not allocate blocks for an io_uring write at submission, each such write went to
+        an io-wq worker thread, 3-6x the CPU of today's put (bench/HISTORY.md, session 39).
+        The last page is written whole, then the file cut to the object's size. True: the
+        bytes are not synced yet. Where O_DIRECT is refused the same writes go through the
+        page cache (pwrite)."""
+        size = len(source)
+        whole = (size + DIRECT_ALIGN - 1) & -DIRECT_ALIGN
+        # the staging buffer: a streamed put's (gather_source keeps the staged regions within
+        # PUT_RING_BYTES)
+        staging = self._take_ring()
+        direct = _set_direct(fd, True)
+        try:
+            source.write(_gather_ring() if direct else None, fd, staging, chunk,
+                         whole if old < whole else 0)
+        finally:
+            if direct:
+                _set_direct(fd, False)
+            self._give_ring(staging)
+        os.ftruncate(fd, size)
+        return True
 
     def _take_ring(self) -> Buffer:
         """A streamed put's buffer: a kept one, else a fresh one (buffers.fresh_buffer: huge
