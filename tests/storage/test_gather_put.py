@@ -259,3 +259,20 @@ async def test_an_engine_uploads_checked_large_appends_by_gather_and_reads_them_
             assert got == want[s.stream_id]
     finally:
         await eng.close()
+
+
+def test_a_gather_put_over_a_recycled_file_cuts_its_longer_tail(tmp_path, monkeypatch) -> None:
+    """A gather put that takes a deleted object's larger file from the recycle pool (its blocks
+    written: nothing fallocated) overwrites it and ends at its own size; it reads back whole."""
+    monkeypatch.setattr(store_mod, "RECYCLE_QUARANTINE_S", 0.0)
+    rng = random.Random(46)
+    store = FileObjectStore(str(tmp_path / "objects"), direct_writes=True)
+    store.put("old", rng.randbytes(6 * MIB))
+    store.delete(["old"])
+    assert store._pool and store._pool[0].size == 6 * MIB
+    recs = [_entry(1, 4 * i, rng.randbytes(MIB + 333)) for i in range(4)]
+    source = gather_source(recs, 128 << 10)
+    store.put("new", source)
+    assert not store._pool                       # the pooled file was taken
+    assert store.size("new") == len(source) < 6 * MIB
+    assert _as_tuples(decode_object(store.get("new"))) == _as_tuples(recs)
