@@ -530,6 +530,8 @@ class Partition:
         if checked is None:
             return res
         count, max_ts_of, log_append, now, transactional = checked
+        if log_append and check is not None and not self._checked_before_stamp(res, views):
+            return res
 
         # one append at a time goes from here to the stream taking its offsets: a batch that
         # waits for room holds the ones behind it, so each is checked against the true outcome
@@ -614,6 +616,8 @@ class Partition:
                 base = self.stream.end_offset
                 end = base + count
                 payload_max_ts = self._stamp(buf, views, base, max_ts_of, log_append, now)
+                if log_append and check is not None:
+                    check = self._stamped_check(buf, views)
 
                 def take() -> None:
                     """The stream took the offsets: the windows remember the batches
@@ -713,6 +717,26 @@ class Partition:
             next_offset += view.last_offset_delta + 1
         return payload_max_ts
 
+    @staticmethod
+    def _checked_before_stamp(res: AppendResult, views: list[tuple[int, Any]]) -> bool:
+        """A lone large batch whose CRC the stream was to check, on a LogAppendTime topic: the
+        stamp rewrites its CRC, so the client's is checked here first (False: corrupt, answered
+        CORRUPT_MESSAGE in ``res``). The stream checked the client's CRC against the restamped
+        bytes before, and refused every such batch."""
+        try:
+            protocol.validate_batch(views[0][1])
+        except protocol.CorruptRecordError as e:
+            res.error, res.message = ErrorCode.CORRUPT_MESSAGE, str(e)
+            return False
+        return True
+
+    @staticmethod
+    def _stamped_check(buf: Any, views: list[tuple[int, Any]]) -> tuple[int, int]:
+        """The stream's check of a lone batch after the LogAppendTime stamp: its new CRC (the
+        upload then still writes it from its frame, storage GatherSource)."""
+        pos = views[0][0]
+        return protocol.CRC_START, protocol.BatchView(buf, pos).crc
+
     def _finished(self, ok: bool, res: AppendResult, base: int, end: int, size: int,
                   batches: int, payload_max_ts: int, append_time: int) -> AppendResult:
         """Bookkeeping of a taken append whose outcome is settled (durable with every
@@ -783,6 +807,12 @@ class Partition:
             end = base + count
             size = len(buf)
         else:
+            if len(records) >= protocol.HEADER_SIZE and records[16] >= 2:
+                first = protocol.BatchView(records)
+                if first.producer_id != NO_PRODUCER_ID or first.attributes & TXN_ATTRS:
+                    # producer state: append() validates it (not here as well: a whole CRC
+                    # pass per idempotent request went twice)
+                    return False
             try:
                 buf, views, check = self._prepare(records, True)
             except protocol.CorruptRecordError as e:
@@ -799,9 +829,14 @@ class Partition:
                     self._corrupt_first(res, views)
                 return self._refused_now(res, done)
             count, max_ts_of, log_append, now, _txn = checked
+            if log_append and check is not None:
+                if not self._checked_before_stamp(res, views):
+                    return self._refused_now(res, done)
             base = stream.end_offset
             end = base + count
             payload_max_ts = self._stamp(buf, views, base, max_ts_of, log_append, now)
+            if log_append and check is not None:
+                check = self._stamped_check(buf, views)
             append_time = now if log_append else -1
             size, batches = len(buf), len(views)
         outcome = _Outcome()
@@ -1060,7 +1095,9 @@ class Partition:
         checked by the storage engine in the pass that copies it into the WAL (Stream.append
         ``check``; a mismatch appends nothing), not in a pass of its own here. Batches with
         producer state (idempotent, transactional) are checked here, before that state is
-        consulted, as are small ones."""
+        consulted, as are small ones; a large lone one still hands its CRC to the stream, whose
+        pass checks it again at no extra cost: the upload then writes it straight from its
+        frame (storage GatherSource needs a checked CRC)."""
         mv = memoryview(records)
         if mv.nbytes > 16 and mv[16] < 2:
             buf: bytearray | memoryview = bytearray(protocol.convert_legacy(mv))
@@ -1072,9 +1109,9 @@ class Partition:
         views = [(view.pos, view) for view in protocol.iter_batches(buf)]
         if len(views) == 1:
             view = views[0][1]
-            if view.size >= STREAM_CHECKS_CRC_FROM and view.producer_id == NO_PRODUCER_ID \
-                    and not view.attributes & TXN_ATTRS and self.stream.checks_payloads:
-                protocol.validate_batch(view, crc=False)
+            if view.size >= STREAM_CHECKS_CRC_FROM and self.stream.checks_payloads:
+                plain = view.producer_id == NO_PRODUCER_ID and not view.attributes & TXN_ATTRS
+                protocol.validate_batch(view, crc=not plain)
                 return buf, views, (protocol.CRC_START, view.crc)
         for _pos, view in views:
             protocol.validate_batch(view)

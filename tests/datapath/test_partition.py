@@ -8,6 +8,7 @@ import uuid
 import crc32c
 import pytest
 
+import protocol
 from broker.partition import Partition
 from protocol import ErrorCode
 from storage.memory import MemoryStream, MemoryStreamStore
@@ -123,6 +124,86 @@ async def test_log_append_time(tmp_path):
     (h,) = batch_headers(res.batches[0].payload)
     assert h.timestamp_type == 1 and h.max_timestamp == r.log_append_time and h.validate_crc()
     assert {ts for _, ts, _ in await read_all(p)} == {r.log_append_time}
+
+
+class _NowStream(MemoryStream):
+    """A MemoryStream with the engine's task-less ``append_now`` (durable at once), noting the
+    ``check`` of every append, which it verifies as the engine's WAL does."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.checks: list = []
+
+    async def append(self, payload, base_offset, count, check=None) -> None:
+        self.checks.append(check)
+        await super().append(payload, base_offset, count, check)
+
+    def append_now(self, payload, base_offset, count, then, check=None) -> bool:
+        self.checks.append(check)
+        if check is not None and crc32c.crc32c(memoryview(payload)[check[0]:]) != check[1]:
+            raise PayloadChecksumError("payload CRC-32C mismatch")
+        self._batches.append(Batch(base_offset, count, bytes(payload)))
+        self._bases.append(base_offset)
+        self._end = base_offset + count
+        asyncio.get_running_loop().call_soon(then, None)
+        return True
+
+
+async def test_log_append_time_on_a_large_lone_batch(tmp_path):
+    """A lone batch large enough that the stream checks its CRC (STREAM_CHECKS_CRC_FROM) on a
+    LogAppendTime topic, by the task path and the task-less one: the stamp rewrites its CRC,
+    so the client's is checked first and the stream gets the new one (it used to check the
+    client's CRC against the restamped bytes and refuse every such batch CORRUPT_MESSAGE); a
+    corrupt one is refused by both paths."""
+    from broker.partition import STREAM_CHECKS_CRC_FROM
+
+    configs = {"message.timestamp.type": "LogAppendTime"}
+    stream = _NowStream()
+    p, *_ = await open_partition(tmp_path, stream=stream, configs=configs)
+    value = b"v" * STREAM_CHECKS_CRC_FROM
+    r = await p.append(make_batch([value], timestamps=[5]))
+    assert r.error == 0 and r.log_append_time > 1_600_000_000_000, r.message
+    answered = asyncio.get_running_loop().create_future()
+    assert p.append_now(bytearray(make_batch([value], timestamps=[5])), 9,
+                        answered.set_result)
+    r = await answered
+    assert r.error == 0 and r.base_offset == 1 and r.log_append_time > 0, r.message
+    res = await p.read(0, 1 << 30)
+    assert len(res.batches) == 2
+    for b in res.batches:
+        (h,) = batch_headers(b.payload)
+        assert h.timestamp_type == 1 and h.validate_crc()
+    assert len(stream.checks) == 2
+    assert all(c is not None and c[0] == protocol.CRC_START for c in stream.checks)
+    bad = bytearray(make_batch([value], timestamps=[5]))
+    bad[-1] ^= 0xFF
+    assert (await p.append(bytes(bad))).error == ErrorCode.CORRUPT_MESSAGE
+    refused = asyncio.get_running_loop().create_future()
+    assert p.append_now(bad, 9, refused.set_result)
+    assert (await refused).error == ErrorCode.CORRUPT_MESSAGE
+    assert p.high_watermark == 2 and len(stream.checks) == 2
+
+
+async def test_a_large_idempotent_lone_batch_hands_its_crc_to_the_stream(tmp_path):
+    """Validated here (producer state), a large lone idempotent batch still hands its CRC to
+    the stream (checked again in the stream's own pass; the upload writes such payloads from
+    their frames); a corrupt one is refused before any producer state is taken."""
+    from broker.partition import STREAM_CHECKS_CRC_FROM
+
+    stream = _NowStream()
+    p, *_ = await open_partition(tmp_path, stream=stream)
+    checks = stream.checks
+    value = b"i" * STREAM_CHECKS_CRC_FROM
+    bad = bytearray(make_batch([value], producer_id=7, epoch=0, base_sequence=0))
+    bad[-1] ^= 0xFF
+    assert (await p.append(bytes(bad))).error == ErrorCode.CORRUPT_MESSAGE
+    assert not checks
+    r = await p.append(make_batch([value], producer_id=7, epoch=0, base_sequence=0))
+    assert r.error == 0 and r.base_offset == 0
+    assert len(checks) == 1 and checks[0][0] == protocol.CRC_START
+    # the small one is checked here alone, as before
+    assert (await p.append(make_batch([b"s"], producer_id=7, epoch=0, base_sequence=1))).error == 0
+    assert checks[1] is None
 
 
 async def test_legacy_magic_converted(tmp_path):
