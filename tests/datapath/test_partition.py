@@ -126,29 +126,6 @@ async def test_log_append_time(tmp_path):
     assert {ts for _, ts, _ in await read_all(p)} == {r.log_append_time}
 
 
-class _NowStream(MemoryStream):
-    """A MemoryStream with the engine's task-less ``append_now`` (durable at once), noting the
-    ``check`` of every append, which it verifies as the engine's WAL does."""
-
-    def __init__(self) -> None:
-        super().__init__(1)
-        self.checks: list = []
-
-    async def append(self, payload, base_offset, count, check=None) -> None:
-        self.checks.append(check)
-        await super().append(payload, base_offset, count, check)
-
-    def append_now(self, payload, base_offset, count, then, check=None) -> bool:
-        self.checks.append(check)
-        if check is not None and crc32c.crc32c(memoryview(payload)[check[0]:]) != check[1]:
-            raise PayloadChecksumError("payload CRC-32C mismatch")
-        self._batches.append(Batch(base_offset, count, bytes(payload)))
-        self._bases.append(base_offset)
-        self._end = base_offset + count
-        asyncio.get_running_loop().call_soon(then, None)
-        return True
-
-
 async def test_log_append_time_on_a_large_lone_batch(tmp_path):
     """A lone batch large enough that the stream checks its CRC (STREAM_CHECKS_CRC_FROM) on a
     LogAppendTime topic, by the task path and the task-less one: the stamp rewrites its CRC,
@@ -158,7 +135,7 @@ async def test_log_append_time_on_a_large_lone_batch(tmp_path):
     from broker.partition import STREAM_CHECKS_CRC_FROM
 
     configs = {"message.timestamp.type": "LogAppendTime"}
-    stream = _NowStream()
+    stream = _CheckingDirectStream()
     p, *_ = await open_partition(tmp_path, stream=stream, configs=configs)
     value = b"v" * STREAM_CHECKS_CRC_FROM
     r = await p.append(make_batch([value], timestamps=[5]))
@@ -190,7 +167,7 @@ async def test_a_large_idempotent_lone_batch_hands_its_crc_to_the_stream(tmp_pat
     their frames); a corrupt one is refused before any producer state is taken."""
     from broker.partition import STREAM_CHECKS_CRC_FROM
 
-    stream = _NowStream()
+    stream = _CheckingDirectStream()
     p, *_ = await open_partition(tmp_path, stream=stream)
     checks = stream.checks
     value = b"i" * STREAM_CHECKS_CRC_FROM
@@ -521,11 +498,15 @@ async def test_a_partition_opened_during_a_metadata_outage_logs_the_episode_not_
 class _CheckingDirectStream(MemoryStream):
     """A MemoryStream with the engine's task-less ``append_now``: the payload's CRC checked
     against ``check`` as the WAL's copy does (PayloadChecksumError, nothing taken), durable at
-    once; each call's ``check`` kept."""
+    once; each call's ``check`` kept (``append``'s too)."""
 
     def __init__(self) -> None:
         super().__init__(1)
         self.checks: list = []
+
+    async def append(self, payload, base_offset, count, check=None) -> None:
+        self.checks.append(check)
+        await super().append(payload, base_offset, count, check)
 
     def append_now(self, payload, base_offset, count, then, check=None) -> bool:
         self.checks.append(check)
