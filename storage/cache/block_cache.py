@@ -33,6 +33,9 @@ PREFETCH_BATCHES = 2            # prefetches one reader may have running in one 
 # objects whose fetched front a reader keeps: its own and those it reads ahead into (ObjectReader
 # prefetches the first windows of the following objects within its readahead)
 FRONTS_KEPT = 8
+# the most bytes a writer leaves before a block that no index entry covers (a gather put places
+# each large payload at its memory's offset in a page: storage/objects/format.py GatherSource)
+BLOCK_GAP = 4096
 
 BlockKey = tuple[str, int]                      # (object key, block position)
 # (key, [(position, size), ...]) -> one buffer per block (ObjectStore.get_ranges)
@@ -219,7 +222,8 @@ class BlockCache:
         # grow the readahead on sequential misses (doubling: a cold pass reached 32 MiB
         # windows only after 63 misses at +512 KiB, each a wait on the store), reset it on a jump
         pos0 = blocks[i][0]
-        if ra.fronts.get(key) == pos0 or (ra.key and ra.key != key and pos0 == 0):
+        if _follows(ra.fronts.get(key, -1), pos0) or (ra.key and ra.key != key
+                                                      and _follows(0, pos0)):
             ra.size = min(max(ra.size * 2, ra.size + READAHEAD_STEP), self.readahead_max)
         else:
             ra.size = max(READAHEAD_INITIAL, min(want, self.readahead_max))
@@ -302,9 +306,9 @@ class BlockCache:
         if nxt < 0 or nxt - blocks[i][0] > max(ra.size - batch, ra.size // 2, blocks[i][1]):
             return
         j = bisect.bisect_left(blocks, (nxt, 0))
-        if j >= len(blocks) or blocks[j][0] != nxt:
+        if j >= len(blocks) or not _follows(nxt, blocks[j][0]):
             return
-        if (key, nxt) in self._lru or (key, nxt) in self._inflight:
+        if (key, blocks[j][0]) in self._lru or (key, blocks[j][0]) in self._inflight:
             return
         self._start_prefetch(key, self._window(key, blocks, j, batch), ra)
         ra.size = min(max(ra.size * 2, ra.size + READAHEAD_STEP), self.readahead_max)
@@ -370,6 +374,15 @@ class BlockCache:
             log.debug("prefetch of %s failed: %r", key, e)
             if ra.fronts.get(key, -1) > wanted[0][0]:
                 ra.fronts[key] = wanted[0][0]       # from here on, fetched by the reader
+
+
+def _follows(front: int, position: int) -> bool:
+    """A block at ``position`` is the next one after a reader's ``front`` (where what it
+    fetched ends): it starts there, or after a gap of less than BLOCK_GAP (a gather put's large
+    payloads: storage/objects/format.py GatherSource). Seen as a jump instead, every block
+    after a gap reset the readahead and started no prefetch: a cold pass over such objects ran
+    at 1,242-1,588 MB/s instead of 2,006-2,229 (bench/HISTORY.md, session 40)."""
+    return front >= 0 and 0 <= position - front < BLOCK_GAP
 
 
 def _pieces(wanted: list[tuple[int, int]], most: int) -> list[list[tuple[int, int]]]:

@@ -607,3 +607,30 @@ async def test_an_object_reader_sizes_its_first_window_by_the_reads_budget(tmp_p
         assert sizes[0] <= READAHEAD_INITIAL, sizes
     finally:
         await eng.close()
+
+
+async def test_a_sequential_reader_reads_ahead_across_the_gaps_of_a_gather_put() -> None:
+    """Blocks with gaps of < 4 KiB before them (a gather put's layout): the reader is still
+    sequential - its readahead grows, the next windows are prefetched while it reads, it
+    misses as rarely as over back-to-back blocks. (Counted as jumps, every block after a gap
+    reset the readahead and started no prefetch: cold passes ran ~30 % slower.)"""
+    import random
+
+    from test_object_gaps import _with_gaps
+
+    data, _ = _object()
+    gapped, index = _with_gaps(bytes(data), random.Random(7))
+    blocks = sorted({(e.position, e.size) for e in index})
+    assert all(b[0] > a[0] + a[1] for a, b in zip(blocks, blocks[1:]))     # a gap before each
+    calls: list[tuple[int, int]] = []
+
+    async def fetch(key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        calls.append((ranges[0][0], ranges[-1][0] + ranges[-1][1]))
+        await asyncio.sleep(0.002)
+        return [gapped[p:p + n] for p, n in ranges]
+
+    bc = BlockCache(64 << 20, fetch)
+    assert await read_in_turn(bc, blocks, pause=0.001) == list(range(400))
+    assert bc.prefetches >= 2 and bc.misses <= 2, (bc.prefetches, bc.misses)
+    assert len(calls) < len(blocks) / 4
+    assert max(e - s for s, e in calls) > READAHEAD_INITIAL, "readahead grew"

@@ -276,3 +276,34 @@ def test_a_gather_put_over_a_recycled_file_cuts_its_longer_tail(tmp_path, monkey
     assert not store._pool                       # the pooled file was taken
     assert store.size("new") == len(source) < 6 * MIB
     assert _as_tuples(decode_object(store.get("new"))) == _as_tuples(recs)
+
+
+def test_a_window_of_gathered_blocks_is_one_read(tmp_path, monkeypatch) -> None:
+    """The cold path reads a window of neighbouring blocks (up to FILE_READ_SPAN of blocks, as
+    the BlockCache sizes its windows) in one read, the gaps of a gather put included: counted
+    in file bytes, eight 1 MiB blocks and their gaps went over 8 MiB and took two reads."""
+    rng = random.Random(47)
+    plain = mmap.mmap(-1, 16 * MIB)
+    recs, at = [], 0
+    for i in range(8):
+        at += 3000                                   # a gap of ~3 KiB before each block
+        view = memoryview(plain)[at:at + MIB - 200]
+        view[:] = rng.randbytes(len(view))
+        at += len(view)
+        recs.append(_entry(1, 4 * i, view))
+    store, data, source = _put(tmp_path, recs)
+    blocks = sorted((e.position, e.size) for e in source.index)
+    assert sum(n for _, n in blocks) <= store_mod.FILE_READ_SPAN
+    assert blocks[-1][0] + blocks[-1][1] - blocks[0][0] > store_mod.FILE_READ_SPAN
+    reads = []
+    read_block = store._read_block
+
+    def counted(fd, pos, n, ranges, skip):
+        reads.append((pos, n))
+        return read_block(fd, pos, n, ranges, skip)
+
+    monkeypatch.setattr(store, "_read_block", counted)
+    parts, crcs = store.get_ranges_crc("o", blocks, BLOCK_HEADER.size)
+    assert len(reads) == 1
+    got = [r for part, c in zip(parts, crcs) for r in decode_block(part, c)]
+    assert _as_tuples(got) == _as_tuples(recs)
