@@ -1818,7 +1818,6 @@ static PyObject *gc_untrack(PyObject *self, PyObject *obj) {
    (bench/HISTORY.md, session 39/40). */
 
 #define GATHER_ALIGN 4096
-#define GATHER_MIN_PAGES 1
 
 static PyObject *s_check;
 
@@ -1927,12 +1926,14 @@ static int glayout_build(glayout_t *g, PyObject *list, Py_ssize_t block_size,
     Py_ssize_t pos = 0, open = -1, bpos = 0, body = 0, region_from = 0;
     for (Py_ssize_t i = 0; i <= n; i++) {
         grec_t *r = i < n ? &g->recs[i] : NULL;
+        Py_ssize_t q = 0;
         if (r != NULL && r->gather) {
-            /* where its payload lands at its address's offset in a page */
+            /* its payload, in a block of its own after the open one (closed for it), lands at
+               its address's offset in a page */
             Py_ssize_t qmin = (open >= 0 ? bpos + BLOCK_HDR + body : pos) + BLOCK_HDR + RECORD_HDR;
-            Py_ssize_t q = qmin + (Py_ssize_t)(((uintptr_t)r->rec.buf.buf - (uintptr_t)qmin)
-                                               & (GATHER_ALIGN - 1));
-            if (g_down(q + r->rec.buf.len) - g_up(q) < GATHER_MIN_PAGES * GATHER_ALIGN)
+            q = qmin + (Py_ssize_t)(((uintptr_t)r->rec.buf.buf - (uintptr_t)qmin)
+                                    & (GATHER_ALIGN - 1));
+            if (g_down(q + r->rec.buf.len) - g_up(q) < GATHER_ALIGN)
                 r->gather = 0;                /* no whole page to gather: staged */
         }
         int close = open >= 0 && (r == NULL || r->gather || body >= block_size);
@@ -1946,9 +1947,6 @@ static int glayout_build(glayout_t *g, PyObject *list, Py_ssize_t block_size,
         }
         if (r == NULL) break;
         if (r->gather) {
-            Py_ssize_t qmin = pos + BLOCK_HDR + RECORD_HDR;
-            Py_ssize_t q = qmin + (Py_ssize_t)(((uintptr_t)r->rec.buf.buf - (uintptr_t)qmin)
-                                               & (GATHER_ALIGN - 1));
             r->pos = q - BLOCK_HDR - RECORD_HDR;
             g->blks[g->nblk++] = (gblk_t){i, 1, r->pos, RECORD_HDR + r->rec.buf.len, 1};
             g->entries++;
@@ -2064,13 +2062,18 @@ static int gb_pwrite(int fd, const unsigned char *p, size_t n, uint64_t off) {
 }
 
 #ifdef HAVE_URING
+static uint64_t gb_seq;         /* batches so far (all threads): tags each batch's completions */
+
 /* the batch through the ring: every entry queued, one io_uring_enter submits them and waits
    for all; a short write's rest then goes by pwrite. Entries the kernel refused to take are
-   taken back (the SQ head says which); those it took are always waited for (their memory is
-   the caller's until they complete). */
+   taken back (the SQ head says which); those it took are waited for (their memory is the
+   caller's until they complete) unless the ring itself fails. Each entry's user_data is the
+   batch's sequence number and its index: a completion left over from a batch that gave up is
+   never counted as this one's. */
 static int gb_ring(gbatch_t *b, int n) {
     uring_t *r = b->r;
     long res[GB_MAX];
+    uint64_t seq = __atomic_add_fetch(&gb_seq, 1, __ATOMIC_RELAXED) << 8;
     unsigned tail = *r->sq_tail;
     for (int i = 0; i < n; i++) {
         unsigned idx = (tail + (unsigned)i) & *r->sq_mask;
@@ -2082,7 +2085,7 @@ static int gb_ring(gbatch_t *b, int n) {
         e->addr = (uint64_t)(uintptr_t)b->e[i].p;
         e->len = (uint32_t)b->e[i].len;
         if (b->e[i].slot >= 0) e->buf_index = (uint16_t)b->e[i].slot;
-        e->user_data = (uint64_t)i;
+        e->user_data = seq | (uint64_t)i;
         r->sq_array[idx] = idx;
         res[i] = LONG_MIN;
     }
@@ -2105,8 +2108,11 @@ static int gb_ring(gbatch_t *b, int n) {
         unsigned ch = *r->cq_head, ct = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
         for (; ch != ct; ch++) {
             struct io_uring_cqe *c = &r->cqes[ch & *r->cq_mask];
-            if (c->user_data < (uint64_t)n) res[c->user_data] = c->res;
-            done++;
+            uint64_t k = c->user_data ^ seq;
+            if (k < (uint64_t)n) {                      /* this batch's (else a stale one) */
+                res[k] = c->res;
+                done++;
+            }
         }
         __atomic_store_n(r->cq_head, ch, __ATOMIC_RELEASE);
     }

@@ -34,7 +34,7 @@ from ..copycrc import write_pieces as _write_pieces
 # an io_uring per upload thread for gather puts (GatherSource); None without the extension
 from ..copycrc import _copycrc_module
 from .buffers import PAGE, BufferPool, fresh_buffer
-from .format import GATHER, GatherSource
+from .format import GATHER, GATHER_STAGING_MAX, GatherSource
 
 _uring_setup = getattr(_copycrc_module, "uring_setup", None)
 _thread_rings = threading.local()
@@ -166,6 +166,9 @@ GENTLE_WRITE_CHUNK = 64 << 10
 # 1,359-1,396 / 0.49-0.51 (bench/HISTORY.md, session 30 stream). An object block larger than the
 # ring (a record of several MiB) gets a buffer twice as large, for that put only.
 PUT_RING_BYTES = 8 << 20
+# a gather put stages its non-payload bytes in one of these (format.gather_source keeps them
+# within GATHER_STAGING_MAX)
+assert GATHER_STAGING_MAX <= PUT_RING_BYTES
 # streamed puts' buffers kept for reuse (fresh huge pages cost ~2.3 s of CPU per GiB on the
 # test VM: bench/HISTORY.md, session 25 hugeframes): the engine's puts in flight, plus drains
 # beside them
