@@ -721,10 +721,14 @@ class Partition:
     def _checked_before_stamp(res: AppendResult, views: list[tuple[int, Any]]) -> bool:
         """A lone large batch whose CRC the stream was to check, on a LogAppendTime topic: the
         stamp rewrites its CRC, so the client's is checked here first (False: corrupt, answered
-        CORRUPT_MESSAGE in ``res``). The stream checked the client's CRC against the restamped
-        bytes before, and refused every such batch."""
+        CORRUPT_MESSAGE in ``res``) unless _prepare checked it already (producer state). The
+        stream checked the client's CRC against the restamped bytes before, and refused every
+        such batch."""
+        view = views[0][1]
+        if view.producer_id != NO_PRODUCER_ID or view.attributes & TXN_ATTRS:
+            return True                      # validated whole by _prepare
         try:
-            protocol.validate_batch(views[0][1])
+            protocol.validate_batch(view)
         except protocol.CorruptRecordError as e:
             res.error, res.message = ErrorCode.CORRUPT_MESSAGE, str(e)
             return False

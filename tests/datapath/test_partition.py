@@ -159,6 +159,16 @@ async def test_log_append_time_on_a_large_lone_batch(tmp_path):
     assert p.append_now(bad, 9, refused.set_result)
     assert (await refused).error == ErrorCode.CORRUPT_MESSAGE
     assert p.high_watermark == 2 and len(stream.checks) == 2
+    # an idempotent one (checked whole before its producer state) likewise, corrupt or not
+    idem = bytearray(make_batch([value], timestamps=[5], producer_id=3, epoch=0, base_sequence=0))
+    bad_idem = bytearray(idem)
+    bad_idem[-1] ^= 0xFF
+    assert (await p.append(bytes(bad_idem))).error == ErrorCode.CORRUPT_MESSAGE
+    r = await p.append(bytes(idem))
+    assert r.error == 0 and r.base_offset == 2 and r.log_append_time > 0, r.message
+    (h,) = batch_headers((await p.read(2, 1 << 30)).batches[0].payload)
+    assert h.timestamp_type == 1 and h.validate_crc()
+    assert len(stream.checks) == 3 and stream.checks[2][0] == protocol.CRC_START
 
 
 async def test_a_large_idempotent_lone_batch_hands_its_crc_to_the_stream(tmp_path):
