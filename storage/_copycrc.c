@@ -492,30 +492,41 @@ static void release_recs(rec_t *recs, Py_ssize_t n) {
 
 /* write the gathered records of one block at out + pos (header first) and return the CRC of
    the body (records `stride` bytes apart); touches no Python object (runs with the GIL released when asked) */
+/* a record's 33-byte header at p (magic 0x22, stream id, epoch 0, base offset, count - 1,
+   payload length): write_block's and the gather put's (g_head) */
+static inline void put_record_header(unsigned char *p, const rec_t *r) {
+    p[0] = 0x22;
+    put_be64(p + 1, (uint64_t)r->sid);
+    put_be64(p + 9, 0);
+    put_be64(p + 17, (uint64_t)r->base);
+    put_be32(p + 25, (uint32_t)(int32_t)(r->count - 1));
+    put_be32(p + 29, (uint32_t)r->buf.len);
+}
+
+/* a block's 14-byte header at h (magic 0x5A, flags 0, record count, body length, body CRC) */
+static inline void put_block_header(unsigned char *h, Py_ssize_t n, Py_ssize_t body,
+                                    uint32_t crc) {
+    h[0] = 0x5A;
+    h[1] = 0;
+    put_be32(h + 2, (uint32_t)n);
+    put_be32(h + 6, (uint32_t)body);
+    put_be32(h + 10, crc);
+}
+
 static uint32_t write_block(unsigned char *out, Py_ssize_t pos, rec_t *recs, size_t stride,
                             Py_ssize_t n, Py_ssize_t body) {
     unsigned char *p = out + pos + BLOCK_HDR;
     uint32_t crc = ~0u;
     for (Py_ssize_t i = 0; i < n; i++) {
         rec_t *r = (rec_t *)((char *)recs + i * stride);    /* stride: sizeof(rec_t) or more */
-        p[0] = 0x22;
-        put_be64(p + 1, (uint64_t)r->sid);
-        put_be64(p + 9, 0);
-        put_be64(p + 17, (uint64_t)r->base);
-        put_be32(p + 25, (uint32_t)(int32_t)(r->count - 1));
-        put_be32(p + 29, (uint32_t)r->buf.len);
+        put_record_header(p, r);
         crc = crc_hw(crc, p, RECORD_HDR);
         p += RECORD_HDR;
         crc = copy_crc_raw(p, (const unsigned char *)r->buf.buf, (size_t)r->buf.len, crc);
         p += r->buf.len;
     }
     crc = ~crc;
-    unsigned char *h = out + pos;
-    h[0] = 0x5A;
-    h[1] = 0;
-    put_be32(h + 2, (uint32_t)n);
-    put_be32(h + 6, (uint32_t)body);
-    put_be32(h + 10, crc);
+    put_block_header(out + pos, n, body, crc);
     return crc;
 }
 
@@ -2101,8 +2112,8 @@ static int gb_ring(gbatch_t *b, int n) {
             head = __atomic_load_n(r->sq_head, __ATOMIC_ACQUIRE);
             taken -= (int)(*r->sq_tail - head);      /* the rest never written: taken back */
             __atomic_store_n(r->sq_tail, head, __ATOMIC_RELEASE);
-            if (got < 0 && done >= taken) break;
-            if (err != EAGAIN && err != EBUSY && err != ENOMEM && err != EINTR)
+            if (done >= taken) break;
+            if (err != EAGAIN && err != EBUSY && err != ENOMEM)
                 break;                                  /* cannot wait: give up (rare) */
         }
         unsigned ch = *r->cq_head, ct = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
@@ -2171,23 +2182,14 @@ static int gb_add(gbatch_t *b, const unsigned char *p, Py_ssize_t n, Py_ssize_t 
    record headers (the CRC carried) and the payload's head, written at dst (= object position
    r->pos in the staging buffer) */
 static void g_head(unsigned char *dst, const grec_t *r, Py_ssize_t ms) {
-    unsigned char *h = dst, *p = dst + BLOCK_HDR;
+    unsigned char *p = dst + BLOCK_HDR;
     const unsigned char *src = (const unsigned char *)r->rec.buf.buf;
     size_t n = (size_t)r->rec.buf.len, k = (size_t)r->split;
-    p[0] = 0x22;
-    put_be64(p + 1, (uint64_t)r->rec.sid);
-    put_be64(p + 9, 0);
-    put_be64(p + 17, (uint64_t)r->rec.base);
-    put_be32(p + 25, (uint32_t)(int32_t)(r->rec.count - 1));
-    put_be32(p + 29, (uint32_t)n);
+    put_record_header(p, &r->rec);
     uint32_t c = ~crc_any(~0u, p, RECORD_HDR);
     c = ~crc_any(~c, src, k);
     c = crc_combine(c, r->want, n - k);
-    h[0] = 0x5A;
-    h[1] = 0;
-    put_be32(h + 2, 1);
-    put_be32(h + 6, (uint32_t)(RECORD_HDR + n));
-    put_be32(h + 10, c);
+    put_block_header(dst, 1, RECORD_HDR + (Py_ssize_t)n, c);
     Py_ssize_t q = r->pos + BLOCK_HDR + RECORD_HDR;
     memcpy(dst + BLOCK_HDR + RECORD_HDR, src, (size_t)(ms - q));
 }
@@ -2200,7 +2202,8 @@ PyDoc_STRVAR(gather_write_doc,
 "from its memory, everything else (headers, the payloads' partial pages, the staged\n"
 "records' blocks encoded as encode_blocks does, zeroed gaps, then `tail`: the index and\n"
 "footer, at the data's end) through `staging` (page-aligned, at least max_region bytes),\n"
-"one write at a time of at most `chunk` bytes, each waited for. `ring`: an io_uring from\n"
+"in pieces of at most `chunk` bytes, a batch of about `chunk` bytes (a staged region and the\n"
+"next payload's pages) submitted and waited for together. `ring`: an io_uring from\n"
 "uring_setup (the gathered pages of a registered slab go as WRITE_FIXED), or None for\n"
 "pwrite. `alloc` > 0: fallocate the file's first `alloc` bytes first (io_uring's writes\n"
 "into a file that must allocate blocks go to a worker thread: 3-6x the CPU). The last page\n"
