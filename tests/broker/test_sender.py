@@ -121,7 +121,12 @@ async def _until_idle(conn: Connection) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_a_large_answer_goes_out_on_a_sender_thread_and_the_next_waits_for_it() -> None:
+async def test_a_large_answer_goes_out_on_a_sender_thread_and_the_next_waits_for_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peer starts reading only after the three writes: on a loaded machine that can take
+    longer than the 10 ms after which a thread gives a stalled socket back to the transport
+    (then one send, not two: CI saw it), so here a stall is 5 s."""
+    monkeypatch.setattr("broker.sender.STALL_S", 5.0)
     big = bytes(range(256)) * (OFFLOAD_MIN // 128)          # 2 MiB
     async with _counted_connection() as (conn, peer, pool):
         conn._write([b"head", memoryview(big)])
