@@ -36,7 +36,8 @@
 #endif
 
 static int have_hw = 0;
-static int fold_on = 0;     /* the copies fold the CRC with VPCLMULQDQ (copy_crc_fold) */
+/* the copies and crc_any fold the CRC with VPCLMULQDQ: 512 or 256 (the register width), 0 not */
+static int fold_on = 0;
 
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -294,11 +295,154 @@ static int cpu_has_fold(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("vpclmulqdq");
 }
+
+/* The same fold on 256-bit registers, for CPUs with VPCLMULQDQ but no AVX-512 (AMD Zen 3, Intel
+   Alder Lake and later client cores): eight 32-byte accumulators instead of four 64-byte ones,
+   so each 128-bit part still moves 256 bytes on per step and the constants are the same; the
+   three-way XOR is two XORs (vpternlogq is AVX-512). Without it such a CPU ran the crc32
+   instruction: 8.8 % of the broker's samples under 1 MiB produce on the test VM's Zen 3, where
+   the AVX-512 fold had been 4.8 % on an earlier host. Zen 3 issues a 256-bit VPCLMULQDQ only
+   every other cycle, so the gain is smaller than AVX-512's; time against the crc32 instruction's
+   copies, alternated (bench/HISTORY.md, session 41): the object encoder's stream copy of cold
+   1 MiB payloads 0.71-0.74, the WAL's copy 0.81-0.82 hot, 0.92-0.93 cold; the CRC alone
+   0.73-0.95 hot, 0.91-0.92 cold. Running the crc32 instruction's lanes beside the fold (each
+   step half each) measured no faster than the fold alone: not kept. */
+#define FOLD2(x, d) _mm256_xor_si256(_mm256_xor_si256(_mm256_clmulepi64_epi128((x), k, 0x00), \
+                                                      _mm256_clmulepi64_epi128((x), k, 0x11)), (d))
+
+__attribute__((target("sse4.2,avx2,vpclmulqdq"))) __attribute__((always_inline))
+static inline uint32_t fold2_finish(__m256i x0, __m256i x1, __m256i x2, __m256i x3,
+                                    __m256i x4, __m256i x5, __m256i x6, __m256i x7) {
+    unsigned char acc[FOLD_STEP] __attribute__((aligned(32)));
+    _mm256_store_si256((__m256i *)acc, x0);
+    _mm256_store_si256((__m256i *)(acc + 32), x1);
+    _mm256_store_si256((__m256i *)(acc + 64), x2);
+    _mm256_store_si256((__m256i *)(acc + 96), x3);
+    _mm256_store_si256((__m256i *)(acc + 128), x4);
+    _mm256_store_si256((__m256i *)(acc + 160), x5);
+    _mm256_store_si256((__m256i *)(acc + 192), x6);
+    _mm256_store_si256((__m256i *)(acc + 224), x7);
+    return crc_hw(0, acc, FOLD_STEP);
+}
+
+/* the eight accumulators (named registers: an array of them was kept on the stack) */
+#define FOLD2_VARS __m256i x0, x1, x2, x3, x4, x5, x6, x7
+#define FOLD2_LOAD(q) do { \
+        x0 = _mm256_loadu_si256((const __m256i *)(q)); \
+        x1 = _mm256_loadu_si256((const __m256i *)((q) + 32)); \
+        x2 = _mm256_loadu_si256((const __m256i *)((q) + 64)); \
+        x3 = _mm256_loadu_si256((const __m256i *)((q) + 96)); \
+        x4 = _mm256_loadu_si256((const __m256i *)((q) + 128)); \
+        x5 = _mm256_loadu_si256((const __m256i *)((q) + 160)); \
+        x6 = _mm256_loadu_si256((const __m256i *)((q) + 192)); \
+        x7 = _mm256_loadu_si256((const __m256i *)((q) + 224)); } while (0)
+#define FOLD2_ONE(x, q, off) x = FOLD2(x, _mm256_loadu_si256((const __m256i *)((q) + (off))))
+#define FOLD2_STEP(q) do { \
+        FOLD2_ONE(x0, q, 0); FOLD2_ONE(x1, q, 32); FOLD2_ONE(x2, q, 64); \
+        FOLD2_ONE(x3, q, 96); FOLD2_ONE(x4, q, 128); FOLD2_ONE(x5, q, 160); \
+        FOLD2_ONE(x6, q, 192); FOLD2_ONE(x7, q, 224); } while (0)
+#define FOLD2_FINISH() fold2_finish(x0, x1, x2, x3, x4, x5, x6, x7)
+
+/* the stores of a copy: stream stores (nt) or ordinary ones */
+#define FOLD2_STORE(d, nt) do { __m256i *o_ = (__m256i *)(d); if (nt) { \
+        _mm256_stream_si256(o_, x0); _mm256_stream_si256(o_ + 1, x1); \
+        _mm256_stream_si256(o_ + 2, x2); _mm256_stream_si256(o_ + 3, x3); \
+        _mm256_stream_si256(o_ + 4, x4); _mm256_stream_si256(o_ + 5, x5); \
+        _mm256_stream_si256(o_ + 6, x6); _mm256_stream_si256(o_ + 7, x7); } else { \
+        _mm256_store_si256(o_, x0); _mm256_store_si256(o_ + 1, x1); \
+        _mm256_store_si256(o_ + 2, x2); _mm256_store_si256(o_ + 3, x3); \
+        _mm256_store_si256(o_ + 4, x4); _mm256_store_si256(o_ + 5, x5); \
+        _mm256_store_si256(o_ + 6, x6); _mm256_store_si256(o_ + 7, x7); } } while (0)
+
+__attribute__((target("sse4.2,avx2,vpclmulqdq"))) __attribute__((always_inline))
+static inline uint32_t copy_crc_fold2(unsigned char *dst, const unsigned char *p, size_t n,
+                                      uint32_t crc, const int nt) {
+    if (n < FOLD_MIN) return copy_crc_avx2(dst, p, n, crc, 0);
+    size_t head = (64 - ((uintptr_t)dst & 63)) & 63;    /* align dst to a line */
+    memcpy(dst, p, head);
+    crc = crc_hw(crc, p, head);
+    dst += head;
+    p += head;
+    n -= head;
+    const __m256i k = _mm256_set_epi64x((long long)FOLD_K_HI, (long long)FOLD_K_LO,
+                                        (long long)FOLD_K_HI, (long long)FOLD_K_LO);
+    FOLD2_VARS;
+    FOLD2_LOAD(p);
+    FOLD2_STORE(dst, nt);
+    x0 = _mm256_xor_si256(x0, _mm256_set_epi32(0, 0, 0, 0, 0, 0, 0, (int)crc));
+    p += FOLD_STEP;
+    dst += FOLD_STEP;
+    n -= FOLD_STEP;
+    while (n >= FOLD_STEP) {
+        if (nt && n >= FOLD_STEP + FOLD_PF) {    /* see FOLD_PF */
+            _mm_prefetch((const char *)(p + FOLD_PF), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + FOLD_PF + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + FOLD_PF + 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + FOLD_PF + 192), _MM_HINT_T0);
+        }
+        __m256i *o = (__m256i *)dst;
+        const __m256i *q = (const __m256i *)p;
+#define FOLD2_COPY_ONE(x, i) do { __m256i d_ = _mm256_loadu_si256(q + (i)); \
+        if (nt) _mm256_stream_si256(o + (i), d_); else _mm256_store_si256(o + (i), d_); \
+        x = FOLD2(x, d_); } while (0)
+        FOLD2_COPY_ONE(x0, 0); FOLD2_COPY_ONE(x1, 1); FOLD2_COPY_ONE(x2, 2);
+        FOLD2_COPY_ONE(x3, 3); FOLD2_COPY_ONE(x4, 4); FOLD2_COPY_ONE(x5, 5);
+        FOLD2_COPY_ONE(x6, 6); FOLD2_COPY_ONE(x7, 7);
+#undef FOLD2_COPY_ONE
+        p += FOLD_STEP;
+        dst += FOLD_STEP;
+        n -= FOLD_STEP;
+    }
+    if (nt) _mm_sfence();             /* order the stream stores before anyone is told */
+    crc = FOLD2_FINISH();
+    memcpy(dst, p, n);
+    return crc_hw(crc, dst, n);
+}
+
+/* the CRC alone, folded the same way */
+__attribute__((target("sse4.2,avx2,vpclmulqdq")))
+static uint32_t crc_fold2(uint32_t crc, const unsigned char *p, size_t n) {
+    if (n < FOLD_MIN) return crc_hw(crc, p, n);
+    const __m256i k = _mm256_set_epi64x((long long)FOLD_K_HI, (long long)FOLD_K_LO,
+                                        (long long)FOLD_K_HI, (long long)FOLD_K_LO);
+    FOLD2_VARS;
+    FOLD2_LOAD(p);
+    x0 = _mm256_xor_si256(x0, _mm256_set_epi32(0, 0, 0, 0, 0, 0, 0, (int)crc));
+    p += FOLD_STEP;
+    n -= FOLD_STEP;
+    while (n >= FOLD_STEP) {
+        FOLD2_STEP(p);
+        p += FOLD_STEP;
+        n -= FOLD_STEP;
+    }
+    return crc_hw(FOLD2_FINISH(), p, n);
+}
+
+__attribute__((target("sse4.2,avx2,vpclmulqdq")))
+static uint32_t copy_crc_fold2_stream(unsigned char *dst, const unsigned char *p, size_t n,
+                                      uint32_t crc) {
+    return copy_crc_fold2(dst, p, n, crc, 1);
+}
+
+__attribute__((target("sse4.2,avx2,vpclmulqdq")))
+static uint32_t copy_crc_fold2_cached(unsigned char *dst, const unsigned char *p, size_t n,
+                                      uint32_t crc) {
+    return copy_crc_fold2(dst, p, n, crc, 0);
+}
+
+static int cpu_has_fold2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("vpclmulqdq");
+}
 #else
 #define copy_crc_fold_stream copy_crc_stream
 #define copy_crc_fold_cached copy_crc_cached
 #define crc_fold crc_hw
 static int cpu_has_fold(void) { return 0; }
+#define copy_crc_fold2_stream copy_crc_stream
+#define copy_crc_fold2_cached copy_crc_cached
+#define crc_fold2 crc_hw
+static int cpu_has_fold2(void) { return 0; }
 #endif
 #else
 static uint32_t copy_crc_scalar(unsigned char *dst, const unsigned char *p, size_t n,
@@ -313,11 +457,17 @@ static int cpu_has_avx2(void) { return 0; }
 #define copy_crc_fold_cached copy_crc_scalar
 #define crc_fold crc_hw
 static int cpu_has_fold(void) { return 0; }
+#define copy_crc_fold2_stream copy_crc_scalar
+#define copy_crc_fold2_cached copy_crc_scalar
+#define crc_fold2 crc_hw
+static int cpu_has_fold2(void) { return 0; }
 #endif
 
 typedef uint32_t (*copy_fn)(unsigned char *, const unsigned char *, size_t, uint32_t);
 static copy_fn copy_crc_raw = copy_crc_scalar;        /* encode_blocks (IO threads) */
 static copy_fn copy_crc_loop_raw = copy_crc_scalar;   /* copy_crc, copy_crc_split (the WAL) */
+typedef uint32_t (*crc_fn)(uint32_t, const unsigned char *, size_t);
+static crc_fn crc_fold_fn = crc_fold;                 /* crc_any's, while fold_on */
 
 /* The writable destination and the source of a copy, with the source fitting at `offset` and
    `split` (copy_crc_split; 0 otherwise) inside the source; -1 with an exception set if not. */
@@ -880,7 +1030,7 @@ static PyObject *object_size_steps(PyObject *self, PyObject *args) {
 /* CRC-32C of p[0:n) continued from the raw register `c`: folded where the CPU has it, else the
    crc32 instruction, else the table (crc, crc_split, read_span_crcs) */
 static inline uint32_t crc_any(uint32_t c, const unsigned char *p, size_t n) {
-    return fold_on ? crc_fold(c, p, n) : have_hw ? crc_hw(c, p, n) : crc_soft(c, p, n);
+    return fold_on ? crc_fold_fn(c, p, n) : have_hw ? crc_hw(c, p, n) : crc_soft(c, p, n);
 }
 
 PyDoc_STRVAR(copy_record_doc,
@@ -2340,7 +2490,15 @@ done:
 }
 /* ---- end of the gather upload's section ---- */
 
+static PyObject *set_fold(PyObject *self, PyObject *arg);
+PyDoc_STRVAR(set_fold_doc,
+"_set_fold(bits) -> int\n\n"
+"For tests: the copies and crc() fold the CRC with `bits`-wide registers from now on (512,\n"
+"256, or 0 for the crc32 instruction); returns the width before. ValueError where this CPU\n"
+"has no such fold. The module's constants keep the width chosen at import.");
+
 static PyMethodDef methods[] = {
+    {"_set_fold", set_fold, METH_O, set_fold_doc},
     {"gc_untrack", gc_untrack, METH_O, gc_untrack_doc},
     {"buffer_address", buffer_address, METH_O, buffer_address_doc},
     {"place_record", place_record, METH_VARARGS, place_record_doc},
@@ -2384,7 +2542,7 @@ static struct PyModuleDef module = {
 };
 
 /* the hardware paths must agree with the software CRC (crc_soft), across every step size */
-static int self_test(copy_fn fn) {
+static int self_test(copy_fn fn, crc_fn crc_f) {
     static unsigned char buf[3 * LONG_LANE * 2 + 777];
     static unsigned char out[sizeof(buf) + 64];
     uint32_t x = 12345;
@@ -2399,10 +2557,44 @@ static int self_test(copy_fn fn) {
         const unsigned char *p = buf + (i & 3);
         unsigned char *o = out + (i * 5) % 37;
         uint32_t want = ~crc_soft(~0x1234u, p, lens[i]);
-        uint32_t got = ~fn(o, p, lens[i], ~0x1234u);
-        if (want != got || memcmp(o, p, lens[i]) != 0) return 0;
+        uint32_t got = fn != NULL ? ~fn(o, p, lens[i], ~0x1234u) : ~crc_f(~0x1234u, p, lens[i]);
+        if (want != got || (fn != NULL && memcmp(o, p, lens[i]) != 0)) return 0;
     }
     return 1;
+}
+
+static int fold_ok[2];      /* the 256- and 512-bit folds passed their self-tests (at import) */
+
+/* The copies and crc_any set to fold with `bits`-wide registers (0: the crc32 instruction);
+   0 if this CPU cannot, or that fold failed its self-test at import. */
+static int use_fold(int bits) {
+    if (bits == 512 && fold_ok[1]) {
+        copy_crc_raw = copy_crc_fold_stream;
+        copy_crc_loop_raw = copy_crc_fold_cached;
+        crc_fold_fn = crc_fold;
+    } else if (bits == 256 && fold_ok[0]) {
+        copy_crc_raw = copy_crc_fold2_stream;
+        copy_crc_loop_raw = copy_crc_fold2_cached;
+        crc_fold_fn = crc_fold2;
+    } else if (bits == 0 && copy_crc_raw != copy_crc_scalar) {
+        copy_crc_raw = copy_crc_stream;
+        copy_crc_loop_raw = copy_crc_cached;
+    } else {
+        return 0;
+    }
+    fold_on = bits;
+    return 1;
+}
+
+static PyObject *set_fold(PyObject *self, PyObject *arg) {
+    long bits = PyLong_AsLong(arg);
+    if (bits == -1 && PyErr_Occurred()) return NULL;
+    int was = fold_on;
+    if (!use_fold((int)bits)) {
+        PyErr_Format(PyExc_ValueError, "this CPU has no %ld-bit CRC fold", bits);
+        return NULL;
+    }
+    return PyLong_FromLong(was);
 }
 
 PyMODINIT_FUNC PyInit__copycrc(void) {
@@ -2416,25 +2608,29 @@ PyMODINIT_FUNC PyInit__copycrc(void) {
     s_payload = PyUnicode_InternFromString("payload");
     s_check = PyUnicode_InternFromString("check");
     if (!s_stream_id || !s_base_offset || !s_count || !s_payload || !s_check) return NULL;
-    have_hw = cpu_has_sse42() && self_test(copy_crc_scalar);
-    if (have_hw && cpu_has_avx2() && self_test(copy_crc_stream) && self_test(copy_crc_cached)) {
+    have_hw = cpu_has_sse42() && self_test(copy_crc_scalar, NULL);
+    if (have_hw && cpu_has_avx2() && self_test(copy_crc_stream, NULL)
+            && self_test(copy_crc_cached, NULL)) {
         copy_crc_raw = copy_crc_stream;
         copy_crc_loop_raw = copy_crc_cached;
-        if (cpu_has_fold() && self_test(copy_crc_fold_stream) && self_test(copy_crc_fold_cached)) {
-            fold_on = 1;
-            copy_crc_raw = copy_crc_fold_stream;
-            copy_crc_loop_raw = copy_crc_fold_cached;
-        }
+        fold_ok[0] = cpu_has_fold2() && self_test(copy_crc_fold2_stream, NULL)
+            && self_test(copy_crc_fold2_cached, NULL) && self_test(NULL, crc_fold2);
+        fold_ok[1] = cpu_has_fold() && self_test(copy_crc_fold_stream, NULL)
+            && self_test(copy_crc_fold_cached, NULL) && self_test(NULL, crc_fold);
+        use_fold(fold_ok[1] ? 512 : fold_ok[0] ? 256 : 0);
     }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "HARDWARE", have_hw) < 0 ||
             PyModule_AddIntConstant(m, "STREAM_STORES", copy_crc_raw == copy_crc_stream ||
-                                    copy_crc_raw == copy_crc_fold_stream) < 0 ||
+                                    copy_crc_raw == copy_crc_fold_stream ||
+                                    copy_crc_raw == copy_crc_fold2_stream) < 0 ||
             PyModule_AddIntConstant(m, "LOOP_STREAM_STORES",
                                     copy_crc_loop_raw == copy_crc_stream ||
-                                    copy_crc_loop_raw == copy_crc_fold_stream) < 0 ||
-            PyModule_AddIntConstant(m, "FOLD", fold_on) < 0) {
+                                    copy_crc_loop_raw == copy_crc_fold_stream ||
+                                    copy_crc_loop_raw == copy_crc_fold2_stream) < 0 ||
+            PyModule_AddIntConstant(m, "FOLD", fold_on != 0) < 0 ||
+            PyModule_AddIntConstant(m, "FOLD_BITS", fold_on) < 0) {
         Py_DECREF(m);
         return NULL;
     }

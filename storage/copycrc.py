@@ -127,8 +127,9 @@ place_record = getattr(_copycrc, "place_record", None) or _place_record_py
 buffer_address = getattr(_copycrc_module, "buffer_address", None)
 
 # CRC-32C alone, crc(data, value=0) as crc32c.crc32c: in C folded with VPCLMULQDQ where the
-# CPU has it (_copycrc.FOLD; 1 MiB 0.018 ms hot / 0.045 cold against the package's 0.037 /
-# 0.085), else the crc32 instruction; the crc32c package without the extension
+# CPU has it (_copycrc.FOLD, FOLD_BITS 512 on AVX-512: 1 MiB 0.018 ms hot / 0.045 cold against
+# the package's 0.037 / 0.085; 256 on AVX2-only CPUs such as Zen 3: 5-27 % under the crc32
+# instruction), else the crc32 instruction; the crc32c package without the extension
 crc = _copycrc.crc if NATIVE else crc32c.crc32c
 
 # the cold path's paced span reads, one piece at a time on the device without taking the
