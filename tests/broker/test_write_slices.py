@@ -99,7 +99,8 @@ async def test_slices_wait_for_hot_appends_in_flight() -> None:
     from storage.cold_reads import ColdReadPacer
     pacer = ColdReadPacer(64 << 20, 16 << 20)
     # the bound on a hold (2 ms) is test_cold_reads' subject; here it would let the slice go
-    # whenever the loop turns below take 2 ms (a busy 2-core machine: 1 failure in a suite run, 1 in 20 beside two busy loops; 0 in 20 with this)
+    # whenever the loop turns below take 2 ms (a busy 2-core machine: 1 failure in a suite run,
+    # 1 in 20 beside two busy loops; 0 in 20 with this)
     pacer.HOLD_MAX_S = 60.0
     pacer.note_hot(0.0002, 1000)                          # producers are active
     pacer.delay_for(256 << 10)                            # ... and a catch-up reader
