@@ -313,6 +313,9 @@ async def test_bulk_writes_wait_for_hot_appends_in_flight() -> None:
     after a whole answer's slices; released at once, the slices delayed the acknowledgements'
     delivery instead; session 28)."""
     p = ColdReadPacer(64 * MiB, 16 * MiB)
+    # the hold's 2 ms bound is the next test's subject; here a preempted worker (2 ms between
+    # the holds and the checks below) would release them early (test_write_slices' twin)
+    p.HOLD_MAX_S = 60.0
     p.note_hot(0.0002, 1000)                  # producers are active
     p.delay_for(256 << 10)                    # ... and a catch-up reader
     resumed: list[str] = []
