@@ -1812,23 +1812,27 @@ static PyObject *buffer_address(PyObject *self, PyObject *arg) {
 }
 
 PyDoc_STRVAR(place_record_doc,
-"place_record(region, head, payload, pos, split, want) -> None | int\n\n"
+"place_record(region, head, payload, pos, split, want, summed_from=-1, summed=0) -> None | int\n\n"
 "A WAL record whose payload lies in `region` itself (received in place): `region` holds\n"
 "24 + len(head) bytes, then `payload` (exactly there: ValueError otherwise), then the rest of\n"
 "its last page (len(region) must be the record's size rounded up to 4 KiB). One pass over the\n"
 "payload gives the record's CRC-32C (head + payload) and, when `split` >= 0, the CRC of\n"
 "payload[split:]; if that is not `want`, it is returned and nothing is written. Else `head`\n"
 "is written after the 24 header bytes, the record header (format.pack_record_header with\n"
-"`pos`) before it, the tail after the payload zeroed, and None returned.");
+"`pos`) before it, the tail after the payload zeroed, and None returned.\n"
+"`summed`: the CRC of payload[summed_from:] taken as it was received (while in the cache).\n"
+"When summed_from == split and summed == want it stands for that pass: only payload[:split]\n"
+"is read. Any other sum (bytes stamped since, a corrupt batch) is ignored: the pass decides.");
 
 static PyObject *place_record(PyObject *self, PyObject *args) {
     PyObject *region_obj, *head_obj, *payload_obj;
     unsigned long long pos;
     Py_ssize_t split;
-    unsigned long want;
+    unsigned long want, summed = 0;
+    Py_ssize_t summed_from = -1;
     Py_buffer region, head, pay;
-    if (!PyArg_ParseTuple(args, "OOOKnk:place_record", &region_obj, &head_obj, &payload_obj,
-                          &pos, &split, &want))
+    if (!PyArg_ParseTuple(args, "OOOKnk|nk:place_record", &region_obj, &head_obj, &payload_obj,
+                          &pos, &split, &want, &summed_from, &summed))
         return NULL;
     if (PyObject_GetBuffer(region_obj, &region, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
@@ -1858,7 +1862,12 @@ static PyObject *place_record(PyObject *self, PyObject *args) {
         if (split >= 0) {
             size_t k = (size_t)split;
             uint32_t first = ~crc_any(~value, p, k);
-            tail = ~crc_any(~0u, p + k, pn - k);
+            /* the bytes' CRC from their receipt: equal to `want`, it is theirs now (they are
+               unchanged, or stamped with a new CRC that this sum matches) */
+            if (summed_from == split && (uint32_t)summed == (uint32_t)want)
+                tail = (uint32_t)summed;
+            else
+                tail = ~crc_any(~0u, p + k, pn - k);
             crc = crc_combine(first, tail, pn - k);
         } else {
             crc = ~crc_any(~value, p, pn);
@@ -1886,12 +1895,13 @@ static PyObject *place_record(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(take_offered_doc,
-"take_offered(offered, payload, head) -> memoryview | None\n\n"
+"take_offered(offered, payload, head) -> (memoryview, summed_from, summed) | None\n\n"
 "storage/wal/placed.py take() in one call: `offered` is its registry (id(buf) -> (buf,\n"
-"offset, length)); the region (`head` bytes before `payload`, the payload, the rest of its\n"
-"last page) when `payload` is a writable contiguous memoryview that is exactly an offered\n"
-"payload whose headers begin on a 4 KiB page; the offer is then used up (also when the\n"
-"place does not suit). None when it is not offered (nothing changes).");
+"offset, length, summed_from, summed)); the region (`head` bytes before `payload`, the\n"
+"payload, the rest of its last page) and the offer's sum when `payload` is a writable\n"
+"contiguous memoryview that is exactly an offered payload whose headers begin on a 4 KiB\n"
+"page; the offer is then used up (also when the place does not suit). None when it is not\n"
+"offered (nothing changes).");
 
 static PyObject *take_offered(PyObject *self, PyObject *args) {
     PyObject *offered, *payload;
@@ -1907,7 +1917,7 @@ static PyObject *take_offered(PyObject *self, PyObject *args) {
     if (key == NULL)
         return NULL;
     PyObject *ent = PyDict_GetItemWithError(offered, key);
-    if (ent == NULL || !PyTuple_Check(ent) || PyTuple_GET_SIZE(ent) != 3
+    if (ent == NULL || !PyTuple_Check(ent) || PyTuple_GET_SIZE(ent) != 5
             || PyTuple_GET_ITEM(ent, 0) != buf) {
         Py_DECREF(key);
         if (PyErr_Occurred())
@@ -1916,17 +1926,21 @@ static PyObject *take_offered(PyObject *self, PyObject *args) {
     }
     Py_ssize_t offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(ent, 1));
     Py_ssize_t length = PyLong_AsSsize_t(PyTuple_GET_ITEM(ent, 2));
+    PyObject *summed_from = PyTuple_GET_ITEM(ent, 3), *summed = PyTuple_GET_ITEM(ent, 4);
+    Py_INCREF(summed_from);              /* the entry goes with the offer */
+    Py_INCREF(summed);
     int bad = PyDict_DelItem(offered, key);
     Py_DECREF(key);
+    PyObject *ret = NULL;
     if (bad < 0 || PyErr_Occurred())
-        return NULL;
+        goto done;
     Py_buffer *v = PyMemoryView_GET_BUFFER(payload);
     if (v->len != length || v->itemsize != 1 || v->readonly || !PyBuffer_IsContiguous(v, 'C'))
-        Py_RETURN_NONE;
+        goto none;
     Py_buffer b;
     if (PyObject_GetBuffer(buf, &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         PyErr_Clear();
-        Py_RETURN_NONE;
+        goto none;
     }
     char *base = (char *)b.buf;
     Py_ssize_t blen = b.len;
@@ -1935,13 +1949,24 @@ static PyObject *take_offered(PyObject *self, PyObject *args) {
     Py_ssize_t end = start + ((head + length + 4095) & ~(Py_ssize_t)4095);
     if ((char *)v->buf - base != offset || start < 0 || ((uintptr_t)(base + start) & 4095)
             || end > blen)
-        Py_RETURN_NONE;
+        goto none;
     PyObject *whole = PyMemoryView_FromObject(buf);
     if (whole == NULL)
-        return NULL;
+        goto done;
     PyObject *region = PySequence_GetSlice(whole, start, end);
     Py_DECREF(whole);
-    return region;
+    if (region == NULL)
+        goto done;
+    ret = PyTuple_Pack(3, region, summed_from, summed);
+    Py_DECREF(region);
+    goto done;
+none:
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    Py_DECREF(summed_from);
+    Py_DECREF(summed);
+    return ret;
 }
 /* ---- end of cwal's section ---- */
 

@@ -97,9 +97,12 @@ copy_crc_split = getattr(_copycrc, "copy_crc_split", None) or _copy_crc_split_py
 # the WAL then copies those records as any other
 crc_split = getattr(_copycrc, "crc_split", None) if NATIVE else None
 
-def _place_record_py(region, head, payload, pos: int, split: int, want: int) -> int | None:
+def _place_record_py(region, head, payload, pos: int, split: int, want: int,
+                     summed_from: int = -1, summed: int = 0) -> int | None:
     """place_record without the extension (or with a stale build): the same checks, CRCs and
-    writes in Python; ``payload`` must be the region's bytes after the two headers."""
+    writes in Python; ``payload`` must be the region's bytes after the two headers. A sum
+    from the receive (``summed``: CRC of payload[summed_from:]) equal to ``want`` stands for
+    the pass over payload[split:] when it starts there."""
     from .wal.format import ALIGN_DOWN, ALIGN_MASK, RECORD_HEADER_SIZE, pack_record_header
     h, k = len(head), len(payload)
     size = RECORD_HEADER_SIZE + h + k
@@ -109,11 +112,11 @@ def _place_record_py(region, head, payload, pos: int, split: int, want: int) -> 
         raise ValueError("place_record: payload not in place in the region")
     if split > k:
         raise ValueError("place_record: split outside the payload")
-    crc = crc32c.crc32c(payload, crc32c.crc32c(head))
-    if split >= 0:
+    if split >= 0 and not (summed_from == split and summed == want):
         tail = crc32c.crc32c(memoryview(payload).cast("B")[split:])
         if tail != want:
             return tail
+    crc = crc32c.crc32c(payload, crc32c.crc32c(head))
     view[RECORD_HEADER_SIZE:RECORD_HEADER_SIZE + h] = head
     pack_record_header(view, 0, h + k, pos, crc)
     view[size:] = bytes(len(view) - size)

@@ -176,6 +176,9 @@ class StorageCollector(Collector):
                      "blocks and headers)", wal.stats.get("bytes_written", 0))
             yield _c(p + "wal_placed_records", "WAL records written from the buffer they were "
                      "received into (no copy into a WAL block)", wal.stats.get("placed_records", 0))
+            yield _c(p + "wal_placed_summed_records", "Of those, records whose batch CRC check "
+                     "took the sum made as the bytes were received (no second pass over them)",
+                     wal.stats.get("placed_summed", 0))
             yield _c(p + "wal_fixed_writes", "WAL writes submitted from frames registered with "
                      "io_uring (WRITE_FIXED: their pages not pinned per write)",
                      getattr(wal, "fixed_writes", 0))

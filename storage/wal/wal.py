@@ -103,7 +103,8 @@ class DeltaWAL:
         self._handover = False                   # IO threads exit: the loop driver takes over
         self.direct_io = True
         self.stats = {"writes": 0, "block_writes": 0, "bytes_written": 0, "header_writes": 0,
-                      "placed_records": 0}   # written from their received buffer (placed.py)
+                      "placed_records": 0,   # written from their received buffer (placed.py)
+                      "placed_summed": 0}    # ... whose check took the receive's sum
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -415,12 +416,12 @@ class DeltaWAL:
                         check: tuple[int, int] | None, on_loop: bool) -> int:
         """append_loop's placing of a prepared body (received in place when it was offered,
         placed.py; else copied into the current block) and the kick of its write; its offset."""
-        region = None
+        taken = None
         if placed._offered and crc is None and type(body) is tuple and len(body) == 2:
-            region = placed.take(body[1], RECORD_HEADER_SIZE + len(body[0]))
+            taken = placed.take(body[1], RECORD_HEADER_SIZE + len(body[0]))
         with self._lock:
-            offset = None if region is None else self._reserve_placed(
-                region, body, n, stream_id, waiter, check)
+            offset = None if taken is None else self._reserve_placed(
+                taken, body, n, stream_id, waiter, check)
             if offset is None:
                 offset = self._reserve(body, n, stream_id, waiter, crc, check)
         driver = self._driver
@@ -569,16 +570,19 @@ class DeltaWAL:
             q = self._queues[stream_id] = collections.deque()
         q.append((blk, pos, waiter))
 
-    def _reserve_placed(self, region: memoryview, body: tuple, n: int, stream_id: int, waiter,
-                        check: tuple[int, int] | None) -> int | None:
+    def _reserve_placed(self, taken: tuple[memoryview, int, int], body: tuple, n: int,
+                        stream_id: int, waiter, check: tuple[int, int] | None) -> int | None:
         """_reserve for a record whose payload (body[1]) was received in place (placed.py):
-        ``region`` is the payload's own buffer from ``RECORD_HEADER_SIZE + len(body[0])``
-        bytes before it to the end of its last page. The current block is sealed, the headers
+        ``taken`` is placed.take's region - the payload's own buffer from
+        ``RECORD_HEADER_SIZE + len(body[0])`` bytes before it to the end of its last page -
+        and the sum the receive took of the payload. The current block is sealed, the headers
         are written into the region's first bytes, its tail zeroed, and the region becomes a
         block of its own, sealed at once (written from that buffer, never pooled). One CRC
-        pass over the payload gives the record's CRC and the ``check``. None (nothing done but
+        pass over the payload (or over its bytes before the receive's sum, when that sum is
+        the ``check``'s) gives the record's CRC and the ``check``. None (nothing done but
         sealing the current block) where the copy path must place it: the record would cross
         the ring's end (the copy path jumps), the cursor is not on a page, no fused check."""
+        region, summed_from, summed = taken
         if self._failed is not None or not self._opened or self._closing:
             return None                              # _reserve raises the right error
         head = body[0]
@@ -602,13 +606,15 @@ class DeltaWAL:
         if ((end + ALIGN_MASK) & ALIGN_DOWN) - self._trim > ring:       # as in _reserve
             raise self._ring_full(end)
         split, want = (-1, 0) if check is None else (check[0] - h, check[1])
-        tail = place_record(region, head, body[1], pos, split, want)
+        tail = place_record(region, head, body[1], pos, split, want, summed_from, summed)
         if tail is not None:
             raise ChecksumMismatchError(
                 f"CRC-32C of the record's bytes from {check[0]} is {tail:#010x}, "
                 f"expected {want:#010x}")
         blk = Block(pos, pos, region, pooled=False)
         self.stats["placed_records"] += 1
+        if summed == want and summed_from == split >= 0:
+            self.stats["placed_summed"] += 1
         blk.used = size
         blk.sealed = True                            # place_record zeroed its last page's tail
         self._track(blk, pos, size, end, stream_id, waiter)

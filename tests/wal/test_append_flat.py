@@ -138,6 +138,39 @@ def test_place_record_python_and_native_write_the_same_record(split):
     assert rec[H + ENG.size + len(payload):].strip(b"\0") == b""
 
 
+def test_place_record_takes_the_receives_sum_for_its_pass_only_when_it_is_the_check():
+    """A sum made as the payload was received (CRC of payload[summed_from:]) stands for the
+    pass over payload[split:] when it starts at ``split`` and equals ``want``: the record's
+    CRC is then combined from it, equal to the CRC of its bytes. A sum of other bytes (a stamp
+    rewrote them since: want is their new CRC) or from another place is set aside and the pass
+    decides, so a corrupt batch is still refused."""
+    if copycrc._copycrc_module is None or not hasattr(copycrc._copycrc_module, "place_record"):
+        pytest.skip("the extension is not built")
+    payload = batch_like(200_003, seed=5)
+    head = ENG.pack(1, 2, 3)
+    real = crc32c.crc32c(payload[21:])
+    stale = real ^ 0x5A5A
+
+    def place(fn, want, summed_from, summed):
+        frame, off = frame_with(payload)
+        start = off - H - ENG.size
+        end = start + (H + ENG.size + len(payload) + ALIGN - 1) // ALIGN * ALIGN
+        got = fn(memoryview(frame)[start:end], head, memoryview(frame)[off:off + len(payload)],
+                 3 * ALIGN, 21, want, summed_from, summed)
+        return got, bytes(frame[start:end])
+
+    for fn in (copycrc._copycrc_module.place_record, copycrc._place_record_py):
+        for summed_from, summed in ((21, real), (21, stale), (0, real), (-1, 0)):
+            got, rec = place(fn, real, summed_from, summed)
+            assert got is None, (fn, summed_from, summed)
+            assert unpack_record_header(rec)[2] == crc32c.crc32c(head + payload)
+        # a corrupt batch (its bytes' CRC is not its field's): a sum of its bytes is not the
+        # check, so the pass runs and refuses it
+        assert place(fn, stale, 21, real)[0] == real
+        # the sum, when it is the check, is taken for the bytes: no pass over them
+        assert place(fn, stale, 21, stale)[0] is None
+
+
 def test_place_record_refuses_a_payload_not_in_its_region():
     frame, off = frame_with(batch_like(9000))
     start = off - H - ENG.size
@@ -172,8 +205,8 @@ def _take_cases():
 
 def test_take_in_c_is_take_in_python():
     """placed.take (storage/_copycrc.c take_offered over the registry) returns the region
-    _take_py returns for the same frame and offer - the same bytes at the same address, or
-    None - and uses the offer up (or leaves it) alike."""
+    _take_py returns for the same frame and offer - the same bytes at the same address and the
+    offer's sum, or None - and uses the offer up (or leaves it) alike."""
     if placed._take_offered is None:
         pytest.skip("the extension is not built")
     taken = []
@@ -182,12 +215,14 @@ def test_take_in_c_is_take_in_python():
         for fn in (placed.take, placed._take_py):
             placed.withdraw(frame)
             if kind != "unoffered":
-                placed.offer(frame, off, n)
-            region = fn(view, head)
-            got.append(None if region is None else (placed.address(region), bytes(region)))
+                placed.offer(frame, off, n, 21, 0xC0FFEE)
+            res = fn(view, head)
+            got.append(None if res is None else
+                       (placed.address(res[0]), bytes(res[0]), res[1:]))
             got.append(id(frame) in placed._offered)
         placed.withdraw(frame)
         assert got[:2] == got[2:], kind
         if got[0] is not None:
+            assert got[0][2] == (21, 0xC0FFEE)     # the offer's sum comes with its region
             taken.append(kind)
     assert taken == ["exact"]

@@ -137,3 +137,47 @@ def test_offers_are_bounded_and_withdrawn():
     for b in bufs:
         placed.withdraw(b)
     assert not placed.offered()
+
+
+async def test_an_offer_summed_as_received_is_checked_from_its_sum_and_recovered(tmp_path):
+    """An offer carrying the CRC of the batch's checked bytes (the receive's sum) is placed
+    without a pass over them (stats: placed_summed); its record's CRC, combined from that sum,
+    is the CRC of its bytes: recovery after a crash reads it back."""
+    path = str(tmp_path / "wal")
+    w = wal_at(path, "uring")
+    payload = batch_like(250_000, 6)
+    frame, off = frame_with(payload)
+    placed.offer(frame, off, len(payload), 21, crc32c.crc32c(payload[21:]))
+    head = ENG.pack(3, 0, 1)
+    r = w.append_loop((head, memoryview(frame)[off:off + len(payload)]), 3,
+                      (ENG.size + 21, crc32c.crc32c(payload[21:])))
+    w.flush()
+    assert await r.future == 0
+    assert w.stats["placed_records"] == 1 and w.stats["placed_summed"] == 1
+    w2 = DeltaWAL(WALConfig(path=path, capacity=4 << 20))
+    assert list(w2.open()) == [(0, head + payload)]
+    w2.close()
+    w.close()
+
+
+async def test_bytes_stamped_after_their_sum_are_checked_by_a_pass(tmp_path):
+    """Bytes rewritten after the receive summed them (a LogAppendTime stamp, with the batch's
+    new CRC as the check) make the sum stale: it is set aside, the pass checks the new bytes,
+    and they are what the WAL keeps."""
+    path = str(tmp_path / "wal")
+    w = wal_at(path, "threads")
+    payload = batch_like(120_000, 7)
+    frame, off = frame_with(payload)
+    placed.offer(frame, off, len(payload), 21, crc32c.crc32c(payload[21:]))
+    frame[off + 40:off + 48] = b"STAMPED!"
+    stamped = bytes(frame[off:off + len(payload)])
+    head = ENG.pack(4, 0, 1)
+    r = w.append_loop((head, memoryview(frame)[off:off + len(payload)]), 4,
+                      (ENG.size + 21, crc32c.crc32c(stamped[21:])))
+    w.flush()
+    assert await r.future == 0
+    assert w.stats["placed_records"] == 1 and w.stats["placed_summed"] == 0
+    w2 = DeltaWAL(WALConfig(path=path, capacity=4 << 20))
+    assert list(w2.open()) == [(0, head + stamped)]
+    w2.close()
+    w.close()
