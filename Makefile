@@ -10,6 +10,12 @@ ARGS ?=
 # `make test ARGS='-p no:xdist'`.
 TEST_WORKERS ?= 4
 XDIST = $(if $(findstring no:xdist,$(ARGS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+# The suite's processes write Python's bytecode caches even where the environment sets
+# PYTHONDONTWRITEBYTECODE (these machines do): the suite starts hundreds of broker and client
+# processes, and without the caches each one compiled its ~300 modules again (~0.7 s of CPU
+# per broker start; 35 % of the wall time of a broker-heavy part of the suite, bench/HISTORY.md
+# session 45). The caches go to __pycache__ directories git ignores.
+TEST_ENV := env -u PYTHONDONTWRITEBYTECODE
 
 .PHONY: run test test-fast bench bench-failover venv test-deps clean chaos-backpressure chaos
 
@@ -23,7 +29,8 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py storage/_copycrc.c pro
 
 # One pip run for the package and its test extras (one resolve, one editable build: a second
 # `pip install -e .` first cost a minute). --no-compile: the suite imports a small part of what
-# it installs (pyspark alone is thousands of modules); Python compiles that part on first use.
+# it installs (pyspark alone is thousands of modules); Python compiles that part on first use
+# and keeps it (TEST_ENV).
 $(VENV)/.test-installed: $(BIN)/python pyproject.toml setup.py storage/_copycrc.c protocol/_produce.c
 	$(BIN)/pip install -q --no-compile -e '.[test]'
 	touch $(VENV)/.installed $@
@@ -39,23 +46,23 @@ test-deps: $(VENV)/.test-installed
 	bash tests/setup_deps.sh
 
 test: test-deps
-	$(BIN)/python -m pytest -q -ra $(XDIST) $(ARGS)
+	$(TEST_ENV) $(BIN)/python -m pytest -q -ra $(XDIST) $(ARGS)
 
 ## Quick loop for developers: skip the slow suites.
 test-fast: test-deps
-	$(BIN)/python -m pytest -q -ra -m "not slow" $(XDIST) $(ARGS)
+	$(TEST_ENV) $(BIN)/python -m pytest -q -ra -m "not slow" $(XDIST) $(ARGS)
 
 ## Long fault schedule for issue 21: small WAL, object store cut/black-holed/restored, kill -9.
 CHAOS_ROUNDS ?= 20
 chaos-backpressure: test-deps
-	CHAOS_ROUNDS=$(CHAOS_ROUNDS) $(BIN)/python -m pytest -q -s -ra \
+	CHAOS_ROUNDS=$(CHAOS_ROUNDS) $(TEST_ENV) $(BIN)/python -m pytest -q -s -ra \
 		tests/chaos/test_backpressure_faults.py -k long $(ARGS)
 
 ## Long fault schedule for issue 17 on a 3-broker cluster: random kill -9, SIGSTOP past the
 ## lease, object store / PostgreSQL cut, PostgreSQL restart, a tiny WAL filling up.
 CHAOS_MINUTES ?= 30
 chaos: test-deps
-	CHAOS_MINUTES=$(CHAOS_MINUTES) $(BIN)/python -m pytest -q -s -ra \
+	CHAOS_MINUTES=$(CHAOS_MINUTES) $(TEST_ENV) $(BIN)/python -m pytest -q -s -ra \
 		tests/chaos/test_cluster_faults.py -k long $(ARGS)
 
 bench: $(VENV)/.test-installed
