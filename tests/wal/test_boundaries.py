@@ -210,8 +210,7 @@ class Walk:
         recs = list(w.open())
         if self.raw_fd < 0:
             self.raw_fd = os.open(self.path, os.O_RDWR)
-        with w._lock:
-            w._next_seal_at = time.monotonic() + FAR
+        hold_first_seal(w)
         self.w = w
         self.writes = Writes(self)
         if self.engine in LOOP_ENGINES:
@@ -495,6 +494,14 @@ async def test_ring_boundaries_seeded_walk(tmp_path, engine):
     print(engine, totals)
 
 
+def hold_first_seal(w: DeltaWAL) -> None:
+    """Keep the time-based seal off until a flush(): after open() the first seal is due at once,
+    so a threads-engine IO thread woken by the first append could seal its block before the
+    next append joined it (a CI run failed so, session 45)."""
+    with w._lock:
+        w._next_seal_at = time.monotonic() + FAR
+
+
 def small_wal(path: str, engine: str, cap: int = 24 << 10) -> DeltaWAL:
     """An opened WAL of a 16 KiB ring whose blocks are sealed only by size or flush() (no
     timer: the layout depends on the test alone), written by ``engine``."""
@@ -562,10 +569,7 @@ async def test_a_record_with_its_header_in_the_ring_last_bytes_is_recovered(tmp_
     next lap's start."""
     path = str(tmp_path / "wal")
     w = small_wal(path, engine)
-    with w._lock:
-        # the first seal is due at once after open: a threads-engine IO thread woken by the
-        # first append could seal its block before the second joined it (a CI run, session 45)
-        w._next_seal_at = time.monotonic() + FAR
+    hold_first_seal(w)           # the two records below must share a block
     ring = w.ring_size
     fill = w.append_loop(b"f" * (ring - 2 * H))                    # [0, ring - 24)
     last = w.append_loop(b"")                                      # [ring - 24, ring)
