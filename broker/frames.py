@@ -48,7 +48,7 @@ import struct
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from protocol import MalformedRequestError
 from protocol.frames import read_uvarint
@@ -177,6 +177,9 @@ class FramePool:
             if arena and _frame_arena else None
         self.huge = huge
         self._filler: _Filler | None = None
+        # called on the filler thread after it grew the arena: the WAL's io_uring registers
+        # the new slabs there, not in the loop's next submit (Engine.refresh_fixed_buffers)
+        self.on_grown: Callable[[], None] | None = None
         self.arena_frames = 0    # frames cut from the arena (tests, bench)
         self.arena_misses = 0    # ...and taken elsewhere because it was at its bound
 
@@ -208,7 +211,7 @@ class FramePool:
     def _filler_of(self, arena: Any) -> _Filler:
         """The arena's filler thread's handle, made on first use (its thread starts on wake)."""
         if self._filler is None:
-            self._filler = _Filler(arena)
+            self._filler = _Filler(arena, self)
         return self._filler
 
     def take(self, size: int) -> bytearray | Any:
@@ -332,8 +335,9 @@ class _Filler:
     also grows the arena until that many bytes are mapped, produced or not, and then says so
     once (``pretouched``: the floor is mapped, or the arena could not grow to it)."""
 
-    def __init__(self, arena: Any) -> None:
+    def __init__(self, arena: Any, pool: "FramePool | None" = None) -> None:
         self.arena = arena
+        self._pool = pool                # its on_grown is called after a pass that grew
         self._wake = threading.Event()
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -370,13 +374,29 @@ class _Filler:
             # ended was logged as reached with less mapped (session 35 review)
             floor = self.floor
             grown = True                 # False: the arena could not grow (its bound, mmap)
+            mapped = arena.mapped
             while not self._stopped and (arena.free < ARENA_AHEAD or arena.mapped < floor):
                 if not arena.grow(True):
                     grown = False
                     break
+            if arena.mapped != mapped and not self._stopped:
+                self._grew()
             if floor and not self.pretouched and not self._stopped \
                     and (arena.mapped >= floor or not grown):
                 self._pretouched(time.thread_time() - cpu)
+
+    def _grew(self) -> None:
+        """The pool's on_grown, here on the filler thread (registering ~1 GiB of new slabs
+        with the WAL's io_uring pins them for ~35 ms: in the loop's next submit that held a
+        produce request up as long, bench/HISTORY.md session 46). Best effort: a failure
+        leaves it to that submit, as before."""
+        hook = self._pool.on_grown if self._pool is not None else None
+        if hook is None:
+            return
+        try:
+            hook()
+        except Exception as e:           # noqa: BLE001 - the next submit registers instead
+            log.debug("registering new frame slabs with the WAL failed: %s", e)
 
     def _pretouched(self, cpu: float) -> None:
         """Log once that the floor is mapped (or that the arena could not grow to it)."""

@@ -824,6 +824,8 @@ class Broker:
             self.frame_pool.fit_cache(cache.capacity)
             frames_for = cache.capacity
         await self.store.start()
+        # new frame slabs are registered with the WAL's io_uring on the frames' own thread
+        self.frame_pool.on_grown = getattr(self.store, "refresh_fixed_buffers", None)
         self.hold_bulk = getattr(getattr(self.store, "cold_pacer", None), "hold_bulk", None)
         self.cluster = ClusterRoom(self)
         await self.cluster.start()

@@ -1464,6 +1464,7 @@ typedef struct {
     unsigned gen;                           /* fixed_gen when `slots` was last synced */
     int fixed_ok;                           /* 0: the kernel refused a registration */
     int writev_fixed;                       /* IORING_OP_WRITEV_FIXED supported (6.15+) */
+    int syncing;                            /* a uring_sync is registering */
     struct { uintptr_t start, end; unsigned serial; } slots[FIXED_MAX];  /* registered here */
 } uring_t;
 
@@ -1495,34 +1496,85 @@ static void fixed_remove(const void *p) {
 }
 
 /* Bring the ring's registered buffers in line with fixed_tab, slot by slot
-   (IORING_REGISTER_BUFFERS_UPDATE; an empty iovec empties a slot). Pinning 16 MiB of
-   faulted-in 4 KiB pages: ~0.3 ms. A refusal (RLIMIT_MEMLOCK without CAP_IPC_LOCK) turns
-   fixed writes off for this ring: they go plain, as before. */
+   (IORING_REGISTER_BUFFERS_UPDATE; an empty iovec empties a slot). A refusal (RLIMIT_MEMLOCK
+   without CAP_IPC_LOCK) turns fixed writes off for this ring: they go plain, as before.
+   The interpreter lock is released around the io_uring_register calls; called
+   under the lock by the ring's own thread (a submit) or by another (uring_refresh: the frame
+   arena's filler, so the event loop's ring is brought up to date off the loop). Pinning a
+   64 MiB slab takes ~2-3 ms and a new ring's first sync registers every slab (1 GiB: ~35 ms):
+   under the lock, an upload thread's first gather put stalled the event loop 31-65 ms
+   (bench/HISTORY.md, session 46). Under the lock first: the table is copied and every slot
+   that will change is emptied, so the ring's own lookups (uring_find, under the lock) write
+   those pages plainly meanwhile. Under the lock again after: a slot is filled only if the
+   table still holds the slab it registered (fixed_remove runs under the lock, before the
+   munmap; a slab mapped again at the same address has another serial); one that changed
+   stays empty and the ring's gen stale, so a later sync registers it again. A second caller
+   while one registers (`syncing`) returns at once; uring_close waits for it. */
 static void uring_sync(uring_t *r) {
-    r->gen = fixed_gen;
-    if (!r->fixed_ok) return;
+    if (r->syncing) return;
+    unsigned gen = fixed_gen;
+    if (!r->fixed_ok) {
+        r->gen = gen;
+        return;
+    }
+    struct { uintptr_t start, end; unsigned serial; } want[FIXED_MAX];
+    unsigned char todo[FIXED_MAX], done[FIXED_MAX];
+    memcpy(want, fixed_tab, sizeof(want));
+    int any = 0;
     for (unsigned i = 0; i < FIXED_MAX; i++) {
-        if (r->slots[i].serial == fixed_tab[i].serial)
-            continue;
-        struct iovec iov = {(void *)fixed_tab[i].start, fixed_tab[i].end - fixed_tab[i].start};
+        todo[i] = r->slots[i].serial != want[i].serial;
+        done[i] = 0;
+        if (todo[i]) {
+            r->slots[i].start = r->slots[i].end = 0;     /* empty unless the update succeeds */
+            r->slots[i].serial = 0;
+            any = 1;
+        }
+    }
+    if (!any) {
+        r->gen = gen;
+        return;
+    }
+    int refused = -1;                        /* the slot whose registration failed */
+    int fd = r->fd;
+    __atomic_store_n(&r->syncing, 1, __ATOMIC_SEQ_CST);
+    PyThreadState *ts = PyEval_SaveThread();
+    for (unsigned i = 0; i < FIXED_MAX; i++) {
+        if (!todo[i]) continue;
+        struct iovec iov = {(void *)want[i].start, want[i].end - want[i].start};
         struct io_uring_rsrc_update2 up;
         memset(&up, 0, sizeof(up));
         up.offset = i;
         up.data = (uint64_t)(uintptr_t)&iov;
         up.nr = 1;
-        r->slots[i].start = r->slots[i].end = 0;     /* empty unless the update succeeds */
-        r->slots[i].serial = fixed_tab[i].serial;
-        if (syscall(__NR_io_uring_register, r->fd, IORING_REGISTER_BUFFERS_UPDATE, &up,
+        if (syscall(__NR_io_uring_register, fd, IORING_REGISTER_BUFFERS_UPDATE, &up,
                     sizeof(up)) < 0) {
-            if (fixed_tab[i].end == 0) continue;
-            r->fixed_ok = 0;                 /* unpin everything: nothing is looked up again */
-            syscall(__NR_io_uring_register, r->fd, IORING_UNREGISTER_BUFFERS, NULL, 0);
-            memset(r->slots, 0, sizeof(r->slots));
-            return;
+            if (want[i].end == 0) {
+                done[i] = 1;                 /* an empty slot stays empty */
+                continue;
+            }
+            refused = (int)i;
+            break;
         }
-        r->slots[i].start = fixed_tab[i].start;
-        r->slots[i].end = fixed_tab[i].end;
+        done[i] = 1;
     }
+    PyEval_RestoreThread(ts);
+    __atomic_store_n(&r->syncing, 0, __ATOMIC_SEQ_CST);
+    if (refused >= 0 && fixed_tab[refused].serial == want[refused].serial) {
+        /* refused for a slab still in place (RLIMIT_MEMLOCK): fixed writes off, as before */
+        r->fixed_ok = 0;
+        syscall(__NR_io_uring_register, fd, IORING_UNREGISTER_BUFFERS, NULL, 0);
+        memset(r->slots, 0, sizeof(r->slots));
+        r->gen = fixed_gen;
+        return;
+    }
+    for (unsigned i = 0; i < FIXED_MAX; i++) {
+        if (!done[i] || fixed_tab[i].serial != want[i].serial)
+            continue;                        /* not registered, or changed meanwhile */
+        r->slots[i].start = want[i].start;
+        r->slots[i].end = want[i].end;
+        r->slots[i].serial = want[i].serial;
+    }
+    r->gen = gen;                            /* stale if the table changed meanwhile */
 }
 
 static void uring_free(PyObject *cap) {
@@ -1732,9 +1784,42 @@ PyDoc_STRVAR(uring_close_doc,
 "Close the ring now (the capsule's destructor would later); further calls raise ValueError.\n"
 "Writes in flight complete in the kernel; their completions are lost, so drain first.");
 
+PyDoc_STRVAR(uring_refresh_doc,
+"uring_refresh(ring) -> None\n\n"
+"Register with `ring` the frame arena slabs it does not hold yet (and drop the ones gone),\n"
+"with the interpreter lock released while the kernel pins them: what its next submit would\n"
+"do, from any thread. The frame arena's filler calls it for the event loop's WAL ring after\n"
+"growing, so the loop does not pin 64 MiB slabs (~2-3 ms each) in a produce request.");
+
+PyDoc_STRVAR(uring_registered_doc,
+"uring_registered(ring) -> int\n\n"
+"Bytes of frame arena slabs registered with `ring` as fixed buffers now (/metrics, tests).");
+
+static PyObject *uring_registered_(PyObject *self, PyObject *cap) {
+    uring_t *r = uring_get(cap);
+    if (r == NULL) return NULL;
+    unsigned long long n = 0;
+    for (unsigned i = 0; i < FIXED_MAX; i++)
+        n += r->slots[i].end - r->slots[i].start;
+    return PyLong_FromUnsignedLongLong(n);
+}
+
+static PyObject *uring_refresh_(PyObject *self, PyObject *cap) {
+    uring_t *r = uring_get(cap);
+    if (r == NULL) return NULL;
+    if (r->gen != fixed_gen) uring_sync(r);
+    Py_RETURN_NONE;
+}
+
 static PyObject *uring_close_(PyObject *self, PyObject *cap) {
     uring_t *r = PyCapsule_GetPointer(cap, "s3kafka.uring");
     if (r == NULL) return NULL;
+    if (__atomic_load_n(&r->syncing, __ATOMIC_SEQ_CST)) {
+        Py_BEGIN_ALLOW_THREADS            /* another thread registers slabs with this ring */
+        while (__atomic_load_n(&r->syncing, __ATOMIC_SEQ_CST))
+            usleep(200);
+        Py_END_ALLOW_THREADS
+    }
     if (r->fd >= 0) {
         close(r->fd);
         r->fd = -1;
@@ -2429,8 +2514,9 @@ static PyObject *gather_write(PyObject *self, PyObject *args) {
     }
 #ifdef HAVE_URING
     if (ring != NULL) {
-        /* the registered slabs as of now, under the interpreter lock (see fixed_tab): every
-           gathered payload is exported, so its slab stays mapped and registered meanwhile */
+        /* the registered slabs as of now (registered with the interpreter lock released,
+           checked against fixed_tab under it): every gathered payload is exported, so its
+           slab stays mapped and registered meanwhile */
         if (ring->gen != fixed_gen) uring_sync(ring);
         for (Py_ssize_t i = 0; i < g.nrec; i++) {
             grec_t *r = &g.recs[i];
@@ -2557,6 +2643,8 @@ static PyMethodDef methods[] = {
     {"uring_reap", uring_reap_, METH_O, uring_reap_doc},
     {"uring_writev_fixed", uring_writev_fixed_, METH_O, uring_writev_fixed_doc},
     {"uring_close", uring_close_, METH_O, uring_close_doc},
+    {"uring_refresh", uring_refresh_, METH_O, uring_refresh_doc},
+    {"uring_registered", uring_registered_, METH_O, uring_registered_doc},
 #endif
     {NULL, NULL, 0, NULL},
 };

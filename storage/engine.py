@@ -1020,6 +1020,13 @@ class Engine(StreamStore):
         """Upload everything appended so far and trim the WAL (tests, shutdown)."""
         await self._drain_uploads()
 
+    def refresh_fixed_buffers(self) -> None:
+        """The WAL's io_uring registers new frame arena slabs now, on the calling thread
+        (broker/frames.py's filler, after it grew the arena), not in a produce request."""
+        wal = self.wal
+        if wal is not None:
+            wal.refresh_fixed_buffers()
+
     def drop_caches(self) -> None:
         """Evict every committed cache entry and the block cache: reads go to the store."""
         self.cache.drop_all_committed()

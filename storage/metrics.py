@@ -182,6 +182,10 @@ class StorageCollector(Collector):
             yield _c(p + "wal_fixed_writes", "WAL writes submitted from frames registered with "
                      "io_uring (WRITE_FIXED: their pages not pinned per write)",
                      getattr(wal, "fixed_writes", 0))
+            yield _g(p + "wal_registered_frame_bytes", "Frame arena bytes registered with the "
+                     "WAL's io_uring as fixed buffers (registered by the frames' filler thread "
+                     "after it grew the arena, not in a produce request)",
+                     getattr(wal, "registered_frame_bytes", 0))
         used = max(0, eng._wal_head - eng._wal_trimmed)
         yield _g(p + "wal_used_bytes", "WAL bytes not yet trimmed (appended, not uploaded)",
                  used)

@@ -332,6 +332,20 @@ class DeltaWAL:
         zero-pin path is taken (/metrics s3kafka_wal_fixed_writes_total)."""
         return getattr(self._driver.aio, "fixed_writes", 0) if self._driver is not None else 0
 
+    @property
+    def registered_frame_bytes(self) -> int:
+        """Bytes of frame arena slabs the event loop's io_uring has registered (its writes
+        from them skip the per-write pinning); 0 with libaio or IO threads."""
+        driver = self._driver
+        return getattr(driver.aio, "registered_bytes", 0) if driver is not None else 0
+
+    def refresh_fixed_buffers(self) -> None:
+        """Register new frame arena slabs with the event loop's io_uring from this thread
+        (LoopDriver.refresh_fixed); a no-op before attach_loop() or with IO threads."""
+        driver = self._driver
+        if driver is not None:
+            driver.refresh_fixed()
+
     # -- append ----------------------------------------------------------------------------
     def append(self, body: Body, stream_id: int = 0) -> AppendResult:
         """Buffer one record; the future completes (with the offset) once it and every earlier

@@ -6,13 +6,17 @@ generous deadlines: no timing is asserted."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 
 import broker.frames as frames
 from broker.frames import ARENA_AHEAD, REGISTERED_SLAB, FramePool, _Filler
+from storage.wal.aio import AioUnavailable, UringContext
 
 from cluster.kit import wait_for
+from conftest import free_port
+from datapath.wire import metric_at
 from test_placed_produce import _produce, batch, broker_with_topic, produce_v3
 
 DEADLINE_S = 120
@@ -40,6 +44,28 @@ def test_pretouch_maps_the_cache_s_slabs_before_any_frame_is_taken():
         frame = pool.take(1 << 20)                  # the first request's frame: from the slab
         assert type(frame) is not bytearray and pool.arena.mapped == REGISTERED_SLAB
         del frame
+    finally:
+        pool.close()
+
+
+def test_the_pool_s_on_grown_runs_on_the_filler_thread_after_it_grew():
+    """FramePool.on_grown (the broker sets the WAL's refresh_fixed_buffers): called on the
+    filler thread once a pass grew the arena, so the WAL's io_uring registers the new slabs
+    there and not in the event loop's next submit; a hook that raises is only logged."""
+    pool = _arena_pool()
+    calls: list[tuple[str, int]] = []
+
+    def hook() -> None:
+        calls.append((threading.current_thread().name, pool.arena.mapped))
+        raise RuntimeError("a failing hook leaves it to the next submit")
+
+    try:
+        pool.on_grown = hook
+        pool.fit_cache(REGISTERED_SLAB)
+        assert pool.pretouch(REGISTERED_SLAB)
+        wait_for(lambda: pool._filler.pretouched, DEADLINE_S, "pre-touched")
+        wait_for(lambda: calls, DEADLINE_S, "on_grown called")
+        assert calls[0] == ("s3kafka-frames", REGISTERED_SLAB)
     finally:
         pool.close()
 
@@ -173,6 +199,25 @@ def test_a_broker_pretouches_its_log_cache_at_start_without_any_request(broker_f
     lines = [ln for ln in b.log_text().splitlines() if LINE in ln]
     assert len(lines) == 1 and f"pre-touched: {REGISTERED_SLAB >> 20} MiB of arena slabs" \
         in lines[0], lines
+
+
+def test_a_broker_registers_its_pretouched_slabs_with_the_wal_before_any_request(
+        broker_factory):
+    """The pre-touched slabs are registered with the WAL's io_uring by the frames' thread
+    (s3kafka_wal_registered_frame_bytes) with no client connected: the first produce does
+    not pin them on the event loop (~35 ms per GiB, bench/HISTORY.md session 46)."""
+    _arena_pool().close()                          # skips without frame_arena
+    try:
+        UringContext(8).close()
+    except AioUnavailable as e:
+        pytest.skip(f"io_uring unavailable: {e}")
+    mport = free_port()
+    b = broker_factory(["--metrics-listen", f"127.0.0.1:{mport}", "--frame-pretouch",
+                        "--log-cache-bytes", str(REGISTERED_SLAB), "--wal-io-engine", "uring"])
+    wait_for(lambda: LINE in b.log_text(), DEADLINE_S, "pre-touched (log)")
+    wait_for(lambda: (metric_at(mport, "s3kafka_wal_registered_frame_bytes") or 0)
+             >= REGISTERED_SLAB, DEADLINE_S, "slabs registered with the WAL's ring")
+    assert metric_at(mport, "s3kafka_wal_fixed_writes_total") == 0    # no request yet
 
 
 def test_a_broker_without_pretouch_says_nothing_of_it(broker_factory):

@@ -6,6 +6,9 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import sys
+import threading
+import time
 
 import pytest
 
@@ -94,6 +97,75 @@ def test_a_slab_mapped_again_is_written_from_its_new_pages(dfd):
         assert r.fixed_writes == 3
     finally:
         r.close()
+
+
+def test_a_ring_refreshed_from_another_thread_has_the_new_slab_and_writes_it_fixed(dfd):
+    """refresh_fixed() (the frame arena's filler, for the event loop's ring) registers a slab
+    mapped since the ring's last submit, from another thread; the owner's next write from it
+    goes as WRITE_FIXED with the slab's bytes. Without an arena change it registers nothing."""
+    r = _ring()
+    try:
+        assert r.registered_bytes == 0
+        arena = _arena()                          # one 2 MiB slab, not yet on this ring
+        t = threading.Thread(target=r.refresh_fixed)
+        t.start()
+        t.join()
+        assert r.registered_bytes == 2 << 20
+        frame = arena.take(1 << 20)
+        memoryview(frame)[:] = b"\x6b" * (1 << 20)
+        k, base = address_of(frame)
+        r.submit_write(dfd, [(base, 1 << 20)], 0, 9, True)
+        assert r.fixed_writes == 1
+        assert wait_reap(r, 1) == [(9, 1 << 20)]
+        assert _read(dfd, 1 << 20) == b"\x6b" * (1 << 20)
+        r.refresh_fixed()                         # nothing new: stays as it is
+        assert r.registered_bytes == 2 << 20
+        del k, frame, arena                       # the slab goes: the next sync drops it
+        r.refresh_fixed()
+        assert r.registered_bytes == 0
+    finally:
+        r.close()
+
+
+def test_registering_slabs_lets_other_threads_run():
+    """Pinning slabs for a ring (~2-3 ms per 64 MiB here) happens with the interpreter lock
+    released: another thread runs Python meanwhile. Held, it stalled the event loop 31-65 ms
+    at a broker's first uploads (every gather put's ring registers every slab once). The
+    switch interval is made long so the registering thread never gives the lock up on its
+    own; three tries for a machine too busy to schedule the other thread in time."""
+    ext = aio._ext
+    if getattr(ext, "frame_arena", None) is None:
+        pytest.skip("storage._copycrc without frame_arena")
+    arena = ext.frame_arena(64 << 20, 256 << 20, False)
+    for _ in range(4):
+        assert arena.grow(True)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)
+    try:
+        for _attempt in range(3):
+            r = _ring()
+            span: list[float] = []
+            ticks: list[float] = []
+
+            def register() -> None:
+                span.append(time.perf_counter())
+                r.refresh_fixed()
+                span.append(time.perf_counter())
+
+            t = threading.Thread(target=register)
+            t.start()
+            while t.is_alive():
+                ticks.append(time.perf_counter())
+                time.sleep(0.0002)
+            t.join()
+            assert r.registered_bytes == 256 << 20
+            r.close()
+            if any(span[0] < x < span[1] for x in ticks):
+                return
+        pytest.fail(f"no other thread ran while {256} MiB were registered ({span})")
+    finally:
+        sys.setswitchinterval(old)
+        del arena
 
 
 def test_a_failed_write_reports_its_errno(dfd):
