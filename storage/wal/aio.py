@@ -249,11 +249,10 @@ class UringContext:
     def registered_bytes(self) -> int:
         """Bytes of frame arena slabs registered with this ring as fixed buffers."""
         ring = self._ring
-        registered = getattr(_ext, "uring_registered", None)
-        if ring is None or registered is None:
+        if ring is None:
             return 0
         try:
-            return registered(ring)
+            return _ext.uring_registered(ring)
         except ValueError:                        # closed meanwhile
             return 0
 
@@ -263,11 +262,10 @@ class UringContext:
         on the event loop that pinning (~2-3 ms per 64 MiB slab) held up a produce request.
         A ring closed meanwhile is left alone."""
         ring = self._ring
-        refresh = getattr(_ext, "uring_refresh", None)
-        if ring is None or refresh is None:
+        if ring is None:
             return
         try:
-            refresh(ring)
+            _ext.uring_refresh(ring)
         except ValueError:                        # closed meanwhile
             pass
 

@@ -133,14 +133,6 @@ class LoopDriver:
         return wal._writes < self.depth and (wal._pending_bytes >= wal._backlog
                                              or wal._closing)
 
-    def refresh_fixed(self) -> None:
-        """Bring the ring's registered buffers up to date with the frame arena from the
-        calling thread (any: the arena's filler after it grew) rather than in the loop's
-        next submit. Nothing to do for libaio."""
-        refresh = getattr(self.aio, "refresh_fixed", None)
-        if refresh is not None:
-            refresh()
-
     # -- writes ----------------------------------------------------------------------------
     def _submit(self, group: list["Block"], attempt: int) -> None:
         wal = self.wal

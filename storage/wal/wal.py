@@ -341,10 +341,11 @@ class DeltaWAL:
 
     def refresh_fixed_buffers(self) -> None:
         """Register new frame arena slabs with the event loop's io_uring from this thread
-        (LoopDriver.refresh_fixed); a no-op before attach_loop() or with IO threads."""
-        driver = self._driver
-        if driver is not None:
-            driver.refresh_fixed()
+        (UringContext.refresh_fixed); a no-op before attach_loop(), with libaio or IO threads."""
+        refresh = getattr(self._driver.aio, "refresh_fixed", None) \
+            if self._driver is not None else None
+        if refresh is not None:
+            refresh()
 
     # -- append ----------------------------------------------------------------------------
     def append(self, body: Body, stream_id: int = 0) -> AppendResult:

@@ -162,7 +162,7 @@ def test_registering_slabs_lets_other_threads_run():
             r.close()
             if any(span[0] < x < span[1] for x in ticks):
                 return
-        pytest.fail(f"no other thread ran while {256} MiB were registered ({span})")
+        pytest.fail(f"no other thread ran while 256 MiB were registered ({span})")
     finally:
         sys.setswitchinterval(old)
         del arena
