@@ -1,5 +1,18 @@
 # Two commands do all the set-up: `make run` and `make test`.
-PY ?= python3
+#
+# PY is the interpreter the venv is made from. Unless it is given (`make run PY=python3.12`),
+# the first of PY_CANDIDATES that can make a venv for us is taken: Python >= 3.11 with ensurepip
+# and the headers our two C extensions compile against. The distribution's own /usr/bin/python3
+# comes first because Debian, Ubuntu and Fedora build it with PGO and LTO and link libpython
+# into the executable; a pyenv or plain ./configure build, which `python3` on PATH often is, has
+# none of that and ran the broker's Python work 15-30 % slower (bench/HISTORY.md, session 48).
+# An existing .venv keeps the interpreter it was made from: `make clean` to change it.
+PY_CANDIDATES ?= /usr/bin/python3 python3
+PY_USABLE = import ensurepip, os, sys, sysconfig; \
+	sys.exit(sys.version_info < (3, 11) or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))
+ifeq ($(origin PY),undefined)
+PY := $(shell for p in $(PY_CANDIDATES); do $$p -c '$(PY_USABLE)' >/dev/null 2>&1 && { echo $$p; exit; }; done; echo python3)
+endif
 VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
