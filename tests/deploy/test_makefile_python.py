@@ -24,9 +24,13 @@ def makedir(tmp_path: pathlib.Path) -> pathlib.Path:
 
 def venv_command(makedir: pathlib.Path, *args: str, env: dict[str, str] | None = None) -> str:
     """The command `make` would run to create the venv (a dry run: nothing is created)."""
-    full_env = {k: v for k, v in os.environ.items() if k not in ("PY", "PY_CANDIDATES")}
+    # the suite itself may run under make (`make test`): its MAKEFLAGS/MAKELEVEL would turn this
+    # into a sub-make that prints "Entering directory" and passes on the outer command line
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("PY", "PY_CANDIDATES") and not k.startswith(("MAKE", "MFLAGS"))}
     full_env.update(env or {})
-    out = subprocess.run(["make", "-n", ".venv/bin/python", *args], cwd=makedir, env=full_env,
+    out = subprocess.run(["make", "--no-print-directory", "-n", ".venv/bin/python", *args],
+                         cwd=makedir, env=full_env,
                          capture_output=True, text=True, check=True, timeout=60).stdout
     return out.splitlines()[0]
 
