@@ -5,7 +5,8 @@
 # and the headers our two C extensions compile against. The distribution's own /usr/bin/python3
 # comes first because Debian, Ubuntu and Fedora build it with PGO and LTO and link libpython
 # into the executable; a pyenv or plain ./configure build, which `python3` on PATH often is, has
-# none of that and ran the broker's Python work 15-30 % slower (bench/HISTORY.md, session 48).
+# none of that (small produce requests cost the broker 8-24 % less CPU on Debian's build than on
+# pyenv's: bench/HISTORY.md, session 48).
 # An existing .venv keeps the interpreter it was made from: `make clean` to change it.
 PY_CANDIDATES ?= /usr/bin/python3 python3
 PY_USABLE = import ensurepip, os, sys, sysconfig; \
