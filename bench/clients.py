@@ -17,7 +17,7 @@ import time
 from array import array
 from typing import Any
 
-from .common import BrokerProc, MockCluster, Result, create_topic, pct
+from .common import BrokerProc, MockCluster, Result, create_topic, pct, stat_cpu_s, task_ids
 from .device import device_of, disk_counters, disk_writes
 
 PRODUCER_CONF = {"acks": "all", "linger.ms": 5, "batch.size": 1 << 20, "batch.num.messages": 1_000_000,
@@ -25,12 +25,26 @@ PRODUCER_CONF = {"acks": "all", "linger.ms": 5, "batch.size": 1 << 20, "batch.nu
                  "message.max.bytes": 16 << 20, "enable.idempotence": False, "log_level": 2}
 
 
+def threads_cpu(pid: int | str) -> dict[str, float]:
+    """CPU seconds of each thread of ``pid`` ("self": this process), by thread id."""
+    return {tid: stat_cpu_s(f"/proc/{pid}/task/{tid}/stat", 0.0) or 0.0 for tid in task_ids(pid)}
+
+
+def cpu_shares(before: dict[str, float], after: dict[str, float], wall: float) -> tuple[float, float]:
+    """(busiest thread, whole process) CPU between two ``threads_cpu`` snapshots, in CPUs."""
+    used = [after[t] - before.get(t, 0.0) for t in after]
+    return (max(used, default=0.0) / wall, sum(used) / wall) if wall > 0 else (0.0, 0.0)
+
+
 def produce_throughput(bootstrap: str, topic: str, size: int, seconds: float,
-                       max_msgs: int = 50_000_000) -> dict[str, Any]:
+                       max_msgs: int = 50_000_000, broker_pid: int | None = None) -> dict[str, Any]:
     """Produce `size`-byte messages for `seconds` as fast as the client goes; wait for all acks.
 
     Throughput = acknowledged messages / (time to last ack). The time series comes from
     librdkafka's statistics (messages handed to the broker), sampled every 0.5 s.
+    ``cpu``: this process's busiest thread and its whole CPU, and the broker's (``broker_pid``),
+    from 2 s into the sending to its end: a busiest thread near one CPU says the row measured
+    the client's own produce loop, not the broker (bench/HISTORY.md, session 48).
     """
     import json
 
@@ -54,7 +68,11 @@ def produce_throughput(bootstrap: str, topic: str, size: int, seconds: float,
     t0 = time.monotonic()
     end = t0 + seconds
     produce = p.produce
+    mark: tuple[float, dict[str, float], dict[str, float]] | None = None
     while n < max_msgs:
+        if mark is None and time.monotonic() - t0 >= min(2.0, seconds / 4):
+            mark = (time.monotonic(), threads_cpu("self"),
+                    threads_cpu(broker_pid) if broker_pid else {})
         i = 0
         try:
             for i in range(1000):
@@ -69,6 +87,12 @@ def produce_throughput(bootstrap: str, topic: str, size: int, seconds: float,
         p.poll(0)
         if time.monotonic() >= end:
             break
+    cpu = None
+    if mark is not None:
+        wall = time.monotonic() - mark[0]
+        busiest, client = cpu_shares(mark[1], threads_cpu("self"), wall)
+        broker = cpu_shares(mark[2], threads_cpu(broker_pid), wall)[1] if broker_pid else None
+        cpu = {"client_busiest": busiest, "client": client, "broker": broker}
     left = p.flush(120)
     elapsed = time.monotonic() - t0
     acked = n - left
@@ -79,7 +103,7 @@ def produce_throughput(bootstrap: str, topic: str, size: int, seconds: float,
             series.append((t, (c - prev_n) * size / (t - prev_t) / 1e6))
         prev_t, prev_n = t, c
     return {"msgs": acked, "msgs_s": acked / elapsed, "mb_s": acked * size / elapsed / 1e6,
-            "series": series}
+            "series": series, "cpu": cpu}
 
 
 def consume_throughput(bootstrap: str, topic: str, expected: int, timeout: float = 120) -> dict[str, Any]:
@@ -196,7 +220,7 @@ def latency_trace(sent_at: list[float], lat: list[float], step: float = 0.25
 
 def run_target(bootstrap: str, sizes: list[int], seconds: float, restart=None,
                lat_rates: list[float] | None = None, create: bool = True,
-               disk: str | None = None) -> dict[str, Any]:
+               disk: str | None = None, broker_pid: int | None = None) -> dict[str, Any]:
     """All client benchmarks against one target; `restart` (if given) makes the next read cold;
     `disk`: the device under the broker's WAL and objects (its writes during each produce run
     are reported beside it, bench.device)."""
@@ -207,7 +231,7 @@ def run_target(bootstrap: str, sizes: list[int], seconds: float, restart=None,
         if create:  # the mock auto-creates topics on first use
             create_topic(bootstrap, topic)
         dev0, t0 = disk_counters(disk), time.monotonic()
-        r = produce_throughput(bootstrap, topic, size, seconds)
+        r = produce_throughput(bootstrap, topic, size, seconds, broker_pid=broker_pid)
         dev1, wall = disk_counters(disk), time.monotonic() - t0
         written = disk_writes(dev0, dev1, wall)
         if written is not None and r.get("mb_s"):
@@ -255,7 +279,7 @@ def run(seconds: float = 8, sizes: list[int] | None = None, mock: bool = True,
 
     try:
         ours = run_target(broker.bootstrap, sizes, seconds, restart,
-                          disk=device_of(broker.data_dir))
+                          disk=device_of(broker.data_dir), broker_pid=broker.pid)
     finally:
         broker.close()
     theirs = None
@@ -281,6 +305,18 @@ def run(seconds: float = 8, sizes: list[int] | None = None, mock: bool = True,
         prod.notes.append("the device under s3kafka's WAL and objects wrote during each produce "
                           "run (WAL + objects, /proc/diskstats; the mock keeps everything in "
                           "memory): " + ", ".join(disk))
+    cpu = []
+    for size in sizes:
+        a, b = ours["produce"][size].get("cpu"), (theirs or {}).get("produce", {}).get(size, {}).get("cpu")
+        if a:
+            cpu.append(f"{size} B: client's busiest thread {100 * a['client_busiest']:.0f} %, "
+                       f"client {100 * a['client']:.0f} %, broker {100 * (a['broker'] or 0):.0f} %"
+                       + (f" (mock run: busiest {100 * b['client_busiest']:.0f} %, client and "
+                          f"mock {100 * b['client']:.0f} %)" if b else ""))
+    if cpu:
+        prod.notes.append("CPU over each produce run from its 2nd second, % of one CPU (a busiest "
+                          "client thread near 100 % is the Python produce loop: the row then "
+                          "measures the client): " + "; ".join(cpu))
     cons = Result(f"Consume throughput, confluent-kafka, {ours['consume_size']} B messages",
                   ["read", "s3kafka msgs/s", "s3kafka MB/s", "mock msgs/s", "ratio s3kafka/mock"])
     mh = theirs["hot"] if theirs else {"msgs_s": float("nan")}

@@ -40,6 +40,10 @@ def test_run_all_quick_writes_results_with_figures(tmp_path) -> None:
     assert float(raw["MB/s"].replace(",", "")) > 0 and raw["errors"] == "0"
     prod = re.search(r"\| 100 \| ([\d,.]+) \| ([\d,.]+) \| ([\d,.]+) \|", text)
     assert prod and float(prod.group(1).replace(",", "")) > 0 and float(prod.group(3).replace(",", "")) > 0
+    # who was busy during the 100 B produce run: the client's loop thread and the broker did work
+    cpu = re.search(r"100 B: client's busiest thread (\d+) %, client (\d+) %, broker (\d+) %", text)
+    assert cpu and int(cpu.group(1)) > 0 and int(cpu.group(2)) >= int(cpu.group(1)) \
+        and int(cpu.group(3)) > 0, text[text.index("Produce throughput"):][:2000]
     try:  # plots need the `bench` extra (matplotlib); `make test` installs only `test`
         import matplotlib  # noqa: F401
     except ImportError:
