@@ -12,26 +12,23 @@ against librdkafka's mock cluster and are reported as s3kafka/mock ratios.
 from __future__ import annotations
 
 import argparse
+import os
 import struct
 import time
 from array import array
 from typing import Any
 
-from .common import BrokerProc, MockCluster, Result, create_topic, pct, stat_cpu_s, task_ids
+from .common import BrokerProc, MockCluster, Result, create_topic, pct
 from .device import device_of, disk_counters, disk_writes
+from .profile import thread_cpu
 
 PRODUCER_CONF = {"acks": "all", "linger.ms": 5, "batch.size": 1 << 20, "batch.num.messages": 1_000_000,
                  "queue.buffering.max.messages": 2_000_000, "queue.buffering.max.kbytes": 1 << 21,
                  "message.max.bytes": 16 << 20, "enable.idempotence": False, "log_level": 2}
 
 
-def threads_cpu(pid: int | str) -> dict[str, float]:
-    """CPU seconds of each thread of ``pid`` ("self": this process), by thread id."""
-    return {tid: stat_cpu_s(f"/proc/{pid}/task/{tid}/stat", 0.0) or 0.0 for tid in task_ids(pid)}
-
-
-def cpu_shares(before: dict[str, float], after: dict[str, float], wall: float) -> tuple[float, float]:
-    """(busiest thread, whole process) CPU between two ``threads_cpu`` snapshots, in CPUs."""
+def cpu_shares(before: dict[int, float], after: dict[int, float], wall: float) -> tuple[float, float]:
+    """(busiest thread, whole process) CPU between two ``thread_cpu`` snapshots, in CPUs."""
     used = [after[t] - before.get(t, 0.0) for t in after]
     return (max(used, default=0.0) / wall, sum(used) / wall) if wall > 0 else (0.0, 0.0)
 
@@ -68,11 +65,11 @@ def produce_throughput(bootstrap: str, topic: str, size: int, seconds: float,
     t0 = time.monotonic()
     end = t0 + seconds
     produce = p.produce
-    mark: tuple[float, dict[str, float], dict[str, float]] | None = None
+    mark: tuple[float, dict[int, float], dict[int, float]] | None = None
     while n < max_msgs:
         if mark is None and time.monotonic() - t0 >= min(2.0, seconds / 4):
-            mark = (time.monotonic(), threads_cpu("self"),
-                    threads_cpu(broker_pid) if broker_pid else {})
+            mark = (time.monotonic(), thread_cpu(os.getpid()),
+                    thread_cpu(broker_pid) if broker_pid else {})
         i = 0
         try:
             for i in range(1000):
@@ -90,8 +87,8 @@ def produce_throughput(bootstrap: str, topic: str, size: int, seconds: float,
     cpu = None
     if mark is not None:
         wall = time.monotonic() - mark[0]
-        busiest, client = cpu_shares(mark[1], threads_cpu("self"), wall)
-        broker = cpu_shares(mark[2], threads_cpu(broker_pid), wall)[1] if broker_pid else None
+        busiest, client = cpu_shares(mark[1], thread_cpu(os.getpid()), wall)
+        broker = cpu_shares(mark[2], thread_cpu(broker_pid), wall)[1] if broker_pid else None
         cpu = {"client_busiest": busiest, "client": client, "broker": broker}
     left = p.flush(120)
     elapsed = time.monotonic() - t0
