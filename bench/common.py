@@ -114,6 +114,18 @@ def stat_cpu_s(path: str, default: float | None = None) -> float | None:
         return default
 
 
+def stat_cpu_split(path: str) -> tuple[float, float] | None:
+    """(user, kernel) CPU seconds from a /proc ``stat`` file; None when it cannot be read. The
+    kernel share is where a broker's receive copy, Direct IO writes and context switches
+    land: a floor no user-space change lowers (bench/HISTORY.md, session 49)."""
+    try:
+        with open(path) as f:
+            fields = f.read().rpartition(")")[2].split()
+        return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def pct(values: list[float], p: float) -> float:
     """Nearest-rank percentile (p in 0..1); NaN for no samples."""
     if not values:

@@ -26,7 +26,7 @@ from protocol import build_batch
 
 from . import device
 from .common import (BrokerProc, MockCluster, Result, create_topic, mock_cpu_s, pct,
-                     stat_cpu_s)
+                     stat_cpu_s, stat_cpu_split)
 
 _PREFIX = struct.Struct(">ihhi")
 _I32 = struct.Struct(">i")
@@ -300,20 +300,29 @@ def process_cpu_s(pid: int | None) -> float:
     return stat_cpu_s(f"/proc/{pid}/stat", float("nan"))
 
 
+def process_kernel_s(pid: int | None) -> float:
+    """Kernel (system) CPU seconds of process ``pid`` (all threads); NaN for the mock (its
+    thread's split is not read) or when unknown."""
+    split = stat_cpu_split(f"/proc/{pid}/stat") if pid and pid != MOCK_PID else None
+    return split[1] if split else float("nan")
+
+
 class _LaterSample(threading.Thread):
-    """Process ``pid``'s CPU seconds (``cpu``) and the perf_counter time (``at``) ``delay``
-    seconds from now, read on a thread while the produce run holds the main one."""
+    """Process ``pid``'s CPU seconds (``cpu``; ``kernel``: its system part) and the
+    perf_counter time (``at``) ``delay`` seconds from now, read on a thread while the
+    produce run holds the main one."""
 
     def __init__(self, pid: int | None, delay: float) -> None:
         super().__init__(daemon=True)
         self.pid, self.delay = pid, delay
         self.at: float | None = None
-        self.cpu = float("nan")
+        self.cpu = self.kernel = float("nan")
         self.start()
 
     def run(self) -> None:
         time.sleep(self.delay)
-        self.cpu, self.at = process_cpu_s(self.pid), time.perf_counter()
+        self.cpu, self.kernel = process_cpu_s(self.pid), process_kernel_s(self.pid)
+        self.at = time.perf_counter()
 
 
 def cpu_ms_per_mib_after(acks: list[tuple[float, int]], at: float, cpu_at: float,
@@ -386,7 +395,7 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
     dev0, w0 = device.disk_counters(disk), time.monotonic()
     mark = _LaterSample(pid, STEADY_FROM_S) if seconds >= STEADY_FROM_S + 2 else None
     st = _run(_produce, host, int(port), topic, conns, depth, seconds, batch)
-    cpu_end = process_cpu_s(pid)
+    cpu_end, kernel_end = process_cpu_s(pid), process_kernel_s(pid)
     cpu = cpu_end - cpu0
     dev1, wall = device.disk_counters(disk), time.monotonic() - w0
     ms = [x * 1000 for x in st["lat"]]
@@ -403,6 +412,10 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
         if mark.at is not None:
             out["cpu_ms_mib_steady"] = cpu_ms_per_mib_after(st["ts"], mark.at, mark.cpu,
                                                             cpu_end)
+            # its kernel part (system time: the socket receive copy, the WAL's and the
+            # objects' Direct IO, fsyncs, context switches): the floor under the figure
+            out["kernel_ms_mib_steady"] = cpu_ms_per_mib_after(st["ts"], mark.at,
+                                                               mark.kernel, kernel_end)
     written = device.disk_writes(dev0, dev1, wall)
     if written is not None and st["bytes"]:
         # the device's own account of the window: bytes it wrote per byte produced (WAL +
@@ -485,6 +498,12 @@ def run(seconds: float = 10, conns: int = 4, depth: int = 8, batch_bytes: int = 
         r.notes.append(f"broker CPU ms per MiB acknowledged from {STEADY_FROM_S:.0f} s into the "
                        f"run on (a fresh broker's first ~1 GiB fills its LogCache with fresh "
                        f"memory): {', '.join(steady)}")
+    kernel = ours.get("kernel_ms_mib_steady", float("nan"))
+    if kernel == kernel:
+        r.notes.append(f"of s3kafka's, in the kernel (system time: the socket receive copy, the "
+                       f"WAL's and the objects' Direct IO, fsyncs, task switches): {kernel:.3f} "
+                       f"ms/MiB; in user space (the interpreter, CRC, uvloop): "
+                       f"{ours['cpu_ms_mib_steady'] - kernel:.3f}")
     if ours.get("disk_mb_s") is not None:
         r.notes.append(f"the device under s3kafka's WAL and objects ({ours['disk']}) during its "
                        f"produce run: {ours['disk_mb_s']:,.0f} MB/s written "

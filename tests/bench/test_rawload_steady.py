@@ -27,3 +27,21 @@ def test_the_later_sample_reads_the_process_cpu_after_its_delay() -> None:
     mark.join()
     assert mark.at is not None and mark.at - t0 >= 0.2
     assert before <= mark.cpu <= rawload.process_cpu_s(os.getpid())
+
+
+def test_the_kernel_part_is_the_system_time_within_the_cpu_figure() -> None:
+    """The split under the steady figure: system time read from /proc, never above the whole
+    CPU time of the same reading, and it grows with work done in the kernel."""
+    from bench.common import stat_cpu_split
+    user0, kernel0 = stat_cpu_split(f"/proc/{os.getpid()}/stat")
+    with open("/dev/zero", "rb", buffering=0) as f:
+        end = time.process_time() + 0.3
+        while time.process_time() < end:       # 64 MiB reads: kernel time (page zeroing)
+            f.read(64 << 20)
+    user1, kernel1 = stat_cpu_split(f"/proc/{os.getpid()}/stat")
+    assert kernel1 > kernel0 and user1 >= user0
+    mark = rawload._LaterSample(os.getpid(), 0.0)
+    mark.join()
+    assert 0 <= mark.kernel <= mark.cpu
+    assert math.isnan(rawload.process_kernel_s(rawload.MOCK_PID))
+    assert stat_cpu_split("/proc/does-not-exist/stat") is None
