@@ -18,9 +18,8 @@ import time
 from array import array
 from typing import Any
 
-from .common import BrokerProc, MockCluster, Result, create_topic, pct
+from .common import BrokerProc, MockCluster, Result, create_topic, pct, thread_cpu
 from .device import device_of, disk_counters, disk_writes
-from .profile import thread_cpu
 
 PRODUCER_CONF = {"acks": "all", "linger.ms": 5, "batch.size": 1 << 20, "batch.num.messages": 1_000_000,
                  "queue.buffering.max.messages": 2_000_000, "queue.buffering.max.kbytes": 1 << 21,

@@ -114,6 +114,17 @@ def stat_cpu_s(path: str, default: float | None = None) -> float | None:
         return default
 
 
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of every thread of ``pid``, by native thread id. Here, not
+    in bench.profile: bench.clients needs it and bench.profile imports bench.clients."""
+    out = {}
+    for tid in task_ids(pid):
+        cpu = stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
+        if cpu is not None:
+            out[int(tid)] = cpu
+    return out
+
+
 def stat_cpu_split(path: str) -> tuple[float, float] | None:
     """(user, kernel) CPU seconds from a /proc ``stat`` file; None when it cannot be read. The
     kernel share is where a broker's receive copy, Direct IO writes and context switches

@@ -43,7 +43,7 @@ import threading
 import time
 
 from . import clients, rawload
-from .common import BrokerProc, create_topic, stat_cpu_s, task_ids
+from .common import BrokerProc, create_topic, thread_cpu
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOADS = ("raw", "raw-small", "clients", "latency", "hotfetch", "coldfetch", "fetch")
@@ -83,16 +83,6 @@ def classify(frames: list[str]) -> str:
 def group_of(thread_name: str) -> str:
     """Thread group: the pool's name without the worker number (s3kafka-cold_1 -> s3kafka-cold)."""
     return re.sub(r"[_-]\d+$", "", thread_name or "?")
-
-
-def thread_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of every thread of ``pid``, by native thread id."""
-    out = {}
-    for tid in task_ids(pid):
-        cpu = stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
-        if cpu is not None:
-            out[int(tid)] = cpu
-    return out
 
 
 def analyse(collapsed: str, cpu: dict[int, float] | None = None, n: int = 15) -> str:
