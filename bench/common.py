@@ -106,12 +106,8 @@ def task_ids(pid: int | str) -> list[str]:
 def stat_cpu_s(path: str, default: float | None = None) -> float | None:
     """User + system CPU seconds from a /proc ``stat`` file (a process's or a thread's);
     ``default`` when it cannot be read (the process or thread has exited)."""
-    try:
-        with open(path) as f:
-            fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
-    except (OSError, ValueError, IndexError):
-        return default
+    split = stat_cpu_split(path)
+    return sum(split) if split is not None else default
 
 
 def thread_cpu(pid: int) -> dict[int, float]:

@@ -300,11 +300,11 @@ def process_cpu_s(pid: int | None) -> float:
     return stat_cpu_s(f"/proc/{pid}/stat", float("nan"))
 
 
-def process_kernel_s(pid: int | None) -> float:
-    """Kernel (system) CPU seconds of process ``pid`` (all threads); NaN for the mock (its
-    thread's split is not read) or when unknown."""
+def process_cpu_kernel_s(pid: int | None) -> tuple[float, float]:
+    """(``process_cpu_s``, its kernel (system) part) from one reading; the kernel part is NaN
+    for the mock (its thread's split is not read) or when unknown."""
     split = stat_cpu_split(f"/proc/{pid}/stat") if pid and pid != MOCK_PID else None
-    return split[1] if split else float("nan")
+    return (sum(split), split[1]) if split else (process_cpu_s(pid), float("nan"))
 
 
 class _LaterSample(threading.Thread):
@@ -321,7 +321,7 @@ class _LaterSample(threading.Thread):
 
     def run(self) -> None:
         time.sleep(self.delay)
-        self.cpu, self.kernel = process_cpu_s(self.pid), process_kernel_s(self.pid)
+        self.cpu, self.kernel = process_cpu_kernel_s(self.pid)
         self.at = time.perf_counter()
 
 
@@ -395,7 +395,7 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
     dev0, w0 = device.disk_counters(disk), time.monotonic()
     mark = _LaterSample(pid, STEADY_FROM_S) if seconds >= STEADY_FROM_S + 2 else None
     st = _run(_produce, host, int(port), topic, conns, depth, seconds, batch)
-    cpu_end, kernel_end = process_cpu_s(pid), process_kernel_s(pid)
+    cpu_end, kernel_end = process_cpu_kernel_s(pid)
     cpu = cpu_end - cpu0
     dev1, wall = device.disk_counters(disk), time.monotonic() - w0
     ms = [x * 1000 for x in st["lat"]]

@@ -43,5 +43,5 @@ def test_the_kernel_part_is_the_system_time_within_the_cpu_figure() -> None:
     mark = rawload._LaterSample(os.getpid(), 0.0)
     mark.join()
     assert 0 <= mark.kernel <= mark.cpu
-    assert math.isnan(rawload.process_kernel_s(rawload.MOCK_PID))
+    assert math.isnan(rawload.process_cpu_kernel_s(rawload.MOCK_PID)[1])
     assert stat_cpu_split("/proc/does-not-exist/stat") is None
