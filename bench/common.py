@@ -8,6 +8,7 @@ import atexit
 import concurrent.futures
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import socket
@@ -25,6 +26,7 @@ from bench.ports import free_port  # noqa: F401 - bench modules and tests import
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 CLK_TCK = os.sysconf("SC_CLK_TCK")      # /proc stat CPU figures are in these ticks
+_POOL_INDEX = re.compile(r"[_-]\d+$")   # a pool thread's index in its kernel name
 
 
 def threads_seconds(target: Any, args: list[Any]) -> float:
@@ -119,6 +121,39 @@ def thread_cpu(pid: int) -> dict[int, float]:
         if cpu is not None:
             out[int(tid)] = cpu
     return out
+
+
+def thread_cpu_groups(pid: int) -> dict[str, float]:
+    """CPU seconds of process ``pid`` by thread group: the main thread (a broker's event loop)
+    as "event loop", every other thread under its kernel name without a pool index
+    (``s3k-io_3`` -> ``s3k-io``, ``iou-wrk-4343`` -> ``iou-wrk``; a broker names its threads
+    after its pools, broker/thread_names.py). A thread that exited is not in it."""
+    out: dict[str, float] = {}
+    for tid in task_ids(pid):
+        cpu = stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
+        if cpu is None:
+            continue
+        if int(tid) == pid:
+            group = "event loop"
+        else:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    comm = f.read().strip()
+            except OSError:
+                continue
+            group = _POOL_INDEX.sub("", comm) or comm
+        out[group] = out.get(group, 0.0) + cpu
+    return out
+
+
+def groups_ms_per_mib(before: dict[str, float], after: dict[str, float],
+                      mib: float) -> dict[str, float]:
+    """Each thread group's CPU ms per MiB between two ``thread_cpu_groups`` readings, largest
+    first (a group that started in between counts from zero); empty for no bytes."""
+    if not mib:
+        return {}
+    per = {g: (cpu - before.get(g, 0.0)) * 1e3 / mib for g, cpu in after.items()}
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 
 def stat_cpu_split(path: str) -> tuple[float, float] | None:

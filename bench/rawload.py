@@ -25,8 +25,8 @@ from typing import Any
 from protocol import build_batch
 
 from . import device
-from .common import (BrokerProc, MockCluster, Result, create_topic, mock_cpu_s, pct,
-                     stat_cpu_s, stat_cpu_split)
+from .common import (BrokerProc, MockCluster, Result, create_topic, groups_ms_per_mib,
+                     mock_cpu_s, pct, stat_cpu_s, stat_cpu_split, thread_cpu_groups)
 
 _PREFIX = struct.Struct(">ihhi")
 _I32 = struct.Struct(">i")
@@ -317,20 +317,29 @@ class _LaterSample(threading.Thread):
         self.pid, self.delay = pid, delay
         self.at: float | None = None
         self.cpu = self.kernel = float("nan")
+        self.threads: dict[str, float] = {}    # CPU seconds by thread group (not the mock)
         self.start()
 
     def run(self) -> None:
         time.sleep(self.delay)
         self.cpu, self.kernel = process_cpu_kernel_s(self.pid)
+        if self.pid and self.pid != MOCK_PID:
+            self.threads = thread_cpu_groups(self.pid)
         self.at = time.perf_counter()
+
+
+def mib_after(acks: list[tuple[float, int]], at: float) -> float:
+    """MiB acknowledged from ``at`` on; ``acks`` are (perf_counter time, bytes) of each
+    acknowledgement."""
+    return sum(b for t, b in acks if t >= at) / (1 << 20)
 
 
 def cpu_ms_per_mib_after(acks: list[tuple[float, int]], at: float, cpu_at: float,
                          cpu_end: float) -> float:
-    """CPU ms per MiB acknowledged from ``at`` on: ``acks`` are (perf_counter time, bytes)
-    of each acknowledgement, ``cpu_at`` / ``cpu_end`` the process's CPU seconds at ``at`` and
-    at the end of the run; NaN when nothing was acknowledged after ``at``."""
-    mib = sum(b for t, b in acks if t >= at) / (1 << 20)
+    """CPU ms per MiB acknowledged from ``at`` on (``mib_after``), ``cpu_at`` / ``cpu_end``
+    the process's CPU seconds at ``at`` and at the end of the run; NaN when nothing was
+    acknowledged after ``at``."""
+    mib = mib_after(acks, at)
     return (cpu_end - cpu_at) * 1e3 / mib if mib else float("nan")
 
 
@@ -396,6 +405,7 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
     mark = _LaterSample(pid, STEADY_FROM_S) if seconds >= STEADY_FROM_S + 2 else None
     st = _run(_produce, host, int(port), topic, conns, depth, seconds, batch)
     cpu_end, kernel_end = process_cpu_kernel_s(pid)
+    threads_end = thread_cpu_groups(pid) if pid and pid != MOCK_PID else {}
     cpu = cpu_end - cpu0
     dev1, wall = device.disk_counters(disk), time.monotonic() - w0
     ms = [x * 1000 for x in st["lat"]]
@@ -416,6 +426,10 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
             # objects' Direct IO, fsyncs, context switches): the floor under the figure
             out["kernel_ms_mib_steady"] = cpu_ms_per_mib_after(st["ts"], mark.at,
                                                                mark.kernel, kernel_end)
+            # by thread group: the event loop, the object writers (s3k-io), ...
+            if mark.threads and threads_end:
+                out["threads_ms_mib_steady"] = groups_ms_per_mib(
+                    mark.threads, threads_end, mib_after(st["ts"], mark.at))
     written = device.disk_writes(dev0, dev1, wall)
     if written is not None and st["bytes"]:
         # the device's own account of the window: bytes it wrote per byte produced (WAL +
@@ -504,6 +518,12 @@ def run(seconds: float = 10, conns: int = 4, depth: int = 8, batch_bytes: int = 
                        f"WAL's and the objects' Direct IO, fsyncs, task switches): {kernel:.3f} "
                        f"ms/MiB; in user space (the interpreter, CRC, uvloop): "
                        f"{ours['cpu_ms_mib_steady'] - kernel:.3f}")
+    groups = ours.get("threads_ms_mib_steady") or {}
+    shown = [f"{g} {v:.3f}" for g, v in groups.items() if v >= 0.005]
+    if shown:
+        r.notes.append(f"the same by thread (kernel names, broker/thread_names.py; the event "
+                       f"loop receives, checks and appends, s3k-io writes the objects and "
+                       f"calls the metadata store), ms/MiB: {', '.join(shown)}")
     if ours.get("disk_mb_s") is not None:
         r.notes.append(f"the device under s3kafka's WAL and objects ({ours['disk']}) during its "
                        f"produce run: {ours['disk_mb_s']:,.0f} MB/s written "

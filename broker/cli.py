@@ -9,6 +9,7 @@ import sys
 import time
 from typing import Sequence
 
+from . import thread_names
 from .config import BrokerConfig, broker_fields, build_config, engine_defaults, engine_fields
 
 _HELP = {
@@ -194,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"s3kafka: configuration error: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level, cfg.log_format)
+    # before any thread starts: top -H, ps -L and perf then show each pool's threads by name
+    thread_names.install()
     from .startup_checks import StartupError, prepare  # noqa: PLC0415
 
     t0 = time.monotonic()

@@ -45,3 +45,46 @@ def test_the_kernel_part_is_the_system_time_within_the_cpu_figure() -> None:
     assert 0 <= mark.kernel <= mark.cpu
     assert math.isnan(rawload.process_cpu_kernel_s(rawload.MOCK_PID)[1])
     assert stat_cpu_split("/proc/does-not-exist/stat") is None
+
+
+def test_cpu_by_thread_group_names_the_main_thread_and_strips_pool_indexes() -> None:
+    """thread_cpu_groups: the main thread is "event loop"; other threads count under their
+    kernel name without the pool index, two threads of one pool in one group; the CPU a
+    thread burns shows in its group's per-MiB figure between two readings."""
+    import threading
+
+    from bench.common import groups_ms_per_mib, thread_cpu_groups
+    from broker.thread_names import name_current_thread
+
+    started, stop = threading.Barrier(3), threading.Event()
+
+    def burn(name: str, seconds: float) -> None:
+        name_current_thread(name)
+        started.wait()
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+        stop.wait()
+
+    threads = [threading.Thread(target=burn, args=(f"s3kafka-burn_{i}", 0.15 * (i + 1)))
+               for i in range(2)]
+    before = thread_cpu_groups(os.getpid())
+    for t in threads:
+        t.start()
+    started.wait()
+    deadline = time.monotonic() + 10
+    after = thread_cpu_groups(os.getpid())
+    while after.get("s3k-burn", 0.0) - before.get("s3k-burn", 0.0) < 0.40 and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+        after = thread_cpu_groups(os.getpid())
+    stop.set()
+    for t in threads:
+        t.join()
+    assert "event loop" in after
+    assert not any(g.startswith("s3k-burn_") for g in after)
+    per = groups_ms_per_mib(before, after, 2.0)          # as if 2 MiB were acknowledged
+    # 0.15 + 0.30 s of thread CPU over 2 MiB: ~225 ms per MiB (ticks: 10 ms each)
+    assert 190 <= per["s3k-burn"] <= 300
+    assert list(per.values()) == sorted(per.values(), reverse=True)   # largest first
+    assert groups_ms_per_mib(before, after, 0.0) == {}
