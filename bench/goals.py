@@ -75,6 +75,13 @@ def evaluate(by_name: dict[str, Result], device: dict[str, Any] | None,
         # switches; what the interpreter's share is measured against
         add(1, "(info) of which in the kernel (system time), after the first 3 s",
             ours.get("kernel_ms_mib_steady", NAN), "", "ms")
+        # by thread (broker/thread_names.py): the event loop (receive, checks, WAL) and the
+        # object writers (s3k-io: the upload's puts and metadata calls) are nearly all of it
+        groups = ours.get("threads_ms_mib_steady") or {}
+        add(1, "(info) of which on the event loop thread, after the first 3 s",
+            groups.get("event loop", NAN), "", "ms")
+        add(1, "(info) of which on the object writers (s3k-io threads), after the first 3 s",
+            groups.get("s3k-io", NAN), "", "ms")
         refused = ours.get("retries", 0) + ours.get("error_codes", {}).get(19, 0)
         add(1, "produce requests refused by back-pressure", float(refused), "<= 0")
         # what holds the MB/s: the device under the WAL and the file:// objects writes every

@@ -42,3 +42,16 @@ def test_goals_show_the_devices_ceiling_against_the_mock() -> None:
 def test_goals_without_the_rates_read_not_measured() -> None:
     table, _ = goals.evaluate({"raw": _raw(1000.0, 4000.0)}, {"p99": 0.2}, None, "dsync")
     assert _row(table, "(info) device's produce ceiling")[2] == "n/a"
+
+
+def test_goals_show_the_steady_cpu_of_the_event_loop_and_the_object_writers() -> None:
+    raw = _raw(1000.0, 4000.0)
+    raw.extra["s3kafka"]["threads_ms_mib_steady"] = {"event loop": 0.47, "s3k-io": 0.16,
+                                                     "uvloop": 0.01}
+    table, _ = goals.evaluate({"raw": raw}, {"p99": 0.2}, None, "dsync")
+    assert _row(table, "(info) of which on the event loop")[2] == "0.47 ms"
+    assert _row(table, "(info) of which on the object writers")[2] == "0.16 ms"
+    assert _row(table, "(info) of which on the object writers")[4] == "-"
+    # a run without the split (the mock, an old broker): not measured
+    table, _ = goals.evaluate({"raw": _raw(1000.0, 4000.0)}, {"p99": 0.2}, None, "dsync")
+    assert _row(table, "(info) of which on the event loop")[2] == "n/a"
