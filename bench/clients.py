@@ -18,7 +18,8 @@ import time
 from array import array
 from typing import Any
 
-from .common import BrokerProc, MockCluster, Result, create_topic, pct, thread_cpu
+from .common import (BrokerProc, MockCluster, Result, create_topic, host_ticks, pct,
+                     steal_share, thread_cpu)
 from .device import device_of, disk_counters, disk_writes
 
 PRODUCER_CONF = {"acks": "all", "linger.ms": 5, "batch.size": 1 << 20, "batch.num.messages": 1_000_000,
@@ -177,6 +178,7 @@ def produce_latency(bootstrap: str, topic: str, size: int, rate: float, seconds:
             acked_ts[unpack_from(msg.value())[0]] = now()
 
     gc.freeze()                 # nor rescan the process's start-up objects during the run
+    host0 = host_ticks()
     t0 = now()
     sent = 0
     while True:
@@ -191,6 +193,7 @@ def produce_latency(bootstrap: str, topic: str, size: int, rate: float, seconds:
         p.poll(0)
         time.sleep(min(interval, 0.0005))
     p.flush(60)
+    steal = steal_share(host0, host_ticks())
     gc.callbacks.remove(on_gc)
     gc.unfreeze()
     acked = [i for i in range(sent) if acked_ts[i] > 0]
@@ -198,7 +201,7 @@ def produce_latency(bootstrap: str, topic: str, size: int, rate: float, seconds:
     sent_at = [sent_ts[i] - t0 for i in acked]
     ms = [x * 1000 for x in lat[len(lat) // 10:]]  # skip warm-up
     return {"rate": rate, "t0": t0, "p50": pct(ms, 0.5), "p99": pct(ms, 0.99), "p999": pct(ms, 0.999),
-            "n": len(ms), "trace": latency_trace(sent_at, lat),
+            "n": len(ms), "trace": latency_trace(sent_at, lat), "steal": steal,
             "client_gc": [(t - t0, g, d * 1000) for t, g, d in gc_pauses if g > 0 or d > 0.002]}
 
 
@@ -342,6 +345,13 @@ def run(seconds: float = 8, sizes: list[int] | None = None, mock: bool = True,
         lat.notes.append(f"s3kafka at {a['rate']:.0f} msgs/s, p99 ms per 0.25 s of send time "
                          "(a queue grows window after window, a stall is one high window): "
                          + ", ".join(f"{w[3]:.1f}" for w in a.get("trace", [])))
+    steals = [f"{a['rate']:.0f} msgs/s {100 * a.get('steal', float('nan')):.1f} % "
+              f"(mock {100 * b.get('steal', float('nan')):.1f} %)"
+              for a, b in zip(ours["latency"], theirs["latency"] if theirs else
+                              [{}] * len(ours["latency"]))]
+    lat.notes.append("host steal time during each run (/proc/stat: the share of the VM's CPU "
+                     "time the host ran something else; ms-long stalls of broker and mock alike "
+                     "come with it): " + ", ".join(steals))
     lat.notes.append("rates: a tenth of the 100 B maximum produce rate measured above "
                      "(with linger 5 ms), and 1000 msgs/s; one Python producer with a delivery "
                      "callback per message, so at high rates the client itself queues")
@@ -414,10 +424,10 @@ def latency_only(rates: list[float], size: int, seconds: float,
         broker.close()
     lat = Result(f"Produce latency, confluent-kafka, {size} B, acks=all, linger 0 (ms)",
                  ["rate msgs/s", "p50", "p99", "p999", "acked", "requests", "in runs",
-                  "direct", "broker CPU us/request"])
+                  "direct", "broker CPU us/request", "host steal %"])
     for a in rows:
         lat.rows.append([a["rate"], a["p50"], a["p99"], a["p999"], a["n"], a["requests"],
-                         a["in_runs"], a["direct"], a["cpu_us_req"]])
+                         a["in_runs"], a["direct"], a["cpu_us_req"], 100 * a["steal"]])
         if trace:
             lat.notes.append(f"{a['rate']:.0f} msgs/s over time (send time s: acks, p50 / p99 / "
                              "max ms): " + "; ".join(f"{t:.2f}: {n}, {p50:.1f} / {p99:.1f} / "

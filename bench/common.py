@@ -156,6 +156,26 @@ def groups_ms_per_mib(before: dict[str, float], after: dict[str, float],
     return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 
+def host_ticks() -> tuple[int, int]:
+    """(steal, all) CPU ticks of this machine so far (/proc/stat): steal is the time its
+    virtual CPUs wanted to run while the host ran something else; (0, 0) where unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        ticks = [int(x) for x in fields[1:9]]       # user nice system idle iowait irq softirq steal
+        return ticks[7], sum(ticks)
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+
+
+def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of all CPU time the host took from this VM between two ``host_ticks``
+    readings: a latency run's milliseconds-long stalls line up with it, whatever the broker
+    does (bench/HISTORY.md, session 50). NaN when nothing was counted."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else float("nan")
+
+
 def stat_cpu_split(path: str) -> tuple[float, float] | None:
     """(user, kernel) CPU seconds from a /proc ``stat`` file; None when it cannot be read. The
     kernel share is where a broker's receive copy, Direct IO writes and context switches

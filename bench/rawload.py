@@ -26,7 +26,8 @@ from protocol import build_batch
 
 from . import device
 from .common import (BrokerProc, MockCluster, Result, create_topic, groups_ms_per_mib,
-                     mock_cpu_s, pct, stat_cpu_s, stat_cpu_split, thread_cpu_groups)
+                     host_ticks, mock_cpu_s, pct, stat_cpu_s, stat_cpu_split, steal_share,
+                     thread_cpu_groups)
 
 _PREFIX = struct.Struct(">ihhi")
 _I32 = struct.Struct(">i")
@@ -402,10 +403,12 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
         p.list_topics(topic, timeout=10)
     cpu0 = process_cpu_s(pid)
     dev0, w0 = device.disk_counters(disk), time.monotonic()
+    host0 = host_ticks()
     mark = _LaterSample(pid, STEADY_FROM_S) if seconds >= STEADY_FROM_S + 2 else None
     st = _run(_produce, host, int(port), topic, conns, depth, seconds, batch)
     cpu_end, kernel_end = process_cpu_kernel_s(pid)
     threads_end = thread_cpu_groups(pid) if pid and pid != MOCK_PID else {}
+    steal = steal_share(host0, host_ticks())
     cpu = cpu_end - cpu0
     dev1, wall = device.disk_counters(disk), time.monotonic() - w0
     ms = [x * 1000 for x in st["lat"]]
@@ -416,7 +419,7 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
            "cpu_ms_mib": cpu * 1e3 / mib if mib else float("nan"),
            "errors": st["errors"], "error_codes": st.get("error_codes", {}),
            "retries": st.get("retries", 0), "p50": pct(ms, 0.5), "p99": pct(ms, 0.99),
-           "p999": pct(ms, 0.999), "series": series_of(st["ts"], st["t0"])}
+           "p999": pct(ms, 0.999), "series": series_of(st["ts"], st["t0"]), "steal": steal}
     if mark is not None:
         mark.join()
         if mark.at is not None:
@@ -518,6 +521,12 @@ def run(seconds: float = 10, conns: int = 4, depth: int = 8, batch_bytes: int = 
                        f"WAL's and the objects' Direct IO, fsyncs, task switches): {kernel:.3f} "
                        f"ms/MiB; in user space (the interpreter, CRC, uvloop): "
                        f"{ours['cpu_ms_mib_steady'] - kernel:.3f}")
+    if ours.get("steal", float("nan")) == ours.get("steal"):
+        r.notes.append(f"host steal time during the produce runs (/proc/stat: the share of the "
+                       f"VM's CPU time the host ran something else): s3kafka "
+                       f"{100 * ours['steal']:.1f} %"
+                       + (f", mock {100 * theirs['steal']:.1f} %" if theirs and
+                          theirs.get("steal") == theirs.get("steal") else ""))
     groups = ours.get("threads_ms_mib_steady") or {}
     shown = [f"{g} {v:.3f}" for g, v in groups.items() if v >= 0.005]
     if shown:
