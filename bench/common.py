@@ -8,7 +8,6 @@ import atexit
 import concurrent.futures
 import multiprocessing
 import os
-import re
 import shutil
 import signal
 import socket
@@ -26,7 +25,6 @@ from bench.ports import free_port  # noqa: F401 - bench modules and tests import
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 CLK_TCK = os.sysconf("SC_CLK_TCK")      # /proc stat CPU figures are in these ticks
-_POOL_INDEX = re.compile(r"[_-]\d+$")   # a pool thread's index in its kernel name
 
 
 def threads_seconds(target: Any, args: list[Any]) -> float:
@@ -124,26 +122,12 @@ def thread_cpu(pid: int) -> dict[int, float]:
 
 
 def thread_cpu_groups(pid: int) -> dict[str, float]:
-    """CPU seconds of process ``pid`` by thread group: the main thread (a broker's event loop)
-    as "event loop", every other thread under its kernel name without a pool index
-    (``s3k-io_3`` -> ``s3k-io``, ``iou-wrk-4343`` -> ``iou-wrk``; a broker names its threads
-    after its pools, broker/thread_names.py). A thread that exited is not in it."""
-    out: dict[str, float] = {}
-    for tid in task_ids(pid):
-        cpu = stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
-        if cpu is None:
-            continue
-        if int(tid) == pid:
-            group = "event loop"
-        else:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                    comm = f.read().strip()
-            except OSError:
-                continue
-            group = _POOL_INDEX.sub("", comm) or comm
-        out[group] = out.get(group, 0.0) + cpu
-    return out
+    """CPU seconds of process ``pid`` by thread pool: the main thread (a broker's event loop)
+    as "event-loop", every other thread under its kernel name without a pool index
+    (``s3k-io_3`` -> ``s3k-io``; a broker names its threads after its pools and reads the same
+    split for /metrics: broker/thread_names.py). A thread that exited is not in it."""
+    from broker.thread_names import cpu_by_pool  # noqa: PLC0415 - the broker's own reading
+    return cpu_by_pool(pid)
 
 
 def groups_ms_per_mib(before: dict[str, float], after: dict[str, float],

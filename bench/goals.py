@@ -79,7 +79,7 @@ def evaluate(by_name: dict[str, Result], device: dict[str, Any] | None,
         # object writers (s3k-io: the upload's puts and metadata calls) are nearly all of it
         groups = ours.get("threads_ms_mib_steady") or {}
         add(1, "(info) of which on the event loop thread, after the first 3 s",
-            groups.get("event loop", NAN), "", "ms")
+            groups.get("event-loop", NAN), "", "ms")
         add(1, "(info) of which on the object writers (s3k-io threads), after the first 3 s",
             groups.get("s3k-io", NAN), "", "ms")
         refused = ours.get("retries", 0) + ours.get("error_codes", {}).get(19, 0)

@@ -29,6 +29,7 @@ from protocol import ErrorCode, api_name
 
 from storage.metrics import Histogram, StorageCollector, histogram_family
 from .failures import failure_answer
+from .thread_names import PoolCPU
 
 log = logging.getLogger(__name__)
 
@@ -294,11 +295,30 @@ class BrokerCollector(Collector):
         yield lag
 
 
+class ThreadPoolCollector(Collector):
+    """CPU seconds of the broker's threads by pool (broker/thread_names.py): the event loop
+    near one second per second is a saturated broker whatever its other threads do - the
+    question Kafka's RequestHandlerAvgIdlePercent and NetworkProcessorAvgIdlePercent answer."""
+
+    def __init__(self) -> None:
+        self._cpu = PoolCPU()
+
+    def collect(self) -> Iterator[Any]:
+        fam = CounterMetricFamily(
+            _P + "thread_cpu_seconds", "CPU seconds (user + system) used by the broker's "
+            "threads, by pool: event-loop is the main thread, the others their kernel names "
+            "without the index (s3k-io, s3k-cold, s3k-send, ...)", labels=["pool"])
+        for pool, seconds in sorted(self._cpu.read().items()):
+            fam.add_metric([pool], seconds)
+        yield fam
+
+
 def build_registry(broker: Any) -> CollectorRegistry:
     """The registry /metrics serves: broker, storage engine, and the process itself."""
     reg = CollectorRegistry(auto_describe=False)
     reg.register(BrokerCollector(broker))
     reg.register(StorageCollector(lambda: broker.store))
+    reg.register(ThreadPoolCollector())
     ProcessCollector(registry=reg)
     PlatformCollector(registry=reg)
     GCCollector(registry=reg)

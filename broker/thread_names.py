@@ -10,6 +10,7 @@ splits the broker's CPU per thread pool by these names. Python 3.14 sets them it
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 import sys
 import threading
@@ -17,7 +18,9 @@ from typing import Any
 
 PR_SET_NAME = 15                 # prctl(2)
 NAME_BYTES = 15                  # a thread name's bytes, without the terminating NUL
+MAIN_POOL = "event-loop"         # the main thread: the event loop serves every request
 _INDEX = re.compile(r"([_-]\d+)$")  # the pool index ThreadPoolExecutor and the WAL append
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _installed = False
 
 
@@ -75,3 +78,62 @@ def install() -> bool:
     threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
     _installed = True
     return True
+
+
+def pool_of(comm: str) -> str:
+    """A thread's pool from its kernel name: the name without its index (``s3k-io_3`` ->
+    ``s3k-io``, ``iou-wrk-4343`` -> ``iou-wrk``)."""
+    return _INDEX.sub("", comm) or comm
+
+
+def threads_cpu(pid: int | None = None) -> dict[int, tuple[str, float]]:
+    """(pool, CPU seconds: user + system) of every thread of process ``pid`` (default: this
+    one) from /proc, by thread id; the main thread's pool is MAIN_POOL. Empty off Linux or
+    once the process is gone; a thread that exits while it is read is left out."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    out: dict[int, tuple[str, float]] = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                comm = f.read().strip()
+            cpu = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+        except (OSError, ValueError, IndexError):
+            continue
+        out[int(tid)] = (MAIN_POOL if int(tid) == pid else pool_of(comm), cpu)
+    return out
+
+
+def cpu_by_pool(pid: int | None = None) -> dict[str, float]:
+    """CPU seconds of process ``pid`` (default: this one) by thread pool (``threads_cpu``)."""
+    out: dict[str, float] = {}
+    for pool, cpu in threads_cpu(pid).values():
+        out[pool] = out.get(pool, 0.0) + cpu
+    return out
+
+
+class PoolCPU:
+    """This process's CPU seconds by thread pool as a counter that never goes back: a thread
+    that exited keeps counting with the CPU it had at the last reading (a plain sum would drop
+    it, and a Prometheus rate() would read that as a reset). Read from one thread at a time
+    (the metrics scrape, on the event loop)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[str, float]] = {}
+        self._retired: dict[str, float] = {}
+
+    def read(self) -> dict[str, float]:
+        now = threads_cpu()
+        for tid, (pool, cpu) in self._seen.items():
+            if tid not in now:
+                self._retired[pool] = self._retired.get(pool, 0.0) + cpu
+        self._seen = now
+        out = dict(self._retired)
+        for pool, cpu in now.values():
+            out[pool] = out.get(pool, 0.0) + cpu
+        return out

@@ -46,7 +46,7 @@ def test_goals_without_the_rates_read_not_measured() -> None:
 
 def test_goals_show_the_steady_cpu_of_the_event_loop_and_the_object_writers() -> None:
     raw = _raw(1000.0, 4000.0)
-    raw.extra["s3kafka"]["threads_ms_mib_steady"] = {"event loop": 0.47, "s3k-io": 0.16,
+    raw.extra["s3kafka"]["threads_ms_mib_steady"] = {"event-loop": 0.47, "s3k-io": 0.16,
                                                      "uvloop": 0.01}
     table, _ = goals.evaluate({"raw": raw}, {"p99": 0.2}, None, "dsync")
     assert _row(table, "(info) of which on the event loop")[2] == "0.47 ms"

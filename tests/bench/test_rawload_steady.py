@@ -48,7 +48,7 @@ def test_the_kernel_part_is_the_system_time_within_the_cpu_figure() -> None:
 
 
 def test_cpu_by_thread_group_names_the_main_thread_and_strips_pool_indexes() -> None:
-    """thread_cpu_groups: the main thread is "event loop"; other threads count under their
+    """thread_cpu_groups: the main thread is "event-loop"; other threads count under their
     kernel name without the pool index, two threads of one pool in one group; the CPU a
     thread burns shows in its group's per-MiB figure between two readings."""
     import threading
@@ -81,7 +81,7 @@ def test_cpu_by_thread_group_names_the_main_thread_and_strips_pool_indexes() -> 
     stop.set()
     for t in threads:
         t.join()
-    assert "event loop" in after
+    assert "event-loop" in after
     assert not any(g.startswith("s3k-burn_") for g in after)
     per = groups_ms_per_mib(before, after, 2.0)          # as if 2 MiB were acknowledged
     # 0.15 + 0.30 s of thread CPU over 2 MiB: ~225 ms per MiB (ticks: 10 ms each)

@@ -258,6 +258,9 @@ def test_metrics_present_and_moving(activity: Activity) -> None:
     assert total(f, "s3kafka_cluster_brokers") == 1
     assert total(f, "s3kafka_broker_info") == 1
     assert total(f, "process_resident_memory_bytes") > 0
+    # CPU by thread pool: the event loop served everything; the object writers uploaded
+    assert grew("s3kafka_thread_cpu_seconds_total", pool="event-loop")
+    assert total(f, "s3kafka_thread_cpu_seconds_total", pool="s3k-io") > 0
 
 
 def test_readme_table_lists_every_metric(activity: Activity) -> None:

@@ -84,3 +84,41 @@ def test_a_running_broker_names_its_pools(broker) -> None:
     others = [n for t, n in names.items() if t != pid]
     # every Python thread is named (libuv's and io_uring's own workers name themselves)
     assert "python" not in others and "python3" not in others, names
+
+
+def test_pool_of_strips_the_index() -> None:
+    from broker.thread_names import pool_of
+    assert pool_of("s3k-io_3") == "s3k-io"
+    assert pool_of("iou-wrk-4343") == "iou-wrk"
+    assert pool_of("s3k-frames") == "s3k-frames"
+    assert pool_of("_7") == "_7"
+
+
+def test_pool_cpu_counts_a_thread_that_exited_and_never_goes_back() -> None:
+    """PoolCPU: a named thread's CPU shows under its pool while it runs and stays counted
+    after it exited (a plain sum would fall back: a counter reset for Prometheus)."""
+    import threading
+
+    from broker.thread_names import MAIN_POOL, PoolCPU, name_current_thread
+
+    pool = PoolCPU()
+    ready, done = threading.Event(), threading.Event()
+
+    def burn() -> None:
+        name_current_thread("s3kafka-pooltest_0")
+        end = time.thread_time() + 0.25
+        while time.thread_time() < end:
+            pass
+        ready.set()
+        done.wait()
+
+    t = threading.Thread(target=burn)
+    t.start()
+    ready.wait()
+    during = pool.read()
+    done.set()
+    t.join()
+    after = pool.read()
+    assert during.get("s3k-pooltest", 0.0) >= 0.2
+    assert after.get("s3k-pooltest", 0.0) >= during["s3k-pooltest"]
+    assert after[MAIN_POOL] >= during[MAIN_POOL] > 0
