@@ -86,26 +86,46 @@ def pool_of(comm: str) -> str:
     return _INDEX.sub("", comm) or comm
 
 
-def threads_cpu(pid: int | None = None) -> dict[int, tuple[str, float]]:
+def threads_cpu(pid: int | None = None, pools: dict[int, str] | None = None
+                ) -> dict[int, tuple[str, float]]:
     """(pool, CPU seconds: user + system) of every thread of process ``pid`` (default: this
-    one) from /proc, by thread id; the main thread's pool is MAIN_POOL. Empty off Linux or
-    once the process is gone; a thread that exits while it is read is left out."""
+    one) from /proc, by thread id; the main thread's pool is MAIN_POOL. ``pools``: the pools
+    of threads already seen, by id (a thread names itself once, as it starts), filled in
+    here; without it every thread's name is read. Empty off Linux or once the process is
+    gone; a thread that exits while it is read is left out."""
     pid = os.getpid() if pid is None else pid
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return {}
+    pools = {} if pools is None else pools
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            unnamed = f.read().strip()      # what a thread is called until it names itself
+    except OSError:
+        return {}
     out: dict[int, tuple[str, float]] = {}
-    for tid in tids:
+    for name in tids:
+        tid = int(name)
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                comm = f.read().strip()
+            # os.read, no file object: a scrape reads ~40 of these on the event loop
+            # (0.5 ms for 41 threads; 1.2 ms with open() and the names read each time)
+            fd = os.open(f"/proc/{pid}/task/{tid}/stat", os.O_RDONLY)
+            try:
+                fields = os.read(fd, 4096).rpartition(b")")[2].split()
+            finally:
+                os.close(fd)
             cpu = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+            pool = pools.get(tid)
+            if pool is None:
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    comm = f.read().strip()
+                pool = MAIN_POOL if tid == pid else pool_of(comm)
+                if tid == pid or comm != unnamed:
+                    pools[tid] = pool          # (a thread read before it named itself: again)
         except (OSError, ValueError, IndexError):
             continue
-        out[int(tid)] = (MAIN_POOL if int(tid) == pid else pool_of(comm), cpu)
+        out[tid] = (pool, cpu)
     return out
 
 
@@ -125,13 +145,15 @@ class PoolCPU:
 
     def __init__(self) -> None:
         self._seen: dict[int, tuple[str, float]] = {}
+        self._pools: dict[int, str] = {}       # thread id -> pool, read once per thread
         self._retired: dict[str, float] = {}
 
     def read(self) -> dict[str, float]:
-        now = threads_cpu()
+        now = threads_cpu(pools=self._pools)
         for tid, (pool, cpu) in self._seen.items():
             if tid not in now:
                 self._retired[pool] = self._retired.get(pool, 0.0) + cpu
+                self._pools.pop(tid, None)    # a thread id the kernel may hand out again
         self._seen = now
         out = dict(self._retired)
         for pool, cpu in now.values():
