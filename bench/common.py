@@ -121,18 +121,10 @@ def thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
-def thread_cpu_groups(pid: int) -> dict[str, float]:
-    """CPU seconds of process ``pid`` by thread pool: the main thread (a broker's event loop)
-    as "event-loop", every other thread under its kernel name without a pool index
-    (``s3k-io_3`` -> ``s3k-io``; a broker names its threads after its pools and reads the same
-    split for /metrics: broker/thread_names.py). A thread that exited is not in it."""
-    from broker.thread_names import cpu_by_pool  # noqa: PLC0415 - the broker's own reading
-    return cpu_by_pool(pid)
-
-
 def groups_ms_per_mib(before: dict[str, float], after: dict[str, float],
                       mib: float) -> dict[str, float]:
-    """Each thread group's CPU ms per MiB between two ``thread_cpu_groups`` readings, largest
+    """Each thread pool's CPU ms per MiB between two readings of CPU seconds by pool (a
+    broker's pools: broker.thread_names.cpu_by_pool; the main thread is "event-loop"), largest
     first (a group that started in between counts from zero); empty for no bytes."""
     if not mib:
         return {}

@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import struct
 import threading
 import time
 from typing import Any
 
+from broker.thread_names import cpu_by_pool
 from protocol import build_batch
 
 from . import device
 from .common import (BrokerProc, MockCluster, Result, create_topic, groups_ms_per_mib,
-                     host_ticks, mock_cpu_s, pct, stat_cpu_s, stat_cpu_split, steal_share,
-                     thread_cpu_groups)
+                     host_ticks, mock_cpu_s, pct, stat_cpu_s, stat_cpu_split, steal_share)
 
 _PREFIX = struct.Struct(">ihhi")
 _I32 = struct.Struct(">i")
@@ -308,6 +309,13 @@ def process_cpu_kernel_s(pid: int | None) -> tuple[float, float]:
     return (sum(split), split[1]) if split else (process_cpu_s(pid), float("nan"))
 
 
+def process_pools_cpu(pid: int | None) -> dict[str, float]:
+    """Process ``pid``'s CPU seconds by thread pool (the names a broker gives its threads,
+    broker/thread_names.py; the main thread is "event-loop"); empty for the mock (its
+    cluster thread lives in this process) or when unknown."""
+    return cpu_by_pool(pid) if pid and pid != MOCK_PID else {}
+
+
 class _LaterSample(threading.Thread):
     """Process ``pid``'s CPU seconds (``cpu``; ``kernel``: its system part) and the
     perf_counter time (``at``) ``delay`` seconds from now, read on a thread while the
@@ -324,8 +332,7 @@ class _LaterSample(threading.Thread):
     def run(self) -> None:
         time.sleep(self.delay)
         self.cpu, self.kernel = process_cpu_kernel_s(self.pid)
-        if self.pid and self.pid != MOCK_PID:
-            self.threads = thread_cpu_groups(self.pid)
+        self.threads = process_pools_cpu(self.pid)
         self.at = time.perf_counter()
 
 
@@ -407,7 +414,7 @@ def bench_target(bootstrap: str, seconds: float, conns: int, depth: int, batch: 
     mark = _LaterSample(pid, STEADY_FROM_S) if seconds >= STEADY_FROM_S + 2 else None
     st = _run(_produce, host, int(port), topic, conns, depth, seconds, batch)
     cpu_end, kernel_end = process_cpu_kernel_s(pid)
-    threads_end = thread_cpu_groups(pid) if pid and pid != MOCK_PID else {}
+    threads_end = process_pools_cpu(pid)
     steal = steal_share(host0, host_ticks())
     cpu = cpu_end - cpu0
     dev1, wall = device.disk_counters(disk), time.monotonic() - w0
@@ -521,12 +528,12 @@ def run(seconds: float = 10, conns: int = 4, depth: int = 8, batch_bytes: int = 
                        f"WAL's and the objects' Direct IO, fsyncs, task switches): {kernel:.3f} "
                        f"ms/MiB; in user space (the interpreter, CRC, uvloop): "
                        f"{ours['cpu_ms_mib_steady'] - kernel:.3f}")
-    if ours.get("steal", float("nan")) == ours.get("steal"):
-        r.notes.append(f"host steal time during the produce runs (/proc/stat: the share of the "
-                       f"VM's CPU time the host ran something else): s3kafka "
-                       f"{100 * ours['steal']:.1f} %"
-                       + (f", mock {100 * theirs['steal']:.1f} %" if theirs and
-                          theirs.get("steal") == theirs.get("steal") else ""))
+    steal = {name: d["steal"] for name, d in (("s3kafka", ours), ("mock", theirs))
+             if d is not None and not math.isnan(d.get("steal", math.nan))}
+    if steal:
+        r.notes.append("host steal time during the produce runs (/proc/stat: the share of the "
+                       "VM's CPU time the host ran something else): "
+                       + ", ".join(f"{name} {100 * v:.1f} %" for name, v in steal.items()))
     groups = ours.get("threads_ms_mib_steady") or {}
     shown = [f"{g} {v:.3f}" for g, v in groups.items() if v >= 0.005]
     if shown:

@@ -10,6 +10,7 @@ splits the broker's CPU per thread pool by these names. Python 3.14 sets them it
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 import sys
@@ -38,8 +39,9 @@ def os_name(name: str) -> bytes:
     return stem.decode("utf-8", "ignore").rstrip("-_").encode() + suffix
 
 
+@functools.cache
 def _prctl() -> Any | None:
-    """libc's prctl, or None off Linux (or without a libc ctypes can load)."""
+    """libc's prctl, or None off Linux (or without a libc ctypes can load); looked up once."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -70,7 +72,7 @@ def install() -> bool:
 
     def _bootstrap_inner(self: threading.Thread) -> None:
         try:
-            prctl(PR_SET_NAME, ctypes.c_char_p(os_name(self.name)), 0, 0, 0)
+            name_current_thread(self.name)
         except Exception:  # noqa: BLE001 - a name is never worth a thread
             pass
         original(self)

@@ -48,12 +48,12 @@ def test_the_kernel_part_is_the_system_time_within_the_cpu_figure() -> None:
 
 
 def test_cpu_by_thread_group_names_the_main_thread_and_strips_pool_indexes() -> None:
-    """thread_cpu_groups: the main thread is "event-loop"; other threads count under their
+    """CPU by thread pool: the main thread is "event-loop"; other threads count under their
     kernel name without the pool index, two threads of one pool in one group; the CPU a
     thread burns shows in its group's per-MiB figure between two readings."""
     import threading
 
-    from bench.common import groups_ms_per_mib, thread_cpu_groups
+    from bench.common import groups_ms_per_mib
     from broker.thread_names import name_current_thread
 
     started, stop = threading.Barrier(3), threading.Event()
@@ -68,16 +68,16 @@ def test_cpu_by_thread_group_names_the_main_thread_and_strips_pool_indexes() -> 
 
     threads = [threading.Thread(target=burn, args=(f"s3kafka-burn_{i}", 0.15 * (i + 1)))
                for i in range(2)]
-    before = thread_cpu_groups(os.getpid())
+    before = rawload.process_pools_cpu(os.getpid())
     for t in threads:
         t.start()
     started.wait()
     deadline = time.monotonic() + 10
-    after = thread_cpu_groups(os.getpid())
+    after = rawload.process_pools_cpu(os.getpid())
     while after.get("s3k-burn", 0.0) - before.get("s3k-burn", 0.0) < 0.40 and \
             time.monotonic() < deadline:
         time.sleep(0.05)
-        after = thread_cpu_groups(os.getpid())
+        after = rawload.process_pools_cpu(os.getpid())
     stop.set()
     for t in threads:
         t.join()
@@ -88,3 +88,4 @@ def test_cpu_by_thread_group_names_the_main_thread_and_strips_pool_indexes() -> 
     assert 190 <= per["s3k-burn"] <= 300
     assert list(per.values()) == sorted(per.values(), reverse=True)   # largest first
     assert groups_ms_per_mib(before, after, 0.0) == {}
+    assert rawload.process_pools_cpu(rawload.MOCK_PID) == {}
