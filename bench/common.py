@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.ports import free_port  # noqa: F401 - bench modules and tests import it from here
+from broker.thread_names import stat_cpu_split  # noqa: F401 - one /proc stat parser, the broker's
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -150,18 +151,6 @@ def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
     does (bench/HISTORY.md, session 50). NaN when nothing was counted."""
     total = after[1] - before[1]
     return (after[0] - before[0]) / total if total > 0 else float("nan")
-
-
-def stat_cpu_split(path: str) -> tuple[float, float] | None:
-    """(user, kernel) CPU seconds from a /proc ``stat`` file; None when it cannot be read. The
-    kernel share is where a broker's receive copy, Direct IO writes and context switches
-    land: a floor no user-space change lowers (bench/HISTORY.md, session 49)."""
-    try:
-        with open(path) as f:
-            fields = f.read().rpartition(")")[2].split()
-        return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def pct(values: list[float], p: float) -> float:
