@@ -291,40 +291,47 @@ class Database:
         _note_reachable()
 
     @contextmanager
-    def _raw_transaction(self) -> Iterator[Tx]:
+    def _raw_transaction(self, durable: bool = True) -> Iterator[Tx]:
         with self._lock:
-            self._once_more(self._b.begin)
-            self._b.call_started()
+            if not durable:
+                self._b.relax(True)
             try:
+                self._once_more(self._b.begin)
+                self._b.call_started()
                 try:
-                    yield Tx(self._b)
-                except BaseException:
-                    self._b.rollback()
-                    raise
-                try:
-                    self._b.commit()
-                except Exception as exc:
-                    exc.add_note(_COMMIT_NOTE)
-                    raise
+                    try:
+                        yield Tx(self._b)
+                    except BaseException:
+                        self._b.rollback()
+                        raise
+                    try:
+                        self._b.commit()
+                    except Exception as exc:
+                        exc.add_note(_COMMIT_NOTE)
+                        raise
+                finally:
+                    self._b.call_done()
             finally:
-                self._b.call_done()
+                if not durable:
+                    self._b.relax(False)
 
-    def transact(self, body: Callable[[Tx], T]) -> T:
+    def transact(self, body: Callable[[Tx], T], durable: bool = True) -> T:
         """Run ``body`` in a transaction, retrying it when PostgreSQL reports a serialization
         failure or deadlock (another broker changed the same rows); ``body`` must only touch
-        the database."""
+        the database. ``durable=False``: on SQLite the commit is not flushed to the disk
+        (``_SqliteBackend.relax``), for changes that only matter while the host is up."""
         try:
-            result = self._transact(body)
+            result = self._transact(body, durable)
         except Exception as exc:  # noqa: BLE001 - an unreachable database is raised as one
             raise self._unreachable(exc)
         _note_reachable()
         return result
 
-    def _transact(self, body: Callable[[Tx], T]) -> T:
+    def _transact(self, body: Callable[[Tx], T], durable: bool = True) -> T:
         lost = 0
         for attempt in range(_RETRIES):
             try:
-                with self._raw_transaction() as tx:
+                with self._raw_transaction(durable) as tx:
                     return body(tx)
             except Exception as exc:  # noqa: BLE001 - filtered just below
                 if attempt == _RETRIES - 1:
@@ -395,6 +402,7 @@ class _Backend:
     def query(self, sql: str, params: Params) -> list[tuple]: ...
     def begin(self) -> None: ...
     def commit(self) -> None: ...
+    def relax(self, on: bool) -> None: ...
     def rollback(self) -> None: ...
     def retryable(self, exc: BaseException) -> bool: return False
     def lost(self, exc: BaseException) -> bool: return False
@@ -449,6 +457,15 @@ class _SqliteBackend(_Backend):
 
     def begin(self) -> None:
         self._db.execute("BEGIN IMMEDIATE")
+
+    def relax(self, on: bool) -> None:
+        """synchronous=NORMAL for the next commits (``on``), FULL again after them. In WAL
+        mode such a commit is atomic and seen by every connection at once, and survives a
+        crash of the process; only a power loss or kernel crash can undo it - which stops
+        every broker sharing this file, the only readers of what it held. The next FULL
+        commit (any connection) flushes it with its own. Lease renewals use it: two flushes
+        a second on an idle broker, each one a cache flush of the disk the WAL shares."""
+        self._db.execute("PRAGMA synchronous=NORMAL" if on else "PRAGMA synchronous=FULL")
 
     def commit(self) -> None:
         self._db.execute("COMMIT")

@@ -19,6 +19,8 @@ log() { echo "setup_deps: $*" >&2; }
 apt_missing=()
 command -v kcat >/dev/null 2>&1 || apt_missing+=(kcat)
 command -v javac >/dev/null 2>&1 || apt_missing+=(openjdk-17-jdk-headless)
+# strace: tests/broker/test_idle_disk.py counts an idle broker's disk flushes
+command -v strace >/dev/null 2>&1 || apt_missing+=(strace)
 # PostgreSQL server binaries (initdb, pg_ctl) for the metadata tests (tests/pgserver.py)
 ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null 2>&1 \
     || apt_missing+=(postgresql)

@@ -167,7 +167,10 @@ class ClusterStore:
                            "AND instance = ? AND state NOT IN (?, ?)",
                            (until, until, node_id, instance, FENCED, TAKEN_OVER))
             return n == 1
-        return self._beat_db.transact(body)
+        # not flushed on SQLite (sqldb ``relax``): a renewal only matters while this host is
+        # up. PostgreSQL keeps its synchronous commit: a server crash there must not take back
+        # a renewal the brokers on other hosts may not have seen (broker/cluster/lease.py)
+        return self._beat_db.transact(body, durable=False)
 
     def set_state(self, node_id: int, instance: str, state: str, expire: bool = False) -> None:
         def body(db: Any) -> Any:
@@ -309,7 +312,7 @@ class ClusterStore:
                 self._bump(db)
                 return node_id, cur_epoch + 1
             return cur_node, cur_epoch
-        return self._tx(body)
+        return self.db.transact(body, durable=False)   # run every beat: as ``heartbeat``
 
     def resign(self, node_id: int, epoch: int) -> None:
         def body(db: Any) -> Any:

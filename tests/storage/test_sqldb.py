@@ -206,3 +206,40 @@ def test_a_call_running_past_the_deadline_is_cut_and_reported_unreachable(postgr
     finally:
         sqldb.outage.clear()
         db.close()
+
+
+def test_a_commit_that_need_not_be_durable_is_seen_at_once_and_not_flushed(
+        metadata_url: str) -> None:
+    """``transact(durable=False)`` (lease renewals): the rows are committed and another
+    connection reads them at once; on SQLite that one commit runs at synchronous=NORMAL (no
+    flush of the disk) and the connection is back at FULL after it, also after a body that
+    failed. PostgreSQL keeps its synchronous commit (cluster/store.py says why)."""
+    db = sqldb.connect(metadata_url)
+    other = sqldb.connect(metadata_url)
+    db.migrate("t", STEPS)
+    sqlite = not db.is_postgres
+    seen: list[tuple] = []
+
+    def body(tx: sqldb.Tx) -> None:
+        tx.execute("INSERT INTO t_items(name) VALUES (?)", ("lease",))
+        if sqlite:
+            seen.extend(tx.query("PRAGMA synchronous"))
+
+    db.transact(body, durable=False)
+    assert other.query("SELECT name FROM t_items") == [("lease",)]
+    if sqlite:
+        assert seen == [(1,)]                               # NORMAL for that commit
+        assert db.query("PRAGMA synchronous") == [(2,)]     # FULL again
+
+        def fails(tx: sqldb.Tx) -> None:
+            tx.execute("INSERT INTO t_items(name) VALUES (?)", ("lost",))
+            raise RuntimeError("boom")
+        with pytest.raises(RuntimeError):
+            db.transact(fails, durable=False)
+        assert db.query("PRAGMA synchronous") == [(2,)]
+        seen.clear()
+        db.transact(body)                                   # the default stays durable
+        assert seen == [(2,)]
+    assert sorted(other.query("SELECT name FROM t_items")) == [("lease",)] * (2 if sqlite else 1)
+    db.close()
+    other.close()
