@@ -42,6 +42,7 @@ def test_short_fault_schedule(broker_factory, s3_endpoint) -> None:
     _assert_clean(out)
 
 
+@pytest.mark.timeout(0)    # ~20 s a round: CHAOS_ROUNDS=20 outlasts the suite's 300 s per test
 @pytest.mark.skipif(not os.environ.get("CHAOS_ROUNDS"),
                     reason="long schedule: make chaos-backpressure (CHAOS_ROUNDS=n)")
 def test_long_fault_schedule(broker_factory, s3_endpoint) -> None:
