@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.ports import free_port  # noqa: F401 - bench modules and tests import it from here
-from broker.thread_names import stat_cpu_split  # noqa: F401 - one /proc stat parser, the broker's
+# one reader of /proc CPU figures, the broker's; thread_cpu: CPU seconds of each thread by id
+from broker.thread_names import stat_cpu_split  # noqa: F401
+from broker.thread_names import tasks_cpu as thread_cpu  # noqa: F401
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -109,17 +111,6 @@ def stat_cpu_s(path: str, default: float | None = None) -> float | None:
     ``default`` when it cannot be read (the process or thread has exited)."""
     split = stat_cpu_split(path)
     return sum(split) if split is not None else default
-
-
-def thread_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of every thread of ``pid``, by native thread id. Here, not
-    in bench.profile: bench.clients needs it and bench.profile imports bench.clients."""
-    out = {}
-    for tid in task_ids(pid):
-        cpu = stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
-        if cpu is not None:
-            out[int(tid)] = cpu
-    return out
 
 
 def groups_ms_per_mib(before: dict[str, float], after: dict[str, float],

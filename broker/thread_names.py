@@ -104,18 +104,31 @@ def stat_cpu_split(path: str) -> tuple[float, float] | None:
         return None
 
 
-def threads_cpu(pid: int | None = None, pools: dict[int, str] | None = None
-                ) -> dict[int, tuple[str, float]]:
-    """(pool, CPU seconds: user + system) of every thread of process ``pid`` (default: this
-    one) from /proc, by thread id; the main thread's pool is MAIN_POOL. ``pools``: the pools
-    of threads already seen, by id (a thread names itself once, as it starts), filled in
-    here; without it every thread's name is read. Empty off Linux or once the process is
-    gone; a thread that exits while it is read is left out."""
+def tasks_cpu(pid: int | None = None) -> dict[int, float]:
+    """CPU seconds (user + system) of every thread of process ``pid`` (default: this one) from
+    /proc, by thread id. Empty off Linux or once the process is gone; a thread that exits
+    while it is read is left out."""
     pid = os.getpid() if pid is None else pid
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return {}
+    out: dict[int, float] = {}
+    for name in tids:
+        split = stat_cpu_split(f"/proc/{pid}/task/{name}/stat")
+        if split is not None:
+            out[int(name)] = split[0] + split[1]
+    return out
+
+
+def threads_cpu(pid: int | None = None, pools: dict[int, str] | None = None
+                ) -> dict[int, tuple[str, float]]:
+    """(pool, CPU seconds: user + system) of every thread of process ``pid`` (default: this
+    one), by thread id (``tasks_cpu``); the main thread's pool is MAIN_POOL. ``pools``: the
+    pools of threads already seen, by id (a thread names itself once, as it starts), filled
+    in here; without it every thread's name is read."""
+    pid = os.getpid() if pid is None else pid
+    cpus = tasks_cpu(pid)
     pools = {} if pools is None else pools
     try:
         with open(f"/proc/{pid}/comm") as f:
@@ -123,22 +136,17 @@ def threads_cpu(pid: int | None = None, pools: dict[int, str] | None = None
     except OSError:
         return {}
     out: dict[int, tuple[str, float]] = {}
-    for name in tids:
-        tid = int(name)
-        split = stat_cpu_split(f"/proc/{pid}/task/{tid}/stat")
-        if split is None:
-            continue
-        cpu = split[0] + split[1]
-        try:
-            pool = pools.get(tid)
-            if pool is None:
+    for tid, cpu in cpus.items():
+        pool = pools.get(tid)
+        if pool is None:
+            try:
                 with open(f"/proc/{pid}/task/{tid}/comm") as f:
                     comm = f.read().strip()
-                pool = MAIN_POOL if tid == pid else pool_of(comm)
-                if tid == pid or comm != unnamed:
-                    pools[tid] = pool          # (a thread read before it named itself: again)
-        except OSError:
-            continue
+            except OSError:
+                continue
+            pool = MAIN_POOL if tid == pid else pool_of(comm)
+            if tid == pid or comm != unnamed:
+                pools[tid] = pool          # (a thread read before it named itself: again)
         out[tid] = (pool, cpu)
     return out
 

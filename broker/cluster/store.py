@@ -101,9 +101,10 @@ class ClusterStore:
         # (SQLite: one writer at a time anyway, and a transaction there cannot be cut short.)
         self._beat_db = sqldb.connect(url) if self.db.is_postgres else self.db
 
-    def _tx(self, body: Any) -> Any:
-        """Run ``body(tx)`` in one transaction (retried on PostgreSQL serialization failures)."""
-        return self.db.transact(body)
+    def _tx(self, body: Any, durable: bool = True) -> Any:
+        """Run ``body(tx)`` in one transaction (retried on PostgreSQL serialization failures);
+        ``durable``: as ``sqldb.Database.transact``."""
+        return self.db.transact(body, durable)
 
     def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
         return self.db.query(sql, args)
@@ -312,7 +313,7 @@ class ClusterStore:
                 self._bump(db)
                 return node_id, cur_epoch + 1
             return cur_node, cur_epoch
-        return self.db.transact(body, durable=False)   # run every beat: as ``heartbeat``
+        return self._tx(body, durable=False)   # run every beat: as ``heartbeat``
 
     def resign(self, node_id: int, epoch: int) -> None:
         def body(db: Any) -> Any:
