@@ -354,7 +354,7 @@ class FileObjectStore(ObjectStore):
 
     def sweep_temp_files(self, min_age_s: float | None = None) -> int:
         """Remove the temp files of puts that died before their rename (a kill -9 mid-put):
-        into the recycle pool when large enough and it has room, else unlinked. Only names
+        into the recycle pool when large enough and it has room, else removed. Only names
         this store's puts make (TEMP_MARK) that no live put holds (its flock) and that
         nothing changed for ``min_age_s`` (default TEMP_SWEEP_AGE_S); returns how many went.
         The engine runs it in the background at start-up (and now and then: Maintenance)."""
@@ -369,7 +369,7 @@ class FileObjectStore(ObjectStore):
         return swept
 
     def _sweep_temp(self, path: str, min_age_s: float) -> bool:
-        """One temp file of sweep_temp_files: recycled or unlinked while holding its lock,
+        """One temp file of sweep_temp_files: recycled or removed while holding its lock,
         by name (a sweeper racing another one finds the name gone)."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -771,8 +771,8 @@ class FileObjectStore(ObjectStore):
             raise ObjectNotFound(key) from e
 
     def delete(self, keys: list[str]) -> None:
-        """Unlink the objects' files, or move them into the recycle pool (see RECYCLE_DIR)
-        while it has room."""
+        """Move the objects' files into the recycle pool (see RECYCLE_DIR) while it has room,
+        else remove them (``_release``: a large one a piece at a time, see TRASH_DIR)."""
         for key in keys:
             path = self._path(key)
             if self.recycle_bytes > 0 and self._recycle(path):
