@@ -153,7 +153,7 @@ class Trash:
                 self._busy = True
             try:
                 remove(path)
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 - the thread must outlive any one file
                 log.warning("could not remove deleted object file %s: %s", path, e)
             finally:
                 with self._cond:

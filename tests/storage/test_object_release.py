@@ -175,3 +175,19 @@ def test_a_restarted_store_removes_what_the_last_run_left_in_the_trash(tmp_path)
     assert s._trash.wait_empty(timeout=30)
     assert os.listdir(d) == []
     assert s.list() == []
+
+
+def test_a_file_the_trash_cannot_remove_is_logged_and_the_rest_still_goes(tmp_path, caplog) -> None:
+    d = tmp_path / "trash"
+    d.mkdir()
+    (d / "a-dir").mkdir()                                # cannot be opened for writing
+    _file(d / "b-file", 2 * MIB)
+    trash = Trash(str(d), quarantine_s=0.0)
+    trash.start()
+    assert trash.wait_empty(timeout=30)
+    assert sorted(os.listdir(d)) == ["a-dir"]
+    assert "could not remove deleted object file" in caplog.text
+    p = _file(tmp_path / "later", 2 * MIB)                # the thread is still there
+    assert trash.put(p)
+    assert trash.wait_empty(timeout=30)
+    assert sorted(os.listdir(d)) == ["a-dir"]
