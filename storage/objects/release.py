@@ -73,8 +73,9 @@ class Trash:
     a time, each no sooner than ``quarantine_s`` after it came (a reader that opened the file
     just before its delete keeps its descriptor for one read; a cut would shorten that read,
     where an unlink leaves the inode whole). Files left by a previous run (a crash before
-    their turn) are removed when the thread starts. The thread stops with the process (a
-    daemon): what it did not reach is removed by the next run."""
+    their turn) are removed once ``resume`` is called. The thread starts with the first file
+    and stops with the process (a daemon): what it did not reach is removed by the next
+    run."""
 
     def __init__(self, directory: str, quarantine_s: float = 0.5,
                  name: str = "s3kafka-trash") -> None:
@@ -98,23 +99,17 @@ class Trash:
         self._add(dest, time.monotonic() + self.quarantine_s)
         return True
 
-    def start(self) -> None:
-        """Queue what a previous run left in the directory and start the thread (once)."""
-        with self._cond:
-            if self._thread is not None:
-                return
-            try:
-                names = sorted(os.listdir(self.directory))
-            except FileNotFoundError:
-                names = []
-            # another process sharing the directory may have put them there just now
-            ready = time.monotonic() + self.quarantine_s
-            queued = {path for _, path in self._queue}
-            self._queue[:0] = [(ready, path) for path in
-                               (os.path.join(self.directory, n) for n in names)
-                               if path not in queued]
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
+    def resume(self) -> None:
+        """Queue what a previous run left in the directory (call once, before any ``put``);
+        they wait the quarantine too: another process sharing the directory may have put
+        them there just now."""
+        try:
+            names = sorted(os.listdir(self.directory))
+        except FileNotFoundError:
+            return
+        ready = time.monotonic() + self.quarantine_s
+        for name in names:
+            self._add(os.path.join(self.directory, name), ready)
 
     def pending(self) -> int:
         """Files not yet removed (queued or being cut)."""
@@ -136,8 +131,10 @@ class Trash:
         with self._cond:
             self._queue.append((ready, path))
             self._cond.notify_all()
-        if self._thread is None:
-            self.start()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name,
+                                                daemon=True)
+                self._thread.start()
 
     def _run(self) -> None:
         while True:

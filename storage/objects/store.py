@@ -209,6 +209,8 @@ RECYCLE_QUARANTINE_S = 0.5
 # file discards all its blocks in one system call, and the WAL's writes on the same disk wait
 # behind it (190-374 ms on the test VM; storage/objects/release.py)
 TRASH_DIR = ".trash"
+# the store's own directories under its root: never a key, never walked for objects
+_HIDDEN_DIRS = (RECYCLE_DIR, TRASH_DIR)
 # Temp files of puts that died mid-way (kill -9 between the temp file's creation and its rename)
 # are swept (FileObjectStore.sweep_temp_files): a put holds an exclusive flock on its temp file
 # from right after creating (or renaming) it until it is published, and the kernel drops the
@@ -282,15 +284,14 @@ class FileObjectStore(ObjectStore):
         # deleted files given back a piece at a time (TRASH_DIR); a previous run's leftovers
         # are removed from the start
         self._trash = Trash(os.path.join(self.root, TRASH_DIR), RECYCLE_QUARANTINE_S)
-        if os.path.isdir(self._trash.directory) and os.listdir(self._trash.directory):
-            self._trash.start()
+        self._trash.resume()
         self._adopt_pool()
         self._rings: list[Buffer] = []          # streamed puts' buffers (PUT_RING_BYTES)
         self._rings_lock = threading.Lock()
 
     def _path(self, key: str) -> str:
         parts = key.split("/")
-        if key.startswith("/") or ".." in parts or parts[0] in (RECYCLE_DIR, TRASH_DIR):
+        if key.startswith("/") or ".." in parts or parts[0] in _HIDDEN_DIRS:
             raise ObjectStoreError(f"bad key {key!r}")
         return os.path.join(self.root, key)
 
@@ -362,7 +363,7 @@ class FileObjectStore(ObjectStore):
         swept = 0
         for dirpath, dirs, files in os.walk(self.root):
             if dirpath == self.root:
-                dirs[:] = [d for d in dirs if d not in (RECYCLE_DIR, TRASH_DIR)]
+                dirs[:] = [d for d in dirs if d not in _HIDDEN_DIRS]
             for name in files:
                 if TEMP_MARK in name:
                     swept += self._sweep_temp(os.path.join(dirpath, name), min_age_s)
@@ -799,7 +800,7 @@ class FileObjectStore(ObjectStore):
         out = []
         for dirpath, dirs, files in os.walk(self.root):
             if dirpath == self.root:              # deleted objects: kept for reuse, or going
-                dirs[:] = [d for d in dirs if d not in (RECYCLE_DIR, TRASH_DIR)]
+                dirs[:] = [d for d in dirs if d not in _HIDDEN_DIRS]
             for name in files:
                 if TEMP_MARK in name:
                     continue

@@ -183,7 +183,7 @@ def test_a_file_the_trash_cannot_remove_is_logged_and_the_rest_still_goes(tmp_pa
     (d / "a-dir").mkdir()                                # cannot be opened for writing
     _file(d / "b-file", 2 * MIB)
     trash = Trash(str(d), quarantine_s=0.0)
-    trash.start()
+    trash.resume()
     assert trash.wait_empty(timeout=30)
     assert sorted(os.listdir(d)) == ["a-dir"]
     assert "could not remove deleted object file" in caplog.text
