@@ -42,7 +42,8 @@ _HELP = {
                           "before reading pauses (default 32MiB)",
     "frame_pretouch": "fault in the memory of the LogCache's produce frames (--log-cache-bytes) "
                       "right after start-up, on a background thread, instead of while the "
-                      "first GiB is produced; the broker's resident memory is then the "
+                      "first GiB is produced (waiting while catch-up reads run at 64 MiB/s "
+                      "or more); the broker's resident memory is then the "
                       "LogCache's size from the start (default true)",
     "shutdown_timeout_s": "seconds SIGTERM waits for in-flight requests (default 30)",
     "retention_check_interval_ms": "log.retention.check.interval.ms (default 300000)",

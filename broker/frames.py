@@ -27,7 +27,10 @@ stall).
 LogCache's worth of arena slabs right after start-up instead of while the first GiB is
 produced (the JVM's AlwaysPreTouch; ~0.35 s of CPU per GiB on this VM). Raw 1 MiB produce
 then costs less broker CPU per MiB, the pre-touch counted, and not only while the cache
-fills (bench/HISTORY.md session 35 touch).
+fills (bench/HISTORY.md session 35 touch). It waits while catch-up reads are served fast
+(``RateWatch``, PRETOUCH_YIELD_RATE): a restarted broker's catch-up readers arrive at the
+same moment, and faulting in 1 GiB beside their cold pass (the zeroing, the page faults)
+took 15-30 % of its MB/s (bench/HISTORY.md session 53).
 
 Which free run a frame takes does not change the socket receive copy's cost (session 37 recv:
 pre-touch on or off, huge-page slabs, a client whose records shift by 16-byte steps: 93-124 us
@@ -82,6 +85,13 @@ ARENA_BYTES = 256 << 20
 # beyond the LogCache's capacity: the requests being received and handled
 ARENA_SLACK = 64 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# the pre-touch (its floor, not the need-driven grows) waits while catch-up reads are served
+# at least this fast (bytes/s over the last RATE_WINDOW_S): a restarted broker's catch-up
+# readers want the same CPU and memory bandwidth, and faulting in 1 GiB is ~0.7 s of CPU
+PRETOUCH_YIELD_RATE = 64 << 20
+RATE_WINDOW_S = 1.0
+# while it waits, it looks again this often (a take that needs memory wakes it at once)
+PRETOUCH_POLL_S = 0.25
 
 
 def _alloc_frame(size: int) -> bytearray:
@@ -198,14 +208,16 @@ class FramePool:
                  "huge-page" if self.huge else "4 KiB-page", self.arena.slab >> 20,
                  self.arena.max_bytes >> 20)
 
-    def pretouch(self, nbytes: int) -> bool:
+    def pretouch(self, nbytes: int, defer: Callable[[], bool] | None = None) -> bool:
         """Fault in arena slabs up to ``nbytes`` now, on the filler thread (SCHED_BATCH, in
         the background: nothing waits for it), instead of while the first ``nbytes`` are
-        produced (the JVM's AlwaysPreTouch). False without an arena (frames are bytearrays)."""
+        produced (the JVM's AlwaysPreTouch). ``defer`` (called on that thread before each
+        slab the floor alone asks for): while it says True, the floor waits (the broker's:
+        catch-up reads running, RateWatch). False without an arena (frames are bytearrays)."""
         arena = self.arena
         if arena is None or nbytes <= 0:
             return False
-        self._filler_of(arena).pretouch(min(nbytes, arena.max_bytes))
+        self._filler_of(arena).pretouch(min(nbytes, arena.max_bytes), defer)
         return True
 
     def _filler_of(self, arena: Any) -> _Filler:
@@ -344,9 +356,13 @@ class _Filler:
         self.floor = 0                   # bytes to map ahead of any request (pretouch)
         self._floor_at = 0.0             # when the floor was set (for the log line)
         self.pretouched = False          # the floor was reached, or the arena's end (tests)
+        self._defer: Callable[[], bool] | None = None   # True: the floor waits (pretouch)
+        self.deferred_s = 0.0            # time the floor waited for it (log, tests)
 
-    def pretouch(self, nbytes: int) -> None:
-        """Grow the arena until ``nbytes`` are mapped (FramePool.pretouch), starting now."""
+    def pretouch(self, nbytes: int, defer: Callable[[], bool] | None = None) -> None:
+        """Grow the arena until ``nbytes`` are mapped (FramePool.pretouch), starting now;
+        the slabs only the floor asks for wait while ``defer()`` is true."""
+        self._defer = defer
         self.floor = nbytes
         self._floor_at = time.monotonic()
         self.wake()
@@ -376,6 +392,9 @@ class _Filler:
             grown = True                 # False: the arena could not grow (its bound, mmap)
             mapped = arena.mapped
             while not self._stopped and (arena.free < ARENA_AHEAD or arena.mapped < floor):
+                if arena.free >= ARENA_AHEAD and self._floor_waits():
+                    floor = self.floor       # a wake (a take, a new floor) ends the wait
+                    continue
                 if not arena.grow(True):
                     grown = False
                     break
@@ -384,6 +403,19 @@ class _Filler:
             if floor and not self.pretouched and not self._stopped \
                     and (arena.mapped >= floor or not grown):
                 self._pretouched(time.thread_time() - cpu)
+
+    def _floor_waits(self) -> bool:
+        """Only the floor wants another slab: while ``defer`` says so (catch-up reads are
+        being served), wait PRETOUCH_POLL_S or until woken (a take short of free memory,
+        which the grow loop then serves, or stop) and say True; else False at once."""
+        defer = self._defer
+        if defer is None or not defer():
+            return False
+        t0 = time.monotonic()
+        if self._wake.wait(PRETOUCH_POLL_S):
+            self._wake.clear()
+        self.deferred_s += time.monotonic() - t0
+        return True
 
     def _grew(self) -> None:
         """The pool's on_grown, here on the filler thread (registering ~1 GiB of new slabs
@@ -401,8 +433,36 @@ class _Filler:
     def _pretouched(self, cpu: float) -> None:
         """Log once that the floor is mapped (or that the arena could not grow to it)."""
         self.pretouched = True
-        log.info("large frames pre-touched: %d MiB of arena slabs in %.2f s (%.2f s of CPU)",
-                 self.arena.mapped >> 20, time.monotonic() - self._floor_at, cpu)
+        log.info("large frames pre-touched: %d MiB of arena slabs in %.2f s (%.2f s of CPU, "
+                 "%.2f s waiting for catch-up reads)", self.arena.mapped >> 20,
+                 time.monotonic() - self._floor_at, cpu, self.deferred_s)
+
+
+class RateWatch:
+    """A callable saying whether a growing counter (bytes served) rose at ``rate`` per second
+    or more over about the last ``window_s``: the pre-touch's ``defer`` with the engine's
+    catch-up bytes (ColdReadPacer.bytes). Made on the counter's thread, then called from one
+    thread (the filler's); it keeps the samples of the window plus the one before (the first
+    taken when it is made, so its first call already has a span), and says False while they
+    span less than MIN_SPAN_S."""
+
+    MIN_SPAN_S = 0.05
+
+    def __init__(self, count: Callable[[], int], rate: float, window_s: float = RATE_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._count, self.rate, self.window_s, self._clock = count, rate, window_s, clock
+        self._samples: collections.deque[tuple[float, int]] = collections.deque(
+            [(clock(), count())])
+
+    def __call__(self) -> bool:
+        now, n = self._clock(), self._count()
+        samples = self._samples
+        samples.append((now, n))
+        while len(samples) > 2 and now - samples[1][0] >= self.window_s:
+            samples.popleft()
+        t0, n0 = samples[0]
+        span = now - t0
+        return span >= self.MIN_SPAN_S and n - n0 >= self.rate * span
 
 
 class _Prefill:

@@ -41,7 +41,7 @@ from storage.waits import wait_event
 
 from .config import BrokerConfig
 from .failures import failure_answer, log_failure
-from .frames import NEED_MORE, FramePool, produce_records_at
+from .frames import NEED_MORE, PRETOUCH_YIELD_RATE, FramePool, RateWatch, produce_records_at
 from .gc_tuning import FULL_PASS_S, SurvivorFreezer
 from .loop_watch import LoopWatch
 from .handlers import HANDLERS
@@ -866,7 +866,7 @@ class Broker:
             from storage.copycrc import warn_if_missing  # noqa: PLC0415
             warn_if_missing()
         if cfg.frame_pretouch:          # after the listeners are up: it delays nothing
-            self.frame_pool.pretouch(frames_for)
+            self.frame_pool.pretouch(frames_for, self._catchup_reads_running())
         if self.startup is not None:
             self.startup.started = True
         if engine and self.startup is not None and self.startup.store_error:
@@ -878,6 +878,16 @@ class Broker:
     def port(self) -> int:
         assert self._server is not None
         return int(self._server.sockets[0].getsockname()[1])
+
+    def _catchup_reads_running(self) -> RateWatch | None:
+        """The frame pre-touch's ``defer``: True while the engine serves catch-up reads (its
+        ColdReadPacer's bytes) at PRETOUCH_YIELD_RATE or more. A restarted broker's catch-up
+        readers then get the CPU and memory bandwidth; the pre-touch goes on after them (it
+        cost them 15-30 % of their MB/s, bench/HISTORY.md session 53). None: no engine."""
+        pacer = getattr(self.store, "cold_pacer", None)
+        if pacer is None:
+            return None
+        return RateWatch(lambda: pacer.bytes, PRETOUCH_YIELD_RATE)
 
     def _open_store(self) -> Any:
         if self.config.storage == "engine":

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 
 import broker.frames as frames
-from broker.frames import ARENA_AHEAD, REGISTERED_SLAB, FramePool, _Filler
+from broker.frames import (ARENA_AHEAD, PRETOUCH_YIELD_RATE, REGISTERED_SLAB, FramePool,
+                           RateWatch, _Filler)
+from broker.server import Broker
 from storage.wal.aio import AioUnavailable, UringContext
 
 from cluster.kit import wait_for
@@ -181,6 +184,120 @@ def test_a_floor_beyond_the_arena_s_bound_is_reported_once_at_the_bound(monkeypa
     assert after == [(True, 2 * REGISTERED_SLAB)] * 3
     lines = [r.getMessage() for r in caplog.records if LINE in r.getMessage()]
     assert len(lines) == 1 and f": {2 * REGISTERED_SLAB >> 20} MiB" in lines[0], lines
+
+
+# ---- the floor waits while catch-up reads run (defer) -------------------------------------
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_rate_watch_says_whether_the_counter_rose_at_the_rate_over_the_window():
+    clock, served = _Clock(), [0]
+    watch = RateWatch(lambda: served[0], rate=100, window_s=1.0, clock=clock)
+    clock.t += 0.5
+    assert not watch()                              # nothing served since it was made
+    served[0] += 60
+    clock.t += 0.5                                  # 60 over the 1 s since it was made
+    assert not watch()
+    served[0] += 200
+    clock.t += 0.25                                 # 260 over the last 1.25 s
+    assert watch()
+    clock.t += 0.5                                  # the 200 are still within the window
+    assert watch()
+    clock.t += 1.0                                  # the window has moved past them
+    assert not watch()
+    clock.t += 1.0
+    assert not watch()
+
+
+def test_rate_watch_says_true_from_its_first_call_when_reads_ran_since_it_was_made():
+    clock, served = _Clock(), [7 << 30]             # a counter that was already high
+    watch = RateWatch(lambda: served[0], rate=100, clock=clock)
+    served[0] += 50
+    clock.t += 0.1                                  # 500/s since it was made
+    assert watch()
+    watch2 = RateWatch(lambda: served[0], rate=100, clock=clock)
+    served[0] += 50
+    assert not watch2()                             # no time has passed: no rate yet
+
+
+def _deferring_run(filler: _Filler, defer, passes: int, monkeypatch) -> list[tuple[bool, int]]:
+    filler._defer = defer
+    return _run(filler, passes, monkeypatch)
+
+
+def test_the_floor_waits_while_defer_says_so_then_is_reached(monkeypatch, caplog):
+    """While ``defer`` is true the filler grows nothing for the floor (each look waits on the
+    wake event, PRETOUCH_POLL_S at most); once it turns false the floor is mapped and the
+    pre-touched line says how long it waited."""
+    arena = _Arena(max_bytes=8 * REGISTERED_SLAB)
+    filler = _Filler(arena)
+    filler.floor = 3 * REGISTERED_SLAB
+    seen: list[int] = []
+
+    def defer() -> bool:
+        seen.append(arena.mapped)
+        return len(seen) <= 4                       # catch-up reads for four looks
+
+    with caplog.at_level(logging.INFO, logger="broker.frames"):
+        after = _deferring_run(filler, defer, 8, monkeypatch)
+    assert seen[:4] == [0, 0, 0, 0]                 # nothing grown while it said so
+    assert arena.mapped == 3 * REGISTERED_SLAB and filler.pretouched
+    assert after[:4] == [(False, 0)] * 4            # the waits were on the wake event
+    lines = [r.getMessage() for r in caplog.records if LINE in r.getMessage()]
+    assert len(lines) == 1 and "waiting for catch-up reads" in lines[0], lines
+
+
+def test_a_frame_needed_while_the_floor_waits_is_still_grown(monkeypatch):
+    """Defer holds back only the slabs the floor alone asks for: when a take leaves less than
+    ARENA_AHEAD free, the filler grows a slab without asking."""
+    arena = _Arena(max_bytes=8 * REGISTERED_SLAB)
+    filler = _Filler(arena)
+    filler.floor = 4 * REGISTERED_SLAB
+    looks: list[int] = []
+
+    def defer() -> bool:
+        looks.append(arena.mapped)
+        if len(looks) == 2:
+            arena.free = 0                          # a take used what was free
+        return True                                 # catch-up reads all along
+
+    _deferring_run(filler, defer, 6, monkeypatch)
+    assert arena.mapped == REGISTERED_SLAB          # the need's slab, not the floor's
+    assert looks[:2] == [0, 0] and set(looks[2:]) == {REGISTERED_SLAB}
+    assert not filler.pretouched
+
+
+def test_without_defer_the_floor_does_not_wait(monkeypatch):
+    arena = _Arena(max_bytes=8 * REGISTERED_SLAB)
+    filler = _Filler(arena)
+    filler.floor = 2 * REGISTERED_SLAB
+    after = _run(filler, 1, monkeypatch)
+    assert after == [(True, 2 * REGISTERED_SLAB)] and filler.deferred_s == 0
+
+
+def test_the_broker_s_defer_watches_its_engine_s_catch_up_bytes():
+    """Broker._catchup_reads_running: a RateWatch over the engine's ColdReadPacer.bytes at
+    PRETOUCH_YIELD_RATE (none without an engine)."""
+    class Pacer:
+        bytes = 0
+
+    class Store:
+        cold_pacer = Pacer()
+
+    b = Broker.__new__(Broker)                      # only what the method uses
+    b.store = Store()
+    watch = b._catchup_reads_running()
+    assert isinstance(watch, RateWatch) and watch.rate == PRETOUCH_YIELD_RATE
+    Store.cold_pacer.bytes = 5 << 40                # far above the rate, whatever time passed
+    time.sleep(2 * RateWatch.MIN_SPAN_S)            # ...once there is a span to measure
+    assert watch()
+    b.store = object()                              # --storage memory: no pacer
+    assert b._catchup_reads_running() is None
 
 
 # ---- a broker -------------------------------------------------------------------------------
